@@ -1,0 +1,1 @@
+"""The structured-generation DSL (imported as ``radixserve.frontend``)."""

@@ -1,0 +1,15 @@
+"""Triton backend: the five functions of ``radixserve.kernels.reference`` with the same signatures.
+
+The engine picks ``ops`` on CUDA and ``reference`` elsewhere. Expected index tensors, all on q's
+device: ``page_table`` int32 ``[B, max_pages]``, ``seq_lens`` int32 ``[B]``, ``cu_q_lens`` int32
+``[B + 1]``, ``slot_mapping`` int64 ``[T]``; ``pages`` of ``gather_pages``/``scatter_pages`` any integer
+dtype. Other integer dtypes also work: every index is widened to int64 inside the kernels.
+"""
+
+from __future__ import annotations
+
+from .decode_attention import decode_attention
+from .extend_attention import extend_attention
+from .kv_ops import gather_pages, scatter_pages, store_kv
+
+__all__ = ["decode_attention", "extend_attention", "gather_pages", "scatter_pages", "store_kv"]

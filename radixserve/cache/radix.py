@@ -1,0 +1,367 @@
+"""A radix tree that maps page-aligned token prefixes to KV page indices.
+
+The cache knows nothing of requests or models. Each namespace (a request's ``cache_salt``, later an
+adapter id) has its own root, so two namespaces never share a page. Invariants, all checked by
+``check_integrity``:
+
+- every non-root node holds ``len(key) // page_size`` pages, ``len(key)`` is a positive multiple of
+  ``page_size``, and its parent's ``children`` maps the first page of its key to it;
+- a node's ``lock_ref`` counts the locks taken on it or on a descendant, so
+  ``lock_ref >= sum(child.lock_ref)``: a locked node's ancestors are all locked;
+- roots hold no tokens, keep ``lock_ref == 1`` and are never evicted;
+- ``evictable_pages`` sums the pages of unlocked nodes and ``protected_pages`` those of locked ones; both
+  change only when a lock count crosses 0 <-> 1, or when pages enter or leave the tree;
+- no page appears twice in the tree. The tree owns its pages: it hands them back only through
+  ``on_free`` when they are evicted or reset.
+
+Only unlocked leaves are evicted, so whatever a locked node's path covers stays matchable.
+``last_access`` is a counter, not wall time, so eviction order is deterministic.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import NamedTuple
+
+_EVICTION_POLICIES = ("lru", "lfu", "priority")
+
+
+class TreeNode:
+    """One edge of the tree: a page-aligned run of tokens and the pages that hold their KV."""
+
+    __slots__ = (
+        "key", "pages", "parent", "children", "lock_ref", "last_access",
+        "hit_count", "priority", "namespace", "is_root",
+    )
+
+    def __init__(
+        self,
+        key: tuple[int, ...],
+        pages: list[int],
+        parent: TreeNode | None,
+        namespace: Hashable,
+        *,
+        is_root: bool = False,
+    ) -> None:
+        self.key = key
+        self.pages = pages
+        self.parent = parent
+        self.children: dict[Hashable, TreeNode] = {}
+        self.lock_ref = 1 if is_root else 0
+        self.last_access = 0
+        self.hit_count = 0
+        self.priority = 0
+        self.namespace = namespace
+        self.is_root = is_root
+
+    def __repr__(self) -> str:
+        return f"TreeNode(key={self.key}, pages={self.pages}, lock_ref={self.lock_ref})"
+
+
+class MatchResult(NamedTuple):
+    node: TreeNode  # deepest node of the match (a root if none); lock it to keep ``pages`` valid
+    pages: list[int]  # pages covering the first ``num_tokens`` tokens
+    num_tokens: int  # == len(pages) * page_size
+
+
+class InsertResult(NamedTuple):
+    num_existing: int  # tokens of the inserted prefix already cached (page-aligned)
+    node: TreeNode  # node that ends the inserted key
+
+
+class RadixCache:
+    """Prefix cache over KV pages. ``on_free`` receives pages the tree lets go of (usually ``allocator.free``)."""
+
+    def __init__(
+        self,
+        page_size: int,
+        eviction_policy: str = "lru",
+        on_free: Callable[[list[int]], None] | None = None,
+    ) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if eviction_policy not in _EVICTION_POLICIES:
+            raise ValueError(f"eviction_policy must be one of {_EVICTION_POLICIES}, got {eviction_policy!r}")
+        self.page_size = page_size
+        self.eviction_policy = eviction_policy
+        self.on_free = on_free
+        self._clock = 0
+        self._evictable = 0
+        self._protected = 0
+        self._roots: dict[Hashable, TreeNode] = {}
+
+    # ---- sizes ----
+
+    @property
+    def evictable_pages(self) -> int:
+        return self._evictable
+
+    @property
+    def protected_pages(self) -> int:
+        return self._protected
+
+    @property
+    def total_pages(self) -> int:
+        return self._evictable + self._protected
+
+    # ---- lookup and insertion ----
+
+    def match_prefix(self, tokens: Sequence[int], namespace: Hashable = None) -> MatchResult:
+        """Longest cached page-aligned prefix of ``tokens``; splits the node where the match ends mid-key."""
+        node, num_tokens = self._walk(tokens, namespace)
+        runs: list[list[int]] = []
+        time = self._tick()
+        path = node
+        while not path.is_root:
+            path.last_access = time
+            path.hit_count += 1
+            runs.append(path.pages)
+            path = self._parent(path)
+        pages = [p for run in reversed(runs) for p in run]
+        return MatchResult(node, pages, num_tokens)
+
+    def insert(
+        self, tokens: Sequence[int], pages: Sequence[int], namespace: Hashable = None, priority: int = 0
+    ) -> InsertResult:
+        """Cache ``tokens`` (truncated to whole pages) with their ``pages``.
+
+        The tree takes ownership only of the pages past ``num_existing``; the caller frees its pages in
+        ``pages[:num_existing // page_size]`` that are not the tree's. Nodes on the path keep the highest
+        priority any insert gave them.
+        """
+        ps = self.page_size
+        num_pages = len(tokens) // ps
+        if len(pages) != num_pages:
+            raise ValueError(f"{len(tokens)} tokens fill {num_pages} pages of {ps}, got {len(pages)} pages")
+        node, num_existing = self._walk(tokens, namespace)
+        time = self._tick()
+        if num_existing < num_pages * ps:
+            leaf = TreeNode(
+                tuple(tokens[num_existing : num_pages * ps]),
+                [int(p) for p in pages[num_existing // ps :]],
+                node,
+                namespace,
+            )
+            node.children[self._child_key(leaf.key)] = leaf
+            self._evictable += len(leaf.pages)
+            node = leaf
+        path = node
+        while not path.is_root:
+            path.last_access = time
+            path.priority = max(path.priority, priority)
+            path = self._parent(path)
+        return InsertResult(num_existing, node)
+
+    # ---- locking ----
+
+    def lock(self, node: TreeNode) -> None:
+        """Protect ``node`` and its ancestors from eviction. Locks nest."""
+        self._check_attached(node)
+        while not node.is_root:
+            if node.lock_ref == 0:
+                self._evictable -= len(node.pages)
+                self._protected += len(node.pages)
+            node.lock_ref += 1
+            node = self._parent(node)
+
+    def unlock(self, node: TreeNode) -> None:
+        """Undo one ``lock(node)``."""
+        self._check_attached(node)
+        if not node.is_root and node.lock_ref <= 0:
+            raise RuntimeError(f"unlock of an unlocked node {node!r}")
+        while not node.is_root:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._protected -= len(node.pages)
+                self._evictable += len(node.pages)
+            node = self._parent(node)
+
+    # ---- eviction ----
+
+    def evict(self, num_pages: int) -> int:
+        """Free up to ``num_pages`` pages from unlocked leaves, least valuable first; returns pages freed.
+
+        A leaf larger than what is still needed loses only its last pages, so this frees exactly
+        ``min(num_pages, evictable_pages)``.
+        """
+        heap = [(self._eviction_key(n), id(n), n) for n in self._nodes() if self._is_evictable_leaf(n)]
+        heapq.heapify(heap)
+        freed: list[int] = []
+        while heap and len(freed) < num_pages:
+            _, _, leaf = heapq.heappop(heap)
+            need = num_pages - len(freed)
+            if len(leaf.pages) > need:
+                freed += leaf.pages[-need:]
+                del leaf.pages[-need:]
+                leaf.key = leaf.key[: len(leaf.pages) * self.page_size]
+                break
+            freed += leaf.pages
+            parent = self._parent(leaf)
+            del parent.children[self._child_key(leaf.key)]
+            leaf.parent = None
+            leaf.pages = []
+            if self._is_evictable_leaf(parent):
+                heapq.heappush(heap, (self._eviction_key(parent), id(parent), parent))
+            elif parent.is_root and not parent.children and parent.namespace is not None:
+                del self._roots[parent.namespace]  # salts come and go; don't keep their empty roots
+        self._evictable -= len(freed)
+        if freed and self.on_free is not None:
+            self.on_free(freed)
+        return len(freed)
+
+    def reset(self) -> None:
+        """Drop the whole tree (for /flush_cache). Raises if any node is locked."""
+        if self._protected:
+            raise RuntimeError(f"cannot reset the radix cache: {self._protected} pages are locked")
+        pages = self.all_pages()
+        self._roots.clear()
+        self._evictable = 0
+        if pages and self.on_free is not None:
+            self.on_free(pages)
+
+    def all_pages(self) -> list[int]:
+        return [p for node in self._nodes() for p in node.pages]
+
+    # ---- checks ----
+
+    def check_integrity(
+        self,
+        free_pages: Sequence[int] | None = None,
+        request_pages: Sequence[int] = (),
+        total_pages: int | None = None,
+    ) -> None:
+        """Raise AssertionError on any broken invariant (see the module docstring).
+
+        With ``free_pages`` and/or ``total_pages``, also check that every page lies exactly once in the free
+        list, the tree or ``request_pages``, and that together they are ``range(total_pages)``.
+        """
+        ps = self.page_size
+        evictable = protected = 0
+        for ns, root in self._roots.items():
+            assert root.is_root and root.parent is None, f"root of namespace {ns!r} is not a root"
+            assert root.namespace == ns, f"root of namespace {ns!r} says namespace {root.namespace!r}"
+            assert root.lock_ref == 1, f"root of namespace {ns!r} has lock_ref {root.lock_ref}, want 1"
+            assert not root.key and not root.pages, f"root of namespace {ns!r} holds tokens"
+        for node in self._nodes():
+            for key, child in node.children.items():
+                assert child.parent is node, f"{child!r} does not point back to its parent {node!r}"
+                assert key == self._child_key(child.key), f"{child!r} is filed under key {key!r}"
+            if node.is_root:
+                continue
+            assert node.key and len(node.key) % ps == 0, f"{node!r}: key length not a positive multiple of {ps}"
+            assert len(node.pages) == len(node.key) // ps, f"{node!r}: {len(node.pages)} pages for its key"
+            assert node.namespace == self._parent(node).namespace, f"{node!r} is in another namespace than its parent"
+            child_locks = sum(c.lock_ref for c in node.children.values())
+            assert node.lock_ref >= child_locks, f"{node!r}: lock_ref below its children's sum {child_locks}"
+            if node.lock_ref:
+                protected += len(node.pages)
+            else:
+                evictable += len(node.pages)
+        assert evictable == self._evictable, f"evictable_pages is {self._evictable}, the tree holds {evictable}"
+        assert protected == self._protected, f"protected_pages is {self._protected}, the tree holds {protected}"
+        tree = self.all_pages()
+        assert len(set(tree)) == len(tree), f"pages held twice in the tree: {_duplicates(tree)}"
+        if free_pages is None and total_pages is None:
+            return
+        everywhere = [*tree, *(free_pages or ()), *request_pages]
+        dup = _duplicates(everywhere)
+        assert not dup, f"pages in more than one place (tree/free/requests): {dup}"
+        if total_pages is not None:
+            missing = set(range(total_pages)) - set(everywhere)
+            assert not missing, f"pages leaked (in neither tree, free list nor requests): {sorted(missing)}"
+            extra = set(everywhere) - set(range(total_pages))
+            assert not extra, f"pages outside range({total_pages}): {sorted(extra)}"
+
+    # ---- internals ----
+
+    def _walk(self, tokens: Sequence[int], namespace: Hashable) -> tuple[TreeNode, int]:
+        """Deepest node matching ``tokens`` and the matched token count, splitting a node matched in part."""
+        ps = self.page_size
+        end = len(tokens) // ps * ps
+        node = self._root(namespace)
+        i = 0
+        while i < end:
+            child = node.children.get(self._child_key(tokens[i : i + ps]))
+            if child is None:
+                break
+            n = _common_prefix(child.key, tokens, i, end) // ps * ps
+            i += n
+            if n < len(child.key):
+                node = self._split(child, n)
+                break
+            node = child
+        return node, i
+
+    def _split(self, node: TreeNode, n: int) -> TreeNode:
+        """Cut ``node`` after ``n`` tokens; the new upper node is returned, ``node`` keeps the tail.
+
+        ``node`` stays the object callers hold, so their locks still cover the same tokens; the upper node
+        inherits its lock count, which leaves the sizes unchanged.
+        """
+        parent = self._parent(node)
+        upper = TreeNode(node.key[:n], node.pages[: n // self.page_size], parent, node.namespace)
+        upper.lock_ref = 0
+        upper.last_access = node.last_access
+        upper.hit_count = node.hit_count
+        upper.priority = node.priority
+        parent.children[self._child_key(upper.key)] = upper
+        node.key = node.key[n:]
+        node.pages = node.pages[n // self.page_size :]
+        node.parent = upper
+        upper.children[self._child_key(node.key)] = node
+        return upper
+
+    def _root(self, namespace: Hashable) -> TreeNode:
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = TreeNode((), [], None, namespace, is_root=True)
+        return root
+
+    def _nodes(self) -> Iterator[TreeNode]:
+        stack = list(self._roots.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def _child_key(self, tokens: Sequence[int]) -> Hashable:
+        return tokens[0] if self.page_size == 1 else tuple(tokens[: self.page_size])
+
+    def _eviction_key(self, node: TreeNode) -> tuple[int, int]:
+        if self.eviction_policy == "lfu":
+            return node.hit_count, node.last_access
+        if self.eviction_policy == "priority":
+            return node.priority, node.last_access
+        return node.last_access, 0
+
+    @staticmethod
+    def _is_evictable_leaf(node: TreeNode) -> bool:
+        return not node.is_root and not node.children and node.lock_ref == 0
+
+    @staticmethod
+    def _parent(node: TreeNode) -> TreeNode:
+        assert node.parent is not None, f"{node!r} is detached from the tree"
+        return node.parent
+
+    @staticmethod
+    def _check_attached(node: TreeNode) -> None:
+        if not node.is_root and node.parent is None:
+            raise RuntimeError(f"{node!r} was evicted; lock the node of a fresh match_prefix")
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+
+def _common_prefix(key: tuple[int, ...], tokens: Sequence[int], start: int, end: int) -> int:
+    n = min(len(key), end - start)
+    for i in range(n):
+        if key[i] != tokens[start + i]:
+            return i
+    return n
+
+
+def _duplicates(pages: Sequence[int]) -> list[int]:
+    return sorted(p for p, n in Counter(pages).items() if n > 1)

@@ -1,0 +1,59 @@
+"""EngineConfig: every knob of the engine, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from radixserve.engine.policy import POLICIES
+from radixserve.model.attention import BACKENDS
+
+EVICTION_POLICIES = ("lru", "lfu", "priority")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # a local HF folder; None serves the embedded default (SmolLM2-135M-Instruct)
+    device: str = "auto"  # "auto": cuda when available, else cpu
+    dtype: str = "auto"  # "auto": float32 on CPU (no bf16 instructions here), bfloat16 on CUDA
+    page_size: int = 16
+    kv_cache_gb: float = 1.0
+    num_pages: int | None = None  # overrides kv_cache_gb (tests use tiny pools)
+    max_running_requests: int = 64
+    max_batched_tokens: int = 2048  # per-step token budget; longer prefills are chunked
+    max_model_len: int | None = None  # default: the model's context length
+    max_waiting_requests: int = 1024
+    prefix_cache: bool = True
+    schedule_policy: str = "lpm"
+    eviction_policy: str = "lru"
+    attention_backend: str = "auto"
+    aging_s: float = 30.0  # waiting this long is worth one priority level
+    debug_checks: bool = False  # check every cache invariant whenever the engine goes idle
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.page_size <= 64:
+            raise ValueError(f"page_size must be in [1, 64], got {self.page_size}")
+        if self.kv_cache_gb <= 0:
+            raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
+        if self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.max_batched_tokens < 1:
+            raise ValueError(f"max_batched_tokens must be >= 1, got {self.max_batched_tokens}")
+        if self.schedule_policy not in POLICIES:
+            raise ValueError(f"schedule_policy must be one of {POLICIES}, got {self.schedule_policy!r}")
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(f"eviction_policy must be one of {EVICTION_POLICIES}, got {self.eviction_policy!r}")
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(kwargs) - known
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+        return cls(**kwargs)

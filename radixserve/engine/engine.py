@@ -1,0 +1,306 @@
+"""Engine: the offline API and the step loop (schedule -> run -> sample -> postprocess).
+
+``add_request`` and ``abort`` may be called from any thread: they go through an inbox that ``step``
+drains, so the scheduler, the cache and the model are touched only by the thread that steps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from radixserve.cache.page_pool import KVPool
+from radixserve.config import EngineConfig
+from radixserve.engine.kv_manager import KVCacheManager
+from radixserve.engine.output import OutputAssembler, StepOutput
+from radixserve.engine.policy import PRIORITY_NAMES
+from radixserve.engine.request import Request, Status
+from radixserve.engine.scheduler import ScheduledBatch, Scheduler
+from radixserve.model.attention import select_backend
+from radixserve.model.loader import load_model, load_tokenizer, resolve_model_path
+from radixserve.model.runner import ModelRunner, SeqChunk
+from radixserve.outputs import RequestOutput, TokenLogprob
+from radixserve.sampling.detokenizer import TextStream
+from radixserve.sampling.params import SamplingParams
+from radixserve.sampling.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
+
+Prompt = str | list[int]
+
+
+@dataclass
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    num_pages: int
+    free_pages: int
+    cached_pages: int
+    in_use_pages: int
+    evictable_pages: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    evicted_pages: int
+    num_preemptions: int
+    num_steps: int
+    prompt_tokens: int
+    generation_tokens: int
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+
+class Engine:
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        self.config = cfg = EngineConfig.from_kwargs(model=model, **options)
+        self.device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
+                                   ("cpu" if cfg.device == "auto" else cfg.device))  # fmt: skip
+        dtype_name = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
+        self.dtype = getattr(torch, dtype_name)
+        path = resolve_model_path(model)
+        self.model_path = path
+        self.model = load_model(path, self.dtype, self.device)
+        self.tokenizer = load_tokenizer(path)
+        mcfg = self.model.config
+        self.max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+        eos = set(mcfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = sorted(eos)
+        page_bytes = KVPool.bytes_per_page(mcfg.num_layers, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim, self.dtype)
+        num_pages = cfg.num_pages or max(1, int(cfg.kv_cache_gb * 2**30) // page_bytes)
+        self.kv_pool = KVPool(mcfg.num_layers, num_pages, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim, self.dtype, self.device)
+        self.kv = KVCacheManager(num_pages, cfg.page_size, cfg.prefix_cache, cfg.eviction_policy)
+        self.scheduler = Scheduler(self.kv, cfg.max_running_requests, cfg.max_batched_tokens, cfg.schedule_policy, cfg.aging_s)
+        self.runner = ModelRunner(self.model, self.kv_pool, select_backend(cfg.attention_backend, self.device), self.device)
+        self.sampler = Sampler()
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._groups: dict[str, list[Request]] = {}
+        self._ids = itertools.count()
+        self.num_steps = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+
+    # -- public API -------------------------------------------------------------------------------
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        return list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        priority: int | str = 0,
+    ) -> str:
+        """Validate and queue one prompt (n samples). Raises ValueError on bad input; thread-safe."""
+        params = params or SamplingParams()
+        params.validate(self.model.config.vocab_size)
+        token_ids = self.tokenize(prompt)
+        self._check_prompt(token_ids, params)
+        if isinstance(priority, str):
+            if priority not in PRIORITY_NAMES:
+                raise ValueError(f"priority must be an integer or one of {sorted(PRIORITY_NAMES)}, got {priority!r}")
+            priority = PRIORITY_NAMES[priority]
+        group_id = request_id or uuid.uuid4().hex
+        now = time.monotonic()
+        reqs = [self._new_request(group_id, i, token_ids, params, priority, cache_salt, now) for i in range(params.n)]
+        self._inbox.put(("add", reqs))
+        return group_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (all its samples) and free its pages at the next step; thread-safe."""
+        self._inbox.put(("abort", request_id))
+
+    def has_unfinished(self) -> bool:
+        return bool(self._groups) or not self._inbox.empty()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompt_list: list[Prompt] = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"got {len(params_list)} sampling params for {len(prompt_list)} prompts")
+        assemblers: dict[str, OutputAssembler] = {}
+        for p, sp in zip(prompt_list, params_list):
+            rid = self.add_request(p, sp, cache_salt=cache_salt)
+            text = p if isinstance(p, str) else None
+            assemblers[rid] = OutputAssembler(rid, text, self.tokenize(p), sp.n, time.monotonic())
+        while not all(a.finished for a in assemblers.values()):
+            for out in self.step():
+                if out.group_id in assemblers:
+                    assemblers[out.group_id].add(out)
+        return [a.result for a in assemblers.values()]
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | None = None,
+    ) -> Any:
+        """Apply the chat template and generate: one RequestOutput, or a list for a list of conversations."""
+        if messages and isinstance(messages[0], dict):
+            return self.generate([self.apply_chat_template(messages)], sampling_params)[0]  # type: ignore[arg-type]
+        return self.generate([self.apply_chat_template(m) for m in messages], sampling_params)  # type: ignore[arg-type]
+
+    def stats(self) -> EngineStats:
+        kv = self.kv
+        return EngineStats(
+            len(self.scheduler.waiting), len(self.scheduler.running), kv.num_pages, kv.num_free, kv.num_cached,
+            kv.num_in_use, kv.num_evictable, kv.query_tokens, kv.hit_tokens, kv.evicted_pages,
+            self.scheduler.num_preemptions, self.num_steps, self.prompt_tokens, self.generation_tokens,
+        )  # fmt: skip
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity(self.scheduler.running)
+
+    def flush_cache(self) -> bool:
+        return self.kv.flush()
+
+    # -- the step loop ----------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        """One engine iteration: admit and abort, schedule, one forward, sample, postprocess."""
+        outputs = self._drain_inbox()
+        batch = self.scheduler.schedule()
+        if not batch:
+            if self.config.debug_checks and not self.scheduler.has_work():
+                self.check_integrity()
+            return outputs
+        self.num_steps += 1
+        chunks = [
+            SeqChunk(r.token_ids, r.num_computed_tokens, n, r.page_table, self._wants_prompt_logprobs(r))
+            for r, n in zip(batch.requests, batch.num_new_tokens)
+        ]
+        result = self.runner.run(chunks)
+        outputs += self._postprocess(batch, result.logits, result.all_logits)
+        return outputs
+
+    def _postprocess(
+        self, batch: ScheduledBatch, logits: torch.Tensor, all_logits: dict[int, torch.Tensor]
+    ) -> list[StepOutput]:
+        rows = [i for i, (r, n) in enumerate(zip(batch.requests, batch.num_new_tokens))
+                if r.num_computed_tokens + n == r.num_tokens]  # fmt: skip
+        for i, logits_i in all_logits.items():
+            self._add_prompt_logprobs(batch.requests[i], batch.num_new_tokens[i], logits_i)
+        for r, n in zip(batch.requests, batch.num_new_tokens):
+            r.num_computed_tokens += n
+            self.prompt_tokens += n if r.num_computed_tokens <= r.num_prompt_tokens else 0
+            if n > 1:  # a finished prefill chunk is shared at once with requests that arrive meanwhile
+                self.kv.cache_computed(r)
+        if not rows:
+            return []
+        reqs = [batch.requests[i] for i in rows]
+        sb = SamplingBatch.build(
+            [r.params for r in reqs], [r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs],
+            [r.generator for r in reqs], self.device,
+        )  # fmt: skip
+        sampled = self.sampler(logits[rows], sb)
+        token_lps = sampled.token_logprobs([r.params.logprobs for r in reqs])
+        now = time.monotonic()
+        outputs = []
+        for r, token, lp in zip(reqs, sampled.tokens.tolist(), token_lps):
+            r.token_ids.append(token)
+            self.generation_tokens += 1
+            if r.first_token_time is None:
+                r.first_token_time = now
+            text, finish, stop = r.stream.append(token)
+            first = r.num_output_tokens == 1
+            outputs.append(StepOutput(
+                r.group_id, r.index, [token], text, None if lp is None else [lp], finish, stop,
+                r.num_cached_tokens, now, r.prompt_logprobs if first else None,
+            ))  # fmt: skip
+            if finish is not None:
+                self._finish(r, finish)
+        return outputs
+
+    # -- helpers ------------------------------------------------------------------------------------
+    def _new_request(
+        self, group_id: str, index: int, token_ids: list[int], params: SamplingParams, priority: int,
+        cache_salt: str | None, now: float,
+    ) -> Request:  # fmt: skip
+        gen = None
+        if params.seed is not None and not params.greedy:
+            gen = torch.Generator(self.device).manual_seed(params.seed + index)
+        req = Request(f"{group_id}#{index}", group_id, index, list(token_ids), len(token_ids), params,
+                      priority, cache_salt, now, generator=gen)  # fmt: skip
+        req.stream = TextStream(self.tokenizer, params, token_ids, self.eos_token_ids)
+        return req
+
+    def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        total = len(token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
+                f"exceeds the maximum context length of {self.max_model_len} tokens"
+            )
+        pages = -(-total // self.config.page_size)
+        if pages > self.kv.num_pages:
+            raise ValueError(f"the request needs {pages} KV pages but the pool has only {self.kv.num_pages}")
+
+    def _drain_inbox(self) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
+        while not self._inbox.empty():
+            kind, item = self._inbox.get()
+            if kind == "add":
+                self._groups[item[0].group_id] = item
+                for req in item:
+                    self.scheduler.add(req)
+            elif item in self._groups:
+                now = time.monotonic()
+                for req in self._groups[item]:
+                    if req.status != Status.FINISHED:
+                        outputs.append(StepOutput(req.group_id, req.index, [], "", None, "abort", None,
+                                                  req.num_cached_tokens, now))  # fmt: skip
+                        self._finish(req, "abort")
+        return outputs
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finish_reason = reason
+        self.scheduler.finish(req)
+        group = self._groups.get(req.group_id)
+        if group is not None and all(r.status == Status.FINISHED for r in group):
+            del self._groups[req.group_id]
+
+    def _wants_prompt_logprobs(self, req: Request) -> bool:
+        if req.params.prompt_logprobs is None:
+            return False
+        return req.prompt_logprobs is None or len(req.prompt_logprobs) < req.num_prompt_tokens
+
+    def _add_prompt_logprobs(self, req: Request, n: int, logits: torch.Tensor) -> None:
+        """Logits at position j score token j+1; keep the ones that score prompt tokens."""
+        if req.prompt_logprobs is None:
+            req.prompt_logprobs = [None]  # the first token has nothing before it
+        start = req.num_computed_tokens
+        targets = req.token_ids[start + 1 : min(start + n + 1, req.num_prompt_tokens)]
+        skip = len(req.prompt_logprobs) - (start + 1)  # positions already scored before a preemption
+        logits, targets = logits[max(skip, 0) :], targets[max(skip, 0) :]
+        if not targets:
+            return
+        k = req.params.prompt_logprobs or 0
+        req.prompt_logprobs.extend(
+            compute_prompt_logprobs(logits[: len(targets)], torch.tensor(targets, device=logits.device), k)
+        )

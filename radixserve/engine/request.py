@@ -1,0 +1,71 @@
+"""Request: the state of one sample as it moves through the engine (waiting -> running -> finished)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from radixserve.outputs import TokenLogprob
+from radixserve.sampling.params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One sample of one prompt. ``n > 1`` becomes n Requests sharing a ``group_id``.
+
+    ``token_ids`` is the prompt followed by the generated tokens. The KV of the first
+    ``num_computed_tokens`` of them is in the pages of ``page_table``, of which the first
+    ``num_cached_tokens`` came from the prefix cache at admission.
+    """
+
+    request_id: str
+    group_id: str
+    index: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: Status = Status.WAITING
+    page_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    cache_node: Any = None  # the locked radix node covering the shared prefix, if any
+    stream: Any = None  # the TextStream that detokenizes and checks stops
+    first_token_time: float | None = None
+    finish_reason: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens whose KV is still to be computed (1 while decoding)."""
+        return len(self.token_ids) - self.num_computed_tokens

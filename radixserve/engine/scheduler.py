@@ -1,0 +1,145 @@
+"""Scheduler: continuous batching under a token budget, around the prefix cache.
+
+Each step it first advances the running requests (one token each while decoding, the next chunk
+while prefilling), then admits waiting requests in policy order until the token budget or
+``max_running_requests`` is reached. When pages run short, cached pages are evicted first and the
+least urgent, newest running request is preempted only after that; it keeps its computed prefix
+in the tree and resumes from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from radixserve.engine.kv_manager import KVCacheManager
+from radixserve.engine.policy import order_waiting
+from radixserve.engine.request import Request, Status
+
+# A waiting request whose uncached part shares this many tokens with a prefill in flight waits for
+# that prefill to land in the tree instead of computing the same prefix alongside it.
+MIN_SHARED_TOKENS = 32
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    requests: list[Request]
+    num_new_tokens: list[int]  # tokens of each request computed this step
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_running_requests: int,
+        max_batched_tokens: int,
+        policy: str,
+        aging_s: float = 30.0,
+    ) -> None:
+        self.kv = kv
+        self.max_running = max_running_requests
+        self.max_batched_tokens = max_batched_tokens
+        self.policy = policy
+        self.aging_s = aging_s
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        req.status = Status.WAITING
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_batched_tokens
+        batch = ScheduledBatch([], [])
+        # Most urgent first, so preemption victims come from the tail.
+        self.running.sort(key=lambda r: (r.priority, r.arrival_time))
+        queue = list(self.running)
+        while queue and budget > 0:
+            req = queue.pop(0)
+            n = min(req.num_pending_tokens, budget)
+            while not self.kv.grow(req, req.num_computed_tokens + n):
+                victim = queue.pop() if queue else req
+                self._preempt(victim)
+                if victim is req:
+                    break
+            else:
+                batch.requests.append(req)
+                batch.num_new_tokens.append(n)
+                budget -= n
+        self._admit(batch, budget)
+        return batch
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+        if not self.waiting:
+            return
+        inflight = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
+        for req in order_waiting(self.waiting, self.policy, self.kv.match, self.aging_s):
+            if budget <= 0:
+                break
+            cached = self.kv.match(req)
+            if self._shares_inflight_prefix(req, cached, inflight):
+                continue
+            n = min(req.num_tokens - cached, budget)
+            while len(self.running) >= self.max_running or not self.kv.admit(req, n):
+                victim = self._victim_for(req)
+                if victim is None:
+                    return
+                budget += self._unschedule(batch, victim)
+                self._preempt(victim)
+            self.waiting.remove(req)
+            req.status = Status.RUNNING
+            self.running.append(req)
+            n = min(req.num_pending_tokens, budget)
+            batch.requests.append(req)
+            batch.num_new_tokens.append(n)
+            budget -= n
+            inflight.append(req)
+
+    def _shares_inflight_prefix(self, req: Request, cached: int, inflight: list[Request]) -> bool:
+        if self.kv.tree is None:
+            return False
+        end = cached + MIN_SHARED_TOKENS
+        if req.num_tokens - 1 < end:
+            return False
+        window = req.token_ids[cached:end]
+        return any(
+            r.cache_salt == req.cache_salt and r.num_prompt_tokens >= end and r.token_ids[cached:end] == window
+            for r in inflight
+        )
+
+    def _victim_for(self, req: Request) -> Request | None:
+        """A running request strictly less urgent than ``req`` (the least urgent, newest one), if any."""
+        lower = [r for r in self.running if r.priority > req.priority]
+        return max(lower, key=lambda r: (r.priority, r.arrival_time), default=None)
+
+    @staticmethod
+    def _unschedule(batch: ScheduledBatch, req: Request) -> int:
+        """Take ``req`` out of this step's batch; returns the tokens it had been given."""
+        for i, r in enumerate(batch.requests):
+            if r is req:
+                del batch.requests[i]
+                return batch.num_new_tokens.pop(i)
+        return 0
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.release(req)
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        req.status = Status.WAITING
+        self.waiting.insert(0, req)
+
+    def finish(self, req: Request) -> None:
+        """Remove a finished or aborted request, keeping its computed KV in the tree."""
+        if req.status == Status.RUNNING:
+            self.running.remove(req)
+            self.kv.release(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = Status.FINISHED

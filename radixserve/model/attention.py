@@ -1,0 +1,76 @@
+"""Paged attention over the KV pool, behind one small backend interface.
+
+A backend is any object with the five functions of ``radixserve.kernels.reference`` (store_kv,
+decode_attention, extend_attention, gather_pages, scatter_pages), all with the same signatures:
+the torch reference on CPU, the Triton kernels on CUDA.
+
+One step's tokens are flattened: the extend sequences (prefill chunks) come first, then the decode
+sequences (one token each). Attention stores the step's new K/V into their slots, then each part
+reads its whole context through the page table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from radixserve.kernels import reference
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V goes
+    num_extend_tokens: int  # rows [0, num_extend_tokens) belong to extend sequences
+    extend_page_table: torch.Tensor  # [B_ext, max_pages] int32
+    extend_cu_q_lens: torch.Tensor  # [B_ext + 1] int32
+    extend_seq_lens: torch.Tensor  # [B_ext] int32, new tokens included
+    decode_page_table: torch.Tensor  # [B_dec, max_pages] int32
+    decode_seq_lens: torch.Tensor  # [B_dec] int32, the new token included
+
+    @property
+    def num_decode(self) -> int:
+        return int(self.decode_seq_lens.shape[0])
+
+
+def select_backend(name: str, device: torch.device) -> ModuleType:
+    """The kernels for ``device``: ``auto`` picks Triton on CUDA and the torch reference elsewhere."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
+        return reference
+    from radixserve.kernels import ops  # Triton is imported only when asked for
+
+    return ops
+
+
+def paged_attention(
+    backend: ModuleType,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]`` of the step's new tokens -> attention output ``[T, Hq, D]``."""
+    backend.store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    n_ext = meta.num_extend_tokens
+    if meta.num_decode == 0:
+        return backend.extend_attention(
+            q, k_cache, v_cache, meta.extend_page_table, meta.extend_cu_q_lens, meta.extend_seq_lens, scale
+        )
+    if n_ext == 0:
+        return backend.decode_attention(q, k_cache, v_cache, meta.decode_page_table, meta.decode_seq_lens, scale)
+    out = torch.empty_like(q)
+    out[:n_ext] = backend.extend_attention(
+        q[:n_ext], k_cache, v_cache, meta.extend_page_table, meta.extend_cu_q_lens, meta.extend_seq_lens, scale
+    )
+    out[n_ext:] = backend.decode_attention(
+        q[n_ext:], k_cache, v_cache, meta.decode_page_table, meta.decode_seq_lens, scale
+    )
+    return out

@@ -1,0 +1,57 @@
+"""Load a model and tokenizer: a local HF folder, or the embedded default model when none is named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from radixserve.model.config import ModelConfig
+from radixserve.model.llama import LlamaForCausalLM
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """The folder to load: ``model`` itself, or the converted default model (converted on first use)."""
+    if model is None:
+        from radixserve.model.default_model import prepare_default_model
+
+        return prepare_default_model(progress=True)
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"model path {model!r} is not a local HF model folder (no config.json there); "
+            "radixserve never downloads weights: pass a local folder, or omit model= to use the embedded default"
+        )
+    if not list(path.glob("*.safetensors")):
+        raise ValueError(f"model folder {model!r} holds no *.safetensors weights")
+    return path
+
+
+def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    cfg = ModelConfig.from_dir(path)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    # to_empty leaves non-persistent buffers (the RoPE table) uninitialised: rebuild them.
+    rope = type(model.layers[0].self_attn.rope)(
+        cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+    ).to(device)
+    for layer in model.layers:
+        layer.self_attn.rope = rope
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+
+    def tensors() -> object:
+        for file in sorted(path.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                    yield name, f.get_tensor(name)
+
+    model.load_weights(tensors())  # type: ignore[arg-type]
+    return model.eval()
+
+
+def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(str(path))

@@ -1,0 +1,154 @@
+"""Incremental detokenization and stop conditions for one output sequence.
+
+Invariants:
+- ``IncrementalDetokenizer.add`` only returns whole characters: text that ends in U+FFFD (a UTF-8
+  sequence cut between tokens) waits for the tokens that complete it. ``flush`` gives up waiting.
+- ``TextStream`` never emits text that could still turn out to be the start of a stop string, never
+  emits a stop string or anything after it, and never emits the text of an EOS or stop token.
+- The deltas ``TextStream.append`` returns, joined, equal ``TextStream.text`` once the stream has
+  finished: the decoded output (without EOS / stop tokens), cut before the first stop string.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+from radixserve.sampling.params import SamplingParams
+
+# Tokens of context decoded before the new ones: enough for tokenizers (SentencePiece) whose
+# decoding of a token depends on its neighbours, e.g. dropping the leading space of the first token.
+_CONTEXT_TOKENS = 5
+
+
+class Tokenizer(Protocol):
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str | list[str]: ...
+
+
+class IncrementalDetokenizer:
+    """Turns token ids into text deltas by decoding a small window of recent tokens.
+
+    ``tokens[prefix_offset:read_offset]`` is text already returned, decoded again as context;
+    ``tokens[read_offset:]`` is not returned yet. A delta is the window's decoding minus the
+    context's decoding, so each step costs O(window), not O(sequence).
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True
+    ):
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._tokens = list(prompt_token_ids)
+        self._read_offset = len(self._tokens)
+        self._prefix_offset = max(self._read_offset - _CONTEXT_TOKENS, 0)
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the text it completes ("" while a character is still partial)."""
+        self._tokens.append(token_id)
+        context, text = self._decode_window()
+        if len(text) <= len(context) or text.endswith("\ufffd"):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._tokens)
+        return text[len(context) :]
+
+    def flush(self) -> str:
+        """Return whatever is still held back, partial characters decoded as U+FFFD."""
+        context, text = self._decode_window()
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._tokens)
+        return text[len(context) :]
+
+    def _decode_window(self) -> tuple[str, str]:
+        context = self._decode(self._tokens[self._prefix_offset : self._read_offset])
+        return context, self._decode(self._tokens[self._prefix_offset :])
+
+    def _decode(self, token_ids: list[int]) -> str:
+        text = self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+        assert isinstance(text, str)
+        return text
+
+
+class TextStream:
+    """The text of one output sequence, fed one token at a time, with its stop conditions.
+
+    The engine calls ``append(token_id)`` once per generated token (including the EOS or stop token
+    that ends it) and gets ``(delta, finish_reason, stop_reason)``:
+    - ``delta``: new text safe to show now (may be ""),
+    - ``finish_reason``: None while running, else "stop" (EOS, a stop token or a stop string) or
+      "length" (``max_tokens`` tokens appended),
+    - ``stop_reason``: the stop string or stop token id that ended it; None for EOS and "length".
+    Once finished, ``append`` raises. ``text`` is the full text so far (it may run ahead of the
+    deltas while a possible stop-string prefix is held back).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        params: SamplingParams,
+        prompt_token_ids: Sequence[int],
+        eos_token_ids: Iterable[int],
+    ):
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+        self._stops = list(params.stop)
+        self._longest_stop = max((len(s) for s in self._stops), default=0)
+        self._stop_token_ids = set(params.stop_token_ids)
+        self._eos_token_ids = set() if params.ignore_eos else set(eos_token_ids)
+        self._max_tokens = params.max_tokens
+        self._emitted = 0  # length of the text prefix already returned as deltas
+        self.text = ""
+        self.num_tokens = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, token_id: int) -> tuple[str, str | None, str | int | None]:
+        if self.finished:
+            raise RuntimeError("append() after the stream finished")
+        self.num_tokens += 1
+        start = len(self.text)
+        reason: str | None = None
+        stop_reason: str | int | None = None
+        if token_id in self._eos_token_ids:
+            reason = "stop"
+        elif token_id in self._stop_token_ids:
+            reason, stop_reason = "stop", token_id
+        else:
+            self.text += self._detokenizer.add(token_id)
+            if self.num_tokens >= self._max_tokens:
+                reason = "length"
+        if reason is not None:
+            self.text += self._detokenizer.flush()
+        hit = self._find_stop(start)
+        if hit is not None:
+            index, stop = hit
+            self.text = self.text[:index]
+            reason, stop_reason = "stop", stop
+        end = len(self.text) if reason is not None else max(len(self.text) - self._held_back(), self._emitted)
+        delta = self.text[self._emitted : end]
+        self._emitted = end
+        self.finish_reason, self.stop_reason = reason, stop_reason
+        return delta, reason, stop_reason
+
+    def _find_stop(self, start: int) -> tuple[int, str] | None:
+        """The earliest stop string in the text, given that none lay wholly before ``start``."""
+        if not self._stops or len(self.text) == start:
+            return None
+        search_from = max(start - self._longest_stop + 1, 0)
+        best: tuple[int, str] | None = None
+        for stop in self._stops:
+            index = self.text.find(stop, search_from)
+            if index >= 0 and (best is None or index < best[0]):
+                best = (index, stop)
+        return best
+
+    def _held_back(self) -> int:
+        """Length of the longest text suffix that is a proper prefix of some stop string."""
+        for size in range(min(self._longest_stop - 1, len(self.text)), 0, -1):
+            tail = self.text[-size:]
+            if any(len(stop) > size and stop.startswith(tail) for stop in self._stops):
+                return size
+        return 0

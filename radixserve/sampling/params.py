@@ -1,0 +1,78 @@
+"""Sampling parameters of one request, validated once at submission."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """What to sample and when to stop. Field names follow vLLM and the OpenAI API."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None  # number of top logprobs per output token (0: only the sampled one)
+    prompt_logprobs: int | None = None  # number of top logprobs per prompt token (0: only the actual one)
+    skip_special_tokens: bool = True
+    # Constrained decoding (at most one of these).
+    regex: str | None = None
+    json_schema: str | dict | None = None
+    grammar: str | None = None
+    choices: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def constrained(self) -> bool:
+        return any(x is not None for x in (self.regex, self.json_schema, self.grammar, self.choices))
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the first bad field."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1 or (vocab_size is not None and self.top_k > vocab_size):
+            raise ValueError(f"top_k must be -1 (disabled) or in [1, vocab_size], got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if not isinstance(self.n, int) or not 1 <= self.n <= 128:
+            raise ValueError(f"n must be an integer in [1, 128], got {self.n!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 20:
+                raise ValueError(f"{name} must be in [0, 20], got {value}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab_size})")
+        n_constraints = sum(x is not None for x in (self.regex, self.json_schema, self.grammar, self.choices))
+        if n_constraints > 1:
+            raise ValueError("at most one of regex, json_schema, grammar and choices may be given")
+        if self.choices is not None and (not self.choices or any(not c for c in self.choices)):
+            raise ValueError("choices must be a non-empty list of non-empty strings")

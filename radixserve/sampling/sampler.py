@@ -1,0 +1,252 @@
+"""Batched next-token sampling over ``[B, V]`` logits.
+
+Invariants:
+- Row i's token depends only on row i's logits, parameters, token history and generator, never on
+  which other rows share the batch or in what order. A seeded row draws exactly V exponential
+  variates from its own generator per step in which it samples, so its stream of draws continues
+  across steps; unseeded rows share one draw from the global RNG.
+- Greedy rows (temperature 0) take the argmax of the penalised logits and never consume randomness;
+  when every row is greedy nothing but the argmax (and logprobs, if asked for) is computed.
+- Reported logprobs are ``log_softmax`` of the logits after the allowed-token mask and the penalties,
+  before temperature, top-k, top-p and min-p: the model's distribution as the penalties shape it,
+  independent of how the request chooses to sample from it.
+- The caller's logits tensor is never modified.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from radixserve.outputs import TokenLogprob
+from radixserve.sampling.params import SamplingParams
+
+_PAD = -1  # padding id in the token id tensors; mapped to a dummy column V when scattering
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling state for one step, as tensors on the logits' device.
+
+    ``top_ks`` holds 0 where top-k is disabled. ``generators`` holds None for unseeded rows and for
+    greedy rows (they draw nothing). ``seen_ids`` (prompt + output, for the repetition penalty) and
+    ``output_ids`` (for presence/frequency) are right-padded with -1 and exist only when some row
+    uses the matching penalty.
+    """
+
+    temperatures: Tensor
+    top_ps: Tensor
+    top_ks: Tensor
+    min_ps: Tensor
+    repetition_penalties: Tensor
+    presence_penalties: Tensor
+    frequency_penalties: Tensor
+    generators: list[torch.Generator | None]
+    output_token_ids: list[list[int]]
+    prompt_token_ids: list[list[int]]
+    logprobs: list[int | None]
+    all_greedy: bool
+    needs_penalties: bool
+    needs_top: bool  # some sampled row uses top-k or top-p (needs a sort)
+    needs_min_p: bool
+    seen_ids: Tensor | None = None
+    output_ids: Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.generators)
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        prompt_token_ids: Sequence[Sequence[int]],
+        output_token_ids: Sequence[Sequence[int]],
+        generators: Sequence[torch.Generator | None],
+        device: torch.device | str,
+    ) -> SamplingBatch:
+        if not len(params) == len(prompt_token_ids) == len(output_token_ids) == len(generators):
+            raise ValueError("params, prompt_token_ids, output_token_ids and generators differ in length")
+        prompts = [list(ids) for ids in prompt_token_ids]
+        outputs = [list(ids) for ids in output_token_ids]
+        sampled = [not p.greedy for p in params]
+        needs_repetition = any(p.repetition_penalty != 1.0 for p in params)
+        needs_counts = any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)
+
+        def floats(values: list[float]) -> Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        return cls(
+            temperatures=floats([p.temperature for p in params]),
+            top_ps=floats([p.top_p for p in params]),
+            top_ks=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int64, device=device),
+            min_ps=floats([p.min_p for p in params]),
+            repetition_penalties=floats([p.repetition_penalty for p in params]),
+            presence_penalties=floats([p.presence_penalty for p in params]),
+            frequency_penalties=floats([p.frequency_penalty for p in params]),
+            generators=[g if s else None for g, s in zip(generators, sampled, strict=True)],
+            output_token_ids=outputs,
+            prompt_token_ids=prompts,
+            logprobs=[p.logprobs for p in params],
+            all_greedy=not any(sampled),
+            needs_penalties=needs_repetition or needs_counts,
+            needs_top=any(s and (p.top_k > 0 or p.top_p < 1.0) for p, s in zip(params, sampled, strict=True)),
+            needs_min_p=any(s and p.min_p > 0.0 for p, s in zip(params, sampled, strict=True)),
+            seen_ids=_pad([p + o for p, o in zip(prompts, outputs, strict=True)], device)
+            if needs_repetition
+            else None,
+            output_ids=_pad(outputs, device) if needs_counts else None,
+        )
+
+
+def _pad(rows: list[list[int]], device: torch.device | str) -> Tensor:
+    width = max((len(r) for r in rows), default=0)
+    return torch.tensor([r + [_PAD] * (width - len(r)) for r in rows], dtype=torch.int64, device=device).view(
+        len(rows), width
+    )
+
+
+class SamplerOutput(NamedTuple):
+    """``logprobs`` is None unless some row asked for logprobs; ``top_ids``/``top_logprobs`` are None
+    unless some row asked for at least one alternative (k = the largest number asked for)."""
+
+    tokens: Tensor  # [B] int64
+    logprobs: Tensor | None  # [B] f32, of the chosen token
+    top_ids: Tensor | None  # [B, k] int64
+    top_logprobs: Tensor | None  # [B, k] f32
+
+    def token_logprobs(self, requested: Sequence[int | None]) -> list[TokenLogprob | None]:
+        """Per row: None if that row asked for no logprobs, else the chosen token's logprob and its
+        ``requested[i]`` best alternatives."""
+        if self.logprobs is None:
+            return [None] * len(requested)
+        tokens = self.tokens.tolist()
+        chosen = self.logprobs.tolist()
+        top_ids = self.top_ids.tolist() if self.top_ids is not None else None
+        top_lps = self.top_logprobs.tolist() if self.top_logprobs is not None else None
+        result: list[TokenLogprob | None] = []
+        for i, k in enumerate(requested):
+            if k is None:
+                result.append(None)
+                continue
+            top = dict(zip(top_ids[i][:k], top_lps[i][:k], strict=True)) if top_ids and top_lps and k else {}
+            result.append(TokenLogprob(tokens[i], chosen[i], top))
+        return result
+
+
+class Sampler:
+    """Stateless: all per-request state (including RNG streams) lives in the SamplingBatch."""
+
+    def __call__(self, logits: Tensor, batch: SamplingBatch, mask: Tensor | None = None) -> SamplerOutput:
+        """``mask`` ([B, V] bool, True = allowed) is applied before anything else."""
+        logits = logits.float()
+        if mask is not None:
+            logits = logits.masked_fill(~mask, float("-inf"))
+        if batch.needs_penalties:
+            logits = _apply_penalties(logits, batch)
+        tokens = logits.argmax(dim=-1) if batch.all_greedy else _sample(logits, batch)
+
+        requested = [k for k in batch.logprobs if k is not None]
+        if not requested:
+            return SamplerOutput(tokens, None, None, None)
+        logprobs = torch.log_softmax(logits, dim=-1)
+        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+        k = max(requested)
+        if k == 0:
+            return SamplerOutput(tokens, chosen, None, None)
+        top_logprobs, top_ids = logprobs.topk(k, dim=-1)
+        return SamplerOutput(tokens, chosen, top_ids, top_logprobs)
+
+
+def _apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    num_rows, vocab = logits.shape
+    if batch.seen_ids is not None:
+        # HF semantics: shrink the logit of every token seen in prompt or output towards "less likely".
+        seen = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=logits.device)
+        seen.scatter_(1, _dummy_column(batch.seen_ids, vocab), True)
+        penalty = batch.repetition_penalties[:, None]
+        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen[:, :vocab], penalised, logits)
+    if batch.output_ids is not None:
+        # OpenAI semantics: counts of generated tokens only.
+        counts = torch.zeros(num_rows, vocab + 1, dtype=logits.dtype, device=logits.device)
+        ids = batch.output_ids
+        counts.scatter_add_(
+            1, _dummy_column(ids, vocab), torch.ones(ids.shape, dtype=logits.dtype, device=ids.device)
+        )
+        counts = counts[:, :vocab]
+        logits = (
+            logits
+            - batch.frequency_penalties[:, None] * counts
+            - batch.presence_penalties[:, None] * (counts > 0).to(logits.dtype)
+        )
+    return logits
+
+
+def _dummy_column(ids: Tensor, vocab: int) -> Tensor:
+    return torch.where(ids == _PAD, vocab, ids)
+
+
+def _sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    greedy = batch.temperatures == 0
+    temperatures = torch.where(greedy, 1.0, batch.temperatures)
+    scaled = logits / temperatures[:, None]
+    if batch.needs_top:
+        scaled = _top_k_top_p(scaled, batch.top_ks, batch.top_ps)
+    probs = torch.softmax(scaled, dim=-1)
+    if batch.needs_min_p:
+        threshold = batch.min_ps[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i / sum(p),
+    # so the probabilities need no renormalisation after filtering.
+    sampled = (probs / _exponential_noise(probs, batch.generators)).argmax(dim=-1)
+    return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+
+def _top_k_top_p(logits: Tensor, top_ks: Tensor, top_ps: Tensor) -> Tensor:
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ks = torch.where(top_ks > 0, top_ks, vocab).clamp(max=vocab)
+    positions = torch.arange(vocab, device=logits.device)[None, :]
+    drop = positions >= ks[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    # The best token always survives (mass_before is 0 < top_p); rows with top_p == 1 are left alone
+    # so float round-off in the cumulative sum cannot trim their tail.
+    drop = drop | ((mass_before >= top_ps[:, None]) & (top_ps[:, None] < 1.0))
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _exponential_noise(probs: Tensor, generators: Sequence[torch.Generator | None]) -> Tensor:
+    noise = torch.empty_like(probs)
+    if any(g is None for g in generators):
+        noise.exponential_()
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            noise[row].exponential_(generator=generator)
+    # A zero draw would turn a filtered-out token's 0 / 0 into NaN, which argmax would pick.
+    return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+
+
+def compute_prompt_logprobs(logits: Tensor, token_ids: Tensor, k: int) -> list[TokenLogprob]:
+    """Logprob of ``token_ids[i]`` under ``logits[i]``, with the ``k`` best alternatives, for each i.
+
+    The caller aligns them: ``logits[i]`` is the model's prediction for ``token_ids[i]`` (the logits
+    of the position before it). Logprobs are of the raw logits, as nothing is sampled here.
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, token_ids.long()[:, None]).squeeze(1).tolist()
+    ids = token_ids.tolist()
+    if k == 0:
+        return [TokenLogprob(t, lp) for t, lp in zip(ids, chosen, strict=True)]
+    top_lps, top_ids = logprobs.topk(k, dim=-1)
+    return [
+        TokenLogprob(t, lp, dict(zip(ti, tl, strict=True)))
+        for t, lp, ti, tl in zip(ids, chosen, top_ids.tolist(), top_lps.tolist(), strict=True)
+    ]

@@ -1,0 +1,172 @@
+"""Incremental detokenization and stop conditions, on a byte-level BPE that splits characters."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizer_util import make_tokenizer
+
+from radixserve.sampling.detokenizer import IncrementalDetokenizer, TextStream
+from radixserve.sampling.params import SamplingParams
+
+tokenizer = make_tokenizer()
+EOS = tokenizer.eos_token_id
+PROMPT = tokenizer.encode("naïve prompt 🙂")
+
+MULTI_BYTE_TEXTS = [
+    "héllo 你好 🙂",
+    "naïve café 東京 🚀🙂 日本語のテキスト",
+    "Ünïcödé ✓ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 👩‍👩‍👧 end",
+    "🙂🙂🙂",
+]
+
+
+def encode(text: str) -> list[int]:
+    return tokenizer.encode(text)
+
+
+def stream(
+    text: str, eos: bool = True, **params: object
+) -> tuple[TextStream, list[tuple[str, str | None, str | int | None]]]:
+    """Feed ``text``'s tokens (then EOS) until the stream finishes; return it and every step's result."""
+    params.setdefault("max_tokens", 1000)
+    text_stream = TextStream(tokenizer, SamplingParams(**params), PROMPT, [EOS])  # type: ignore[arg-type]
+    steps = []
+    for token in encode(text) + ([EOS] if eos else []):
+        steps.append(text_stream.append(token))
+        if text_stream.finished:
+            break
+    return text_stream, steps
+
+
+def joined(steps: list[tuple[str, str | None, str | int | None]]) -> str:
+    return "".join(delta for delta, _, _ in steps)
+
+
+def test_tokenizer_splits_multi_byte_characters() -> None:
+    # Guards the tests below: they only mean something if some token ends mid-character.
+    assert any("\ufffd" in tokenizer.decode([t]) for t in encode("🙂"))
+
+
+@pytest.mark.parametrize("text", MULTI_BYTE_TEXTS)
+def test_deltas_join_to_full_decode_without_broken_characters(text: str) -> None:
+    detokenizer = IncrementalDetokenizer(tokenizer, PROMPT)
+    deltas = [detokenizer.add(token) for token in encode(text)]
+    assert all("\ufffd" not in delta for delta in deltas)
+    assert "".join(deltas) == text
+    assert detokenizer.flush() == ""
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.text(alphabet=st.characters(blacklist_characters="\ufffd", blacklist_categories=("Cs",)), max_size=40)
+)
+def test_any_text_streams_back_exactly(text: str) -> None:
+    text_stream, steps = stream(text)
+    assert all("\ufffd" not in delta for delta, _, _ in steps)
+    assert joined(steps) == text_stream.text == tokenizer.decode(encode(text))
+    assert steps[-1][1:] == ("stop", None)
+
+
+def test_flush_releases_a_character_cut_by_the_end() -> None:
+    detokenizer = IncrementalDetokenizer(tokenizer, [])
+    first, second = encode("🙂")[:2]
+    assert detokenizer.add(first) == ""
+    assert detokenizer.flush() == tokenizer.decode([first])
+
+
+def test_skipped_special_tokens_add_no_text() -> None:
+    detokenizer = IncrementalDetokenizer(tokenizer, PROMPT)
+    deltas = [detokenizer.add(t) for t in encode("hé") + [EOS] + encode("llo")]
+    assert "".join(deltas) == "héllo"
+    kept = IncrementalDetokenizer(tokenizer, PROMPT, skip_special_tokens=False)
+    assert "".join(kept.add(t) for t in encode("hé") + [EOS]) == "hé<|endoftext|>"
+
+
+def assert_never_leaks(steps: list[tuple[str, str | None, str | int | None]], final: str) -> None:
+    emitted = ""
+    for delta, _, _ in steps:
+        emitted += delta
+        assert final.startswith(emitted)
+    assert emitted == final
+
+
+def test_stop_string_across_token_boundary_is_cut() -> None:
+    text = "The quick brown fox STOP here"
+    assert "STOP" not in [tokenizer.decode([t]) for t in encode(text)]  # split across tokens
+    text_stream, steps = stream(text, stop=["STOP"])
+    assert steps[-1][1:] == ("stop", "STOP")
+    assert text_stream.text == "The quick brown fox "
+    assert_never_leaks(steps, "The quick brown fox ")
+    assert len(steps) < len(encode(text))  # stopped before the rest was fed
+
+
+def test_stop_string_inside_multi_byte_characters() -> None:
+    text_stream, steps = stream("héllo 你好 🙂 world", stop=["好 🙂"])
+    assert text_stream.text == "héllo 你"
+    assert steps[-1][1:] == ("stop", "好 🙂")
+    assert_never_leaks(steps, "héllo 你")
+
+
+def test_stop_string_inside_one_token_and_earliest_wins() -> None:
+    text_stream, steps = stream("héllo world", stop=["world", "ll"])
+    assert text_stream.text == "hé"
+    assert steps[-1][1:] == ("stop", "ll")
+    assert_never_leaks(steps, "hé")
+
+
+def test_false_start_of_a_stop_string_is_released() -> None:
+    text = "The quick brown fox STOP here"
+    text_stream, steps = stream(text, stop=["STOPPED"])
+    held = [delta for delta, _, _ in steps]
+    # While "ST" / "STOP" could still grow into "STOPPED" it is held back, then released.
+    emitted_before_space = "".join(held[: len(encode("The quick brown fox STOP"))])
+    assert not emitted_before_space.endswith("ST") and not emitted_before_space.endswith("STOP")
+    assert joined(steps) == text_stream.text == text
+    assert steps[-1][1:] == ("stop", None)
+
+
+def test_eos_stops_and_adds_no_text() -> None:
+    text_stream, steps = stream("hello", skip_special_tokens=False)
+    assert steps[-1] == ("", "stop", None)
+    assert text_stream.text == "hello" and text_stream.num_tokens == len(encode("hello")) + 1
+
+
+def test_ignore_eos_keeps_going_until_length() -> None:
+    text_stream = TextStream(tokenizer, SamplingParams(ignore_eos=True, max_tokens=3), PROMPT, [EOS])
+    assert text_stream.append(EOS)[1] is None
+    assert text_stream.append(encode("hi")[0])[1] is None
+    assert text_stream.append(EOS)[1:] == ("length", None)
+    assert text_stream.text == "h"
+
+
+def test_stop_token_id_stops_with_its_id_and_adds_no_text() -> None:
+    tokens = encode("quick fox jumps")
+    stop_id = tokens[2]
+    assert stop_id not in tokens[:2]
+    text_stream, steps = stream("quick fox jumps", stop_token_ids=[stop_id])
+    assert len(steps) == 3 and steps[-1][1:] == ("stop", stop_id)
+    assert joined(steps) == text_stream.text == tokenizer.decode(tokens[:2])
+
+
+def test_max_tokens_finishes_with_length_and_flushes_held_text() -> None:
+    tokens = encode("The quick brown fox ST")
+    text_stream, steps = stream("The quick brown fox ST", eos=False, stop=["STOP"], max_tokens=len(tokens))
+    assert steps[-1][1:] == ("length", None)
+    assert all(reason is None for _, reason, _ in steps[:-1])
+    assert joined(steps) == text_stream.text == "The quick brown fox ST"
+
+
+def test_max_tokens_cutting_a_character_returns_its_bytes_as_replacement() -> None:
+    tokens = encode("ok 🙂")
+    cut = next(i for i in range(1, len(tokens)) if tokenizer.decode(tokens[:i]).endswith("\ufffd"))
+    text_stream, steps = stream("ok 🙂", eos=False, max_tokens=cut)
+    assert steps[-1][1] == "length"
+    assert joined(steps) == text_stream.text == tokenizer.decode(tokens[:cut])
+
+
+def test_append_after_finish_raises() -> None:
+    text_stream, _ = stream("hi")
+    with pytest.raises(RuntimeError):
+        text_stream.append(EOS)
