@@ -52,7 +52,9 @@ class Variant:
         return sig
 
 
-def variants(shapes: tuple[tuple[int, int, int], ...] = MODEL_SHAPES, dtypes: tuple[str, ...] = DTYPES) -> list[Variant]:
+def variants(
+    shapes: tuple[tuple[int, int, int], ...] = MODEL_SHAPES, dtypes: tuple[str, ...] = DTYPES
+) -> list[Variant]:
     """The distinct kernel variants for ``shapes`` with K/V, q and output all in one of ``dtypes``."""
     found: dict[str, Variant] = {}
     index = {"page_table_ptr": "i32", "seq_lens_ptr": "i32"}
@@ -74,9 +76,17 @@ def variants(shapes: tuple[tuple[int, int, int], ...] = MODEL_SHAPES, dtypes: tu
                     )
                     for gather in (True, False)
                 ),
-                Variant(dec._decode_stage1_kernel, {**qkv, **index, **mid}, dec.decode_blocks(q_heads // kv_heads, head_dim)),
+                Variant(
+                    dec._decode_stage1_kernel,
+                    {**qkv, **index, **mid},
+                    dec.decode_blocks(q_heads // kv_heads, head_dim),
+                ),
                 Variant(dec._decode_stage2_kernel, {**mid, "out_ptr": dt}, dec.reduce_blocks(head_dim)),
-                Variant(ext._extend_kernel, {**qkv, **index, "cu_q_lens_ptr": "i32", "out_ptr": dt}, ext.extend_blocks(head_dim)),
+                Variant(
+                    ext._extend_kernel,
+                    {**qkv, **index, "cu_q_lens_ptr": "i32", "out_ptr": dt},
+                    ext.extend_blocks(head_dim),
+                ),
             ]
             for variant in candidates:
                 found.setdefault(variant.key, variant)
@@ -85,14 +95,20 @@ def variants(shapes: tuple[tuple[int, int, int], ...] = MODEL_SHAPES, dtypes: tu
 
 def compile_variant(variant: Variant, arch: int) -> Any:
     """Compile one variant for ``sm_<arch>``; returns triton's CompiledKernel (``.asm`` holds ptx/cubin)."""
-    source = triton.compiler.ASTSource(fn=variant.kernel, signature=variant.signature(), constexprs=variant.constexprs)
+    source = triton.compiler.ASTSource(
+        fn=variant.kernel, signature=variant.signature(), constexprs=variant.constexprs
+    )
     return triton.compile(source, target=GPUTarget("cuda", arch, 32))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", type=int, action="append", help="compute capability, e.g. 80 or 90 (repeatable)")
-    parser.add_argument("--dtype", action="append", choices=["fp16", "bf16", "fp32"], help="K/V dtype (repeatable)")
+    parser.add_argument(
+        "--arch", type=int, action="append", help="compute capability, e.g. 80 or 90 (repeatable)"
+    )
+    parser.add_argument(
+        "--dtype", action="append", choices=["fp16", "bf16", "fp32"], help="K/V dtype (repeatable)"
+    )
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: the interpreter cannot compile kernels", file=sys.stderr)
@@ -105,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
                 "kernel": variant.kernel.__name__,
                 "pointers": variant.pointers,
                 "constexprs": variant.constexprs,
-                "ptx_target": next((ln.split()[1] for ln in asm["ptx"].splitlines() if ln.startswith(".target")), ""),
+                "ptx_target": next(
+                    (ln.split()[1] for ln in asm["ptx"].splitlines() if ln.startswith(".target")), ""
+                ),
                 "ptx_bytes": len(asm.get("ptx", "")),
                 "cubin_bytes": len(asm.get("cubin", b"")),
             }

@@ -28,7 +28,7 @@ MIN_SPLIT_TOKENS = 256
 
 
 @triton.jit
-def kv_dot(a, b):
+def kv_dot(a, b):  # type: ignore[no-untyped-def]
     # Plain TF32 (the GPU default for fp32) is too lossy to match the fp32 reference; 3xTF32 is near-fp32
     # and still runs on tensor cores.
     if a.dtype == tl.float32:
@@ -38,7 +38,7 @@ def kv_dot(a, b):
 
 
 @triton.jit
-def _decode_stage1_kernel(
+def _decode_stage1_kernel(  # type: ignore[no-untyped-def]
     q_ptr,
     k_ptr,
     v_ptr,
@@ -99,7 +99,9 @@ def _decode_stage1_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         pos_mask = pos < end
-        page = tl.load(page_table_ptr + b * pt_sb + (pos // page_size).to(tl.int64) * pt_sp, mask=pos_mask, other=0)
+        page = tl.load(
+            page_table_ptr + b * pt_sb + (pos // page_size).to(tl.int64) * pt_sp, mask=pos_mask, other=0
+        )
         page = page.to(tl.int64)
         offset = (pos % page_size).to(tl.int64)
         kv_mask = pos_mask[:, None] & dim_mask[None, :]
@@ -123,7 +125,7 @@ def _decode_stage1_kernel(
 
 
 @triton.jit
-def _decode_stage2_kernel(
+def _decode_stage2_kernel(  # type: ignore[no-untyped-def]
     mid_max_ptr,
     mid_sum_ptr,
     mid_acc_ptr,
@@ -147,13 +149,19 @@ def _decode_stage2_kernel(
     mid = b * mid_sb + head * mid_sh + splits * mid_ss
     part_max = tl.load(mid_max_ptr + mid, mask=split_mask, other=float("-inf"))
     part_sum = tl.load(mid_sum_ptr + mid, mask=split_mask, other=0.0)
-    part_acc = tl.load(mid_acc_ptr + mid[:, None] * BLOCK_D + dims[None, :], mask=split_mask[:, None], other=0.0)
+    part_acc = tl.load(
+        mid_acc_ptr + mid[:, None] * BLOCK_D + dims[None, :], mask=split_mask[:, None], other=0.0
+    )
     top = tl.max(part_max, 0)
     # Empty splits (max = -inf) get weight 0; guard the all-empty case (seq_len 0) against NaN.
     weight = tl.where(part_max > float("-inf"), tl.exp2(part_max - top), 0.0)
     denom = tl.sum(part_sum * weight, 0)
     out = tl.sum(part_acc * weight[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
-    tl.store(out_ptr + b * out_sb + head * out_sh + dims * out_sd, out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
+    tl.store(
+        out_ptr + b * out_sb + head * out_sh + dims * out_sd,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dims < head_dim,
+    )
 
 
 def decode_blocks(group: int, head_dim: int) -> dict[str, int]:
@@ -237,6 +245,14 @@ def decode_attention(
         **blocks,
     )
     _decode_stage2_kernel[(batch, q_heads)](
-        mid_max, mid_sum, mid_acc, out, splits, head_dim, *mid_max.stride(), *out.stride(), **reduce_blocks(head_dim)
+        mid_max,
+        mid_sum,
+        mid_acc,
+        out,
+        splits,
+        head_dim,
+        *mid_max.stride(),
+        *out.stride(),
+        **reduce_blocks(head_dim),
     )
     return out

@@ -20,7 +20,7 @@ from .decode_attention import LOG2E, kv_dot
 
 
 @triton.jit
-def _extend_kernel(
+def _extend_kernel(  # type: ignore[no-untyped-def]
     q_ptr,
     k_ptr,
     v_ptr,
@@ -83,7 +83,9 @@ def _extend_kernel(
     for n0 in range(0, kv_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         pos_mask = pos < kv_end
-        page = tl.load(page_table_ptr + b * pt_sb + (pos // page_size).to(tl.int64) * pt_sp, mask=pos_mask, other=0)
+        page = tl.load(
+            page_table_ptr + b * pt_sb + (pos // page_size).to(tl.int64) * pt_sp, mask=pos_mask, other=0
+        )
         page = page.to(tl.int64)
         offset = (pos % page_size).to(tl.int64)
         kv_mask = pos_mask[:, None] & dim_mask[None, :]

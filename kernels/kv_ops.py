@@ -19,7 +19,7 @@ TILE_ELEMS = 4096
 
 
 @triton.jit
-def _store_kv_kernel(
+def _store_kv_kernel(  # type: ignore[no-untyped-def]
     src_ptr,
     cache_ptr,
     slot_ptr,
@@ -46,12 +46,14 @@ def _store_kv_kernel(
     src = tl.load(
         src_ptr + token * src_st + heads[:, None] * src_sh + dims[None, :] * src_sd, mask=mask, other=0.0
     ).to(tl.float32)
-    dst = cache_ptr + page * cache_sp + offset * cache_ss + heads[:, None] * cache_sh + dims[None, :] * cache_sd
+    dst = (
+        cache_ptr + page * cache_sp + offset * cache_ss + heads[:, None] * cache_sh + dims[None, :] * cache_sd
+    )
     tl.store(dst, src.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _copy_pages_kernel(
+def _copy_pages_kernel(  # type: ignore[no-untyped-def]
     src_ptr,
     dst_ptr,
     pages_ptr,
@@ -113,7 +115,17 @@ def _store_one(cache: torch.Tensor, src: torch.Tensor, slot_mapping: torch.Tenso
     tokens, num_heads, head_dim = src.shape
     blocks = store_kv_blocks(num_heads, head_dim)
     grid = (tokens, triton.cdiv(num_heads, blocks["BLOCK_H"]))
-    _store_kv_kernel[grid](src, cache, slot_mapping, num_heads, head_dim, cache.shape[1], *src.stride(), *cache.stride(), **blocks)
+    _store_kv_kernel[grid](
+        src,
+        cache,
+        slot_mapping,
+        num_heads,
+        head_dim,
+        cache.shape[1],
+        *src.stride(),
+        *cache.stride(),
+        **blocks,
+    )
 
 
 def store_kv(

@@ -39,8 +39,14 @@ def test_unpermute_inverts_llama_cpp_permutation(n_head: int) -> None:
 
 @pytest.mark.real_model
 def test_prepare_is_idempotent_and_complete(model_dir: Path) -> None:
-    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                 "tokenizer_config.json", dm.MARKER_NAME):
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        dm.MARKER_NAME,
+    ):
         assert (model_dir / name).is_file(), name
     template_file = model_dir / "chat_template.jinja"
     template = template_file.read_text() if template_file.is_file() else ""
@@ -84,8 +90,14 @@ def test_concurrent_prepares_build_one_identical_folder(tmp_path: Path, model_di
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path))
     code = "from radixserve.model.default_model import prepare_default_model as p; print(p(progress=False))"
     procs = [
-        subprocess.Popen([sys.executable, "-c", code], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            env=env,
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for _ in range(2)
     ]
     results = [proc.communicate(timeout=300) for proc in procs]

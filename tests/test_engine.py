@@ -39,14 +39,20 @@ def test_generate_api_shapes(tiny_llama: Path) -> None:
     for o in outs:
         assert 1 <= len(o.token_ids) <= 5 and o.finish_reason in ("stop", "length")
         assert o.cached_tokens == 0
-    assert engine.generate("hello world", SamplingParams(max_tokens=5, temperature=0))[0].token_ids == outs[0].token_ids
+    assert (
+        engine.generate("hello world", SamplingParams(max_tokens=5, temperature=0))[0].token_ids
+        == outs[0].token_ids
+    )
     chat = engine.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3, temperature=0))
     assert chat.prompt_token_ids == engine.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
 def test_one_params_per_prompt(tiny_llama: Path) -> None:
     engine = Engine(str(tiny_llama), page_size=4, num_pages=128)
-    outs = engine.generate(["a b", "c d"], [SamplingParams(max_tokens=2, ignore_eos=True), SamplingParams(max_tokens=4, ignore_eos=True)])
+    outs = engine.generate(
+        ["a b", "c d"],
+        [SamplingParams(max_tokens=2, ignore_eos=True), SamplingParams(max_tokens=4, ignore_eos=True)],
+    )
     assert [len(o.token_ids) for o in outs] == [2, 4]
     with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
         engine.generate(["a"], [SamplingParams(), SamplingParams()])
@@ -86,15 +92,25 @@ def test_seeded_sampling_is_reproducible_across_batches(tiny_llama: Path) -> Non
     alone = engine.generate([target], params)[0].token_ids
     again = engine.generate([target], params)[0].token_ids
     others = _prompts(6, seed=3)
-    mixed = engine.generate(others[:3] + [target] + others[3:], [SamplingParams(max_tokens=16, temperature=1.0)] * 3 + [params] + [SamplingParams(max_tokens=9, temperature=0.7, seed=5)] * 3)
+    mixed = engine.generate(
+        others[:3] + [target] + others[3:],
+        [SamplingParams(max_tokens=16, temperature=1.0)] * 3
+        + [params]
+        + [SamplingParams(max_tokens=9, temperature=0.7, seed=5)] * 3,
+    )
     assert alone == again == mixed[3].token_ids
-    different = engine.generate([target], SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=99, ignore_eos=True))
+    different = engine.generate(
+        [target], SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=99, ignore_eos=True)
+    )
     assert different[0].token_ids != alone
 
 
 def test_n_samples_and_stream(tiny_llama: Path) -> None:
     engine = Engine(str(tiny_llama), page_size=4, num_pages=512)
-    out = engine.generate([[4, 5, 6, 7, 8, 9, 10, 11, 12]], SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=7, ignore_eos=True))[0]
+    out = engine.generate(
+        [[4, 5, 6, 7, 8, 9, 10, 11, 12]],
+        SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=7, ignore_eos=True),
+    )[0]
     assert [o.index for o in out.outputs] == [0, 1, 2]
     assert all(len(o.token_ids) == 6 for o in out.outputs)
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1  # distinct seeds per sample
@@ -119,7 +135,9 @@ def test_n_samples_and_stream(tiny_llama: Path) -> None:
         ([1, 2, 10**6], SamplingParams(), "prompt token ids must be in"),
     ],
 )
-def test_bad_input_raises_and_engine_keeps_serving(tiny_llama: Path, prompt: str | list[int], params: SamplingParams, message: str) -> None:
+def test_bad_input_raises_and_engine_keeps_serving(
+    tiny_llama: Path, prompt: str | list[int], params: SamplingParams, message: str
+) -> None:
     engine = _shared_engine(tiny_llama)
     with pytest.raises(ValueError, match=message):
         engine.generate([prompt], params)

@@ -38,12 +38,17 @@ def test_prefill_logits_match_hf(tiny_models: dict[str, Path], kind: str) -> Non
     runner, hf = _runner(path, page_size=4), _hf(path)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 290, (n,), generator=gen).tolist() for n in (7, 19, 1, 33)]
-    chunks = [SeqChunk(p, 0, len(p), _pages(len(p), 4, 1 + 60 * i), want_all_logits=True) for i, p in enumerate(prompts)]
+    chunks = [
+        SeqChunk(p, 0, len(p), _pages(len(p), 4, 1 + 60 * i), want_all_logits=True)
+        for i, p in enumerate(prompts)
+    ]
     out = runner.run(chunks)  # all four ragged prompts in one forward
     for i, p in enumerate(prompts):
         with torch.no_grad():
             ref = hf(torch.tensor([p])).logits[0]
-        torch.testing.assert_close(out.all_logits[i] if len(p) > 1 else out.logits[i : i + 1], ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            out.all_logits[i] if len(p) > 1 else out.logits[i : i + 1], ref, atol=1e-4, rtol=1e-4
+        )
         torch.testing.assert_close(out.logits[i], ref[-1], atol=1e-4, rtol=1e-4)
 
 

@@ -139,15 +139,14 @@ def test_seeded_row_is_reproducible_whatever_the_batch(target: SamplingParams) -
         SamplingParams(top_k=5, min_p=0.1, frequency_penalty=0.5),
         SamplingParams(temperature=1.5),
     ]
-    for position, other_generators in [
+    placements: list[tuple[int, list[torch.Generator | None]]] = [
         (0, [seeded(1), None, seeded(2)]),
         (2, [None, None, None]),
         (3, [seeded(9)] * 3),
-    ]:
+    ]
+    for position, other_generators in placements:
         params = others[:position] + [target] + others[position:]
-        generators: list[torch.Generator | None] = (
-            other_generators[:position] + [seeded(42)] + other_generators[position:]
-        )
+        generators = other_generators[:position] + [seeded(42)] + other_generators[position:]
         logits = [
             torch.cat(
                 [random_logits(1, vocab, seed=500 + s)] * position

@@ -109,7 +109,10 @@ class RadixCache:
     # ---- lookup and insertion ----
 
     def match_prefix(self, tokens: Sequence[int], namespace: Hashable = None) -> MatchResult:
-        """Longest cached page-aligned prefix of ``tokens``; splits the node where the match ends mid-key."""
+        """Longest cached page-aligned prefix of ``tokens`` (plain ints); splits a node matched in part.
+
+        Lock ``result.node`` before anything can evict, or ``result.pages`` may be freed.
+        """
         node, num_tokens = self._walk(tokens, namespace)
         runs: list[list[int]] = []
         time = self._tick()
@@ -125,7 +128,7 @@ class RadixCache:
     def insert(
         self, tokens: Sequence[int], pages: Sequence[int], namespace: Hashable = None, priority: int = 0
     ) -> InsertResult:
-        """Cache ``tokens`` (truncated to whole pages) with their ``pages``.
+        """Cache ``tokens`` (truncated to whole pages) with their ``pages``, one page per whole page of tokens.
 
         The tree takes ownership only of the pages past ``num_existing``; the caller frees its pages in
         ``pages[:num_existing // page_size]`` that are not the tree's. Nodes on the path keep the highest
@@ -302,7 +305,7 @@ class RadixCache:
         """
         parent = self._parent(node)
         upper = TreeNode(node.key[:n], node.pages[: n // self.page_size], parent, node.namespace)
-        upper.lock_ref = 0
+        upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access
         upper.hit_count = node.hit_count
         upper.priority = node.priority

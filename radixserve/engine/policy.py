@@ -6,6 +6,7 @@ lowers the effective priority value, so no request waits forever under any polic
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -24,7 +25,9 @@ def order_waiting(
     waiting: Sequence[Request], policy: str, match_len: Callable[[Request], int], aging_s: float
 ) -> list[Request]:
     now = time.monotonic()
-    prio = {id(r): int(effective_priority(r, now, aging_s)) for r in waiting}
+    # Whole levels (rounded up: a level is earned only by waiting aging_s in full), so that within a
+    # level the policy's own order decides.
+    prio = {id(r): math.ceil(effective_priority(r, now, aging_s)) for r in waiting}
     if policy == "fcfs" or (policy == "lpm" and len(waiting) > LPM_MAX_QUEUE):
         return sorted(waiting, key=lambda r: (prio[id(r)], r.arrival_time))
     if policy == "lpm":

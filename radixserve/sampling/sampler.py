@@ -56,10 +56,6 @@ class SamplingBatch:
     seen_ids: Tensor | None = None
     output_ids: Tensor | None = None
 
-    @property
-    def size(self) -> int:
-        return len(self.generators)
-
     @classmethod
     def build(
         cls,

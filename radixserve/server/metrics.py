@@ -1,0 +1,85 @@
+"""Prometheus metrics of one server, on a registry of its own (several apps may share a process).
+
+Invariants:
+- Per-request histograms and counters are updated once per finished request, from its RequestRecord.
+- Gauges and the prefix-cache counters are not stored here: they are read from the AsyncEngine's
+  latest EngineStats snapshot at scrape time, so they cannot drift from the engine's own accounting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from radixserve.server.async_engine import AsyncEngine, RequestRecord
+
+PREFIX = "radixserve:"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._engine.stats()
+        gauges = {
+            "num_requests_waiting": ("Requests waiting to be scheduled", s.num_waiting),
+            "num_requests_running": ("Requests running (prefill or decode)", s.num_running),
+            "kv_pages_used": ("KV pages held privately by running requests", s.in_use_pages),
+            "kv_pages_cached": ("KV pages in the prefix cache", s.cached_pages),
+            "kv_pages_free": ("KV pages free", s.free_pages),
+            "kv_pages_total": ("KV pages in the pool", s.num_pages),
+            "prefix_cache_hit_rate": ("Prompt tokens served from the prefix cache / prompt tokens looked up", s.prefix_hit_rate),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(PREFIX + name, doc, value=value)
+        yield CounterMetricFamily(PREFIX + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                  value=s.prefix_query_tokens)  # fmt: skip
+        yield CounterMetricFamily(PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                  value=s.prefix_hit_tokens)  # fmt: skip
+        yield CounterMetricFamily(PREFIX + "num_preemptions", "Requests preempted", value=s.num_preemptions)
+
+
+class ServerMetrics:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between consecutive output tokens",
+                             buckets=_TOKEN_BUCKETS, registry=r)  # fmt: skip
+        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds", "Mean time per output token after the first",
+                              buckets=_TOKEN_BUCKETS, registry=r)  # fmt: skip
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.queue = Histogram(PREFIX + "request_queue_time_seconds", "Arrival to first scheduled",
+                               buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens", registry=r)
+        self.cached_tokens = Counter(PREFIX + "cached_tokens", "Prompt tokens served from the prefix cache", registry=r)
+        self.success = Counter(PREFIX + "request_success", "Finished requests by finish reason of the first sample",
+                               ["finished_reason"], registry=r)  # fmt: skip
+        r.register(_EngineCollector(engine))
+
+    def observe(self, rec: RequestRecord) -> None:
+        self.prompt_tokens.inc(rec.prompt_tokens)
+        self.generation_tokens.inc(rec.output_tokens)
+        self.cached_tokens.inc(rec.cached_tokens)
+        self.success.labels(finished_reason=rec.finish_reason).inc()
+        self.e2e.observe(rec.finish_time - rec.arrival_time)
+        if rec.queue_time is not None:
+            self.queue.observe(rec.queue_time)
+        if rec.ttft is not None:
+            self.ttft.observe(rec.ttft)
+        for gap in rec.token_gaps:
+            self.itl.observe(gap)
+        if rec.token_gaps:
+            self.tpot.observe(sum(rec.token_gaps) / len(rec.token_gaps))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
