@@ -51,12 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_generate)
 
     p = sub.add_parser("serve", help="serve the OpenAI-compatible and native HTTP API")
-    try:
-        from radixserve.server.app import add_serve_arguments
-    except ImportError:  # the server's optional pieces are missing; the other commands still work
-        add_serve_arguments = None
-    if add_serve_arguments is not None:
-        add_serve_arguments(p)
+    from radixserve.server.app import add_serve_arguments
+
+    add_serve_arguments(p)
     p.set_defaults(func=_serve)
     return parser
 

@@ -56,3 +56,41 @@ def test_default_engine_loads_embedded_model() -> None:
         [{"role": "user", "content": "Say hello."}], SamplingParams(max_tokens=8, temperature=0)
     )
     assert out.text and out.finish_reason in ("stop", "length")
+
+
+def _prose(n_chars: int, start: int) -> str:
+    """Real prose that ships with Python: the reference documentation inside pydoc_data."""
+    from pydoc_data.topics import topics
+
+    text = " ".join(topics[k] for k in sorted(topics))
+    return text[start : start + n_chars]
+
+
+def test_prefix_cache_is_exact_on_chat_and_rag(smollm_dir: Path) -> None:
+    """Greedy outputs are identical with the cache on and off; cached_tokens covers the shared part."""
+    on = Engine(str(smollm_dir), page_size=16, kv_cache_gb=0.5)
+    off = Engine(str(smollm_dir), page_size=16, kv_cache_gb=0.5, prefix_cache=False)
+    params = SamplingParams(max_tokens=16, temperature=0)
+
+    history: list[dict[str, str]] = [{"role": "system", "content": "You are a helpful assistant."}]
+    for turn, question in enumerate(["Hi! Who are you?", "Name a fruit.", "What colour is it?", "Thanks, bye."]):
+        history.append({"role": "user", "content": question})
+        ids = on.apply_chat_template(history)
+        a, b = on.generate([ids], params)[0], off.generate([ids], params)[0]
+        assert a.token_ids == b.token_ids
+        if turn:  # everything before this turn's question was cached by the previous turn
+            assert a.cached_tokens >= (previous_len // 16) * 16 - 16
+        history.append({"role": "assistant", "content": a.text})
+        previous_len = len(ids) + len(a.token_ids)
+
+    docs = [_prose(3000, 0), _prose(3000, 50000)]
+    questions = ["What is this about?", "Summarise it in one line.", "Give one keyword."]
+    prompts = [on.apply_chat_template([{"role": "user", "content": f"{d}\n\n{q}"}]) for d in docs for q in questions]
+    doc_lens = [len(on.apply_chat_template([{"role": "user", "content": d}])) - 8 for d in docs]
+    assert min(doc_lens) >= 600
+    outs_on, outs_off = on.generate(prompts, params), off.generate(prompts, params)
+    assert [o.token_ids for o in outs_on] == [o.token_ids for o in outs_off]
+    for i, out in enumerate(outs_on):
+        if i % 3:  # the 2nd and 3rd question of each document reuse it
+            assert out.cached_tokens >= (doc_lens[i // 3] // 16) * 16 - 16
+    on.check_integrity()

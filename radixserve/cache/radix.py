@@ -125,6 +125,13 @@ class RadixCache:
         pages = [p for run in reversed(runs) for p in run]
         return MatchResult(node, pages, num_tokens)
 
+    def prefix_len(self, tokens: Sequence[int], namespace: Hashable = None) -> int:
+        """How many tokens ``match_prefix`` would match, changing nothing (no split, no access, no hit).
+
+        For ordering and admission decisions that must not count as cache hits.
+        """
+        return self._walk(tokens, namespace, split=False)[1]
+
     def insert(
         self, tokens: Sequence[int], pages: Sequence[int], namespace: Hashable = None, priority: int = 0
     ) -> InsertResult:
@@ -279,7 +286,7 @@ class RadixCache:
 
     # ---- internals ----
 
-    def _walk(self, tokens: Sequence[int], namespace: Hashable) -> tuple[TreeNode, int]:
+    def _walk(self, tokens: Sequence[int], namespace: Hashable, split: bool = True) -> tuple[TreeNode, int]:
         """Deepest node matching ``tokens`` and the matched token count, splitting a node matched in part."""
         ps = self.page_size
         end = len(tokens) // ps * ps
@@ -292,7 +299,7 @@ class RadixCache:
             n = _common_prefix(child.key, tokens, i, end) // ps * ps
             i += n
             if n < len(child.key):
-                node = self._split(child, n)
+                node = self._split(child, n) if split else node
                 break
             node = child
         return node, i

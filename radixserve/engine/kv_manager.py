@@ -60,7 +60,7 @@ class KVCacheManager:
             return 0  # prompt logprobs need the logits of every prompt position, so nothing is reused
         # At least one token must be computed to get logits, so the last token never counts as cached.
         usable = ((req.num_tokens - 1) // self.page_size) * self.page_size
-        return min(self.tree.match_prefix(req.token_ids[:usable], req.cache_salt).num_tokens, usable)
+        return self.tree.prefix_len(req.token_ids[:usable], req.cache_salt)
 
     def admit(self, req: Request, num_new_tokens: int) -> bool:
         """Reuse the cached prefix of ``req`` and allocate pages for ``num_new_tokens`` beyond it.

@@ -41,6 +41,9 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
 class RotaryEmbedding(nn.Module):
     """Neox-style (rotate-half) RoPE with a precomputed cos/sin table indexed by position."""
 
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None) -> None:
         super().__init__()
         inv_freq = _inv_freq(head_dim, theta, scaling).float()

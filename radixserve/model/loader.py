@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -9,6 +10,7 @@ from safetensors import safe_open
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from radixserve.model.config import ModelConfig
+from radixserve.model.layers import RotaryEmbedding
 from radixserve.model.llama import LlamaForCausalLM
 
 
@@ -35,21 +37,19 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> LlamaFor
         model = LlamaForCausalLM(cfg)
     model = model.to_empty(device=device).to(dtype)
     # to_empty leaves non-persistent buffers (the RoPE table) uninitialised: rebuild them.
-    rope = type(model.layers[0].self_attn.rope)(
-        cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
-    ).to(device)
+    rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling).to(device)
     for layer in model.layers:
-        layer.self_attn.rope = rope
+        layer.self_attn.rope = rope  # type: ignore[union-attr]
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
 
-    def tensors() -> object:
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for file in sorted(path.glob("*.safetensors")):
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
                     yield name, f.get_tensor(name)
 
-    model.load_weights(tensors())  # type: ignore[arg-type]
+    model.load_weights(tensors())
     return model.eval()
 
 

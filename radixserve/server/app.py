@@ -163,7 +163,7 @@ class _Api:
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
         self.tokens = _TokenText(engine.engine.tokenizer)
-        self.openapi = msgspec.json.encode(p.openapi_schema())
+        self.openapi = msgspec.json.encode(p.openapi_schema(model_name))
 
     # -- plumbing ---------------------------------------------------------------------------------
     async def decode(self, request: Request, type_: type[S]) -> S:
@@ -176,7 +176,7 @@ class _Api:
             if len(body) > self.max_body_bytes:
                 raise ApiError(413, f"request body exceeds the limit of {self.max_body_bytes} bytes")
         try:
-            return msgspec.json.decode(bytes(body), type=type_)
+            return msgspec.json.decode(bytes(body), type=type_, strict=False)  # lax like pydantic: 2.0 and "2" are ints
         except msgspec.ValidationError as exc:
             path = re.search(r"at `\$\.?([^`]*)`", str(exc))
             raise ApiError(400, str(exc), path.group(1) or None if path else None) from None

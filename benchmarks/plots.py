@@ -1,0 +1,122 @@
+"""PNG plots of benchmark results: latency CDFs, throughput against request rate, per-case bars.
+
+Inputs are the run dicts that ``serve_bench.run_benchmark`` returns, grouped by engine name.
+Plots are written with matplotlib's Agg backend (no display needed); each function returns the
+paths it wrote, and writes nothing when there is nothing to show.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from matplotlib.ticker import NullFormatter  # noqa: E402
+
+_CDF_METRICS = (
+    ("ttft_ms", "TTFT"),
+    ("itl_ms", "inter-token latency"),
+    ("tpot_ms", "TPOT"),
+    ("e2e_ms", "end-to-end"),
+)
+
+
+def _samples(run: dict[str, Any], key: str) -> list[float]:
+    rows = [r for r in run["requests"] if r["error"] is None]
+    if key == "itl_ms":
+        return [g for r in rows for g in r["itl_ms"] if g is not None]
+    return [r[key] for r in rows if r[key] is not None]
+
+
+def plot_cdfs(groups: Mapping[str, Sequence[dict[str, Any]]], path: Path, title: str) -> list[Path]:
+    """One panel per latency metric, one empirical-CDF line per (group, run)."""
+    if not any(groups.values()):
+        return []
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    for ax, (key, name) in zip(axes.flat, _CDF_METRICS, strict=True):
+        for group, runs in groups.items():
+            for run in runs:
+                xs = np.sort(np.asarray(_samples(run, key)))
+                if len(xs) == 0:
+                    continue
+                label = group if len(runs) == 1 else f"{group} {run['meta']['label']}"
+                ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=label, drawstyle="steps-post")
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())  # minor labels of a log axis overlap
+        ax.set_xlabel(f"{name} (ms, log scale)")
+        ax.set_ylabel("fraction of samples")
+        ax.grid(True, which="both", alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+def plot_rate_sweep(groups: Mapping[str, Sequence[dict[str, Any]]], path: Path, title: str) -> list[Path]:
+    """Output throughput and TTFT p50 against offered request rate, one line per group with 2+ rates."""
+    series = {}
+    for group, runs in groups.items():
+        pts = sorted((r["meta"]["request_rate"], r["summary"]) for r in runs if r["meta"].get("request_rate"))
+        if len({rate for rate, _ in pts}) >= 2:
+            series[group] = pts
+    if not series:
+        return []
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for group, pts in series.items():
+        rates = [rate for rate, _ in pts]
+        left.plot(rates, [s["output_throughput"] for _, s in pts], marker="o", label=group)
+        right.plot(rates, [s["ttft"]["p50_ms"] or np.nan for _, s in pts], marker="o", label=group)
+    left.set_xlabel("offered request rate (req/s)")
+    left.set_ylabel("output tokens/s")
+    right.set_xlabel("offered request rate (req/s)")
+    right.set_ylabel("TTFT p50 (ms)")
+    right.set_yscale("log")
+    for ax in (left, right):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+def plot_bars(
+    values: Mapping[str, Mapping[str, float | None]], path: Path, ylabel: str, title: str
+) -> list[Path]:
+    """Grouped bars: ``values[case][engine]``; missing or None values leave a gap."""
+    cases = list(values)
+    engines = list(dict.fromkeys(e for case in values.values() for e in case))
+    if not cases or not engines:
+        return []
+    width = 0.8 / len(engines)
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.4 * len(cases) * len(engines) / 2), 4.5))
+    for i, engine in enumerate(engines):
+        ys = [values[c].get(engine) for c in cases]
+        xs = np.arange(len(cases)) + (i - (len(engines) - 1) / 2) * width
+        ax.bar(xs, [np.nan if y is None else y for y in ys], width, label=engine)
+    ax.set_xticks(np.arange(len(cases)), cases, rotation=20, ha="right")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+def plot_runs(groups: Mapping[str, Sequence[dict[str, Any]]], out_dir: Path, stem: str) -> list[Path]:
+    """The CDF plot and, when some group swept the rate, the throughput-vs-rate plot."""
+    out = plot_cdfs(groups, out_dir / f"{stem}-latency-cdf.png", f"{stem}: latency CDFs")
+    return out + plot_rate_sweep(
+        groups, out_dir / f"{stem}-throughput-vs-rate.png", f"{stem}: throughput vs rate"
+    )
