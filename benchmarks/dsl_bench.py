@@ -110,8 +110,10 @@ def bench_constraints(model: str | None, batch: int, max_tokens: int) -> dict[st
         for i in range(batch)
     ]
     out: dict[str, Any] = {"batch": batch, "max_tokens": max_tokens}
-    for name, extra in (("unconstrained", {}), ("json_schema", {"json_schema": SCHEMA})):
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=0, ignore_eos=not extra, **extra)
+    for name, schema in (("unconstrained", None), ("json_schema", SCHEMA)):
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=0.8, seed=0, ignore_eos=schema is None, json_schema=schema
+        )
         engine.generate(prompts[:2], SamplingParams(max_tokens=2))
         steps0, t0 = engine.num_steps, time.perf_counter()
         res = engine.generate(prompts, params)
@@ -130,8 +132,8 @@ def bench_constraints(model: str | None, batch: int, max_tokens: int) -> dict[st
         t0 = time.perf_counter()
         mask = batch_mask(matchers, vocab)
         apply_mask(logits, mask)
-        tokens = logits.argmax(-1).tolist()
-        for m, t in zip(matchers, tokens, strict=True):
+        picked = logits.argmax(-1).tolist()
+        for m, t in zip(matchers, picked, strict=True):
             if not m.is_terminated():
                 m.accept(t)
         t_mask += time.perf_counter() - t0

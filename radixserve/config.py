@@ -28,6 +28,7 @@ class EngineConfig:
     eviction_policy: str = "lru"
     attention_backend: str = "auto"
     aging_s: float = 30.0  # waiting this long is worth one priority level
+    jump_forward: bool = False  # append grammar-forced tokens without a decode step each (may change outputs)
     debug_checks: bool = False  # check every cache invariant whenever the engine goes idle
 
     def __post_init__(self) -> None:

@@ -17,7 +17,14 @@ import torch
 from transformers import AutoTokenizer
 
 from radixserve.model.default_model import prepare_default_model
-from radixserve.sampling.grammar import GrammarCompiler, Matcher, apply_mask, batch_mask, strict_schema
+from radixserve.sampling.grammar import (
+    GrammarCompiler,
+    Matcher,
+    apply_mask,
+    batch_mask,
+    strict_schema,
+    unpack_bits,
+)
 from radixserve.sampling.params import SamplingParams
 
 EOS = 2
@@ -186,3 +193,13 @@ def test_strict_schema() -> None:
     assert out["$defs"]["d"]["anyOf"][0]["additionalProperties"] is False
     assert "additionalProperties" not in out["$defs"]["d"]["anyOf"][1]
     assert "additionalProperties" not in schema  # the input is not modified
+
+
+def test_torch_unpack_matches_the_cpu_path(compiler: GrammarCompiler) -> None:
+    """The GPU path unpacks with torch ops; on the CPU it must agree with numpy's unpackbits."""
+    m = compiler.matcher(SamplingParams(regex="[a-c]+x"))
+    packed = torch.zeros(1, m.words, dtype=torch.int32)
+    m.fill_bitmask(packed[0])
+    cpu = batch_mask([m], MODEL_VOCAB)
+    assert cpu is not None
+    assert torch.equal(unpack_bits(packed)[0, :49152], cpu[0, :49152])

@@ -28,6 +28,7 @@ from radixserve.model.loader import load_model, load_tokenizer, resolve_model_pa
 from radixserve.model.runner import ModelRunner, SeqChunk
 from radixserve.outputs import RequestOutput, TokenLogprob
 from radixserve.sampling.detokenizer import TextStream
+from radixserve.sampling.grammar import GrammarCompiler, Matcher, batch_mask
 from radixserve.sampling.params import SamplingParams
 from radixserve.sampling.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
 
@@ -80,6 +81,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv, cfg.max_running_requests, cfg.max_batched_tokens, cfg.schedule_policy, cfg.aging_s)
         self.runner = ModelRunner(self.model, self.kv_pool, select_backend(cfg.attention_backend, self.device), self.device)
         self.sampler = Sampler()
+        self._grammar: GrammarCompiler | None = None  # built on the first constrained request
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._groups: dict[str, list[Request]] = {}
         self._ids = itertools.count()
@@ -108,6 +110,8 @@ class Engine:
         params.validate(self.model.config.vocab_size)
         token_ids = self.tokenize(prompt)
         self._check_prompt(token_ids, params)
+        if params.constrained:
+            self.grammar_compiler.validate(params)
         if isinstance(priority, str):
             if priority not in PRIORITY_NAMES:
                 raise ValueError(f"priority must be an integer or one of {sorted(PRIORITY_NAMES)}, got {priority!r}")
@@ -191,6 +195,12 @@ class Engine:
     def flush_cache(self) -> bool:
         return self.kv.flush()
 
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        if self._grammar is None:
+            self._grammar = GrammarCompiler(self.tokenizer, self.model.config.vocab_size)
+        return self._grammar
+
     # -- the step loop ----------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """One engine iteration: admit and abort, schedule, one forward, sample, postprocess."""
@@ -228,24 +238,52 @@ class Engine:
             [r.params for r in reqs], [r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs],
             [r.generator for r in reqs], self.device,
         )  # fmt: skip
-        sampled = self.sampler(logits[rows], sb)
+        matchers = [self._matcher(r) for r in reqs]
+        mask = batch_mask(matchers, logits.shape[-1], logits.device)
+        sampled = self.sampler(logits[rows], sb, mask)
         token_lps = sampled.token_logprobs([r.params.logprobs for r in reqs])
         now = time.monotonic()
         outputs = []
-        for r, token, lp in zip(reqs, sampled.tokens.tolist(), token_lps):
-            r.token_ids.append(token)
-            self.generation_tokens += 1
+        for r, matcher, token, lp in zip(reqs, matchers, sampled.tokens.tolist(), token_lps):
+            first = r.num_output_tokens == 0
             if r.first_token_time is None:
                 r.first_token_time = now
-            text, finish, stop = r.stream.append(token)
-            first = r.num_output_tokens == 1
+            tokens = [token]
+            if matcher is not None and self.config.jump_forward:
+                matcher.accept(token)
+                tokens += matcher.forced_tokens()  # computed next step as one chunk, not one step each
+                for t in tokens[1:]:
+                    matcher.accept(t)
+            elif matcher is not None:
+                matcher.accept(token)
+            text, finish, stop, appended = self._append_tokens(r, tokens)
+            if finish is None and matcher is not None and matcher.is_terminated():
+                finish = "stop"  # the grammar is complete: only EOS could follow
             outputs.append(StepOutput(
-                r.group_id, r.index, [token], text, None if lp is None else [lp], finish, stop,
+                r.group_id, r.index, appended, text, None if lp is None else [lp], finish, stop,
                 r.num_cached_tokens, now, r.prompt_logprobs if first else None,
             ))  # fmt: skip
             if finish is not None:
                 self._finish(r, finish)
         return outputs
+
+    def _append_tokens(self, req: Request, tokens: list[int]) -> tuple[str, str | None, str | int | None, list[int]]:
+        text, finish, stop = "", None, None
+        appended = []
+        for t in tokens:
+            req.token_ids.append(t)
+            appended.append(t)
+            self.generation_tokens += 1
+            delta, finish, stop = req.stream.append(t)
+            text += delta
+            if finish is not None:
+                break
+        return text, finish, stop, appended
+
+    def _matcher(self, req: Request) -> Matcher | None:
+        if req.grammar is not None and not isinstance(req.grammar, Matcher):
+            req.grammar = req.grammar.result()  # scheduled only once compiled, so this never waits
+        return req.grammar
 
     # -- helpers ------------------------------------------------------------------------------------
     def _new_request(
@@ -258,6 +296,8 @@ class Engine:
         req = Request(f"{group_id}#{index}", group_id, index, list(token_ids), len(token_ids), params,
                       priority, cache_salt, now, generator=gen)  # fmt: skip
         req.stream = TextStream(self.tokenizer, params, token_ids, self.eos_token_ids)
+        if params.constrained:
+            req.grammar = self.grammar_compiler.submit(params)
         return req
 
     def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:

@@ -46,6 +46,7 @@ class Request:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     cache_node: Any = None  # the locked radix node covering the shared prefix, if any
     stream: Any = None  # the TextStream that detokenizes and checks stops
+    grammar: Any = None  # a Future of the constraint's Matcher while compiling, then the Matcher
     first_token_time: float | None = None
     finish_reason: str | None = None
 
@@ -64,6 +65,11 @@ class Request:
     @property
     def prompt_token_ids(self) -> list[int]:
         return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def grammar_ready(self) -> bool:
+        """False while the request's constraint still compiles: it must not be scheduled yet."""
+        return self.grammar is None or not hasattr(self.grammar, "done") or self.grammar.done()
 
     @property
     def num_pending_tokens(self) -> int:

@@ -82,6 +82,8 @@ class Scheduler:
         for req in order_waiting(self.waiting, self.policy, self.kv.match, self.aging_s):
             if budget <= 0:
                 break
+            if not req.grammar_ready:  # compiling on a worker thread; others go ahead meanwhile
+                continue
             cached = self.kv.match(req)
             if self._shares_inflight_prefix(req, cached, inflight):
                 continue

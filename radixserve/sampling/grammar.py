@@ -268,12 +268,17 @@ def batch_mask(
         out[index, :width] = bits[:, :width]
         out[index, width:] = False
         return torch.from_numpy(out)
-    gpu_bits = ((packed.to(device).unsqueeze(-1) >> _BITS.to(device)) & 1).view(len(rows), words * 32).bool()
+    gpu_bits = unpack_bits(packed.to(device))
     mask = torch.ones(len(matchers), vocab_size, dtype=torch.bool, device=device)
     rows_t = torch.tensor(index, device=device)
     mask[rows_t, :width] = gpu_bits[:, :width]
     mask[rows_t, width:] = False
     return mask
+
+
+def unpack_bits(packed: torch.Tensor) -> torch.Tensor:
+    """Bool [R, 32 * W] from int32 [R, W] llguidance masks, with torch ops (bit i of word w = token 32w + i)."""
+    return ((packed.unsqueeze(-1) >> _BITS.to(packed.device)) & 1).view(packed.shape[0], -1).bool()
 
 
 def apply_mask(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
