@@ -20,9 +20,9 @@ TEXTS = [
 SCHEMA = {
     "type": "object",
     "properties": {
-        "name": {"type": "string", "maxLength": 40},
+        "name": {"type": "string", "pattern": "^[A-Za-z .'-]{1,24}$"},
         "age": {"type": "integer", "minimum": 0, "maximum": 130},
-        "city": {"type": "string", "maxLength": 40},
+        "city": {"type": "string", "pattern": "^[A-Za-z .'-]{1,24}$"},
     },
     "required": ["name", "age", "city"],
     "additionalProperties": False,
@@ -32,7 +32,7 @@ SCHEMA = {
 @rf.function
 def extract(s: rf.ProgramState, text: str) -> None:
     s += rf.system("Extract the person as JSON with keys name, age and city.")
-    s += rf.user(text) + rf.assistant(rf.gen("record", max_tokens=64, json_schema=SCHEMA, temperature=0))
+    s += rf.user(text) + rf.assistant(rf.gen("record", max_tokens=128, json_schema=SCHEMA, temperature=0))
 
 
 def main(argv: list[str] | None = None) -> None:

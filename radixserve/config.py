@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from radixserve.cache.tiers import WRITE_POLICIES
 from radixserve.engine.policy import POLICIES
 from radixserve.model.attention import BACKENDS
 
@@ -30,6 +31,12 @@ class EngineConfig:
     aging_s: float = 30.0  # waiting this long is worth one priority level
     jump_forward: bool = False  # append grammar-forced tokens without a decode step each (may change outputs)
     debug_checks: bool = False  # check every cache invariant whenever the engine goes idle
+    # Tiers beneath the device pool (docs/cache.md); 0 GB means no such tier.
+    host_cache_gb: float = 0.0
+    disk_cache_gb: float = 0.0
+    disk_cache_dir: str | None = None  # survives restarts; entries of another model are deleted
+    write_policy: str = "write_through"  # write_through | write_through_selective | write_back
+    write_through_threshold: int = 2  # hits before write_through_selective copies a node down
 
     def __post_init__(self) -> None:
         if not 1 <= self.page_size <= 64:
@@ -48,6 +55,14 @@ class EngineConfig:
             raise ValueError(f"eviction_policy must be one of {EVICTION_POLICIES}, got {self.eviction_policy!r}")
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
+        if self.host_cache_gb < 0 or self.disk_cache_gb < 0:
+            raise ValueError("host_cache_gb and disk_cache_gb must be >= 0")
+        if (self.disk_cache_gb > 0) != bool(self.disk_cache_dir):
+            raise ValueError("a disk tier needs both disk_cache_gb > 0 and disk_cache_dir")
+        if self.write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
+        if self.write_through_threshold < 1:
+            raise ValueError(f"write_through_threshold must be >= 1, got {self.write_through_threshold}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
 

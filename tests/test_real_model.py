@@ -73,6 +73,7 @@ def test_prefix_cache_is_exact_on_chat_and_rag(smollm_dir: Path) -> None:
     params = SamplingParams(max_tokens=16, temperature=0)
 
     history: list[dict[str, str]] = [{"role": "system", "content": "You are a helpful assistant."}]
+    previous_len = 0  # tokens of the previous turn's prompt + answer
     for turn, question in enumerate(["Hi! Who are you?", "Name a fruit.", "What colour is it?", "Thanks, bye."]):
         history.append({"role": "user", "content": question})
         ids = on.apply_chat_template(history)

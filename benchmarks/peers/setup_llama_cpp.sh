@@ -29,9 +29,13 @@ if [[ -z "$LLAMA_SRC" || "$LLAMA_SRC" == "." ]]; then
   echo "no llama.cpp/CMakeLists.txt inside the sdist at $SRC" >&2
   exit 1
 fi
+# This VM's cpuid lists AMX, but AMX tile instructions trap (SIGILL) at model load, so -march=native
+# is kept and AMX alone is switched off (explicit -mno-* flags win over what -march implies).
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 cmake -S "$LLAMA_SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON \
+  -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX" \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF \
   -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF
 cmake --build "$BUILD" --target llama-server -j "$JOBS"
 "$BIN" --version
-echo "llama-server built: $BIN"
+echo "llama-server built: $BIN (check it with: run_llama_server.sh <port>, then one request)"

@@ -16,24 +16,53 @@ adapter id) has its own root, so two namespaces never share a page. Invariants, 
 
 Only unlocked leaves are evicted, so whatever a locked node's path covers stays matchable.
 ``last_access`` is a counter, not wall time, so eviction order is deterministic.
+
+With ``lower`` tiers (host RAM, disk; see ``cache/tiers.py``) every node also carries the chain key of
+each of its pages (``hashes[i]`` is ``page_key`` of the key before it), so ``hashes`` always has one
+entry per page and the chain runs unbroken from the namespace's seed. ``backed_up`` records that the
+node's pages were copied to the lower tiers; pages evicted from the device without that copy go to
+``on_evict`` first (write-back). ``match_prefix`` reports the pages beyond the device match that the
+lower tiers hold, and which tier holds each.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterator, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from typing import NamedTuple, Protocol
+
+from radixserve.cache.tiers import namespace_key, page_key
 
 _EVICTION_POLICIES = ("lru", "lfu", "priority")
+
+
+class LowerTiers(Protocol):
+    """What the tree needs of the stores beneath it (``TieredStore`` is one)."""
+
+    seed: bytes  # the model fingerprint: the root of every key chain
+
+    def lookup(self, keys: Iterable[bytes]) -> list[int]:
+        """For the leading keys held below, the index of the fastest tier holding each."""
+        ...
 
 
 class TreeNode:
     """One edge of the tree: a page-aligned run of tokens and the pages that hold their KV."""
 
     __slots__ = (
-        "key", "pages", "parent", "children", "lock_ref", "last_access",
-        "hit_count", "priority", "namespace", "is_root",
+        "key",
+        "pages",
+        "parent",
+        "children",
+        "lock_ref",
+        "last_access",
+        "hit_count",
+        "priority",
+        "namespace",
+        "is_root",
+        "hashes",
+        "backed_up",
     )
 
     def __init__(
@@ -55,6 +84,8 @@ class TreeNode:
         self.priority = 0
         self.namespace = namespace
         self.is_root = is_root
+        self.hashes: list[bytes] = []  # chain key of each page; empty without lower tiers
+        self.backed_up = False  # the pages have been copied to the lower tiers
 
     def __repr__(self) -> str:
         return f"TreeNode(key={self.key}, pages={self.pages}, lock_ref={self.lock_ref})"
@@ -64,6 +95,8 @@ class MatchResult(NamedTuple):
     node: TreeNode  # deepest node of the match (a root if none); lock it to keep ``pages`` valid
     pages: list[int]  # pages covering the first ``num_tokens`` tokens
     num_tokens: int  # == len(pages) * page_size
+    lower_keys: tuple[bytes, ...] = ()  # keys of the pages right after the match that lower tiers hold
+    lower_tiers: tuple[int, ...] = ()  # the fastest lower tier holding each of them
 
 
 class InsertResult(NamedTuple):
@@ -79,6 +112,8 @@ class RadixCache:
         page_size: int,
         eviction_policy: str = "lru",
         on_free: Callable[[list[int]], None] | None = None,
+        lower: LowerTiers | None = None,
+        on_evict: Callable[[list[int], list[bytes]], None] | None = None,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -87,6 +122,8 @@ class RadixCache:
         self.page_size = page_size
         self.eviction_policy = eviction_policy
         self.on_free = on_free
+        self.lower = lower
+        self.on_evict = on_evict  # gets pages about to be freed that have no lower copy, with their keys
         self._clock = 0
         self._evictable = 0
         self._protected = 0
@@ -113,7 +150,7 @@ class RadixCache:
 
         Lock ``result.node`` before anything can evict, or ``result.pages`` may be freed.
         """
-        node, num_tokens = self._walk(tokens, namespace)
+        node, num_tokens, key = self._walk(tokens, namespace)
         runs: list[list[int]] = []
         time = self._tick()
         path = node
@@ -123,14 +160,25 @@ class RadixCache:
             runs.append(path.pages)
             path = self._parent(path)
         pages = [p for run in reversed(runs) for p in run]
-        return MatchResult(node, pages, num_tokens)
+        keys, tiers = self._lower_match(key, tokens, num_tokens)
+        return MatchResult(node, pages, num_tokens, tuple(keys), tuple(tiers))
 
-    def prefix_len(self, tokens: Sequence[int], namespace: Hashable = None) -> int:
+    def prefix_len(self, tokens: Sequence[int], namespace: Hashable = None, lower: bool = False) -> int:
         """How many tokens ``match_prefix`` would match, changing nothing (no split, no access, no hit).
 
-        For ordering and admission decisions that must not count as cache hits.
+        For ordering and admission decisions that must not count as cache hits. With ``lower``, the
+        tokens the lower tiers hold right after the device match count too.
         """
-        return self._walk(tokens, namespace, split=False)[1]
+        _, num_tokens, key = self._walk(tokens, namespace, split=False)
+        if lower:
+            num_tokens += len(self._lower_match(key, tokens, num_tokens)[1]) * self.page_size
+        return num_tokens
+
+    def path(self, node: TreeNode) -> Iterator[TreeNode]:
+        """``node`` and its ancestors, roots excluded."""
+        while not node.is_root:
+            yield node
+            node = self._parent(node)
 
     def insert(
         self, tokens: Sequence[int], pages: Sequence[int], namespace: Hashable = None, priority: int = 0
@@ -145,7 +193,7 @@ class RadixCache:
         num_pages = len(tokens) // ps
         if len(pages) != num_pages:
             raise ValueError(f"{len(tokens)} tokens fill {num_pages} pages of {ps}, got {len(pages)} pages")
-        node, num_existing = self._walk(tokens, namespace)
+        node, num_existing, key = self._walk(tokens, namespace)
         time = self._tick()
         if num_existing < num_pages * ps:
             leaf = TreeNode(
@@ -154,6 +202,8 @@ class RadixCache:
                 node,
                 namespace,
             )
+            if self.lower is not None:
+                leaf.hashes = list(self._chain(key, leaf.key, 0, len(leaf.key)))
             node.children[self._child_key(leaf.key)] = leaf
             self._evictable += len(leaf.pages)
             node = leaf
@@ -199,12 +249,17 @@ class RadixCache:
         heap = [(self._eviction_key(n), id(n), n) for n in self._nodes() if self._is_evictable_leaf(n)]
         heapq.heapify(heap)
         freed: list[int] = []
+        demote: tuple[list[int], list[bytes]] = ([], [])
         while heap and len(freed) < num_pages:
             _, _, leaf = heapq.heappop(heap)
             need = num_pages - len(freed)
+            if not leaf.backed_up and self.on_evict is not None:
+                demote[0].extend(leaf.pages[-need:])
+                demote[1].extend(leaf.hashes[-need:])
             if len(leaf.pages) > need:
                 freed += leaf.pages[-need:]
                 del leaf.pages[-need:]
+                del leaf.hashes[len(leaf.pages) :]
                 leaf.key = leaf.key[: len(leaf.pages) * self.page_size]
                 break
             freed += leaf.pages
@@ -217,6 +272,8 @@ class RadixCache:
             elif parent.is_root and not parent.children and parent.namespace is not None:
                 del self._roots[parent.namespace]  # salts come and go; don't keep their empty roots
         self._evictable -= len(freed)
+        if demote[0] and self.on_evict is not None:
+            self.on_evict(*demote)
         if freed and self.on_free is not None:
             self.on_free(freed)
         return len(freed)
@@ -260,17 +317,28 @@ class RadixCache:
                 assert key == self._child_key(child.key), f"{child!r} is filed under key {key!r}"
             if node.is_root:
                 continue
-            assert node.key and len(node.key) % ps == 0, f"{node!r}: key length not a positive multiple of {ps}"
+            assert node.key and len(node.key) % ps == 0, (
+                f"{node!r}: key length not a positive multiple of {ps}"
+            )
             assert len(node.pages) == len(node.key) // ps, f"{node!r}: {len(node.pages)} pages for its key"
-            assert node.namespace == self._parent(node).namespace, f"{node!r} is in another namespace than its parent"
+            assert node.namespace == self._parent(node).namespace, (
+                f"{node!r} is in another namespace than its parent"
+            )
+            if self.lower is not None:
+                chain = list(self._chain(self._last_key(self._parent(node)), node.key, 0, len(node.key)))
+                assert node.hashes == chain, f"{node!r}: page keys do not continue its parent's chain"
             child_locks = sum(c.lock_ref for c in node.children.values())
             assert node.lock_ref >= child_locks, f"{node!r}: lock_ref below its children's sum {child_locks}"
             if node.lock_ref:
                 protected += len(node.pages)
             else:
                 evictable += len(node.pages)
-        assert evictable == self._evictable, f"evictable_pages is {self._evictable}, the tree holds {evictable}"
-        assert protected == self._protected, f"protected_pages is {self._protected}, the tree holds {protected}"
+        assert evictable == self._evictable, (
+            f"evictable_pages is {self._evictable}, the tree holds {evictable}"
+        )
+        assert protected == self._protected, (
+            f"protected_pages is {self._protected}, the tree holds {protected}"
+        )
         tree = self.all_pages()
         assert len(set(tree)) == len(tree), f"pages held twice in the tree: {_duplicates(tree)}"
         if free_pages is None and total_pages is None:
@@ -286,11 +354,18 @@ class RadixCache:
 
     # ---- internals ----
 
-    def _walk(self, tokens: Sequence[int], namespace: Hashable, split: bool = True) -> tuple[TreeNode, int]:
-        """Deepest node matching ``tokens`` and the matched token count, splitting a node matched in part."""
+    def _walk(
+        self, tokens: Sequence[int], namespace: Hashable, split: bool = True
+    ) -> tuple[TreeNode, int, bytes]:
+        """Deepest node matching ``tokens``, the matched token count and the chain key after them.
+
+        A node matched in part is split (unless ``split`` is False: then its parent is returned). The key is
+        ``b""`` without lower tiers.
+        """
         ps = self.page_size
         end = len(tokens) // ps * ps
         node = self._root(namespace)
+        key = self._last_key(node)
         i = 0
         while i < end:
             child = node.children.get(self._child_key(tokens[i : i + ps]))
@@ -298,11 +373,39 @@ class RadixCache:
                 break
             n = _common_prefix(child.key, tokens, i, end) // ps * ps
             i += n
+            if child.hashes:
+                key = child.hashes[n // ps - 1]
             if n < len(child.key):
                 node = self._split(child, n) if split else node
                 break
             node = child
-        return node, i
+        return node, i, key
+
+    def _last_key(self, node: TreeNode) -> bytes:
+        if self.lower is None:
+            return b""
+        return namespace_key(self.lower.seed, node.namespace) if node.is_root else node.hashes[-1]
+
+    def _chain(self, key: bytes, tokens: Sequence[int], start: int, end: int) -> Iterator[bytes]:
+        """Keys of the whole pages of ``tokens[start:end]``, continuing the chain from ``key``."""
+        ps = self.page_size
+        for i in range(start, start + (end - start) // ps * ps, ps):
+            key = page_key(key, tokens[i : i + ps])
+            yield key
+
+    def _lower_match(self, key: bytes, tokens: Sequence[int], start: int) -> tuple[list[bytes], list[int]]:
+        """Keys and tiers of the pages of ``tokens`` from ``start`` on that the lower tiers hold, in a row."""
+        if self.lower is None:
+            return [], []
+        keys: list[bytes] = []
+
+        def chain() -> Iterator[bytes]:  # lazily: the lookup stops at the first miss
+            for k in self._chain(key, tokens, start, len(tokens)):
+                keys.append(k)
+                yield k
+
+        tiers = self.lower.lookup(chain())
+        return keys[: len(tiers)], tiers
 
     def _split(self, node: TreeNode, n: int) -> TreeNode:
         """Cut ``node`` after ``n`` tokens; the new upper node is returned, ``node`` keeps the tail.
@@ -316,6 +419,9 @@ class RadixCache:
         upper.last_access = node.last_access
         upper.hit_count = node.hit_count
         upper.priority = node.priority
+        upper.backed_up = node.backed_up
+        upper.hashes = node.hashes[: n // self.page_size]
+        node.hashes = node.hashes[n // self.page_size :]
         parent.children[self._child_key(upper.key)] = upper
         node.key = node.key[n:]
         node.pages = node.pages[n // self.page_size :]

@@ -11,12 +11,13 @@ import queue
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from radixserve.cache.page_pool import KVPool
+from radixserve.cache.tiers import make_tiers
 from radixserve.config import EngineConfig
 from radixserve.engine.kv_manager import KVCacheManager
 from radixserve.engine.output import OutputAssembler, StepOutput
@@ -26,7 +27,7 @@ from radixserve.engine.scheduler import ScheduledBatch, Scheduler
 from radixserve.model.attention import select_backend
 from radixserve.model.loader import load_model, load_tokenizer, resolve_model_path
 from radixserve.model.runner import ModelRunner, SeqChunk
-from radixserve.outputs import RequestOutput, TokenLogprob
+from radixserve.outputs import RequestOutput
 from radixserve.sampling.detokenizer import TextStream
 from radixserve.sampling.grammar import GrammarCompiler, Matcher, batch_mask
 from radixserve.sampling.params import SamplingParams
@@ -51,6 +52,7 @@ class EngineStats:
     num_steps: int
     prompt_tokens: int
     generation_tokens: int
+    tiers: dict[str, dict[str, float]] = field(default_factory=dict)  # per tier (device/host/disk): TierStats
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -77,7 +79,9 @@ class Engine:
         page_bytes = KVPool.bytes_per_page(mcfg.num_layers, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim, self.dtype)
         num_pages = cfg.num_pages or max(1, int(cfg.kv_cache_gb * 2**30) // page_bytes)
         self.kv_pool = KVPool(mcfg.num_layers, num_pages, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim, self.dtype, self.device)
-        self.kv = KVCacheManager(num_pages, cfg.page_size, cfg.prefix_cache, cfg.eviction_policy)
+        tiers = make_tiers(self.kv_pool, self.model, mcfg, int(cfg.host_cache_gb * 2**30), int(cfg.disk_cache_gb * 2**30),
+                           cfg.disk_cache_dir, cfg.write_policy, cfg.write_through_threshold) if cfg.prefix_cache else None  # fmt: skip
+        self.kv = KVCacheManager(num_pages, cfg.page_size, cfg.prefix_cache, cfg.eviction_policy, self.kv_pool, tiers)
         self.scheduler = Scheduler(self.kv, cfg.max_running_requests, cfg.max_batched_tokens, cfg.schedule_policy, cfg.aging_s)
         self.runner = ModelRunner(self.model, self.kv_pool, select_backend(cfg.attention_backend, self.device), self.device)
         self.sampler = Sampler()
@@ -187,6 +191,7 @@ class Engine:
             len(self.scheduler.waiting), len(self.scheduler.running), kv.num_pages, kv.num_free, kv.num_cached,
             kv.num_in_use, kv.num_evictable, kv.query_tokens, kv.hit_tokens, kv.evicted_pages,
             self.scheduler.num_preemptions, self.num_steps, self.prompt_tokens, self.generation_tokens,
+            kv.tier_stats(),
         )  # fmt: skip
 
     def check_integrity(self) -> None:
@@ -194,6 +199,10 @@ class Engine:
 
     def flush_cache(self) -> bool:
         return self.kv.flush()
+
+    def close(self) -> None:
+        """Finish queued writes to the disk tier and stop the copy threads (the engine is done)."""
+        self.kv.close()
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:

@@ -5,28 +5,76 @@ tree (they stay valid because the request holds a lock on ``cache_node``), the r
 Pages are handed to the tree only whole and already computed, so a shared page is never written;
 a match ending inside a page is recomputed from the page boundary.
 
-Accounting invariant: free + cached (tree) + in-use (private) == total pages.
+With lower tiers (host RAM, disk: ``cache/tiers.py``), a waiting request whose prefix continues in
+them first gets a *load*: device pages are allocated for those pages, the path above them is locked,
+and the loader thread fills them; when it is done the pages join the tree (all of them, or none if a
+page had gone) and the load's lock is kept until the request is admitted, so nothing evicts them in
+between. Such a request is skipped by admission meanwhile (``prefetch``); others go ahead.
+
+Accounting invariant: free + cached (tree) + in-use (private, and pages being loaded) == total pages.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
+from functools import partial
 
-from radixserve.cache.page_pool import PageAllocator
-from radixserve.cache.radix import RadixCache
+import torch
+
+from radixserve.cache.page_pool import KVPool, PageAllocator
+from radixserve.cache.radix import RadixCache, TreeNode
+from radixserve.cache.tiers import TieredStore
 from radixserve.engine.request import Request
+from radixserve.kernels.reference import gather_pages, scatter_pages
+
+
+@dataclass(eq=False)
+class _Load:
+    """Pages of one request's prefix coming back from the lower tiers into ``pages``."""
+
+    req: Request | None  # None once the request has gone (aborted)
+    tokens: list[int]  # the prefix that ends with the loaded pages
+    namespace: str | None
+    node: TreeNode  # locked by the load: the device match above the pages, then the node that ends them
+    prefix_pages: list[int]  # the tree's pages before the loaded ones
+    pages: list[int]  # device pages being filled; the tree's once ready
+    future: Future[bool]
+    ready: bool = False
 
 
 class KVCacheManager:
-    def __init__(self, num_pages: int, page_size: int, prefix_cache: bool, eviction_policy: str = "lru") -> None:
+    def __init__(
+        self, num_pages: int, page_size: int, prefix_cache: bool, eviction_policy: str = "lru",
+        pool: KVPool | None = None, tiers: TieredStore | None = None,
+    ) -> None:  # fmt: skip
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)
-        self.tree = RadixCache(page_size, eviction_policy, on_free=self.allocator.free) if prefix_cache else None
+        self.pool = pool
+        self.tiers = tiers if prefix_cache and pool is not None else None
+        write_back = self.tiers is not None and self.tiers.write_policy == "write_back"
+        self.tree = (
+            RadixCache(
+                page_size,
+                eviction_policy,
+                self.allocator.free,
+                self.tiers,
+                self._demote if write_back else None,
+            )
+            if prefix_cache
+            else None
+        )
         self._tree_pages: dict[Request, int] = {}
         self._private = 0  # pages held privately by requests
+        self._loads: list[_Load] = []
+        self._loading = 0  # pages held by loads in flight
         self.query_tokens = 0
         self.hit_tokens = 0
         self.evicted_pages = 0
+        self.device_hit_pages = 0
+        self.num_loads = 0
+        self.failed_loads = 0
 
     # -- sizes --------------------------------------------------------------------------------
     @property
@@ -43,7 +91,7 @@ class KVCacheManager:
 
     @property
     def num_in_use(self) -> int:
-        return self._private
+        return self._private + self._loading
 
     @property
     def num_evictable(self) -> int:
@@ -55,25 +103,43 @@ class KVCacheManager:
 
     # -- admission ------------------------------------------------------------------------------
     def match(self, req: Request) -> int:
-        """Tokens of ``req`` whose KV the tree holds (page-aligned), without taking anything."""
-        if self.tree is None or req.params.prompt_logprobs is not None:
+        """Tokens of ``req`` whose KV is cached in any tier (page-aligned), without taking anything."""
+        usable = self._usable(req)
+        if self.tree is None or not usable:
+            return 0
+        return self.tree.prefix_len(req.token_ids[:usable], req.cache_salt, lower=self.tiers is not None)
+
+    def match_device(self, req: Request) -> int:
+        """Tokens of ``req`` whose KV the device pool holds (page-aligned), without taking anything."""
+        usable = self._usable(req)
+        if self.tree is None or not usable:
+            return 0
+        return self.tree.prefix_len(req.token_ids[:usable], req.cache_salt)
+
+    def _usable(self, req: Request) -> int:
+        if req.params.prompt_logprobs is not None:
             return 0  # prompt logprobs need the logits of every prompt position, so nothing is reused
         # At least one token must be computed to get logits, so the last token never counts as cached.
-        usable = ((req.num_tokens - 1) // self.page_size) * self.page_size
-        return self.tree.prefix_len(req.token_ids[:usable], req.cache_salt)
+        return ((req.num_tokens - 1) // self.page_size) * self.page_size
 
     def admit(self, req: Request, num_new_tokens: int) -> bool:
         """Reuse the cached prefix of ``req`` and allocate pages for ``num_new_tokens`` beyond it.
 
         Returns False, holding nothing, when the pages cannot be had even after eviction.
         """
-        cached = self.match(req)
+        cached = self.match_device(req)
         pages: list[int] = []
         node = None
         if self.tree is not None and cached:
             result = self.tree.match_prefix(req.token_ids[:cached], req.cache_salt)
             node, pages = result.node, list(result.pages)
             self.tree.lock(node)
+            if self.tiers is not None and self.tiers.write_policy == "write_through_selective":
+                for n in self.tree.path(node):
+                    if n.hit_count >= self.tiers.write_through_threshold:
+                        self._backup(n)
+        loaded = len(req.kv_load.pages) if req.kv_load is not None else 0
+        self.forget_load(req)  # the request's own lock covers the loaded pages from now on
         req.page_table = pages
         req.cache_node = node
         self._tree_pages[req] = len(pages)
@@ -83,6 +149,7 @@ class KVCacheManager:
         if req.num_preemptions == 0:  # a resumed request re-reading its own prefix is not a new hit
             self.query_tokens += req.num_tokens
             self.hit_tokens += cached
+            self.device_hit_pages += max(len(pages) - loaded, 0)
             req.num_cached_tokens = cached
         req.num_computed_tokens = cached
         return True
@@ -92,13 +159,126 @@ class KVCacheManager:
         need = -(-num_tokens // self.page_size) - len(req.page_table)
         if need <= 0:
             return True
-        if not self.allocator.can_allocate(need) and self.tree is not None:
-            self.evicted_pages += self.tree.evict(need - self.allocator.num_free)
-        if not self.allocator.can_allocate(need):
+        if not self._make_room(need):
             return False
         req.page_table.extend(self.allocator.allocate(need))
         self._private += need
         return True
+
+    def _make_room(self, need: int) -> bool:
+        if not self.allocator.can_allocate(need) and self.tree is not None:
+            self.evicted_pages += self.tree.evict(need - self.allocator.num_free)
+        return self.allocator.can_allocate(need)
+
+    # -- loads from the lower tiers -----------------------------------------------------------------
+    def prefetch(self, req: Request) -> bool:
+        """True while ``req`` must wait for its prefix to come back from the lower tiers.
+
+        Starts the load when the lower tiers hold pages right after the device match. A load that
+        cannot get device pages is not started: the request then computes those tokens instead.
+        """
+        if req.kv_load is not None:
+            return not req.kv_load.ready
+        usable = self._usable(req)
+        if self.tiers is None or self.tree is None or self.pool is None or not usable:
+            return False
+        tokens = req.token_ids[:usable]
+        if self.tree.prefix_len(tokens, req.cache_salt, lower=True) == self.tree.prefix_len(
+            tokens, req.cache_salt
+        ):
+            return False
+        if self._loading and self._loading + (usable // self.page_size) > self.num_pages // 2:
+            return True  # enough in flight already; this one starts when they land
+        m = self.tree.match_prefix(tokens, req.cache_salt)
+        n = len(m.lower_keys)
+        if n == 0:
+            return False
+        self.tree.lock(m.node)
+        if not self._make_room(n):
+            self.tree.unlock(m.node)
+            return False
+        pages = self.allocator.allocate(n)
+        self._loading += n
+        self.num_loads += 1
+        future = self.tiers.load(m.lower_keys, m.lower_tiers, partial(self._scatter, pages))
+        end = m.num_tokens + n * self.page_size
+        req.kv_load = _Load(req, tokens[:end], req.cache_salt, m.node, list(m.pages), pages, future)
+        self._loads.append(req.kv_load)
+        return True
+
+    def poll_loads(self) -> None:
+        """Put the pages of finished loads into the tree (or free them, if a load failed)."""
+        for load in [x for x in self._loads if not x.ready and x.future.done()]:
+            self._land(load)
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Block until a load in flight finishes or ``timeout`` passes (when there is nothing else to do)."""
+        pending = [x.future for x in self._loads if not x.ready]
+        if pending:
+            wait(pending, timeout, return_when=FIRST_COMPLETED)
+
+    def forget_load(self, req: Request) -> None:
+        """``req`` is admitted or gone: drop its load's lock (now, or when the load lands)."""
+        load, req.kv_load = req.kv_load, None
+        if load is None:
+            return
+        load.req = None
+        if load.ready:
+            self._release(load)
+
+    def _land(self, load: _Load) -> None:
+        assert self.tree is not None
+        self._loading -= len(load.pages)
+        load.ready = True
+        try:
+            ok = load.future.result()
+        except Exception:  # a broken store must cost a recompute, never the engine
+            ok = False
+        if ok:
+            r = self.tree.insert(load.tokens, load.prefix_pages + load.pages, load.namespace)
+            if r.num_existing < len(load.tokens):
+                r.node.backed_up = True  # its pages came from the lower tiers
+            m = self.tree.match_prefix(load.tokens, load.namespace)
+            self.tree.lock(m.node)
+            self.tree.unlock(load.node)
+            load.node = m.node
+            first = len(load.prefix_pages)
+            self.allocator.free([p for p, t in zip(load.pages, m.pages[first:]) if p != t])
+        else:
+            self.failed_loads += 1
+            self.allocator.free(load.pages)
+        if load.req is None:
+            self._release(load)
+
+    def _release(self, load: _Load) -> None:
+        assert self.tree is not None
+        self.tree.unlock(load.node)
+        self._loads.remove(load)
+
+    def _scatter(self, pages: list[int], data: torch.Tensor) -> None:
+        """Loader thread: write pages ``[n, 2, layers, page_size, heads, dim]`` into device ``pages``."""
+        assert self.pool is not None
+        idx = torch.tensor(pages, device=self.pool.k_buffer.device)
+        data = data.to(self.pool.k_buffer.device)
+        scatter_pages(self.pool.k_buffer, idx, data[:, 0].transpose(0, 1))
+        scatter_pages(self.pool.v_buffer, idx, data[:, 1].transpose(0, 1))
+
+    # -- copies to the lower tiers --------------------------------------------------------------------
+    def _gather(self, pages: list[int]) -> torch.Tensor:
+        assert self.pool is not None
+        idx = torch.tensor(pages, device=self.pool.k_buffer.device)
+        kv = torch.stack((gather_pages(self.pool.k_buffer, idx), gather_pages(self.pool.v_buffer, idx)))
+        return kv.permute(2, 0, 1, 3, 4, 5)  # [n, 2, layers, page_size, heads, dim]
+
+    def _backup(self, node: TreeNode) -> None:
+        if not node.backed_up and self.tiers is not None:
+            self.tiers.backup(node.hashes, self._gather(node.pages))
+            node.backed_up = True
+
+    def _demote(self, pages: list[int], keys: list[bytes]) -> None:
+        """Write-back: pages leaving the device without a lower copy get one now."""
+        if self.tiers is not None:
+            self.tiers.backup(keys, self._gather(pages))
 
     # -- handing pages to the tree ----------------------------------------------------------------
     def cache_computed(self, req: Request) -> None:
@@ -114,7 +294,13 @@ class KVCacheManager:
         if num_full <= owned:
             return
         key = req.token_ids[: num_full * self.page_size]
-        self.tree.insert(key, req.page_table[:num_full], req.cache_salt, req.priority)
+        inserted = self.tree.insert(key, req.page_table[:num_full], req.cache_salt, req.priority)
+        if (
+            self.tiers is not None
+            and self.tiers.write_policy == "write_through"
+            and inserted.num_existing < len(key)
+        ):
+            self._backup(inserted.node)
         result = self.tree.match_prefix(key, req.cache_salt)
         self.tree.lock(result.node)
         if req.cache_node is not None:
@@ -147,18 +333,43 @@ class KVCacheManager:
         """Drop every cached page; refused (False) while any request holds tree pages."""
         if self.tree is None:
             return True
-        if self.tree.protected_pages:
+        if self.tree.protected_pages or self._loads:
             return False
         self.tree.reset()
+        if self.tiers is not None:
+            self.tiers.clear()
         return True
+
+    def tier_stats(self) -> dict[str, dict[str, float]]:
+        """Per tier: hits, pages and bytes moved, load/backup seconds, occupancy (see TierStats)."""
+        page_bytes = 0
+        if self.pool is not None:
+            page_bytes = 2 * self.pool.k_buffer[:, 0].numel() * self.pool.k_buffer.element_size()
+        device = {
+            "hits": float(self.device_hit_pages), "evicted": float(self.evicted_pages),
+            "used_bytes": float((self.num_cached + self.num_in_use) * page_bytes),
+            "capacity_bytes": float(self.num_pages * page_bytes), "loads": float(self.num_loads),
+            "failed_loads": float(self.failed_loads), "loading_pages": float(self._loading),
+        }  # fmt: skip
+        return {"device": device, **(self.tiers.stats() if self.tiers is not None else {})}
+
+    def close(self) -> None:
+        """Finish queued disk writes and stop the copy threads."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     def check_integrity(self, running: Iterable[Request]) -> None:
         private = [p for r in running for p in r.page_table[self._tree_pages.get(r, 0) :]]
         assert len(private) == self._private, f"private page count {self._private} != {len(private)} held"
-        total = self.num_free + self.num_cached + self._private
+        loading = [p for x in self._loads if not x.ready for p in x.pages]
+        assert len(loading) == self._loading, f"loading page count {self._loading} != {len(loading)} held"
+        total = self.num_free + self.num_cached + self.num_in_use
         assert total == self.num_pages, f"free+cached+in-use = {total} != {self.num_pages} pages"
         if self.tree is not None:
-            self.tree.check_integrity(self.allocator.free_pages(), private, self.num_pages)
+            assert all(x.node.lock_ref > 0 for x in self._loads), "a load's path is not locked"
+            self.tree.check_integrity(self.allocator.free_pages(), private + loading, self.num_pages)
+            if self.tiers is not None:
+                self.tiers.check_integrity()
         else:
             seen = self.allocator.free_pages() + private
             assert sorted(seen) == list(range(self.num_pages)), "a page is lost or held twice"

@@ -45,6 +45,7 @@ class Request:
     generator: torch.Generator | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     cache_node: Any = None  # the locked radix node covering the shared prefix, if any
+    kv_load: Any = None  # while waiting: its prefix coming back from host/disk (KVCacheManager.prefetch)
     stream: Any = None  # the TextStream that detokenizes and checks stops
     grammar: Any = None  # a Future of the constraint's Matcher while compiling, then the Matcher
     first_token_time: float | None = None

@@ -57,6 +57,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         budget = self.max_batched_tokens
         batch = ScheduledBatch([], [])
+        self.kv.poll_loads()
         # Most urgent first, so preemption victims come from the tail.
         self.running.sort(key=lambda r: (r.priority, r.arrival_time))
         queue = list(self.running)
@@ -73,6 +74,8 @@ class Scheduler:
                 batch.num_new_tokens.append(n)
                 budget -= n
         self._admit(batch, budget)
+        if not batch:
+            self.kv.wait_for_loads(timeout=0.05)  # nothing to run but loads in flight: don't spin
         return batch
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
@@ -84,7 +87,9 @@ class Scheduler:
                 break
             if not req.grammar_ready:  # compiling on a worker thread; others go ahead meanwhile
                 continue
-            cached = self.kv.match(req)
+            if self.kv.prefetch(req):  # its prefix is coming back from host/disk; others go ahead meanwhile
+                continue
+            cached = self.kv.match_device(req)
             if self._shares_inflight_prefix(req, cached, inflight):
                 continue
             n = min(req.num_tokens - cached, budget)
@@ -144,4 +149,5 @@ class Scheduler:
             self.kv.release(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+            self.kv.forget_load(req)
         req.status = Status.FINISHED

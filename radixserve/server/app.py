@@ -41,6 +41,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixserve.engine.engine import Engine, Prompt
 from radixserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from radixserve.sampling.grammar import strict_schema
 from radixserve.sampling.params import SamplingParams
 from radixserve.server import protocol as p
 from radixserve.server.async_engine import AsyncEngine, EngineUnavailableError, QueueFullError, RequestRecord
@@ -55,7 +56,7 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: 
                 429: "rate_limit_error", 503: "service_unavailable_error"}  # fmt: skip
 _SAMPLING_NAMES = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                    "frequency_penalty", "n", "logprobs", "prompt_logprobs", "stop", "stop_token_ids", "choices",
-                   "priority", "prompt", "seed"}  # fmt: skip
+                   "priority", "prompt", "seed", "regex", "json_schema", "grammar"}  # fmt: skip
 
 
 class ApiError(Exception):
@@ -243,6 +244,8 @@ class _Api:
             json_schema = {"type": "object"}
         elif fmt is not None and fmt.type == "json_schema":
             json_schema = (fmt.json_schema.schema if fmt.json_schema else None) or {"type": "object"}
+            if fmt.json_schema is not None and fmt.json_schema.strict:
+                json_schema = strict_schema(json_schema)  # llguidance would otherwise allow extra keys
         return SamplingParams(
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
             repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
@@ -422,6 +425,12 @@ class _Api:
         card = p.ModelCard(id=self.model_name, created=self.created, max_model_len=self.engine.engine.max_model_len)
         return _json(p.ModelList(data=[card]))
 
+    async def model_info(self, request: Request) -> Response:
+        """What a client-side program needs to render prompts the way the engine would (the DSL uses it)."""
+        tok = self.engine.engine.tokenizer
+        return _json(p.ModelInfo(self.model_name, str(self.engine.engine.model_path), tok.chat_template,
+                                 tok.bos_token, tok.eos_token, self.engine.engine.max_model_len))  # fmt: skip
+
     async def health(self, request: Request) -> Response:
         if not self.engine.healthy:
             return error_response(503, "the engine is not serving")
@@ -549,6 +558,7 @@ def build_app(
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/generate", api.generate, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
+        Route("/get_model_info", api.model_info, methods=["GET"]),
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", metrics_route, methods=["GET"]),
         Route("/flush_cache", api.flush_cache, methods=["POST"]),
@@ -602,6 +612,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--eviction-policy", default="lru", choices=["lru", "lfu", "priority"])
     a("--no-prefix-cache", dest="prefix_cache", action="store_false", help="disable prefix caching")
     a("--attention-backend", default="auto")
+    a("--jump-forward", action="store_true", help="append grammar-forced tokens without a decode step each")
     a("--api-key", default=os.environ.get("RADIXSERVE_API_KEY"),
       help="bearer key(s), comma-separated, required on every route but /health (default: $RADIXSERVE_API_KEY)")
     a("--salt-per-key", action="store_true", help="give each API key its own prefix-cache namespace")
@@ -617,7 +628,7 @@ def run_from_args(args: argparse.Namespace) -> None:
         max_running_requests=args.max_running_requests, max_batched_tokens=args.max_batched_tokens,
         max_model_len=args.max_model_len, max_waiting_requests=args.max_waiting_requests,
         prefix_cache=args.prefix_cache, schedule_policy=args.schedule_policy, eviction_policy=args.eviction_policy,
-        attention_backend=args.attention_backend,
+        attention_backend=args.attention_backend, jump_forward=args.jump_forward,
     )  # fmt: skip
     keys = [k.strip() for k in args.api_key.split(",") if k.strip()] if args.api_key else None
     if args.salt_per_key and not keys:

@@ -52,6 +52,15 @@ class JsonSchemaFormat(Struct):
     strict: bool | None = None
 
 
+class ModelInfo(Struct):
+    model: str
+    model_path: str
+    chat_template: str | None
+    bos_token: str | None
+    eos_token: str | None
+    max_model_len: int
+
+
 class ResponseFormat(Struct):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -241,7 +250,7 @@ class GenerateSamplingParams(Struct, kw_only=True, forbid_unknown_fields=True):
     n: N = 1
     seed: Seed | None = None
     regex: str | None = None
-    json_schema: str | None = None
+    json_schema: str | dict[str, Any] | None = None
     grammar: str | None = None
     choices: list[str] | None = None
 

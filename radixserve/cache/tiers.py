@@ -1,0 +1,470 @@
+"""Host-RAM and disk KV stores beneath the device pool, behind one small storage interface.
+
+A page of KV travels between tiers as one CPU tensor ``[2, num_layers, page_size, kv_heads, head_dim]``
+(K then V) under a 16-byte key: a hash chain over the page's whole token prefix, seeded with the model
+fingerprint and the namespace (``namespace_key`` then ``page_key`` per page). Equal keys mean the same
+model, namespace and tokens up to the page's end, hence the same KV, so a key can be looked up in any
+store without the tree that produced it, and a disk store can be reindexed after a restart.
+
+Invariants:
+- ``HostStore``: every slot is free or holds exactly one key; used bytes never exceed the capacity.
+- ``DiskStore``: the index lists complete files of this fingerprint only; indexed bytes never exceed the
+  capacity. Files are written to a temporary name, fsynced and renamed, so a name holds a whole page or
+  nothing; a file is served only if its header (magic, fingerprint, key, length) and CRC32 match, and is
+  deleted otherwise.
+- A store's methods may be called from any thread (each store has its own lock); ``get`` returns a
+  tensor that stays valid whatever the store does next.
+
+``TieredStore`` chains the stores (host first, then disk), applies the write policy between them and
+runs disk writes and loads on two background threads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import struct
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from radixserve.cache.page_pool import KVPool
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+KEY_BYTES = 16
+
+
+def namespace_key(fingerprint: bytes, namespace: Hashable) -> bytes:
+    """The chain's seed for one namespace of one model."""
+    return hashlib.blake2b(fingerprint + repr(namespace).encode(), digest_size=KEY_BYTES).digest()
+
+
+def page_key(prev: bytes, tokens: Sequence[int]) -> bytes:
+    """The key of the page holding ``tokens``, given the key of the page before it (or the seed)."""
+    data = b"".join(int(t).to_bytes(4, "little") for t in tokens)
+    return hashlib.blake2b(prev + data, digest_size=KEY_BYTES).digest()
+
+
+def model_fingerprint(model: torch.nn.Module, config: object, dtype: torch.dtype, page_size: int) -> bytes:
+    """A cheap, stable identity of the KV a model produces: its config, dtype, page size and a few weights.
+
+    Hashing every weight would take seconds for large models; the first, middle and last tensors (and all
+    shapes) catch a different checkpoint of the same architecture in practice.
+    """
+    h = hashlib.blake2b(digest_size=KEY_BYTES)
+    h.update(f"{config!r}|{dtype}|{page_size}".encode())
+    params = sorted(model.named_parameters(), key=lambda kv: kv[0])
+    for name, p in params:
+        h.update(f"{name}{tuple(p.shape)}".encode())
+    for _, p in (params[0], params[len(params) // 2], params[-1]) if params else ():
+        sample = p.detach().flatten()[:4096].to("cpu", torch.float32).contiguous()
+        h.update(sample.numpy().tobytes())
+    return h.digest()
+
+
+@dataclass
+class TierStats:
+    """Counters of one tier, for ``EngineStats.tiers`` and /metrics."""
+
+    hits: int = 0  # pages served from this tier to a load
+    pages_in: int = 0  # pages written into this tier
+    bytes_in: int = 0
+    bytes_out: int = 0  # bytes read out of this tier by loads
+    evicted: int = 0  # pages dropped by this tier's LRU
+    rejected: int = 0  # pages found corrupt, foreign or torn (disk) and deleted
+    load_s: float = 0.0  # time spent reading for loads
+    backup_s: float = 0.0  # time spent writing
+    used_bytes: int = 0
+    capacity_bytes: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: float(v) for k, v in asdict(self).items()}
+
+
+class KVStore(Protocol):
+    """A bounded, LRU key -> page store. Host RAM and disk implement it; a remote store could too."""
+
+    name: str
+    in_memory: bool  # written on the caller's thread if True, on the writer thread if False
+    stats: TierStats
+
+    def contains(self, key: bytes) -> bool: ...
+
+    def get(self, key: bytes) -> torch.Tensor | None:
+        """The page under ``key`` (marking it recently used), or None if absent or unreadable."""
+        ...
+
+    def put(self, key: bytes, page: torch.Tensor) -> list[tuple[bytes, torch.Tensor]]:
+        """Store a page (a no-op, bar the LRU touch, if present); returns the entries evicted to make room."""
+        ...
+
+    def clear(self) -> None: ...
+
+    def check_integrity(self) -> None: ...
+
+
+class HostStore:
+    """Pages in one preallocated host tensor of slots (pinned when CUDA is present), LRU-evicted."""
+
+    name = "host"
+    in_memory = True  # cheap enough to write on the stepping thread
+
+    def __init__(
+        self, capacity_bytes: int, page_shape: Sequence[int], dtype: torch.dtype, pin: bool = False
+    ) -> None:
+        self.page_shape = tuple(page_shape)
+        self.page_bytes = math.prod(self.page_shape) * torch.empty(0, dtype=dtype).element_size()
+        self.num_slots = capacity_bytes // self.page_bytes
+        self._data = torch.empty((self.num_slots, *self.page_shape), dtype=dtype, pin_memory=pin)
+        self._slots: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, least recently used first
+        self._free = list(range(self.num_slots - 1, -1, -1))
+        self._lock = threading.Lock()
+        self.stats = TierStats(capacity_bytes=self.num_slots * self.page_bytes)
+
+    def contains(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._slots
+
+    def get(self, key: bytes) -> torch.Tensor | None:
+        with self._lock:
+            slot = self._slots.get(key)
+            if slot is None:
+                return None
+            self._slots.move_to_end(key)
+            return self._data[slot].clone()  # a copy: the slot may be reused as soon as the lock is released
+
+    def put(self, key: bytes, page: torch.Tensor) -> list[tuple[bytes, torch.Tensor]]:
+        with self._lock:
+            if key in self._slots:
+                self._slots.move_to_end(key)
+                return []
+            if self.num_slots == 0:
+                return [(key, page)]
+            evicted = []
+            if not self._free:
+                old, slot = self._slots.popitem(last=False)
+                evicted.append((old, self._data[slot].clone()))
+                self._free.append(slot)
+                self.stats.evicted += 1
+            slot = self._free.pop()
+            self._data[slot].copy_(page)
+            self._slots[key] = slot
+            self.stats.pages_in += 1
+            self.stats.bytes_in += self.page_bytes
+            self.stats.used_bytes = len(self._slots) * self.page_bytes
+            return evicted
+
+    def clear(self) -> None:
+        with self._lock:
+            self._slots.clear()
+            self._free = list(range(self.num_slots - 1, -1, -1))
+            self.stats.used_bytes = 0
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            used = list(self._slots.values())
+            owned = used + self._free
+            assert len(set(owned)) == len(owned), "a host slot is both free and used, or used twice"
+            assert sorted(owned) == list(range(self.num_slots)), "a host slot is leaked"
+            assert self.stats.used_bytes == len(used) * self.page_bytes <= self.stats.capacity_bytes
+
+
+# Header: magic, fingerprint, key, payload length, CRC32 of the payload; padded to 64 bytes.
+_MAGIC = b"RSKVPG01"
+_HEADER = struct.Struct(f"<8s{KEY_BYTES}s{KEY_BYTES}sQI")
+_HEADER_BYTES = 64
+
+
+class DiskStore:
+    """One file per page, ``<key hex>.kv``, in a directory that survives restarts; LRU-bounded bytes."""
+
+    name = "disk"
+    in_memory = False
+
+    def __init__(
+        self, directory: str | os.PathLike[str], capacity_bytes: int, fingerprint: bytes,
+        page_shape: Sequence[int], dtype: torch.dtype,
+    ) -> None:  # fmt: skip
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.fingerprint = fingerprint
+        self.page_shape = tuple(page_shape)
+        self.dtype = dtype
+        self.payload_bytes = math.prod(self.page_shape) * torch.empty(0, dtype=dtype).element_size()
+        self.file_bytes = _HEADER_BYTES + self.payload_bytes
+        self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, least recently used first
+        self._lock = threading.Lock()
+        self.stats = TierStats(capacity_bytes=capacity_bytes)
+        self._rebuild_index()
+
+    def path(self, key: bytes) -> Path:
+        return self.dir / f"{key.hex()}.kv"
+
+    def contains(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._index
+
+    def get(self, key: bytes) -> torch.Tensor | None:
+        with self._lock:
+            if key not in self._index:
+                return None
+            self._index.move_to_end(key)
+        path = self.path(key)
+        try:
+            if path.stat().st_size != self.file_bytes:  # a torn or truncated file: mapping it would fault
+                raise OSError(f"{path} is not one page long")
+            raw = torch.from_file(str(path), shared=False, size=self.file_bytes, dtype=torch.uint8)
+        except (OSError, RuntimeError):
+            self._reject(key)
+            return None
+        header = raw[:_HEADER_BYTES].numpy().tobytes()
+        payload = raw[_HEADER_BYTES:]
+        if self._header_error(header, key) or _HEADER.unpack_from(header)[4] != zlib.crc32(
+            payload.numpy().data
+        ):
+            self._reject(key)
+            return None
+        return payload.view(self.dtype).view(self.page_shape)
+
+    def put(self, key: bytes, page: torch.Tensor) -> list[tuple[bytes, torch.Tensor]]:
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+                return []
+        if self.file_bytes > self.stats.capacity_bytes:
+            return []
+        payload = page.detach().to("cpu").contiguous().view(torch.uint8).numpy()
+        header = _HEADER.pack(_MAGIC, self.fingerprint, key, self.payload_bytes, zlib.crc32(payload.data))
+        final = self.path(key)
+        tmp = final.with_name(f"{final.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(header.ljust(_HEADER_BYTES, b"\0"))
+            f.write(payload.data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)  # atomic: readers see the whole page or no file
+        with self._lock:
+            self._index[key] = self.file_bytes
+            self.stats.pages_in += 1
+            self.stats.bytes_in += self.file_bytes
+            self._evict_to(self.stats.capacity_bytes)
+        return []
+
+    def clear(self) -> None:
+        with self._lock:
+            self._evict_to(0)
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            used = sum(self._index.values())
+            assert used == self.stats.used_bytes <= self.stats.capacity_bytes, "disk bytes over capacity"
+            on_disk = {bytes.fromhex(p.stem) for p in self.dir.glob("*.kv")}
+            assert set(self._index) <= on_disk, "the disk index lists a missing file"
+
+    def _evict_to(self, limit: int) -> None:
+        """Delete least recently used files until the indexed bytes fit ``limit`` (lock held)."""
+        used = sum(self._index.values())
+        while self._index and used > limit:
+            key, size = self._index.popitem(last=False)
+            self.path(key).unlink(missing_ok=True)
+            used -= size
+            self.stats.evicted += 1
+        self.stats.used_bytes = used
+
+    def _reject(self, key: bytes) -> None:
+        with self._lock:
+            if self._index.pop(key, None) is not None:
+                self.stats.rejected += 1
+                self.stats.used_bytes -= self.file_bytes
+            self.path(key).unlink(missing_ok=True)
+
+    def _header_error(self, header: bytes, key: bytes | None) -> str | None:
+        if len(header) < _HEADER.size:
+            return "short header"
+        magic, fingerprint, file_key, length, _ = _HEADER.unpack_from(header)
+        if magic != _MAGIC:
+            return "bad magic"
+        if fingerprint != self.fingerprint:
+            return "another model's fingerprint"
+        if key is not None and file_key != key:
+            return "key does not match the name"
+        if length != self.payload_bytes:
+            return "wrong length"
+        return None
+
+    def _rebuild_index(self) -> None:
+        """Index the directory: drop temporaries of interrupted writes and foreign, torn or misnamed files."""
+        for tmp in self.dir.glob("*.kv.*.tmp"):
+            tmp.unlink(missing_ok=True)
+        entries = []
+        for path in self.dir.glob("*.kv"):
+            try:
+                key = bytes.fromhex(path.stem)
+                st = path.stat()
+                with open(path, "rb") as f:
+                    header = f.read(_HEADER_BYTES)
+            except (ValueError, OSError):
+                path.unlink(missing_ok=True)
+                self.stats.rejected += 1
+                continue
+            if len(key) != KEY_BYTES or st.st_size != self.file_bytes or self._header_error(header, key):
+                path.unlink(missing_ok=True)
+                self.stats.rejected += 1
+                continue
+            entries.append((st.st_mtime_ns, key))
+        for _, key in sorted(entries):  # oldest first: the LRU order of the last run, as near as we know it
+            self._index[key] = self.file_bytes
+        self._evict_to(self.stats.capacity_bytes)
+
+
+class TieredStore:
+    """The stores beneath the device pool, fastest first, with the write policy and the copy threads.
+
+    ``backup`` puts pages into the first store now; with ``write_through*`` it also queues them for the
+    stores below, and with ``write_back`` a store's LRU victims are queued for the next store down. Writes
+    below the first store and all loads run on background threads, so the stepping thread does no file
+    I/O. A backlog over ``max_pending`` pages drops further writes (a cache may forget; it may not stall).
+    """
+
+    def __init__(self, stores: Sequence[KVStore], seed: bytes, write_policy: str = "write_through",
+                 write_through_threshold: int = 2, max_pending: int = 4096) -> None:  # fmt: skip
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
+        if not stores:
+            raise ValueError("a TieredStore needs at least one store")
+        self.stores = list(stores)
+        self.seed = seed  # the model fingerprint, mixed into every key
+        self.write_policy = write_policy
+        self.write_through_threshold = write_through_threshold
+        self.max_pending = max_pending
+        self.dropped_writes = 0
+        self._pending = 0
+        self._pending_lock = threading.Lock()
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-write")
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-load")
+
+    def lookup(self, keys: Iterable[bytes]) -> list[int]:
+        """For the leading keys found in some store, the index of the fastest store holding each."""
+        tiers = []
+        for key in keys:
+            tier = next((i for i, s in enumerate(self.stores) if s.contains(key)), None)
+            if tier is None:
+                break
+            tiers.append(tier)
+        return tiers
+
+    def backup(self, keys: Sequence[bytes], pages: torch.Tensor) -> None:
+        """Copy ``pages`` (``[n, *page_shape]``, any device) into the tiers under ``keys``."""
+        pages = pages.to("cpu")
+        for key, page in zip(keys, pages):
+            self._store(0, key, page)
+
+    def load(
+        self, keys: Sequence[bytes], tiers: Sequence[int], sink: Callable[[torch.Tensor], None]
+    ) -> Future[bool]:
+        """Read the pages on the loader thread and hand them, stacked, to ``sink``; all or nothing.
+
+        The future's result is False (and ``sink`` is not called) if any page has gone or is unreadable.
+        """
+        return self._loader.submit(self._load, list(keys), list(tiers), sink)
+
+    def drain(self) -> None:
+        """Wait for every queued write (tests, shutdown)."""
+        self._writer.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self._loader.shutdown(wait=True)
+        self._writer.shutdown(wait=True)
+
+    def clear(self) -> None:
+        self.drain()
+        for store in self.stores:
+            store.clear()
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        out = {s.name: s.stats.as_dict() for s in self.stores}
+        out[self.stores[-1].name]["dropped_writes"] = float(self.dropped_writes)
+        return out
+
+    def check_integrity(self) -> None:
+        for store in self.stores:
+            store.check_integrity()
+
+    def _load(self, keys: list[bytes], tiers: list[int], sink: Callable[[torch.Tensor], None]) -> bool:
+        pages = []
+        for key, tier in zip(keys, tiers):
+            for store in self.stores[tier:]:  # evicted meanwhile or found corrupt: a slower tier may have it
+                start = time.perf_counter()
+                page = store.get(key)
+                store.stats.load_s += time.perf_counter() - start
+                if page is not None:
+                    break
+            if page is None:
+                return False
+            store.stats.hits += 1
+            store.stats.bytes_out += page.numel() * page.element_size()
+            pages.append(page)
+        sink(torch.stack(pages))
+        return True
+
+    def _store(self, tier: int, key: bytes, page: torch.Tensor) -> None:
+        """Put now into an in-memory store; queue the put for the writer thread otherwise."""
+        if self.stores[tier].in_memory:
+            self._put(tier, key, page)
+            return
+        with self._pending_lock:
+            if self._pending >= self.max_pending:
+                self.dropped_writes += 1
+                return
+            self._pending += 1
+        self._writer.submit(self._put_queued, tier, key, page)
+
+    def _put_queued(self, tier: int, key: bytes, page: torch.Tensor) -> None:
+        try:
+            self._put(tier, key, page)
+        finally:
+            with self._pending_lock:
+                self._pending -= 1
+
+    def _put(self, tier: int, key: bytes, page: torch.Tensor) -> None:
+        store = self.stores[tier]
+        start = time.perf_counter()
+        evicted = store.put(key, page)
+        store.stats.backup_s += time.perf_counter() - start
+        below = tier + 1
+        if below == len(self.stores):
+            return
+        if self.write_policy == "write_back":
+            for k, p in evicted:
+                self._store(below, k, p)
+        elif not self.stores[below].contains(key):
+            self._store(below, key, page)
+
+
+def make_tiers(
+    pool: KVPool, model: torch.nn.Module, model_config: object, host_bytes: int, disk_bytes: int,
+    disk_dir: str | None, write_policy: str, write_through_threshold: int,
+) -> TieredStore | None:  # fmt: skip
+    """The stores a config asks for beneath ``pool`` (host, then disk), or None when both sizes are zero."""
+    if host_bytes <= 0 and disk_bytes <= 0:
+        return None
+    dtype = pool.k_buffer.dtype
+    page_shape = (2, *pool.k_buffer.shape[:1], *pool.k_buffer.shape[2:])
+    fingerprint = model_fingerprint(model, model_config, dtype, pool.page_size)
+    stores: list[KVStore] = []
+    if host_bytes > 0:
+        stores.append(HostStore(host_bytes, page_shape, dtype, pin=pool.k_buffer.is_cuda))
+    if disk_bytes > 0:
+        if not disk_dir:
+            raise ValueError("a disk tier needs disk_cache_dir")
+        stores.append(DiskStore(disk_dir, disk_bytes, fingerprint, page_shape, dtype))
+    return TieredStore(stores, fingerprint, write_policy, write_through_threshold)
