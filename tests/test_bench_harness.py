@@ -4,7 +4,6 @@ random model. Checks the workloads' sharing structure and that every run's JSON 
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,14 +11,11 @@ from typing import Any
 import pytest
 from server_util import running_server
 
-from radixserve import Engine
-
 # benchmarks/ is a top-level folder of the repository, not part of the installed package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from benchmarks.metrics import LATENCIES, PERCENTILES
 from benchmarks.serve_bench import RunConfig, run_benchmark, write_results
 from benchmarks.workloads import Corpus, WorkloadSpec, build_workload, load_tokenizer
+from radixserve import Engine
 
 SUMMARY_KEYS = {
     "requests", "completed", "errors", "duration_s", "prompt_tokens", "output_tokens", "request_throughput",

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 # benchmarks/ is a top-level folder of the repository, not part of the installed package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from benchmarks.metrics import RequestResult, parse_prometheus, percentile, prefix_delta, summarize
 from benchmarks.serve_bench import check_loopback, poisson_arrivals
 
