@@ -32,7 +32,7 @@ def _pages(n_tokens: int, page_size: int, start: int) -> list[int]:
     return [start + 2 * i for i in range(-(-n_tokens // page_size))]
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, "mistral"])
 def test_prefill_logits_match_hf(tiny_models: dict[str, Path], kind: str) -> None:
     path = tiny_models[kind]
     runner, hf = _runner(path, page_size=4), _hf(path)
