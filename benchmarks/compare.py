@@ -24,17 +24,12 @@ import argparse
 import json
 import math
 import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 from benchmarks.metrics import RequestResult, summarize
 from benchmarks.serve_bench import (
@@ -46,6 +41,7 @@ from benchmarks.serve_bench import (
     run_benchmark,
     table_row,
 )
+from benchmarks.servers import Server, free_port
 from benchmarks.workloads import Corpus, Workload, WorkloadSpec, build_workload, load_tokenizer
 
 HERE = Path(__file__).resolve().parent
@@ -119,12 +115,6 @@ def build_cases(sizes: Sizes, names: Sequence[str], seed: int) -> list[Case]:
 
 
 # -- servers ------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def server_command(engine: str, model_dir: str, port: int) -> tuple[list[str] | None, str]:
     """The command that serves ``engine``, or None and the reason it is skipped."""
     if engine in ("radixserve", "radixserve-nocache"):
@@ -140,47 +130,6 @@ def server_command(engine: str, model_dir: str, port: int) -> tuple[list[str] | 
             return None, "llama-server is not built (run benchmarks/peers/setup_llama_cpp.sh)"
         return ["bash", str(PEERS / "run_llama_server.sh"), str(port)], ""
     raise ValueError(engine)
-
-
-class Server:
-    """One engine's server process (in its own process group) on 127.0.0.1:port."""
-
-    def __init__(self, engine: str, cmd: list[str], port: int, log_dir: Path) -> None:
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.engine = engine
-        self.url = f"http://127.0.0.1:{port}"
-        self.log_path = log_dir / f"{engine}.log"
-        self._log = self.log_path.open("w")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env
-        )
-
-    def wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        with httpx.Client(base_url=self.url, trust_env=False, timeout=5) as http:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(
-                        f"{self.engine} exited with {self.proc.returncode}; see {self.log_path}"
-                    )
-                try:
-                    if http.get("/v1/models").status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                time.sleep(1.0)
-        raise RuntimeError(f"{self.engine} not ready after {timeout_s:.0f} s; see {self.log_path}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
-        self._log.close()
 
 
 # -- the in-process HF baseline ----------------------------------------------------------------------

@@ -10,17 +10,14 @@
 
 Writes benchmarks/results/dsl_bench.{json,md}.
 
-    python benchmarks/dsl_bench.py            # the embedded SmolLM2-135M
-    python benchmarks/dsl_bench.py --smoke --out /tmp/dsl   # tiny sizes, to check it runs
+    python -m benchmarks.dsl_bench            # the embedded SmolLM2-135M
+    python -m benchmarks.dsl_bench --smoke --out /tmp/dsl   # tiny sizes, to check it runs
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,6 +27,7 @@ import httpx
 import torch
 
 import radixserve.frontend as rf
+from benchmarks.servers import free_port, serving
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DOC = (
@@ -56,31 +54,13 @@ def rag(s: rf.ProgramState, questions: list[str], max_tokens: int) -> None:
     s["prompt"] = [f.get_meta_info("a")["prompt_tokens"] for f in forks]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def bench_rag(
     model: str | None, prefix_cache: bool, questions: int, max_tokens: int, repeats: int
 ) -> dict[str, Any]:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(port), "--log-level", "warning"]
     cmd += (["--model", model] if model else []) + ([] if prefix_cache else ["--no-prefix-cache"])
-    server = subprocess.Popen(cmd, env=os.environ.copy())
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise RuntimeError("the server did not start")
-            time.sleep(0.2)
+    with serving("radixserve", cmd, port, Path(__file__).parent / "results" / "logs") as url:
         backend = rf.RuntimeEndpoint(url)
         qs = [f"Question {i}: what does the document say about point {i}?" for i in range(questions)]
         rag.run(questions=qs[:2], max_tokens=2, backend=backend)  # warm-up
@@ -95,9 +75,6 @@ def bench_rag(
         assert state is not None
         return {"prefix_cache": prefix_cache, "questions": questions, "seconds": min(times), "all_seconds": times,
                 "mean_cached_tokens": sum(state["cached"]) / questions, "prompt_tokens": state["prompt"][0]}  # fmt: skip
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
 
 
 def bench_constraints(model: str | None, batch: int, max_tokens: int) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import random
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -33,7 +34,7 @@ def bare_loop(engine: Engine, prompts: list[list[int]], new_tokens: int) -> None
         out = engine.runner.run([SeqChunk(s, len(s) - 1, 1, t) for s, t in zip(seqs, tables)])
 
 
-def hf_generate(hf: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> None:
+def hf_generate(hf: Any, prompts: list[list[int]], new_tokens: int) -> None:
     ids = torch.tensor(prompts)  # equal lengths: no padding needed
     with torch.no_grad():
         hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,

@@ -6,7 +6,7 @@ does) and the client streams /v1/completions over SSE; the offline run happens a
 has exited, so the two never compete for the CPU, and steps the engine from a worker thread as the
 server does. Throughput is output tokens / wall time.
 
-    python benchmarks/http_overhead.py [--model DIR] [--num-requests 32] [--max-tokens 64]
+    python -m benchmarks.http_overhead [--model DIR] [--num-requests 32] [--max-tokens 64]
 
 Writes benchmarks/results/http_overhead.{json,md}.
 """
@@ -17,9 +17,6 @@ import argparse
 import asyncio
 import json
 import platform
-import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -29,6 +26,7 @@ from typing import Any
 import httpx
 import torch
 
+from benchmarks.servers import free_port, serving
 from radixserve import Engine, SamplingParams
 
 RESULTS = Path(__file__).parent / "results"
@@ -42,12 +40,6 @@ SERVER = (
 
 def prompts(n: int) -> list[str]:
     return [f"Request {i}: write a short story about {TOPICS[i % len(TOPICS)]}." for i in range(n)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def http_run(url: str, texts: list[str], max_tokens: int) -> dict[str, Any]:
@@ -85,25 +77,10 @@ def run_http(args: argparse.Namespace, texts: list[str]) -> dict[str, Any]:
            "--kv-cache-gb", str(args.kv_cache_gb), "--max-running-requests", str(args.num_requests)]  # fmt: skip
     if args.model:
         cmd += ["--model", args.model]
-    server = subprocess.Popen(cmd)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the server did not come up")
-            time.sleep(0.2)
+    with serving("radixserve", cmd, port, RESULTS / "logs") as url:
         asyncio.run(http_run(url, prompts(4), 4))  # warm-up
         httpx.post(f"{url}/flush_cache", timeout=60).raise_for_status()
         return asyncio.run(http_run(url, texts, args.max_tokens))
-    finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(timeout=120)
 
 
 def run_offline(args: argparse.Namespace, texts: list[str]) -> dict[str, Any]:

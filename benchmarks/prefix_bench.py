@@ -78,8 +78,9 @@ def drive(engine: Engine, jobs: list[Job], max_tokens: int) -> RunStats:
             stats.requests += 1
             stats.tokens += n_prompt + len(tokens)
             if job.follow_ups:
-                answer = engine.tokenizer.decode(tokens, skip_special_tokens=True)
-                history = job.messages + [{"role": "assistant", "content": answer}, {"role": "user", "content": job.follow_ups[0]}]
+                answer = str(engine.tokenizer.decode(tokens, skip_special_tokens=True))
+                turn = [{"role": "assistant", "content": answer}, {"role": "user", "content": job.follow_ups[0]}]
+                history = job.messages + turn
                 submit(Job(history, job.follow_ups[1:]))
     stats.seconds = time.perf_counter() - start
     return stats
