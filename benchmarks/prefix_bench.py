@@ -17,6 +17,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from benchmarks.common import write_results
 from radixserve import Engine, SamplingParams
 
@@ -116,7 +118,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", nargs="*", default=None, help="run only these workloads")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     engines = {"on": Engine(kv_cache_gb=2.0), "off": Engine(kv_cache_gb=2.0, prefix_cache=False)}
     jobs = workloads(engines["on"], args)

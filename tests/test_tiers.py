@@ -18,7 +18,8 @@ import torch
 from tiny_models import make_tiny_model
 
 from radixserve import Engine, SamplingParams
-from radixserve.cache.tiers import DiskStore, HostStore
+from radixserve.cache.radix import RadixCache
+from radixserve.cache.tiers import DiskStore, HostStore, namespace_key, page_key
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 PAGE = 4
@@ -73,7 +74,7 @@ def long_llama(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Pa
     return path
 
 
-TIER_SETUPS = {
+TIER_SETUPS: dict[str, dict[str, Any]] = {
     "host": dict(host_cache_gb=gb(400)),
     "host-write-back": dict(host_cache_gb=gb(400), write_policy="write_back"),
     "host-selective": dict(host_cache_gb=gb(400), write_policy="write_through_selective", write_through_threshold=1),
@@ -102,6 +103,7 @@ def test_outputs_identical_from_every_tier(setup: str, tiny_llama: Path, tmp_pat
     assert fresh.token_ids == device_hit.token_ids == lower.token_ids == ref
     hits = {t: after[t]["hits"] - before[t]["hits"] for t in after if t != "device"}
     assert sum(hits.values()) == 25 and after["device"]["loads"] == before["device"]["loads"] + 1
+    assert after["device"]["hits"] == before["device"]["hits"]  # loaded pages are not device hits
     if setup == "disk":
         assert hits == {"disk": 25}
     if setup == "host-spills-to-disk":
@@ -150,6 +152,7 @@ def test_kill_9_while_writing_then_restart(tiny_llama: Path, tmp_path: Path) -> 
         proc.kill()  # SIGKILL, in the middle of a stream of page writes
         proc.wait()
     assert len(list(kv.glob("*.kv"))) >= 60
+    (kv / f"{'ab' * 16}.kv.1.2.tmp").write_bytes(b"half a page")  # as a kill mid-write leaves it
     prompt = tokens(120, 0) + [4, 4]  # the writer's first prompt, so its pages are on disk
     (ref,) = reference(tiny_llama, [prompt])
     eng = engine(tiny_llama, disk_cache_gb=gb(2000), disk_cache_dir=str(kv))
@@ -326,3 +329,38 @@ def test_stores_roundtrip_and_lru(tmp_path: Path) -> None:
     reopened = DiskStore(tmp_path, 2 * (PAGE_BYTES + 64), fp, shape, torch.float32)
     assert torch.equal(reopened.get(keys[2]), pages[2])  # type: ignore[arg-type]
     reopened.check_integrity()
+
+
+class FakeLower:
+    """A lower tier as the tree sees it: a dict of keys (the ``LowerTiers`` protocol)."""
+
+    seed = b"s" * 16
+
+    def __init__(self) -> None:
+        self.held: dict[bytes, int] = {}
+
+    def lookup(self, keys: Any) -> list[int]:
+        tiers = []
+        for k in keys:
+            if k not in self.held:
+                break
+            tiers.append(self.held[k])
+        return tiers
+
+
+def test_tree_keys_demotion_and_lower_match() -> None:
+    lower, demoted, freed = FakeLower(), [], list[int]()
+    tree = RadixCache(2, lower=lower, on_free=freed.extend, on_evict=lambda p, k: demoted.append((p, k)))
+    tree.insert([1, 2, 3, 4, 5, 6], [10, 11, 12])
+    k0 = page_key(namespace_key(lower.seed, None), [1, 2])
+    keys = [k0, page_key(k0, [3, 4]), page_key(page_key(k0, [3, 4]), [5, 6])]
+    assert tree.match_prefix([1, 2, 3, 4, 9, 9]).node.hashes == keys[:2]  # split keeps the chain
+    tree.check_integrity()
+    assert tree.evict(2) == 2 and demoted == [([12, 11], [keys[2], keys[1]])]  # no copy below: demote
+    lower.held.update({keys[1]: 0, keys[2]: 1})
+    m = tree.match_prefix([1, 2, 3, 4, 5, 6, 7])
+    assert (m.pages, m.lower_keys, m.lower_tiers) == ([10], (keys[1], keys[2]), (0, 1))
+    assert tree.prefix_len([1, 2, 3, 4, 5, 6, 7], lower=True) == 6 and tree.prefix_len([1, 2, 3, 4]) == 2
+    tree.match_prefix([1, 2]).node.backed_up = True
+    tree.evict(1)
+    assert len(demoted) == 1 and freed == [12, 11, 10]  # a backed-up page just leaves the device

@@ -149,7 +149,7 @@ class KVCacheManager:
         if req.num_preemptions == 0:  # a resumed request re-reading its own prefix is not a new hit
             self.query_tokens += req.num_tokens
             self.hit_tokens += cached
-            self.device_hit_pages += max(len(pages) - loaded, 0)
+            self.device_hit_pages += cached // self.page_size - loaded
             req.num_cached_tokens = cached
         req.num_computed_tokens = cached
         return True
@@ -247,6 +247,7 @@ class KVCacheManager:
         else:
             self.failed_loads += 1
             self.allocator.free(load.pages)
+            load.pages = []
         if load.req is None:
             self._release(load)
 
