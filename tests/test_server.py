@@ -318,3 +318,19 @@ def test_metrics_parse_and_hold_the_documented_families(client: httpx.Client) ->
         assert f"radixserve:{counter}_total" in m, counter
     assert m["radixserve:prompt_tokens_total"] > 0 and m["radixserve:generation_tokens_total"] >= 3
     assert m["radixserve:request_success_total{finished_reason=length}"] >= 1
+
+
+def test_tier_metrics_are_exported(tiny_llama: Path) -> None:
+    """With a host tier, /metrics carries per-tier figures labelled device/host, and hits count after reuse."""
+    engine = Engine(str(tiny_llama), page_size=4, num_pages=16, host_cache_gb=0.01)
+    with running_server(engine) as url, httpx.Client(base_url=url, timeout=60) as c:
+        doc = list(range(3, 43))
+        for first in (50, 51, 52, 53):  # each evicts the previous one's pages from the tiny device pool
+            body = {"model": MODEL_NAME, "prompt": [first, *doc], "max_tokens": 2, "temperature": 0}
+            assert c.post("/v1/completions", json=body).status_code == 200
+        body = {"model": MODEL_NAME, "prompt": [50, *doc], "max_tokens": 2, "temperature": 0}
+        assert c.post("/v1/completions", json=body).status_code == 200
+        m = scrape(c)
+    assert m["radixserve:kv_tier_capacity_bytes{tier=host}"] > 0
+    assert m["radixserve:kv_tier_used_bytes{tier=device}"] >= 0
+    assert m["radixserve:kv_tier_hits_total{tier=host}"] > 0

@@ -39,6 +39,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from radixserve.cache.tiers import WRITE_POLICIES
 from radixserve.engine.engine import Engine, Prompt
 from radixserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from radixserve.sampling.grammar import strict_schema
@@ -613,6 +614,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--no-prefix-cache", dest="prefix_cache", action="store_false", help="disable prefix caching")
     a("--attention-backend", default="auto")
     a("--jump-forward", action="store_true", help="append grammar-forced tokens without a decode step each")
+    a("--host-cache-gb", type=float, default=0.0, help="host-RAM KV tier beneath the device pool (0: off)")
+    a("--disk-cache-gb", type=float, default=0.0, help="disk KV tier (needs --disk-cache-dir; survives restarts)")
+    a("--disk-cache-dir", default=None)
+    a("--write-policy", default="write_through", choices=WRITE_POLICIES,
+      help="when pages are copied down a tier: on insert, after k hits, or on eviction")
+    a("--write-through-threshold", type=int, default=2, help="k for write_through_selective")
     a("--api-key", default=os.environ.get("RADIXSERVE_API_KEY"),
       help="bearer key(s), comma-separated, required on every route but /health (default: $RADIXSERVE_API_KEY)")
     a("--salt-per-key", action="store_true", help="give each API key its own prefix-cache namespace")
@@ -629,6 +636,8 @@ def run_from_args(args: argparse.Namespace) -> None:
         max_model_len=args.max_model_len, max_waiting_requests=args.max_waiting_requests,
         prefix_cache=args.prefix_cache, schedule_policy=args.schedule_policy, eviction_policy=args.eviction_policy,
         attention_backend=args.attention_backend, jump_forward=args.jump_forward,
+        host_cache_gb=args.host_cache_gb, disk_cache_gb=args.disk_cache_gb, disk_cache_dir=args.disk_cache_dir,
+        write_policy=args.write_policy, write_through_threshold=args.write_through_threshold,
     )  # fmt: skip
     keys = [k.strip() for k in args.api_key.split(",") if k.strip()] if args.api_key else None
     if args.salt_per_key and not keys:

@@ -127,6 +127,7 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
+        await asyncio.to_thread(self.engine.close)  # queued disk-tier writes land before the process ends
 
     @property
     def healthy(self) -> bool:

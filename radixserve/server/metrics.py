@@ -43,6 +43,24 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily(PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache",
                                   value=s.prefix_hit_tokens)  # fmt: skip
         yield CounterMetricFamily(PREFIX + "num_preemptions", "Requests preempted", value=s.num_preemptions)
+        yield from _tier_metrics(s.tiers)
+
+
+# Per-tier figures of EngineStats.tiers that only grow (counters); the rest are levels (gauges).
+_TIER_COUNTERS = {"hits", "pages_in", "bytes_in", "bytes_out", "evicted", "rejected", "load_s", "backup_s",
+                  "loads", "failed_loads", "dropped_writes"}  # fmt: skip
+
+
+def _tier_metrics(tiers: dict[str, dict[str, float]]) -> Iterator[Metric]:
+    """One family per figure, labelled by tier (device, host, disk)."""
+    names = sorted({k for figures in tiers.values() for k in figures})
+    for name in names:
+        kind = CounterMetricFamily if name in _TIER_COUNTERS else GaugeMetricFamily
+        family = kind(f"{PREFIX}kv_tier_{name}", f"KV cache tier figure {name!r}", labels=["tier"])
+        for tier, figures in tiers.items():
+            if name in figures:
+                family.add_metric([tier], figures[name])
+        yield family
 
 
 class ServerMetrics:
