@@ -40,20 +40,16 @@ def decode_attention(
     """One query token per sequence: ``q [B, q_heads, head_dim]`` -> ``[B, q_heads, head_dim]``."""
     batch, q_heads, head_dim = q.shape
     page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = q_heads // kv_heads
     max_len = int(seq_lens.max())
-    num_pages = (max_len + page_size - 1) // page_size
-    pages = page_table[:, :num_pages].long()
-    # Padded gather: [B, L, kv_heads, D]. Positions past seq_len are masked, whatever page they read.
-    keys = k_cache[pages].flatten(1, 2)[:, :max_len].float()
-    values = v_cache[pages].flatten(1, 2)[:, :max_len].float()
-    qg = q.float().view(batch, kv_heads, group, head_dim)
-    scores = torch.einsum("bhgd,blhd->bhgl", qg, keys) * scale
-    pos = torch.arange(max_len, device=q.device)
-    mask = pos[None, :] >= seq_lens[:, None].to(q.device)
-    scores.masked_fill_(mask[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhgl,blhd->bhgd", probs, values)
+    pages = page_table[:, : (max_len + page_size - 1) // page_size].long()
+    # Padded gather [B, kv_heads, L, D]; positions past a sequence's length are masked out.
+    keys = k_cache[pages].flatten(1, 2)[:, :max_len].transpose(1, 2).float()
+    values = v_cache[pages].flatten(1, 2)[:, :max_len].transpose(1, 2).float()
+    valid = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None].to(q.device)
+    # The query heads sharing a KV head ride in the "query length" dimension: one 4-D SDPA call, which
+    # takes torch's fused CPU kernel (3-D inputs or einsum are several times slower there).
+    qg = q.float().view(batch, kv_heads, q_heads // kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=valid[:, None, None, :], scale=scale)
     return out.reshape(batch, q_heads, head_dim).to(q.dtype)
 
 
@@ -82,18 +78,17 @@ def extend_attention(
             continue
         prefix = seq_len - q_len
         pages = page_table[b, : (seq_len + page_size - 1) // page_size].long()
-        keys = _gather_seq(k_cache, pages, seq_len).transpose(0, 1).float()  # [kvh, L, D]
-        values = _gather_seq(v_cache, pages, seq_len).transpose(0, 1).float()
-        qs = q[start:end].transpose(0, 1).float()  # [qh, q_len, D]
-        if prefix == 0:
-            o = F.scaled_dot_product_attention(qs, keys, values, is_causal=True, scale=scale, enable_gqa=True)
-        else:
+        keys = _gather_seq(k_cache, pages, seq_len).transpose(0, 1)[None].float()  # [1, kvh, L, D]
+        values = _gather_seq(v_cache, pages, seq_len).transpose(0, 1)[None].float()
+        qs = q[start:end].transpose(0, 1)[None].float()  # [1, qh, q_len, D]; 4-D for the fused kernel
+        mask = None
+        if prefix:
             rows = torch.arange(q_len, device=q.device)[:, None] + prefix
-            cols = torch.arange(seq_len, device=q.device)[None, :]
-            o = F.scaled_dot_product_attention(
-                qs, keys, values, attn_mask=cols <= rows, scale=scale, enable_gqa=True
-            )
-        out[start:end] = o.transpose(0, 1).to(q.dtype)
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= rows
+        o = F.scaled_dot_product_attention(
+            qs, keys, values, attn_mask=mask, is_causal=not prefix, scale=scale, enable_gqa=True
+        )
+        out[start:end] = o[0].transpose(0, 1).to(q.dtype)
     return out
 
 
