@@ -32,6 +32,8 @@ lint: install
 # package as installed; tests/test_packaging.py checks the built wheel's layout.
 typecheck: install
 	$(BIN)/mypy -p radixserve -p benchmarks
+	MYPYPATH=tests $(BIN)/mypy tests/*.py examples
+	MYPYPATH=tests $(BIN)/mypy tests/kernels
 
 unit: model
 	$(BIN)/python -m pytest -q -p no:cacheprovider

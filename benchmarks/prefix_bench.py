@@ -81,7 +81,10 @@ def drive(engine: Engine, jobs: list[Job], max_tokens: int) -> RunStats:
             stats.tokens += n_prompt + len(tokens)
             if job.follow_ups:
                 answer = str(engine.tokenizer.decode(tokens, skip_special_tokens=True))
-                turn = [{"role": "assistant", "content": answer}, {"role": "user", "content": job.follow_ups[0]}]
+                turn = [
+                    {"role": "assistant", "content": answer},
+                    {"role": "user", "content": job.follow_ups[0]},
+                ]
                 history = job.messages + turn
                 submit(Job(history, job.follow_ups[1:]))
     stats.seconds = time.perf_counter() - start
@@ -97,17 +100,35 @@ def workloads(engine: Engine, args: argparse.Namespace) -> dict[str, list[Job]]:
             "Name a related concept.", "What would you ask next?"]  # fmt: skip
     rag = [Job([{"role": "user", "content": f"Document:\n{docs[d]}\n\nQuestion: {asks[q % len(asks)]}"}])
            for q in range(args.questions) for d in range(args.docs)]  # fmt: skip
-    topics = ["the sea", "compilers", "bread", "trains", "chess", "rain", "jazz", "maps", "owls", "glass", "tea", "ice"]
+    topics = [
+        "the sea",
+        "compilers",
+        "bread",
+        "trains",
+        "chess",
+        "rain",
+        "jazz",
+        "maps",
+        "owls",
+        "glass",
+        "tea",
+        "ice",
+    ]
     chat = [Job([{"role": "system", "content": "You are a friendly assistant."},
                  {"role": "user", "content": f"Tell me about {topics[c % len(topics)]}."}],
                 [f"And more about point {t}?" for t in range(1, args.turns)]) for c in range(args.convs)]  # fmt: skip
-    unique = [Job([{"role": "user", "content": prose(tok, args.unique_tokens, seed=1000 + i)}]) for i in range(args.unique)]
+    unique = [
+        Job([{"role": "user", "content": prose(tok, args.unique_tokens, seed=1000 + i)}])
+        for i in range(args.unique)
+    ]
     rng.shuffle(unique)
     return {"rag": rag, "chat": chat, "none": unique}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--docs", type=int, default=6)
     parser.add_argument("--doc-tokens", type=int, default=1500)
     parser.add_argument("--questions", type=int, default=8)
@@ -145,7 +166,9 @@ def main() -> None:
                 "ttft_p95": statistics.quantiles(s.ttft, n=20)[-1], "hit_rate": hit_rate,
             }  # fmt: skip
             r = results[f"{name}_{mode}"]
-            rows.append([name, mode, s.requests, r["req_s"], r["tok_s"], r["ttft_p50"], r["ttft_p95"], hit_rate])
+            rows.append(
+                [name, mode, s.requests, r["req_s"], r["tok_s"], r["ttft_p50"], r["ttft_p95"], hit_rate]
+            )
             print(rows[-1], flush=True)
         speedup = results[f"{name}_on"]["tok_s"] / results[f"{name}_off"]["tok_s"]
         results[f"{name}_speedup"] = {"throughput_on_over_off": speedup}

@@ -52,7 +52,9 @@ class EngineConfig:
         if self.schedule_policy not in POLICIES:
             raise ValueError(f"schedule_policy must be one of {POLICIES}, got {self.schedule_policy!r}")
         if self.eviction_policy not in EVICTION_POLICIES:
-            raise ValueError(f"eviction_policy must be one of {EVICTION_POLICIES}, got {self.eviction_policy!r}")
+            raise ValueError(
+                f"eviction_policy must be one of {EVICTION_POLICIES}, got {self.eviction_policy!r}"
+            )
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
         if self.host_cache_gb < 0 or self.disk_cache_gb < 0:

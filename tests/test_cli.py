@@ -13,7 +13,17 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_generate_streams_to_the_terminal(tiny_llama: Path) -> None:
-    out = _cli("generate", "hello world", "--model", str(tiny_llama), "--max-tokens", "6", "--no-chat", "--kv-cache-gb", "0.01")
+    out = _cli(
+        "generate",
+        "hello world",
+        "--model",
+        str(tiny_llama),
+        "--max-tokens",
+        "6",
+        "--no-chat",
+        "--kv-cache-gb",
+        "0.01",
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.endswith("\n") and len(out.stdout) > 1
 
@@ -27,5 +37,13 @@ def test_bad_model_path_is_a_clear_error() -> None:
 def test_serve_help_lists_the_flags() -> None:
     out = _cli("serve", "--help")
     assert out.returncode == 0
-    for flag in ("--model", "--port", "--page-size", "--kv-cache-gb", "--no-prefix-cache", "--api-key", "--schedule-policy"):
+    for flag in (
+        "--model",
+        "--port",
+        "--page-size",
+        "--kv-cache-gb",
+        "--no-prefix-cache",
+        "--api-key",
+        "--schedule-policy",
+    ):
         assert flag in out.stdout

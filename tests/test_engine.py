@@ -32,7 +32,8 @@ def _run_staggered(engine: Engine, prompts: list[list[int]], params: SamplingPar
 
 def test_generate_api_shapes(tiny_llama: Path) -> None:
     engine = Engine(str(tiny_llama), page_size=4, num_pages=128)
-    outs = engine.generate(["hello world", [5, 6, 7]], SamplingParams(max_tokens=5, temperature=0))
+    prompts: list[str | list[int]] = ["hello world", [5, 6, 7]]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=5, temperature=0))
     assert len(outs) == 2
     assert outs[1].prompt_token_ids == [5, 6, 7]
     assert outs[0].prompt_token_ids == engine.tokenizer.encode("hello world")

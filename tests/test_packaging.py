@@ -33,10 +33,14 @@ def test_built_wheel_layout_and_imports(tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
                    check=True, capture_output=True)  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(target)}
-    out = subprocess.run([sys.executable, "-c", IMPORTS], cwd=tmp_path, env=env, check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", IMPORTS], cwd=tmp_path, env=env, check=True, capture_output=True, text=True
+    )
     assert out.stdout.strip().startswith(str(target))
 
 
 def test_editable_install_from_any_directory(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-c", IMPORTS], cwd=tmp_path, check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", IMPORTS], cwd=tmp_path, check=True, capture_output=True, text=True
+    )
     assert Path(out.stdout.strip()).resolve() == ROOT / "kernels" / "reference.py"

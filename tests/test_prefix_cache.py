@@ -84,7 +84,9 @@ def test_in_batch_prefix_sharing_computes_shared_prefix_once(tiny_llama: Path) -
 
 def test_accounting_under_churn(tiny_llama: Path) -> None:
     """200 requests, random aborts, preemptions in a tiny pool, shared prefixes: nothing leaks."""
-    engine = Engine(str(tiny_llama), page_size=4, num_pages=96, max_running_requests=12, max_batched_tokens=64)
+    engine = Engine(
+        str(tiny_llama), page_size=4, num_pages=96, max_running_requests=12, max_batched_tokens=64
+    )
     rng = random.Random(7)
     prefixes = [_tokens(rng.randrange(8, 60), 100 + i) for i in range(5)]
     live: list[str] = []
@@ -93,7 +95,9 @@ def test_accounting_under_churn(tiny_llama: Path) -> None:
         for _ in range(rng.randrange(0, 4)):
             if submitted < 200:
                 prompt = rng.choice(prefixes) + _tokens(rng.randrange(1, 30), 1000 + submitted)
-                params = SamplingParams(max_tokens=rng.randrange(1, 30), temperature=rng.choice([0.0, 0.9]), seed=submitted)
+                params = SamplingParams(
+                    max_tokens=rng.randrange(1, 30), temperature=rng.choice([0.0, 0.9]), seed=submitted
+                )
                 live.append(engine.add_request(prompt, params, cache_salt=rng.choice([None, None, "x"])))
                 submitted += 1
         if live and rng.random() < 0.15:
@@ -128,10 +132,15 @@ def test_lpm_beats_fcfs_on_shuffled_rag(tiny_llama: Path) -> None:
 
 def test_interactive_request_preempts_batch_work(tiny_llama: Path) -> None:
     engine = Engine(str(tiny_llama), page_size=4, num_pages=512, max_running_requests=2)
-    batch_ids = [engine.add_request(_tokens(20, i), SamplingParams(max_tokens=60, ignore_eos=True), priority="batch") for i in range(2)]
+    batch_ids = [
+        engine.add_request(_tokens(20, i), SamplingParams(max_tokens=60, ignore_eos=True), priority="batch")
+        for i in range(2)
+    ]
     for _ in range(3):
         engine.step()
-    urgent = engine.add_request(_tokens(10, 9), SamplingParams(max_tokens=3, ignore_eos=True), priority="interactive")
+    urgent = engine.add_request(
+        _tokens(10, 9), SamplingParams(max_tokens=3, ignore_eos=True), priority="interactive"
+    )
     finished: list[str] = []
     while engine.has_unfinished():
         finished += [o.group_id for o in engine.step() if o.finish_reason]
@@ -142,7 +151,9 @@ def test_interactive_request_preempts_batch_work(tiny_llama: Path) -> None:
 def test_aging_lets_old_low_priority_requests_through() -> None:
     now = time.monotonic()
     old = Request("old", "old", 0, [1], 1, SamplingParams(), priority=1, arrival_time=now - 120)
-    new = [Request(f"n{i}", f"n{i}", 0, [1], 1, SamplingParams(), priority=0, arrival_time=now) for i in range(3)]
+    new = [
+        Request(f"n{i}", f"n{i}", 0, [1], 1, SamplingParams(), priority=0, arrival_time=now) for i in range(3)
+    ]
     for policy in ("fcfs", "lpm", "dfs-weight"):
         assert order_waiting(new + [old], policy, lambda r: 0, aging_s=30.0)[0] is old
         assert order_waiting(new + [old], policy, lambda r: 0, aging_s=1e6)[0] is not old

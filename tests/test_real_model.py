@@ -74,7 +74,9 @@ def test_prefix_cache_is_exact_on_chat_and_rag(smollm_dir: Path) -> None:
 
     history: list[dict[str, str]] = [{"role": "system", "content": "You are a helpful assistant."}]
     previous_len = 0  # tokens of the previous turn's prompt + answer
-    for turn, question in enumerate(["Hi! Who are you?", "Name a fruit.", "What colour is it?", "Thanks, bye."]):
+    for turn, question in enumerate(
+        ["Hi! Who are you?", "Name a fruit.", "What colour is it?", "Thanks, bye."]
+    ):
         history.append({"role": "user", "content": question})
         ids = on.apply_chat_template(history)
         a, b = on.generate([ids], params)[0], off.generate([ids], params)[0]
@@ -86,7 +88,9 @@ def test_prefix_cache_is_exact_on_chat_and_rag(smollm_dir: Path) -> None:
 
     docs = [_prose(3000, 0), _prose(3000, 50000)]
     questions = ["What is this about?", "Summarise it in one line.", "Give one keyword."]
-    prompts = [on.apply_chat_template([{"role": "user", "content": f"{d}\n\n{q}"}]) for d in docs for q in questions]
+    prompts = [
+        on.apply_chat_template([{"role": "user", "content": f"{d}\n\n{q}"}]) for d in docs for q in questions
+    ]
     doc_lens = [len(on.apply_chat_template([{"role": "user", "content": d}])) - 8 for d in docs]
     assert min(doc_lens) >= 600
     outs_on, outs_off = on.generate(prompts, params), off.generate(prompts, params)

@@ -72,19 +72,25 @@ def test_openai_chat_streaming_and_not(oai: openai.OpenAI) -> None:
                                               stream=True, stream_options={"include_usage": True}))  # fmt: skip
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
-    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert (
+        chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    )
 
 
 def test_openai_completions_streaming_and_not(oai: openai.OpenAI) -> None:
     whole = oai.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=6, temperature=0)
     assert whole.choices[0].finish_reason in ("stop", "length")
-    stream = oai.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=6, temperature=0, stream=True)
+    stream = oai.completions.create(
+        model=MODEL_NAME, prompt="Once upon a time", max_tokens=6, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].text for c in stream) == whole.choices[0].text
     echoed = oai.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=2, temperature=0,
                                     echo=True, logprobs=2)  # fmt: skip
     lp = echoed.choices[0].logprobs
     assert echoed.choices[0].text.startswith("Once upon a time")
-    assert lp is not None and lp.token_logprobs is not None and lp.token_logprobs[0] is None  # first prompt token
+    assert (
+        lp is not None and lp.token_logprobs is not None and lp.token_logprobs[0] is None
+    )  # first prompt token
     assert all(isinstance(x, float) for x in lp.token_logprobs[1:])
 
 
@@ -190,7 +196,7 @@ def test_32_concurrent_streams_while_health_answers(url: str) -> None:
 
 # -- 4. disconnects --------------------------------------------------------------------------------
 def test_disconnected_streams_release_their_pages(url: str, client: httpx.Client) -> None:
-    aborted_before = scrape(client).get('radixserve:request_success_total{finished_reason=abort}', 0.0)
+    aborted_before = scrape(client).get("radixserve:request_success_total{finished_reason=abort}", 0.0)
     body = {"model": MODEL_NAME, "prompt": "a long story about disconnects", "max_tokens": 400, "temperature": 0,
             "ignore_eos": True, "stream": True}  # fmt: skip
     clients = [httpx.Client(base_url=url, headers=AUTH, timeout=60) for _ in range(10)]
@@ -208,7 +214,7 @@ def test_disconnected_streams_release_their_pages(url: str, client: httpx.Client
         m = scrape(client)
         idle = (m["radixserve:num_requests_running"] == 0 and m["radixserve:kv_pages_used"] == 0
                 and m["radixserve:kv_pages_free"] + m["radixserve:kv_pages_cached"] == m["radixserve:kv_pages_total"])  # fmt: skip
-        aborted = m.get('radixserve:request_success_total{finished_reason=abort}', 0.0) - aborted_before
+        aborted = m.get("radixserve:request_success_total{finished_reason=abort}", 0.0) - aborted_before
         if (idle and aborted == 10) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
@@ -229,7 +235,12 @@ BAD: dict[str, tuple[str, Any, int, str | None]] = {
     "empty-prompt": ("/v1/completions", {"model": MODEL_NAME, "prompt": ""}, 400, "prompt"),
     "bad-token-id": ("/generate", {"input_ids": [10**9]}, 400, "prompt"),
     "text-and-ids": ("/generate", {"text": "a", "input_ids": [1]}, 400, "text"),
-    "unknown-sampling-param": ("/generate", {"text": "a", "sampling_params": {"temprature": 0}}, 400, "sampling_params"),
+    "unknown-sampling-param": (
+        "/generate",
+        {"text": "a", "sampling_params": {"temprature": 0}},
+        400,
+        "sampling_params",
+    ),
     "body-too-large": ("/v1/completions", {"model": MODEL_NAME, "prompt": "x" * MAX_BODY}, 413, None),
 }
 
@@ -244,7 +255,9 @@ def test_bad_input_gets_openai_error_body(client: httpx.Client, case: str) -> No
     assert err["param"] == param
     if case == "max-tokens-beyond-context":
         assert "512" in err["message"] and err["code"] == "context_length_exceeded"
-    ok = client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "still serving", "max_tokens": 2})
+    ok = client.post(
+        "/v1/completions", json={"model": MODEL_NAME, "prompt": "still serving", "max_tokens": 2}
+    )
     assert ok.status_code == 200
 
 
@@ -285,12 +298,20 @@ def test_models_and_flush_cache(client: httpx.Client) -> None:
 
 def test_queue_full_is_429_with_retry_after(tiny_llama: Path) -> None:
     engine = Engine(str(tiny_llama), page_size=4, num_pages=256, max_running_requests=1)
-    body = {"model": MODEL_NAME, "prompt": "hold the only slot", "max_tokens": 480, "ignore_eos": True, "stream": True}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "hold the only slot",
+        "max_tokens": 480,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with running_server(engine, max_waiting_requests=1) as url, httpx.Client(base_url=url, timeout=60) as c:
         with c.stream("POST", "/v1/completions", json=body) as running:
             lines = running.iter_lines()  # kept alive: a dropped reader closes its stream
             assert first_event(lines)
-            waiting = threading.Thread(target=lambda: c.post("/v1/completions", json={**body, "max_tokens": 1}))
+            waiting = threading.Thread(
+                target=lambda: c.post("/v1/completions", json={**body, "max_tokens": 1})
+            )
             waiting.start()
             deadline = time.monotonic() + 20
             while scrape(c)["radixserve:num_requests_waiting"] < 1 and time.monotonic() < deadline:
@@ -314,7 +335,13 @@ def test_metrics_parse_and_hold_the_documented_families(client: httpx.Client) ->
         assert f"radixserve:{gauge}" in m, gauge
     assert m["radixserve:kv_pages_total"] == 2048
     assert 0.0 <= m["radixserve:prefix_cache_hit_rate"] <= 1.0
-    for counter in ("prompt_tokens", "generation_tokens", "cached_tokens", "prefix_cache_queries", "prefix_cache_hits"):
+    for counter in (
+        "prompt_tokens",
+        "generation_tokens",
+        "cached_tokens",
+        "prefix_cache_queries",
+        "prefix_cache_hits",
+    ):
         assert f"radixserve:{counter}_total" in m, counter
     assert m["radixserve:prompt_tokens_total"] > 0 and m["radixserve:generation_tokens_total"] >= 3
     assert m["radixserve:request_success_total{finished_reason=length}"] >= 1

@@ -118,7 +118,9 @@ def test_shutdown_drains_short_requests_and_aborts_the_rest(engine: Engine) -> N
                 reason = d.outputs[0].finish_reason or reason
             return reason
 
-        short = asyncio.create_task(last_reason("short", SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)))
+        short = asyncio.create_task(
+            last_reason("short", SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        )
         long = asyncio.create_task(last_reason("long", LONG))
         await asyncio.sleep(0.05)
         await ae.shutdown(drain_timeout=0.3)

@@ -65,7 +65,9 @@ def test_no_server_errors(api_schema: Any, method: str, path: str, mode: schemat
     def check(case: Any) -> None:
         _clamp(case.body)
         response = case.call(headers=headers, timeout=60)
-        assert response.status_code < 500, f"{case.method} {case.path} -> {response.status_code}: {response.text[:500]}"
+        assert response.status_code < 500, (
+            f"{case.method} {case.path} -> {response.status_code}: {response.text[:500]}"
+        )
         if response.status_code >= 400:
             assert set(response.json()["error"]) == {"message", "type", "param", "code"}
 

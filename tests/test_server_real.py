@@ -29,9 +29,14 @@ def test_chat_answers_and_second_turn_hits_the_cache(oai: openai.OpenAI) -> None
     first = oai.chat.completions.create(model=NAME, messages=turn1, max_tokens=24, temperature=0)
     answer = first.choices[0].message.content or ""
     assert "Paris" in answer
-    streamed = oai.chat.completions.create(model=NAME, messages=turn1, max_tokens=24, temperature=0, stream=True)
+    streamed = oai.chat.completions.create(
+        model=NAME, messages=turn1, max_tokens=24, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == answer
-    turn2: Any = turn1 + [{"role": "assistant", "content": answer}, {"role": "user", "content": "And of Italy?"}]
+    turn2: Any = turn1 + [
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "And of Italy?"},
+    ]
     second = oai.chat.completions.create(model=NAME, messages=turn2, max_tokens=8, temperature=0)
     assert second.usage is not None and second.usage.prompt_tokens_details is not None
     assert (second.usage.prompt_tokens_details.cached_tokens or 0) >= 16

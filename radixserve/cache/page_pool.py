@@ -36,8 +36,12 @@ class KVPool:
         self.page_size = page_size
 
     @staticmethod
-    def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * page_size * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+    def bytes_per_page(
+        num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        return (
+            2 * num_layers * page_size * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+        )
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffer[i], self.v_buffer[i]
@@ -64,7 +68,9 @@ class PageAllocator:
 
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
-            raise RuntimeError(f"asked for {n} pages with only {len(self._free)} free; call can_allocate first")
+            raise RuntimeError(
+                f"asked for {n} pages with only {len(self._free)} free; call can_allocate first"
+            )
         if n == 0:
             return []
         pages = self._free[-n:]

@@ -64,26 +64,46 @@ class Engine:
         self.config = cfg = EngineConfig.from_kwargs(model=model, **options)
         self.device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
                                    ("cpu" if cfg.device == "auto" else cfg.device))  # fmt: skip
-        dtype_name = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
+        dtype_name = (
+            cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
+        )
         self.dtype = getattr(torch, dtype_name)
         path = resolve_model_path(model)
         self.model_path = path
         self.model = load_model(path, self.dtype, self.device)
         self.tokenizer = load_tokenizer(path)
         mcfg = self.model.config
-        self.max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+        self.max_model_len = min(
+            cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings
+        )
         eos = set(mcfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = sorted(eos)
-        page_bytes = KVPool.bytes_per_page(mcfg.num_layers, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim, self.dtype)
+        page_bytes = KVPool.bytes_per_page(
+            mcfg.num_layers, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim, self.dtype
+        )
         num_pages = cfg.num_pages or max(1, int(cfg.kv_cache_gb * 2**30) // page_bytes)
-        self.kv_pool = KVPool(mcfg.num_layers, num_pages, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim, self.dtype, self.device)
+        self.kv_pool = KVPool(
+            mcfg.num_layers,
+            num_pages,
+            cfg.page_size,
+            mcfg.num_kv_heads,
+            mcfg.head_dim,
+            self.dtype,
+            self.device,
+        )
         tiers = make_tiers(self.kv_pool, self.model, mcfg, int(cfg.host_cache_gb * 2**30), int(cfg.disk_cache_gb * 2**30),
                            cfg.disk_cache_dir, cfg.write_policy, cfg.write_through_threshold) if cfg.prefix_cache else None  # fmt: skip
-        self.kv = KVCacheManager(num_pages, cfg.page_size, cfg.prefix_cache, cfg.eviction_policy, self.kv_pool, tiers)
-        self.scheduler = Scheduler(self.kv, cfg.max_running_requests, cfg.max_batched_tokens, cfg.schedule_policy, cfg.aging_s)
-        self.runner = ModelRunner(self.model, self.kv_pool, select_backend(cfg.attention_backend, self.device), self.device)
+        self.kv = KVCacheManager(
+            num_pages, cfg.page_size, cfg.prefix_cache, cfg.eviction_policy, self.kv_pool, tiers
+        )
+        self.scheduler = Scheduler(
+            self.kv, cfg.max_running_requests, cfg.max_batched_tokens, cfg.schedule_policy, cfg.aging_s
+        )
+        self.runner = ModelRunner(
+            self.model, self.kv_pool, select_backend(cfg.attention_backend, self.device), self.device
+        )
         self.sampler = Sampler()
         self._grammar: GrammarCompiler | None = None  # built on the first constrained request
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -118,11 +138,16 @@ class Engine:
             self.grammar_compiler.validate(params)
         if isinstance(priority, str):
             if priority not in PRIORITY_NAMES:
-                raise ValueError(f"priority must be an integer or one of {sorted(PRIORITY_NAMES)}, got {priority!r}")
+                raise ValueError(
+                    f"priority must be an integer or one of {sorted(PRIORITY_NAMES)}, got {priority!r}"
+                )
             priority = PRIORITY_NAMES[priority]
         group_id = request_id or uuid.uuid4().hex
         now = time.monotonic()
-        reqs = [self._new_request(group_id, i, token_ids, params, priority, cache_salt, now) for i in range(params.n)]
+        reqs = [
+            self._new_request(group_id, i, token_ids, params, priority, cache_salt, now)
+            for i in range(params.n)
+        ]
         self._inbox.put(("add", reqs))
         return group_id
 
@@ -140,7 +165,9 @@ class Engine:
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in prompt order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]  # type: ignore[list-item]
         prompt_list: list[Prompt] = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -160,7 +187,9 @@ class Engine:
                     assemblers[out.group_id].add(out)
         return [a.result for a in assemblers.values()]
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any) -> Iterator[RequestOutput]:
+    def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any
+    ) -> Iterator[RequestOutput]:
         """Step the engine in this thread, yielding each delta of one request as it comes.
 
         For concurrent use (a server), wrap the engine in ``radixserve.server.async_engine.AsyncEngine``,
@@ -276,7 +305,9 @@ class Engine:
                 self._finish(r, finish)
         return outputs
 
-    def _append_tokens(self, req: Request, tokens: list[int]) -> tuple[str, str | None, str | int | None, list[int]]:
+    def _append_tokens(
+        self, req: Request, tokens: list[int]
+    ) -> tuple[str, str | None, str | int | None, list[int]]:
         text, finish, stop = "", None, None
         appended = []
         for t in tokens:

@@ -37,7 +37,9 @@ class OutputAssembler:
 
     def __post_init__(self) -> None:
         outs = [CompletionOutput(index=i) for i in range(self.n)]
-        self.result = RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, arrival_time=self.arrival_time)
+        self.result = RequestOutput(
+            self.request_id, self.prompt, self.prompt_token_ids, outs, arrival_time=self.arrival_time
+        )
         self._open = self.n
 
     @property
@@ -63,7 +65,9 @@ class OutputAssembler:
             res.first_token_time = step.time
         if self.finished:
             res.finished, res.finish_time = True, step.time
-        delta = CompletionOutput(step.index, step.text, step.token_ids, step.finish_reason, step.stop_reason, step.logprobs)
+        delta = CompletionOutput(
+            step.index, step.text, step.token_ids, step.finish_reason, step.stop_reason, step.logprobs
+        )
         return RequestOutput(
             res.request_id, res.prompt, res.prompt_token_ids, [delta], res.finished, res.cached_tokens,
             step.prompt_logprobs, res.arrival_time, res.first_token_time, res.finish_time,

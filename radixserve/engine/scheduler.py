@@ -116,7 +116,9 @@ class Scheduler:
             return False
         window = req.token_ids[cached:end]
         return any(
-            r.cache_salt == req.cache_salt and r.num_prompt_tokens >= end and r.token_ids[cached:end] == window
+            r.cache_salt == req.cache_salt
+            and r.num_prompt_tokens >= end
+            and r.token_ids[cached:end] == window
             for r in inflight
         )
 

@@ -65,10 +65,18 @@ def paged_attention(
             q, k_cache, v_cache, meta.extend_page_table, meta.extend_cu_q_lens, meta.extend_seq_lens, scale
         )
     if n_ext == 0:
-        return backend.decode_attention(q, k_cache, v_cache, meta.decode_page_table, meta.decode_seq_lens, scale)
+        return backend.decode_attention(
+            q, k_cache, v_cache, meta.decode_page_table, meta.decode_seq_lens, scale
+        )
     out = torch.empty_like(q)
     out[:n_ext] = backend.extend_attention(
-        q[:n_ext], k_cache, v_cache, meta.extend_page_table, meta.extend_cu_q_lens, meta.extend_seq_lens, scale
+        q[:n_ext],
+        k_cache,
+        v_cache,
+        meta.extend_page_table,
+        meta.extend_cu_q_lens,
+        meta.extend_seq_lens,
+        scale,
     )
     out[n_ext:] = backend.decode_attention(
         q[n_ext:], k_cache, v_cache, meta.decode_page_table, meta.decode_seq_lens, scale

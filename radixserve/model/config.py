@@ -34,7 +34,9 @@ class ModelConfig:
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         model_type = cfg.get("model_type", "")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+            raise ValueError(
+                f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
         num_heads = cfg["num_attention_heads"]
         # transformers 5 keeps RoPE settings in `rope_parameters`; older configs use rope_theta + rope_scaling.
         rope = dict(cfg.get("rope_parameters") or {})
@@ -42,7 +44,9 @@ class ModelConfig:
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type", "default"))
             if kind not in ("default", "linear", "llama3"):
-                raise ValueError(f"unsupported RoPE scaling type {kind!r}; supported: default, linear, llama3")
+                raise ValueError(
+                    f"unsupported RoPE scaling type {kind!r}; supported: default, linear, llama3"
+                )
             scaling = None if kind == "default" else {**scaling, "rope_type": kind}
         max_pos = cfg.get("max_position_embeddings", 4096)
         # Mistral-style sliding windows are not implemented: capping the context keeps outputs exact.

@@ -32,7 +32,12 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVPool, backend: ModuleType
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv: KVPool,
+        backend: ModuleType,
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -55,7 +60,12 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVPool, backend: ModuleType
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv: KVPool,
+        backend: ModuleType,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, meta, kv, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -119,7 +129,11 @@ class LlamaForCausalLM(nn.Module):
     def _fused_slice(self, param: torch.Tensor, target: str, shard: int) -> torch.Tensor:
         cfg = self.config
         if target == "qkv_proj":
-            sizes = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
+            sizes = [
+                cfg.num_heads * cfg.head_dim,
+                cfg.num_kv_heads * cfg.head_dim,
+                cfg.num_kv_heads * cfg.head_dim,
+            ]
         else:
             sizes = [cfg.intermediate_size, cfg.intermediate_size]
         start = sum(sizes[:shard])

@@ -34,7 +34,9 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv: KVPool, backend: ModuleType, device: torch.device) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, kv: KVPool, backend: ModuleType, device: torch.device
+    ) -> None:
         self.model = model
         self.kv = kv
         self.backend = backend

@@ -100,7 +100,9 @@ def merge_deltas(deltas: Sequence[RequestOutput], n: int) -> RequestOutput:
     """Fold the stream of one request back into its whole result."""
     last = deltas[-1]
     outs = [CompletionOutput(i) for i in range(n)]
-    result = RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, outs, last.finished, last.cached_tokens)
+    result = RequestOutput(
+        last.request_id, last.prompt, last.prompt_token_ids, outs, last.finished, last.cached_tokens
+    )
     for d in deltas:
         c = d.outputs[0]
         o = outs[c.index]
@@ -116,7 +118,9 @@ def merge_deltas(deltas: Sequence[RequestOutput], n: int) -> RequestOutput:
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> p.Usage:
-    return p.Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens, p.PromptTokensDetails(cached))
+    return p.Usage(
+        prompt_tokens, completion_tokens, prompt_tokens + completion_tokens, p.PromptTokensDetails(cached)
+    )
 
 
 class _TokenText:
@@ -178,7 +182,9 @@ class _Api:
             if len(body) > self.max_body_bytes:
                 raise ApiError(413, f"request body exceeds the limit of {self.max_body_bytes} bytes")
         try:
-            return msgspec.json.decode(bytes(body), type=type_, strict=False)  # lax like pydantic: 2.0 and "2" are ints
+            return msgspec.json.decode(
+                bytes(body), type=type_, strict=False
+            )  # lax like pydantic: 2.0 and "2" are ints
         except msgspec.ValidationError as exc:
             path = re.search(r"at `\$\.?([^`]*)`", str(exc))
             raise ApiError(400, str(exc), path.group(1) or None if path else None) from None
@@ -187,7 +193,12 @@ class _Api:
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
-            raise ApiError(400, f"model {model!r} is not served here; use {self.model_name!r}", "model", "model_not_found")
+            raise ApiError(
+                400,
+                f"model {model!r} is not served here; use {self.model_name!r}",
+                "model",
+                "model_not_found",
+            )
 
     def salt(self, request: Request, salt: str | None) -> str | None:
         key = request.scope.get("radixserve.api_key")
@@ -269,7 +280,9 @@ class _Api:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling(req, max_tokens, logprobs)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        first, stream = await self.submit(token_ids, params, rid, self.salt(request, req.cache_salt), req.priority)
+        first, stream = await self.submit(
+            token_ids, params, rid, self.salt(request, req.cache_salt), req.priority
+        )
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
             return _event_stream(self.chat_events(req, rid, first, stream, usage), stream)
@@ -288,17 +301,31 @@ class _Api:
         created = int(time.time())
 
         def chunk(choices: list[p.ChatChunkChoice], usage: p.Usage | None = None) -> bytes:
-            return _sse(p.ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices, usage=usage))
+            return _sse(
+                p.ChatCompletionChunk(
+                    id=rid, created=created, model=self.model_name, choices=choices, usage=usage
+                )
+            )
 
-        yield chunk([p.ChatChunkChoice(i, p.DeltaMessage(role="assistant", content="")) for i in range(req.n)])
+        yield chunk(
+            [p.ChatChunkChoice(i, p.DeltaMessage(role="assistant", content="")) for i in range(req.n)]
+        )
         completion_tokens, last = 0, first
         async for d in _chain(first, stream):
             c, last = d.outputs[0], d
             completion_tokens += len(c.token_ids)
             if c.text or c.logprobs:
-                yield chunk([p.ChatChunkChoice(c.index, p.DeltaMessage(content=c.text), self.tokens.chat_logprobs(c.logprobs))])
+                yield chunk(
+                    [
+                        p.ChatChunkChoice(
+                            c.index, p.DeltaMessage(content=c.text), self.tokens.chat_logprobs(c.logprobs)
+                        )
+                    ]
+                )
             if c.finish_reason is not None:
-                yield chunk([p.ChatChunkChoice(c.index, p.DeltaMessage(), None, c.finish_reason, c.stop_reason)])
+                yield chunk(
+                    [p.ChatChunkChoice(c.index, p.DeltaMessage(), None, c.finish_reason, c.stop_reason)]
+                )
         if include_usage:
             yield chunk([], _usage(len(first.prompt_token_ids), completion_tokens, last.cached_tokens))
         yield _DONE
@@ -321,14 +348,18 @@ class _Api:
         else:
             params = self.sampling(req, req.max_tokens, req.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        first, stream = await self.submit(prompt, params, rid, self.salt(request, req.cache_salt), req.priority)
+        first, stream = await self.submit(
+            prompt, params, rid, self.salt(request, req.cache_salt), req.priority
+        )
         prompt_text = prompt if isinstance(prompt, str) else str(self.engine.engine.tokenizer.decode(prompt))
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
             return _event_stream(self.completion_events(req, rid, prompt_text, first, stream, usage), stream)
         res = await self.collect(request, first, stream, req.n)
         choices = [self.completion_choice(req, o, res, prompt_text) for o in res.outputs]
-        usage_ = _usage(len(first.prompt_token_ids), sum(len(o.token_ids) for o in res.outputs), res.cached_tokens)
+        usage_ = _usage(
+            len(first.prompt_token_ids), sum(len(o.token_ids) for o in res.outputs), res.cached_tokens
+        )
         return _json(p.CompletionResponse(id=rid, created=int(time.time()), model=self.model_name,
                                           choices=choices, usage=usage_))  # fmt: skip
 
@@ -352,7 +383,11 @@ class _Api:
         created = int(time.time())
 
         def chunk(choices: list[p.CompletionChoice], usage: p.Usage | None = None) -> bytes:
-            return _sse(p.CompletionResponse(id=rid, created=created, model=self.model_name, choices=choices, usage=usage))
+            return _sse(
+                p.CompletionResponse(
+                    id=rid, created=created, model=self.model_name, choices=choices, usage=usage
+                )
+            )
 
         echoed: set[int] = set()
         completion_tokens, last = 0, first
@@ -385,7 +420,9 @@ class _Api:
             regex=sp.regex, json_schema=sp.json_schema, grammar=sp.grammar, choices=sp.choices,
         )  # fmt: skip
         rid = req.rid or uuid.uuid4().hex
-        first, stream = await self.submit(prompt, params, rid, self.salt(request, req.cache_salt), req.priority)
+        first, stream = await self.submit(
+            prompt, params, rid, self.salt(request, req.cache_salt), req.priority
+        )
         if req.stream:
             return _event_stream(self.generate_events(req, rid, first, stream), stream)
         res = await self.collect(request, first, stream, sp.n)
@@ -423,7 +460,9 @@ class _Api:
 
     # -- small routes -----------------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
-        card = p.ModelCard(id=self.model_name, created=self.created, max_model_len=self.engine.engine.max_model_len)
+        card = p.ModelCard(
+            id=self.model_name, created=self.created, max_model_len=self.engine.engine.max_model_len
+        )
         return _json(p.ModelList(data=[card]))
 
     async def model_info(self, request: Request) -> Response:
@@ -460,13 +499,17 @@ def _stops(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
-async def _chain(first: RequestOutput, rest: AsyncGenerator[RequestOutput, None]) -> AsyncGenerator[RequestOutput, None]:
+async def _chain(
+    first: RequestOutput, rest: AsyncGenerator[RequestOutput, None]
+) -> AsyncGenerator[RequestOutput, None]:
     yield first
     async for d in rest:
         yield d
 
 
-def _event_stream(events: AsyncGenerator[bytes, None], request: AsyncGenerator[RequestOutput, None]) -> StreamingResponse:
+def _event_stream(
+    events: AsyncGenerator[bytes, None], request: AsyncGenerator[RequestOutput, None]
+) -> StreamingResponse:
     """SSE response; however it ends, the request's stream is closed, which aborts it if unfinished."""
 
     async def guarded() -> AsyncIterator[bytes]:
@@ -565,7 +608,11 @@ def build_app(
         Route("/flush_cache", api.flush_cache, methods=["POST"]),
         Route("/openapi.json", api.openapi_json, methods=["GET"]),
     ]
-    handlers: dict[Any, Callable[..., Any]] = {ApiError: on_api_error, HTTPException: on_http_error, Exception: on_bug}
+    handlers: dict[Any, Callable[..., Any]] = {
+        ApiError: on_api_error,
+        HTTPException: on_http_error,
+        Exception: on_bug,
+    }
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     if keys:
@@ -590,7 +637,9 @@ def serve(
     async_engine = AsyncEngine(engine, max_waiting_requests)
     name = model_name or engine.model_path.name
     app = build_app(async_engine, name, api_key, salt_per_key, max_body_bytes, drain_timeout)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=math.ceil(drain_timeout))
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=math.ceil(drain_timeout)
+    )
     logger.info("serving %s on http://%s:%d", name, host, port)
     uvicorn.Server(config).run()
 
@@ -601,7 +650,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--model", default=None, help="local HF model folder (default: the embedded SmolLM2-135M-Instruct)")
     a("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     a("--port", type=int, default=8000)
-    a("--served-model-name", default=None, help="the model name clients send (default: the model folder's name)")
+    a(
+        "--served-model-name",
+        default=None,
+        help="the model name clients send (default: the model folder's name)",
+    )
     a("--page-size", type=int, default=16, help="tokens per KV page")
     a("--kv-cache-gb", type=float, default=1.0, help="KV cache size in GiB")
     a("--num-pages", type=int, default=None, help="KV pages (overrides --kv-cache-gb)")
@@ -615,13 +668,25 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--attention-backend", default="auto")
     a("--jump-forward", action="store_true", help="append grammar-forced tokens without a decode step each")
     a("--host-cache-gb", type=float, default=0.0, help="host-RAM KV tier beneath the device pool (0: off)")
-    a("--disk-cache-gb", type=float, default=0.0, help="disk KV tier (needs --disk-cache-dir; survives restarts)")
+    a(
+        "--disk-cache-gb",
+        type=float,
+        default=0.0,
+        help="disk KV tier (needs --disk-cache-dir; survives restarts)",
+    )
     a("--disk-cache-dir", default=None)
-    a("--write-policy", default="write_through", choices=WRITE_POLICIES,
-      help="when pages are copied down a tier: on insert, after k hits, or on eviction")
+    a(
+        "--write-policy",
+        default="write_through",
+        choices=WRITE_POLICIES,
+        help="when pages are copied down a tier: on insert, after k hits, or on eviction",
+    )
     a("--write-through-threshold", type=int, default=2, help="k for write_through_selective")
-    a("--api-key", default=os.environ.get("RADIXSERVE_API_KEY"),
-      help="bearer key(s), comma-separated, required on every route but /health (default: $RADIXSERVE_API_KEY)")
+    a(
+        "--api-key",
+        default=os.environ.get("RADIXSERVE_API_KEY"),
+        help="bearer key(s), comma-separated, required on every route but /health (default: $RADIXSERVE_API_KEY)",
+    )
     a("--salt-per-key", action="store_true", help="give each API key its own prefix-cache namespace")
     a("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger request bodies get 413")
     a("--drain-timeout", type=float, default=30.0, help="seconds to let running requests finish on shutdown")
@@ -629,7 +694,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> None:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     engine = Engine(
         model=args.model, page_size=args.page_size, kv_cache_gb=args.kv_cache_gb, num_pages=args.num_pages,
         max_running_requests=args.max_running_requests, max_batched_tokens=args.max_batched_tokens,

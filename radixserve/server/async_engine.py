@@ -92,7 +92,9 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._unscheduled: set[str] = set()  # submitted, not yet seen running: the waiting requests
         self._lock = threading.Lock()  # guards _streams and _unscheduled across the two threads
-        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = queue.SimpleQueue()
+        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = (
+            queue.SimpleQueue()
+        )
         self._wake = threading.Event()
         self._stop = False
         self._accepting = False
@@ -131,7 +133,9 @@ class AsyncEngine:
 
     @property
     def healthy(self) -> bool:
-        return self._accepting and self._error is None and self._thread is not None and self._thread.is_alive()
+        return (
+            self._accepting and self._error is None and self._thread is not None and self._thread.is_alive()
+        )
 
     # -- requests ---------------------------------------------------------------------------------
     @property
@@ -150,9 +154,13 @@ class AsyncEngine:
 
         Raises ValueError (bad input), QueueFullError or EngineUnavailableError before yielding."""
         if not self.healthy:
-            raise EngineUnavailableError("the server is shutting down" if self._error is None else "the engine has failed")
+            raise EngineUnavailableError(
+                "the server is shutting down" if self._error is None else "the engine has failed"
+            )
         if self.num_waiting >= self.max_waiting_requests:
-            raise QueueFullError(f"{self.num_waiting} requests are waiting (limit {self.max_waiting_requests})")
+            raise QueueFullError(
+                f"{self.num_waiting} requests are waiting (limit {self.max_waiting_requests})"
+            )
         rid = request_id or uuid.uuid4().hex
         token_ids = self.engine.tokenize(prompt)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic())

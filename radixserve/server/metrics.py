@@ -17,7 +17,25 @@ from prometheus_client.registry import Collector
 from radixserve.server.async_engine import AsyncEngine, RequestRecord
 
 PREFIX = "radixserve:"
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 _TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -34,7 +52,10 @@ class _EngineCollector(Collector):
             "kv_pages_cached": ("KV pages in the prefix cache", s.cached_pages),
             "kv_pages_free": ("KV pages free", s.free_pages),
             "kv_pages_total": ("KV pages in the pool", s.num_pages),
-            "prefix_cache_hit_rate": ("Prompt tokens served from the prefix cache / prompt tokens looked up", s.prefix_hit_rate),
+            "prefix_cache_hit_rate": (
+                "Prompt tokens served from the prefix cache / prompt tokens looked up",
+                s.prefix_hit_rate,
+            ),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(PREFIX + name, doc, value=value)
@@ -77,9 +98,13 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
         self.queue = Histogram(PREFIX + "request_queue_time_seconds", "Arrival to first scheduled",
                                buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens", "Prompt tokens of finished requests", registry=r
+        )
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens", registry=r)
-        self.cached_tokens = Counter(PREFIX + "cached_tokens", "Prompt tokens served from the prefix cache", registry=r)
+        self.cached_tokens = Counter(
+            PREFIX + "cached_tokens", "Prompt tokens served from the prefix cache", registry=r
+        )
         self.success = Counter(PREFIX + "request_success", "Finished requests by finish reason of the first sample",
                                ["finished_reason"], registry=r)  # fmt: skip
         r.register(_EngineCollector(engine))

@@ -324,7 +324,10 @@ def _post(summary: str, body: type, ok: dict[str, Any], streams: bool) -> dict[s
         "post": {
             "summary": summary,
             "requestBody": {"required": True, "content": _json(_ref(body))},
-            "responses": {"200": {"description": "OK", "content": content}, **_errors(400, 401, 413, 429, 503)},
+            "responses": {
+                "200": {"description": "OK", "content": content},
+                **_errors(400, 401, 413, 429, 503),
+            },
         }
     }
 
@@ -351,8 +354,12 @@ def openapi_schema(model_name: str, title: str = "radixserve", version: str = "0
         "openapi": "3.1.0",
         "info": {"title": title, "version": version},
         "paths": {
-            "/v1/chat/completions": _post("Chat completion (OpenAI)", ChatCompletionRequest, _ref(ChatCompletionResponse), True),
-            "/v1/completions": _post("Text completion (OpenAI)", CompletionRequest, _ref(CompletionResponse), True),
+            "/v1/chat/completions": _post(
+                "Chat completion (OpenAI)", ChatCompletionRequest, _ref(ChatCompletionResponse), True
+            ),
+            "/v1/completions": _post(
+                "Text completion (OpenAI)", CompletionRequest, _ref(CompletionResponse), True
+            ),
             "/generate": _post("Native generation", GenerateRequest, generate_ok, True),
             "/v1/models": _get("Served models", _ref(ModelList)),
             "/health": health,

@@ -16,7 +16,9 @@ def test_engine_triton_backend_matches_torch_backend(tiny_llama: Path) -> None:
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     results = {}
     for backend in ("torch", "triton"):
-        engine = Engine(str(tiny_llama), page_size=4, num_pages=64, attention_backend=backend, max_batched_tokens=24)
+        engine = Engine(
+            str(tiny_llama), page_size=4, num_pages=64, attention_backend=backend, max_batched_tokens=24
+        )
         if backend == "triton":
             assert engine.runner.backend is ops
         first = engine.generate(prompts[:1], params)  # warms the cache: later prompts extend over it
