@@ -37,20 +37,97 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """One query token per sequence: ``q [B, q_heads, head_dim]`` -> ``[B, q_heads, head_dim]``."""
+    """One query token per sequence: ``q [B, q_heads, head_dim]`` -> ``[B, q_heads, head_dim]``.
+
+    Sequences whose page tables start with the same pages (a prefix shared through the radix tree) read
+    those pages once for all of them (cascade attention); the rest of each context is gathered per
+    sequence. The two parts merge through their log-sum-exps, which is exact up to rounding.
+    """
     batch, q_heads, head_dim = q.shape
     page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    max_len = int(seq_lens.max())
-    pages = page_table[:, : (max_len + page_size - 1) // page_size].long()
-    # Padded gather [B, kv_heads, L, D]; positions past a sequence's length are masked out.
-    keys = k_cache[pages].flatten(1, 2)[:, :max_len].transpose(1, 2).float()
-    values = v_cache[pages].flatten(1, 2)[:, :max_len].transpose(1, 2).float()
-    valid = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None].to(q.device)
-    # The query heads sharing a KV head ride in the "query length" dimension: one 4-D SDPA call, which
-    # takes torch's fused CPU kernel (3-D inputs or einsum are several times slower there).
     qg = q.float().view(batch, kv_heads, q_heads // kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=valid[:, None, None, :], scale=scale)
+    table, lens = page_table.long(), seq_lens.long().to(q.device)
+    shared, groups = _shared_prefixes(table, lens, page_size)
+    out, lse = _private_part(qg, k_cache, v_cache, table, lens, shared, scale)
+    for rows, n_pages in groups:
+        pages = table[rows[0], :n_pages]
+        keys = k_cache[pages].flatten(0, 1).transpose(0, 1)[None].float()  # [1, kvh, L, D], read once
+        values = v_cache[pages].flatten(0, 1).transpose(0, 1)[None].float()
+        qs = qg[rows].transpose(0, 1).reshape(1, kv_heads, -1, head_dim)  # every query of the group
+        o, l_shared = _attend(qs, keys, values, None, scale)
+        o = o.view(kv_heads, len(rows), -1, head_dim).transpose(0, 1)
+        l_shared = l_shared.view(kv_heads, len(rows), -1).transpose(0, 1)
+        total = torch.logaddexp(lse[rows], l_shared)
+        out[rows] = out[rows] * (lse[rows] - total).exp()[..., None] + o * (l_shared - total).exp()[..., None]
     return out.reshape(batch, q_heads, head_dim).to(q.dtype)
+
+
+def _shared_prefixes(
+    table: torch.Tensor, lens: torch.Tensor, page_size: int
+) -> tuple[torch.Tensor, list[tuple[torch.Tensor, int]]]:
+    """Per row, how many leading pages it shares with the other rows of its group (same first page)."""
+    shared = torch.zeros(len(lens), dtype=torch.long, device=table.device)
+    groups: list[tuple[torch.Tensor, int]] = []
+    firsts = table[:, 0]
+    if len(lens) < 2 or firsts.unique().numel() == len(lens):
+        return shared, groups
+    for first in firsts.unique():
+        rows = (firsts == first).nonzero().flatten()
+        if len(rows) < 2:
+            continue
+        # Only whole pages before every row's newest token can be shared (the newest one is private).
+        limit = int((lens[rows].min() - 1) // page_size)
+        same = (table[rows, :limit] == table[rows[0], :limit]).all(0)
+        n_pages = int(same.long().cumprod(0).sum())
+        if n_pages:
+            shared[rows] = n_pages
+            groups.append((rows, n_pages))
+    return shared, groups
+
+
+def _private_part(
+    qg: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    lens: torch.Tensor,
+    start_pages: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of each row over its pages from ``start_pages[b]`` on (a padded gather, masked)."""
+    page_size = k_cache.shape[1]
+    num_pages = int(((lens + page_size - 1) // page_size - start_pages).max())
+    cols = (start_pages[:, None] + torch.arange(num_pages, device=table.device)[None, :]).clamp(
+        max=table.shape[1] - 1
+    )
+    pages = table.gather(1, cols)
+    keys = k_cache[pages].flatten(1, 2).transpose(1, 2).float()  # [B, kvh, L, D]
+    values = v_cache[pages].flatten(1, 2).transpose(1, 2).float()
+    pos = start_pages[:, None] * page_size + torch.arange(num_pages * page_size, device=table.device)[None, :]
+    return _attend(qg, keys, values, pos < lens[:, None], scale)
+
+
+_flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """4-D attention ``q [n, H, M, D]`` over ``k``/``v [n, H, L, D]``; returns the output and its log-sum-exp."""
+    bias = None
+    if valid is not None:
+        bias = torch.zeros(valid.shape, dtype=q.dtype, device=q.device).masked_fill_(~valid, float("-inf"))
+        bias = bias[:, None, None, :]
+    if (
+        q.device.type == "cpu" and _flash_cpu is not None
+    ):  # torch's fused CPU kernel, which also returns the LSE
+        out, lse = _flash_cpu(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+        return out, lse
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if bias is not None:
+        scores = scores + bias
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse[..., None]), v), lse
 
 
 def extend_attention(
