@@ -14,11 +14,11 @@ from torch import nn
 from radixserve.cache.page_pool import KVPool
 from radixserve.model.attention import AttentionMetadata, paged_attention
 from radixserve.model.config import ModelConfig
-from radixserve.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from radixserve.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -28,46 +28,47 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rope = rope
         self.scale = cfg.head_dim**-0.5
 
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         kv: KVPool,
         backend: ModuleType,
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        # q and k are adjacent in the fused projection, so one rotation serves both.
+        q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
         k_cache, v_cache = kv.layer(self.layer_idx)
-        out = paged_attention(backend, q, k, v, k_cache, v_cache, meta, self.scale)
+        out = paged_attention(
+            backend, q, k, v.view(-1, self.num_kv_heads, self.head_dim), k_cache, v_cache, meta, self.scale
+        )
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx, rope)
+        self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         kv: KVPool,
         backend: ModuleType,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta, kv, backend)
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta, kv, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -75,9 +76,11 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        )
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -94,8 +97,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Flat new tokens ``[T]`` -> final hidden states ``[T, hidden]``, writing their K/V into ``kv``."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.table(positions)
         for layer in self.layers:
-            x = layer(x, positions, meta, kv, backend)
+            x = layer(x, rope, meta, kv, backend)
         return self.norm(x)
 
     @torch.inference_mode()

@@ -37,11 +37,9 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> LlamaFor
         model = LlamaForCausalLM(cfg)
     model = model.to_empty(device=device).to(dtype)
     # to_empty leaves non-persistent buffers (the RoPE table) uninitialised: rebuild them.
-    rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling).to(
-        device
-    )
-    for layer in model.layers:
-        layer.self_attn.rope = rope  # type: ignore[union-attr]
+    model.rotary = RotaryEmbedding(
+        cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+    ).to(device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
 
