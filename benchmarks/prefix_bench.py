@@ -118,7 +118,13 @@ def workloads(engine: Engine, args: argparse.Namespace) -> dict[str, list[Job]]:
                  {"role": "user", "content": f"Tell me about {topics[c % len(topics)]}."}],
                 [f"And more about point {t}?" for t in range(1, args.turns)]) for c in range(args.convs)]  # fmt: skip
     unique = [
-        Job([{"role": "user", "content": prose(tok, args.unique_tokens, seed=1000 + i)}])
+        # Each opens with its own system line: the template's default system prompt would be shared.
+        Job(
+            [
+                {"role": "system", "content": f"Reader {i}."},
+                {"role": "user", "content": prose(tok, args.unique_tokens, seed=1000 + i)},
+            ]
+        )
         for i in range(args.unique)
     ]
     rng.shuffle(unique)
