@@ -41,6 +41,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixserve.cache.tiers import WRITE_POLICIES
 from radixserve.engine.engine import Engine, Prompt
+from radixserve.model.default_model import DEFAULT_MODEL_NAME
 from radixserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from radixserve.sampling.grammar import strict_schema
 from radixserve.sampling.params import SamplingParams
@@ -653,7 +654,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a(
         "--served-model-name",
         default=None,
-        help="the model name clients send (default: the model folder's name)",
+        help="the model name clients send (default: the model folder's name; SmolLM2-135M-Instruct for the embedded one)",
     )
     a("--page-size", type=int, default=16, help="tokens per KV page")
     a("--kv-cache-gb", type=float, default=1.0, help="KV cache size in GiB")
@@ -709,5 +710,6 @@ def run_from_args(args: argparse.Namespace) -> None:
     keys = [k.strip() for k in args.api_key.split(",") if k.strip()] if args.api_key else None
     if args.salt_per_key and not keys:
         raise SystemExit("--salt-per-key needs --api-key")
-    serve(engine, args.host, args.port, args.served_model_name, keys, args.salt_per_key, args.max_waiting_requests,
+    name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else None)
+    serve(engine, args.host, args.port, name, keys, args.salt_per_key, args.max_waiting_requests,
           args.max_body_bytes, args.drain_timeout, args.log_level)  # fmt: skip
