@@ -178,9 +178,10 @@ class Engine:
                 raise ValueError(f"got {len(params_list)} sampling params for {len(prompt_list)} prompts")
         assemblers: dict[str, OutputAssembler] = {}
         for p, sp in zip(prompt_list, params_list):
-            rid = self.add_request(p, sp, cache_salt=cache_salt)
+            ids = self.tokenize(p)  # once: add_request takes the ids as they are
+            rid = self.add_request(ids, sp, cache_salt=cache_salt)
             text = p if isinstance(p, str) else None
-            assemblers[rid] = OutputAssembler(rid, text, self.tokenize(p), sp.n, time.monotonic())
+            assemblers[rid] = OutputAssembler(rid, text, ids, sp.n, time.monotonic())
         while not all(a.finished for a in assemblers.values()):
             for out in self.step():
                 if out.group_id in assemblers:
@@ -196,9 +197,10 @@ class Engine:
         whose ``generate`` is the async iterator of deltas.
         """
         params = params or SamplingParams()
-        rid = self.add_request(prompt, params, **kwargs)
-        assembler = OutputAssembler(rid, prompt if isinstance(prompt, str) else None, self.tokenize(prompt),
-                                    params.n, time.monotonic())  # fmt: skip
+        ids = self.tokenize(prompt)
+        rid = self.add_request(ids, params, **kwargs)
+        text = prompt if isinstance(prompt, str) else None
+        assembler = OutputAssembler(rid, text, ids, params.n, time.monotonic())
         while not assembler.finished:
             for out in self.step():
                 if out.group_id == rid:
