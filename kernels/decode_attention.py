@@ -201,10 +201,12 @@ def decode_attention(
     scale: float,
     *,
     num_splits: int | None = None,
+    plan: object = None,
 ) -> torch.Tensor:
     """One query token per sequence: ``q [B, q_heads, head_dim]`` -> ``[B, q_heads, head_dim]``.
 
-    ``num_splits`` (1..``MAX_SPLITS``) overrides the split-K heuristic; tests use it.
+    ``num_splits`` (1..``MAX_SPLITS``) overrides the split-K heuristic; tests use it. ``plan`` is
+    unused: the kernel reads the page table on the device, so there is no host-side index work.
     """
     batch, q_heads, head_dim = q.shape
     page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]

@@ -129,11 +129,13 @@ def extend_attention(
     scale: float,
     *,
     max_q_len: int | None = None,
+    plan: object = None,
 ) -> torch.Tensor:
     """Ragged new tokens ``q [T, q_heads, head_dim]`` (sequence b owns rows ``cu_q_lens[b]:cu_q_lens[b+1]``).
 
     ``max_q_len`` (an upper bound on any sequence's new-token count) sizes the grid; without it the
-    bound is read from ``cu_q_lens``, which synchronises with the device.
+    bound is read from ``cu_q_lens``, which synchronises with the device. ``plan`` is unused (see
+    ``decode_attention``).
     """
     tokens, q_heads, head_dim = q.shape
     page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]

@@ -1,4 +1,4 @@
-"""Triton backend: the five functions of ``radixserve.kernels.reference`` with the same signatures.
+"""Triton backend: the functions of ``radixserve.kernels.reference`` with the same signatures.
 
 The engine picks ``ops`` on CUDA and ``reference`` elsewhere. Expected index tensors, all on q's
 device: ``page_table`` int32 ``[B, max_pages]``, ``seq_lens`` int32 ``[B]``, ``cu_q_lens`` int32
@@ -8,8 +8,25 @@ dtype. Other integer dtypes also work: every index is widened to int64 inside th
 
 from __future__ import annotations
 
+import torch
+
 from .decode_attention import decode_attention
 from .extend_attention import extend_attention
 from .kv_ops import gather_pages, scatter_pages, store_kv
 
-__all__ = ["decode_attention", "extend_attention", "gather_pages", "scatter_pages", "store_kv"]
+
+def plan_decode(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> None:
+    """No host-side plan: the kernels index the page table on the device."""
+    return None
+
+
+def plan_extend(
+    page_table: torch.Tensor, cu_q_lens: torch.Tensor, seq_lens: torch.Tensor, page_size: int
+) -> None:
+    return None
+
+
+__all__ = [
+    "decode_attention", "extend_attention", "gather_pages", "plan_decode", "plan_extend", "scatter_pages",
+    "store_kv",
+]  # fmt: skip

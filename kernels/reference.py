@@ -11,6 +11,8 @@ Attention reads all K/V through the page table: the caller stores the step's new
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -24,9 +26,45 @@ def store_kv(
     v_cache.view(-1, num_heads, head_dim)[slot_mapping] = v.to(v_cache.dtype)
 
 
+def _pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """``cache[pages]`` for an index tensor of any shape: ``[*pages.shape, page_size, kv_heads, head_dim]``.
+
+    index_select on the flattened indices is a row memcpy; advanced indexing with a 2-D index runs
+    several times slower on CPU, and decode reads every context page of every layer this way."""
+    return cache.index_select(0, pages.flatten()).view(*pages.shape, *cache.shape[1:])
+
+
 def _gather_seq(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
     """The first ``length`` tokens of one sequence as ``[length, kv_heads, head_dim]``."""
-    return cache[pages].flatten(0, 1)[:length]
+    return _pages(cache, pages).flatten(0, 1)[:length]
+
+
+@dataclass(slots=True)
+class DecodePlan:
+    """The index work of one step's decode attention, done once and reused by every layer.
+
+    ``pages[b]`` are the pages row b reads on its own (from ``start_pages[b]`` on, padded by repeating
+    a valid page); ``bias`` masks the padding; each group's rows read the group's ``shared`` pages once.
+    """
+
+    pages: torch.Tensor  # [B, n] int64
+    bias: torch.Tensor | None  # [B, 1, 1, n * page_size], 0 or -inf; None when nothing is padding
+    groups: list[tuple[torch.Tensor, torch.Tensor]]  # (rows, shared pages)
+
+
+def plan_decode(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> DecodePlan:
+    table, lens = page_table.long(), seq_lens.long()
+    shared, groups = _shared_prefixes(table, lens, page_size)
+    num_pages = int(((lens + page_size - 1) // page_size - shared).max())
+    arange = torch.arange(num_pages, device=table.device)
+    cols = (shared[:, None] + arange[None, :]).clamp(max=table.shape[1] - 1)
+    pos = shared[:, None] * page_size + torch.arange(num_pages * page_size, device=table.device)[None, :]
+    valid = pos < lens[:, None]
+    bias = None
+    if not bool(valid.all()):
+        bias = torch.zeros(valid.shape, dtype=torch.float32, device=table.device)
+        bias = bias.masked_fill_(~valid, float("-inf"))[:, None, None, :]
+    return DecodePlan(table.gather(1, cols), bias, [(rows, table[rows[0], :n]) for rows, n in groups])
 
 
 def decode_attention(
@@ -36,23 +74,27 @@ def decode_attention(
     page_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    *,
+    plan: DecodePlan | None = None,
 ) -> torch.Tensor:
     """One query token per sequence: ``q [B, q_heads, head_dim]`` -> ``[B, q_heads, head_dim]``.
 
     Sequences whose page tables start with the same pages (a prefix shared through the radix tree) read
     those pages once for all of them (cascade attention); the rest of each context is gathered per
     sequence. The two parts merge through their log-sum-exps, which is exact up to rounding.
+    ``plan`` (from ``plan_decode`` on the same page table and lengths) skips the index work.
     """
     batch, q_heads, head_dim = q.shape
     page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if plan is None:
+        plan = plan_decode(page_table, seq_lens.to(q.device), page_size)
     qg = q.float().view(batch, kv_heads, q_heads // kv_heads, head_dim)
-    table, lens = page_table.long(), seq_lens.long().to(q.device)
-    shared, groups = _shared_prefixes(table, lens, page_size)
-    out, lse = _private_part(qg, k_cache, v_cache, table, lens, shared, scale)
-    for rows, n_pages in groups:
-        pages = table[rows[0], :n_pages]
-        keys = k_cache[pages].flatten(0, 1).transpose(0, 1)[None].float()  # [1, kvh, L, D], read once
-        values = v_cache[pages].flatten(0, 1).transpose(0, 1)[None].float()
+    keys = _pages(k_cache, plan.pages).flatten(1, 2).transpose(1, 2).float()  # [B, kvh, L, D]
+    values = _pages(v_cache, plan.pages).flatten(1, 2).transpose(1, 2).float()
+    out, lse = _attend(qg, keys, values, plan.bias, scale)
+    for rows, pages in plan.groups:
+        keys = _pages(k_cache, pages).flatten(0, 1).transpose(0, 1)[None].float()  # [1, kvh, L, D], read once
+        values = _pages(v_cache, pages).flatten(0, 1).transpose(0, 1)[None].float()
         qs = qg[rows].transpose(0, 1).reshape(1, kv_heads, -1, head_dim)  # every query of the group
         o, l_shared = _attend(qs, keys, values, None, scale)
         o = o.view(kv_heads, len(rows), -1, head_dim).transpose(0, 1)
@@ -85,39 +127,14 @@ def _shared_prefixes(
     return shared, groups
 
 
-def _private_part(
-    qg: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    table: torch.Tensor,
-    lens: torch.Tensor,
-    start_pages: torch.Tensor,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of each row over its pages from ``start_pages[b]`` on (a padded gather, masked)."""
-    page_size = k_cache.shape[1]
-    num_pages = int(((lens + page_size - 1) // page_size - start_pages).max())
-    cols = (start_pages[:, None] + torch.arange(num_pages, device=table.device)[None, :]).clamp(
-        max=table.shape[1] - 1
-    )
-    pages = table.gather(1, cols)
-    keys = k_cache[pages].flatten(1, 2).transpose(1, 2).float()  # [B, kvh, L, D]
-    values = v_cache[pages].flatten(1, 2).transpose(1, 2).float()
-    pos = start_pages[:, None] * page_size + torch.arange(num_pages * page_size, device=table.device)[None, :]
-    return _attend(qg, keys, values, pos < lens[:, None], scale)
-
-
 _flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """4-D attention ``q [n, H, M, D]`` over ``k``/``v [n, H, L, D]``; returns the output and its log-sum-exp."""
-    bias = None
-    if valid is not None:
-        bias = torch.zeros(valid.shape, dtype=q.dtype, device=q.device).masked_fill_(~valid, float("-inf"))
-        bias = bias[:, None, None, :]
+    """4-D attention ``q [n, H, M, D]`` over ``k``/``v [n, H, L, D]`` with an additive ``bias``
+    broadcastable to the scores; returns the output and its log-sum-exp."""
     if (
         q.device.type == "cpu" and _flash_cpu is not None
     ):  # torch's fused CPU kernel, which also returns the LSE
@@ -130,6 +147,34 @@ def _attend(
     return torch.matmul(torch.exp(scores - lse[..., None]), v), lse
 
 
+@dataclass(slots=True)
+class ExtendPlan:
+    """Per extend sequence, computed once per step for every layer: its query rows, its pages, and
+    the mask of its new tokens over its context (None when plain causal, with no cached prefix)."""
+
+    seqs: list[tuple[int, int, torch.Tensor, int, torch.Tensor | None]]  # (start, end, pages, seq_len, mask)
+
+
+def plan_extend(
+    page_table: torch.Tensor, cu_q_lens: torch.Tensor, seq_lens: torch.Tensor, page_size: int
+) -> ExtendPlan:
+    seqs = []
+    cu, lens = cu_q_lens.tolist(), seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        start, end = cu[b], cu[b + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        prefix = seq_len - q_len
+        pages = page_table[b, : (seq_len + page_size - 1) // page_size].long()
+        mask = None
+        if prefix:
+            rows = torch.arange(q_len, device=page_table.device)[:, None] + prefix
+            mask = torch.arange(seq_len, device=page_table.device)[None, :] <= rows
+        seqs.append((start, end, pages, seq_len, mask))
+    return ExtendPlan(seqs)
+
+
 def extend_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -138,32 +183,24 @@ def extend_attention(
     cu_q_lens: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    *,
+    plan: ExtendPlan | None = None,
 ) -> torch.Tensor:
     """Ragged new tokens ``q [T, q_heads, head_dim]`` (sequence b owns rows ``cu_q_lens[b]:cu_q_lens[b+1]``).
 
     Sequence b's new tokens sit at positions ``seq_lens[b] - q_len_b ...``: each attends to the whole
-    cached prefix and causally to the new tokens before it.
+    cached prefix and causally to the new tokens before it. ``plan`` (from ``plan_extend`` on the same
+    arguments) skips the index work.
     """
-    page_size = k_cache.shape[1]
+    if plan is None:
+        plan = plan_extend(page_table, cu_q_lens, seq_lens, k_cache.shape[1])
     out = torch.empty_like(q)
-    cu = cu_q_lens.tolist()
-    lens = seq_lens.tolist()
-    for b, seq_len in enumerate(lens):
-        start, end = cu[b], cu[b + 1]
-        q_len = end - start
-        if q_len == 0:
-            continue
-        prefix = seq_len - q_len
-        pages = page_table[b, : (seq_len + page_size - 1) // page_size].long()
+    for start, end, pages, seq_len, mask in plan.seqs:
         keys = _gather_seq(k_cache, pages, seq_len).transpose(0, 1)[None].float()  # [1, kvh, L, D]
         values = _gather_seq(v_cache, pages, seq_len).transpose(0, 1)[None].float()
         qs = q[start:end].transpose(0, 1)[None].float()  # [1, qh, q_len, D]; 4-D for the fused kernel
-        mask = None
-        if prefix:
-            rows = torch.arange(q_len, device=q.device)[:, None] + prefix
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= rows
         o = F.scaled_dot_product_attention(
-            qs, keys, values, attn_mask=mask, is_causal=not prefix, scale=scale, enable_gqa=True
+            qs, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
         )
         out[start:end] = o[0].transpose(0, 1).to(q.dtype)
     return out
@@ -171,7 +208,7 @@ def extend_attention(
 
 def gather_pages(buffer: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     """Pack pages of every layer into a contiguous ``[num_layers, n, page_size, kv_heads, head_dim]``."""
-    return buffer[:, pages.long()].contiguous()
+    return buffer.index_select(1, pages.long())
 
 
 def scatter_pages(buffer: torch.Tensor, pages: torch.Tensor, src: torch.Tensor) -> None:

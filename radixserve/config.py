@@ -21,7 +21,10 @@ class EngineConfig:
     kv_cache_gb: float = 1.0
     num_pages: int | None = None  # overrides kv_cache_gb (tests use tiny pools)
     max_running_requests: int = 64
-    max_batched_tokens: int = 2048  # per-step token budget; longer prefills are chunked
+    # Per-step token budget; longer prefills are chunked. None: 512 on CPU, where a step's time grows
+    # with its tokens and a 512-token chunk already runs the matmuls at full speed, so running decodes
+    # stall for at most one such chunk; 8192 on CUDA.
+    max_batched_tokens: int | None = None
     max_model_len: int | None = None  # default: the model's context length
     max_waiting_requests: int = 1024
     prefix_cache: bool = True
@@ -47,7 +50,7 @@ class EngineConfig:
             raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
-        if self.max_batched_tokens < 1:
+        if self.max_batched_tokens is not None and self.max_batched_tokens < 1:
             raise ValueError(f"max_batched_tokens must be >= 1, got {self.max_batched_tokens}")
         if self.schedule_policy not in POLICIES:
             raise ValueError(f"schedule_policy must be one of {POLICIES}, got {self.schedule_policy!r}")

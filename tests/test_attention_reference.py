@@ -49,3 +49,33 @@ def test_decode_with_shared_prefix_pages_matches_naive(page_size: int) -> None:
     torch.testing.assert_close(got, _naive_decode(q, kc, vc, table, lens), atol=1e-5, rtol=1e-5)
     shared_pages, groups = reference._shared_prefixes(table.long(), torch.tensor(lens), page_size)
     assert len(groups) == 2 and shared_pages[6:].eq(0).all()  # the cascade really ran
+
+
+def test_a_plan_made_once_serves_every_layer_like_planning_each_call() -> None:
+    """The runner plans a step's index work once and hands it to every layer: same results as
+    planning inside each call, with padding masked (ragged lengths) and cascade groups found."""
+    torch.manual_seed(1)
+    page_size = 4
+    kc, vc = torch.randn(2, 3, 200, page_size, 2, 16).unbind(0)  # three "layers"
+    tables = [[1, 2, 3, 10, 11], [1, 2, 3, 20, 21], [40, 41, 42, 43, 44]]
+    lens = torch.tensor([18, 19, 13], dtype=torch.int32)
+    table = torch.tensor(tables, dtype=torch.int32)
+    plan = reference.plan_decode(table, lens, page_size)
+    assert plan.bias is not None and len(plan.groups) == 1
+    for layer in range(3):
+        q = torch.randn(3, 4, 16)
+        got = reference.decode_attention(q, kc[layer], vc[layer], table, lens, 0.25, plan=plan)
+        torch.testing.assert_close(
+            got, reference.decode_attention(q, kc[layer], vc[layer], table, lens, 0.25)
+        )
+        torch.testing.assert_close(got, _naive_decode(q * 2, kc[layer], vc[layer], table, lens.tolist()))
+
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    ext_lens = torch.tensor([9, 7], dtype=torch.int32)  # the first has a cached prefix of 4 tokens
+    ext_plan = reference.plan_extend(table[:2], cu, ext_lens, page_size)
+    assert ext_plan.seqs[0][4] is not None and ext_plan.seqs[1][4] is None  # prefix mask vs plain causal
+    q = torch.randn(12, 4, 16)
+    torch.testing.assert_close(
+        reference.extend_attention(q, kc[0], vc[0], table[:2], cu, ext_lens, 0.25, plan=ext_plan),
+        reference.extend_attention(q, kc[0], vc[0], table[:2], cu, ext_lens, 0.25),
+    )

@@ -94,3 +94,20 @@ def test_mixed_extend_and_decode_in_one_step(tiny_llama: Path) -> None:
         ref_b = hf(torch.tensor([b2])).logits[0, -1]
     torch.testing.assert_close(out.logits[1], ref_a, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out.logits[0], ref_b, atol=1e-4, rtol=1e-4)
+
+
+def test_prepacked_linears_match_the_plain_product() -> None:
+    """On CPU, Linear multiplies 2+ rows through a oneDNN-blocked weight copy (layers.Linear); it
+    must agree with the plain product at every row count, and single rows keep the plain path."""
+    from radixserve.model.layers import Linear
+
+    torch.manual_seed(0)
+    lin = Linear(96, 200, bias=True)
+    xs = [torch.randn(m, 96) for m in (1, 3, 8, 33, 600)]
+    plain = [lin(x) for x in xs]
+    lin.prepack()
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN")
+    assert lin.packed is not None
+    for x, want in zip(xs, plain):
+        torch.testing.assert_close(lin(x), want, atol=1e-5, rtol=1e-5)

@@ -98,8 +98,9 @@ class Engine:
         self.kv = KVCacheManager(
             num_pages, cfg.page_size, cfg.prefix_cache, cfg.eviction_policy, self.kv_pool, tiers
         )
+        self.max_batched_tokens = cfg.max_batched_tokens or (8192 if self.device.type == "cuda" else 512)
         self.scheduler = Scheduler(
-            self.kv, cfg.max_running_requests, cfg.max_batched_tokens, cfg.schedule_policy, cfg.aging_s
+            self.kv, cfg.max_running_requests, self.max_batched_tokens, cfg.schedule_policy, cfg.aging_s
         )
         self.runner = ModelRunner(
             self.model, self.kv_pool, select_backend(cfg.attention_backend, self.device), self.device

@@ -1,8 +1,9 @@
 """Paged attention over the KV pool, behind one small backend interface.
 
-A backend is any object with the five functions of ``radixserve.kernels.reference`` (store_kv,
-decode_attention, extend_attention, gather_pages, scatter_pages), all with the same signatures:
-the torch reference on CPU, the Triton kernels on CUDA.
+A backend is any object with the functions of ``radixserve.kernels.reference`` (store_kv,
+plan_decode, decode_attention, plan_extend, extend_attention, gather_pages, scatter_pages), all with
+the same signatures: the torch reference on CPU, the Triton kernels on CUDA. The plans hold the
+index work of one step (which pages each sequence reads, masks), done once and reused by every layer.
 
 One step's tokens are flattened: the extend sequences (prefill chunks) come first, then the decode
 sequences (one token each). Attention stores the step's new K/V into their slots, then each part
@@ -30,6 +31,8 @@ class AttentionMetadata:
     extend_seq_lens: torch.Tensor  # [B_ext] int32, new tokens included
     decode_page_table: torch.Tensor  # [B_dec, max_pages] int32
     decode_seq_lens: torch.Tensor  # [B_dec] int32, the new token included
+    extend_plan: object = None  # the backend's plan_extend(...) of this step
+    decode_plan: object = None  # the backend's plan_decode(...) of this step
 
     @property
     def num_decode(self) -> int:
@@ -62,11 +65,12 @@ def paged_attention(
     n_ext = meta.num_extend_tokens
     if meta.num_decode == 0:
         return backend.extend_attention(
-            q, k_cache, v_cache, meta.extend_page_table, meta.extend_cu_q_lens, meta.extend_seq_lens, scale
-        )
+            q, k_cache, v_cache, meta.extend_page_table, meta.extend_cu_q_lens, meta.extend_seq_lens, scale,
+            plan=meta.extend_plan,
+        )  # fmt: skip
     if n_ext == 0:
         return backend.decode_attention(
-            q, k_cache, v_cache, meta.decode_page_table, meta.decode_seq_lens, scale
+            q, k_cache, v_cache, meta.decode_page_table, meta.decode_seq_lens, scale, plan=meta.decode_plan
         )
     out = torch.empty_like(q)
     out[:n_ext] = backend.extend_attention(
@@ -77,8 +81,15 @@ def paged_attention(
         meta.extend_cu_q_lens,
         meta.extend_seq_lens,
         scale,
+        plan=meta.extend_plan,
     )
     out[n_ext:] = backend.decode_attention(
-        q[n_ext:], k_cache, v_cache, meta.decode_page_table, meta.decode_seq_lens, scale
+        q[n_ext:],
+        k_cache,
+        v_cache,
+        meta.decode_page_table,
+        meta.decode_seq_lens,
+        scale,
+        plan=meta.decode_plan,
     )
     return out

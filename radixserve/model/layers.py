@@ -1,4 +1,4 @@
-"""Small building blocks of Llama-family models: RMSNorm, rotary embedding, SwiGLU MLP."""
+"""Small building blocks of Llama-family models: Linear, RMSNorm, rotary embedding, SwiGLU MLP."""
 
 from __future__ import annotations
 
@@ -7,6 +7,30 @@ from typing import Any
 
 import torch
 from torch import nn
+
+
+class Linear(nn.Linear):
+    """nn.Linear that, once ``prepack()``-ed on a CPU, multiplies two or more rows through a
+    oneDNN-blocked copy of its weight.
+
+    Why: MKL's plain sgemm threads products with few rows poorly, and a decode step is exactly that
+    (one row per running request): the blocked copy makes 8-32-row products 1.3x faster here
+    (``benchmarks/engine_bench.py``). A single row keeps the plain weight, where oneDNN is slower.
+    The copy costs one more weight's worth of memory, and must be made after the weights are final.
+    """
+
+    packed: torch.Tensor | None = None
+
+    def prepack(self) -> None:
+        w = self.weight
+        if w.device.type == "cpu" and w.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.dim() == 2 and x.shape[0] > 1:
+            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return out
+        return nn.functional.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -70,8 +94,8 @@ class SwiGLU(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

@@ -50,6 +50,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> LlamaFor
                     yield name, f.get_tensor(name)
 
     model.load_weights(tensors())
+    model.prepack()
     return model.eval()
 
 

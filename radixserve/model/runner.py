@@ -89,4 +89,10 @@ class ModelRunner:
             decode_page_table=table32[num_ext:].to(dev),
             decode_seq_lens=seq_lens[num_ext:].to(dev),
         )
+        if num_ext:
+            meta.extend_plan = self.backend.plan_extend(
+                meta.extend_page_table, meta.extend_cu_q_lens, meta.extend_seq_lens, ps
+            )
+        if num_ext < len(chunks):
+            meta.decode_plan = self.backend.plan_decode(meta.decode_page_table, meta.decode_seq_lens, ps)
         return torch.tensor(flat, dtype=torch.int64, device=dev), positions.to(dev), meta

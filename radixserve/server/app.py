@@ -660,7 +660,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--kv-cache-gb", type=float, default=1.0, help="KV cache size in GiB")
     a("--num-pages", type=int, default=None, help="KV pages (overrides --kv-cache-gb)")
     a("--max-running-requests", type=int, default=64)
-    a("--max-batched-tokens", type=int, default=2048, help="tokens per step; longer prefills are chunked")
+    a("--max-batched-tokens", type=int, default=None,
+      help="tokens per step; longer prefills are chunked (default: 512 on CPU, 8192 on CUDA)")  # fmt: skip
     a("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     a("--max-waiting-requests", type=int, default=1024, help="beyond this, new requests get 429")
     a("--schedule-policy", default="lpm", choices=["fcfs", "lpm", "dfs-weight"])
