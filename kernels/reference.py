@@ -40,31 +40,65 @@ def _gather_seq(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.
 
 
 @dataclass(slots=True)
+class PaddedRows:
+    """Rows of a decode batch whose own pages are read as one padded block: ``pages[i]`` are row
+    ``rows[i]``'s pages (the tail padded by repeating a valid page), ``bias`` masks the padding."""
+
+    rows: torch.Tensor | None  # indices into the batch; None: every row, in order
+    pages: torch.Tensor  # [len(rows), n] int64
+    bias: torch.Tensor | None  # [len(rows), 1, 1, n * page_size], 0 or -inf; None when nothing is padding
+
+
+@dataclass(slots=True)
 class DecodePlan:
     """The index work of one step's decode attention, done once and reused by every layer.
 
-    ``pages[b]`` are the pages row b reads on its own (from ``start_pages[b]`` on, padded by repeating
-    a valid page); ``bias`` masks the padding; each group's rows read the group's ``shared`` pages once.
+    Each row reads its own pages in one of ``blocks``; rows of similar length share a block, so a
+    64-token chat beside a 2,000-token document does not pad to 2,000. Each group's rows read the
+    group's ``shared`` pages once (cascade attention).
     """
 
-    pages: torch.Tensor  # [B, n] int64
-    bias: torch.Tensor | None  # [B, 1, 1, n * page_size], 0 or -inf; None when nothing is padding
+    blocks: list[PaddedRows]
     groups: list[tuple[torch.Tensor, torch.Tensor]]  # (rows, shared pages)
 
 
 def plan_decode(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> DecodePlan:
     table, lens = page_table.long(), seq_lens.long()
     shared, groups = _shared_prefixes(table, lens, page_size)
-    num_pages = int(((lens + page_size - 1) // page_size - shared).max())
-    arange = torch.arange(num_pages, device=table.device)
-    cols = (shared[:, None] + arange[None, :]).clamp(max=table.shape[1] - 1)
-    pos = shared[:, None] * page_size + torch.arange(num_pages * page_size, device=table.device)[None, :]
+    own = ((lens + page_size - 1) // page_size - shared).tolist()  # >= 1: the newest token is private
+    # Longest first; a row joins the current block while it fills at least half the block's width,
+    # so padding at most doubles a block's reads.
+    members: list[list[int]] = []
+    for b in sorted(range(len(own)), key=lambda b: -own[b]):
+        if members and 2 * own[b] >= own[members[-1][0]]:
+            members[-1].append(b)
+        else:
+            members.append([b])
+    blocks = []
+    for rows in members:
+        idx = None if len(rows) == len(own) else torch.tensor(rows, device=table.device)
+        sel = slice(None) if idx is None else idx
+        blocks.append(_padded_rows(idx, table[sel], lens[sel], shared[sel], own[rows[0]], page_size))
+    return DecodePlan(blocks, [(rows, table[rows[0], :n]) for rows, n in groups])
+
+
+def _padded_rows(
+    rows: torch.Tensor | None,
+    table: torch.Tensor,
+    lens: torch.Tensor,
+    start_pages: torch.Tensor,
+    num_pages: int,
+    page_size: int,
+) -> PaddedRows:
+    dev = table.device
+    cols = (start_pages[:, None] + torch.arange(num_pages, device=dev)[None, :]).clamp(max=table.shape[1] - 1)
+    pos = start_pages[:, None] * page_size + torch.arange(num_pages * page_size, device=dev)[None, :]
     valid = pos < lens[:, None]
     bias = None
     if not bool(valid.all()):
-        bias = torch.zeros(valid.shape, dtype=torch.float32, device=table.device)
-        bias = bias.masked_fill_(~valid, float("-inf"))[:, None, None, :]
-    return DecodePlan(table.gather(1, cols), bias, [(rows, table[rows[0], :n]) for rows, n in groups])
+        bias = torch.zeros(valid.shape, dtype=torch.float32, device=dev).masked_fill_(~valid, float("-inf"))
+        bias = bias[:, None, None, :]
+    return PaddedRows(rows, table.gather(1, cols), bias)
 
 
 def decode_attention(
@@ -89,9 +123,12 @@ def decode_attention(
     if plan is None:
         plan = plan_decode(page_table, seq_lens.to(q.device), page_size)
     qg = q.float().view(batch, kv_heads, q_heads // kv_heads, head_dim)
-    keys = _pages(k_cache, plan.pages).flatten(1, 2).transpose(1, 2).float()  # [B, kvh, L, D]
-    values = _pages(v_cache, plan.pages).flatten(1, 2).transpose(1, 2).float()
-    out, lse = _attend(qg, keys, values, plan.bias, scale)
+    if len(plan.blocks) == 1 and plan.blocks[0].rows is None:
+        out, lse = _attend_rows(qg, k_cache, v_cache, plan.blocks[0], scale)
+    else:
+        out, lse = torch.empty_like(qg), qg.new_empty(qg.shape[:-1])
+        for block in plan.blocks:
+            out[block.rows], lse[block.rows] = _attend_rows(qg[block.rows], k_cache, v_cache, block, scale)
     for rows, pages in plan.groups:
         keys = _pages(k_cache, pages).flatten(0, 1).transpose(0, 1)[None].float()  # [1, kvh, L, D], read once
         values = _pages(v_cache, pages).flatten(0, 1).transpose(0, 1)[None].float()
@@ -102,6 +139,14 @@ def decode_attention(
         total = torch.logaddexp(lse[rows], l_shared)
         out[rows] = out[rows] * (lse[rows] - total).exp()[..., None] + o * (l_shared - total).exp()[..., None]
     return out.reshape(batch, q_heads, head_dim).to(q.dtype)
+
+
+def _attend_rows(
+    qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block: PaddedRows, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    keys = _pages(k_cache, block.pages).flatten(1, 2).transpose(1, 2).float()  # [b, kvh, L, D]
+    values = _pages(v_cache, block.pages).flatten(1, 2).transpose(1, 2).float()
+    return _attend(qg, keys, values, block.bias, scale)
 
 
 def _shared_prefixes(
@@ -150,7 +195,7 @@ def _attend(
 @dataclass(slots=True)
 class ExtendPlan:
     """Per extend sequence, computed once per step for every layer: its query rows, its pages, and
-    the mask of its new tokens over its context (None when plain causal, with no cached prefix)."""
+    the additive mask of its new tokens over its context (None when plain causal, with no cached prefix)."""
 
     seqs: list[tuple[int, int, torch.Tensor, int, torch.Tensor | None]]  # (start, end, pages, seq_len, mask)
 
@@ -168,9 +213,10 @@ def plan_extend(
         prefix = seq_len - q_len
         pages = page_table[b, : (seq_len + page_size - 1) // page_size].long()
         mask = None
-        if prefix:
+        if prefix:  # an additive mask: SDPA on CPU runs about 20% faster with it than with a boolean one
             rows = torch.arange(q_len, device=page_table.device)[:, None] + prefix
-            mask = torch.arange(seq_len, device=page_table.device)[None, :] <= rows
+            hidden = torch.arange(seq_len, device=page_table.device)[None, :] > rows
+            mask = torch.zeros(hidden.shape, device=page_table.device).masked_fill_(hidden, float("-inf"))
         seqs.append((start, end, pages, seq_len, mask))
     return ExtendPlan(seqs)
 

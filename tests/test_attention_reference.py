@@ -61,7 +61,7 @@ def test_a_plan_made_once_serves_every_layer_like_planning_each_call() -> None:
     lens = torch.tensor([18, 19, 13], dtype=torch.int32)
     table = torch.tensor(tables, dtype=torch.int32)
     plan = reference.plan_decode(table, lens, page_size)
-    assert plan.bias is not None and len(plan.groups) == 1
+    assert len(plan.blocks) == 1 and plan.blocks[0].bias is not None and len(plan.groups) == 1
     for layer in range(3):
         q = torch.randn(3, 4, 16)
         got = reference.decode_attention(q, kc[layer], vc[layer], table, lens, 0.25, plan=plan)
@@ -79,3 +79,27 @@ def test_a_plan_made_once_serves_every_layer_like_planning_each_call() -> None:
         reference.extend_attention(q, kc[0], vc[0], table[:2], cu, ext_lens, 0.25, plan=ext_plan),
         reference.extend_attention(q, kc[0], vc[0], table[:2], cu, ext_lens, 0.25),
     )
+
+
+def test_rows_of_very_different_lengths_are_not_padded_to_the_longest() -> None:
+    """A 2,000-token document beside short chats: the short rows go into their own padded block (the
+    plan's blocks), and every row still matches the naive per-sequence softmax."""
+    torch.manual_seed(2)
+    page_size = 16
+    kc, vc = torch.randn(2, 400, page_size, 3, 64).unbind(0)
+    lens = [2000, 40, 1900, 70, 17, 1100]
+    tables, next_page = [], 1
+    for n in lens:
+        pages = -(-n // page_size)
+        tables.append(list(range(next_page, next_page + pages)))
+        next_page += pages
+    table = torch.zeros(len(lens), max(map(len, tables)), dtype=torch.int32)
+    for i, t in enumerate(tables):
+        table[i, : len(t)] = torch.tensor(t)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    plan = reference.plan_decode(table, seq_lens, page_size)
+    widths = sorted(int(b.pages.shape[1]) for b in plan.blocks)
+    assert len(plan.blocks) >= 2 and widths[0] <= 5  # the chats read 5 pages, not 125
+    q = torch.randn(len(lens), 9, 64)
+    got = reference.decode_attention(q, kc, vc, table, seq_lens, 0.125, plan=plan)
+    torch.testing.assert_close(got, _naive_decode(q, kc, vc, table, lens), atol=1e-5, rtol=1e-5)
