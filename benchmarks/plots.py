@@ -26,6 +26,14 @@ _CDF_METRICS = (
 )
 
 
+def _save(fig: Any, path: Path) -> list[Path]:
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
 def _samples(run: dict[str, Any], key: str) -> list[float]:
     rows = [r for r in run["requests"] if r["error"] is None]
     if key == "itl_ms":
@@ -53,11 +61,7 @@ def plot_cdfs(groups: Mapping[str, Sequence[dict[str, Any]]], path: Path, title:
         ax.grid(True, which="both", alpha=0.3)
     axes.flat[0].legend(fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return _save(fig, path)
 
 
 def plot_rate_sweep(groups: Mapping[str, Sequence[dict[str, Any]]], path: Path, title: str) -> list[Path]:
@@ -83,10 +87,7 @@ def plot_rate_sweep(groups: Mapping[str, Sequence[dict[str, Any]]], path: Path, 
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return _save(fig, path)
 
 
 def plot_bars(
@@ -108,10 +109,7 @@ def plot_bars(
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return _save(fig, path)
 
 
 def plot_runs(groups: Mapping[str, Sequence[dict[str, Any]]], out_dir: Path, stem: str) -> list[Path]:
