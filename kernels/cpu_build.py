@@ -1,0 +1,209 @@
+"""Build once, cache, load, or fall back: the C++ CPU attention ops (``torch.ops.radixserve_cpu``).
+
+The sources in ``csrc/`` are compiled on first use with ``torch.utils.cpp_extension.load`` (ninja)
+into ``${XDG_CACHE_HOME:-~/.cache}/radixserve/cpu_kernels/<torch>-<isa>-<hash>/``. The directory is
+keyed by the torch version, the instruction set and a hash of the sources and compiler flags, so a
+later process finds the library there and loads it in milliseconds, and an edited source or a new
+torch gets a fresh directory.
+
+Flags follow the running CPU (``torch.backends.cpu.get_cpu_capability()``), never ``-march=native``,
+which would let the compiler emit AMX or other instructions a VM may trap on: AVX512 ->
+``-mavx512{f,bw,vl,dq} -mfma`` (``at::vec::Vectorized<float>`` holds 16 floats), AVX2 -> ``-mavx2
+-mfma`` (8), anything else plain C++ (scalar ``at::vec``).
+
+Processes racing to build serialise on a ``filelock`` (flock) lock in the directory: the first
+builds, the others wait and then load its library. cpp_extension's own lock file would do too, but
+it is left behind when a builder is killed and then blocks every later process forever; an flock
+dies with its holder. A ``ready`` file, written last, marks a finished build.
+
+When no compiler is found, or the build or the load fails, ``load()`` returns False and logs one
+WARNING line saying why and what it costs; callers then use the torch reference kernels. Setting
+``RADIXSERVE_CPU_KERNELS=0`` forces that fallback (logged at INFO).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("radixserve.kernels")
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = ("ops.cpp", "attention.cpp", "plan.cpp")
+HEADERS = ("radixserve_cpu.h",)
+DISABLE_ENV = "RADIXSERVE_CPU_KERNELS"
+COST = "CPU attention falls back to the torch reference kernels (slower)"
+ISA_FLAGS: dict[str, list[str]] = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+    "DEFAULT": [],
+}
+
+
+@dataclass(slots=True)
+class LoadState:
+    loaded: bool
+    how: str  # "cached" (found built), "built" (compiled now), "disabled" or "failed"
+    reason: str = ""  # why not loaded
+    path: Path | None = None  # the loaded library
+
+
+_lock = threading.Lock()
+_state: LoadState | None = None
+
+
+def isa() -> str:
+    """The instruction set to build for: what torch found on this CPU, among those we have flags for."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    return cap if cap in ISA_FLAGS else "DEFAULT"
+
+
+def compile_flags(target: str) -> list[str]:
+    # CPU_CAPABILITY names at::vec's inline namespace; a name of our own keeps these inline
+    # functions apart from libtorch's copies, which are built with other flags.
+    return [
+        "-O3",
+        "-fopenmp",
+        *ISA_FLAGS[target],
+        f"-DCPU_CAPABILITY_{target}",
+        f"-DCPU_CAPABILITY=radixserve_{target}",
+    ]
+
+
+def cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "radixserve" / "cpu_kernels"
+
+
+def build_key(target: str, sources: list[Path], flags: list[str]) -> str:
+    digest = hashlib.sha256()
+    for path in sources:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    digest.update(" ".join(flags).encode())
+    return f"{torch.__version__}-{target}-{digest.hexdigest()[:16]}"
+
+
+def build_and_load(
+    name: str, target: str, sources: list[Path], headers: list[Path], flags: list[str], root: Path
+) -> LoadState:
+    """Load library ``name`` from its cache directory under ``root``, building it there first if needed."""
+    directory = root / build_key(target, [*sources, *headers], flags)
+    library = directory / f"{name}.so"
+    ready = directory / "ready"
+    if ready.exists() and library.exists():
+        torch.ops.load_library(str(library))
+        return LoadState(True, "cached", path=library)
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        return LoadState(False, "failed", f"no C++ compiler ({cxx}) found")
+    from torch.utils import cpp_extension  # imported only to build: it is slow to import
+
+    if not cpp_extension.is_ninja_available():
+        return LoadState(False, "failed", "ninja (needed to build the C++ kernels) not found")
+    from filelock import FileLock
+
+    directory.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(directory / "build.lock")):
+        if ready.exists() and library.exists():  # another process built it while we waited
+            torch.ops.load_library(str(library))
+            return LoadState(True, "cached", path=library)
+        logger.info("radixserve: building the CPU attention kernels in %s (once, about a minute)", directory)
+        try:
+            cpp_extension.load(
+                name=name,
+                sources=[str(s) for s in sources],
+                extra_cflags=flags,
+                extra_ldflags=["-fopenmp"],
+                extra_include_paths=[str(h.parent) for h in headers[:1]],
+                build_directory=str(directory),
+                is_python_module=False,
+                verbose=False,
+            )
+        except Exception as exc:  # a compiler error, a missing header, a link or load failure
+            (directory / "build.log").write_text(str(exc))
+            first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+            return LoadState(
+                False,
+                "failed",
+                f"building the C++ kernels failed ({first[:200]}; see {directory / 'build.log'})",
+            )
+        tmp = directory / "ready.tmp"
+        tmp.write_text(name + "\n")
+        tmp.replace(ready)
+    return LoadState(True, "built", path=library)
+
+
+def load() -> bool:
+    """Make ``torch.ops.radixserve_cpu`` available; False (after one WARNING) where it cannot be."""
+    global _state
+    with _lock:
+        if _state is None:
+            _state = _load()
+            if _state.loaded:
+                _register_fakes()
+            elif _state.how == "disabled":
+                logger.info("radixserve: %s; %s", _state.reason, COST)
+            else:
+                logger.warning("radixserve: %s; %s", _state.reason, COST)
+        return _state.loaded
+
+
+def state() -> LoadState | None:
+    """How the ops were loaded (None before ``load()``)."""
+    return _state
+
+
+def _load() -> LoadState:
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return LoadState(False, "disabled", f"{DISABLE_ENV}=0")
+    target = isa()
+    try:
+        return build_and_load(
+            f"radixserve_cpu_{target.lower()}",
+            target,
+            [CSRC / s for s in SOURCES],
+            [CSRC / h for h in HEADERS],
+            compile_flags(target),
+            cache_root(),
+        )
+    except Exception as exc:  # e.g. an unwritable cache directory, or a library that will not load
+        return LoadState(False, "failed", f"loading the C++ kernels failed ({type(exc).__name__}: {exc})")
+
+
+def _register_fakes() -> None:
+    """Shapes-only versions of the ops, so dynamo can trace them with FakeTensors."""
+
+    @torch.library.register_fake("radixserve_cpu::paged_attention")
+    def _attention(
+        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+        items: torch.Tensor, rows: torch.Tensor, merge_rows: torch.Tensor, merge_offsets: torch.Tensor,
+        merge_slots: torch.Tensor, scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        return q.new_empty(q.shape), q.new_empty(q.shape[:2])
+
+    @torch.library.register_fake("radixserve_cpu::store_kv")
+    def _store(
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        return None
+
+    @torch.library.register_fake("radixserve_cpu::plan")
+    def _plan(
+        page_table: torch.Tensor, cu_q_lens: torch.Tensor, kv_lens: torch.Tensor, page_size: int,
+        num_threads: int, cascade_min_tokens: int,
+    ) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        ctx = torch.library.get_ctx()
+        items, rows, merged, slots = (ctx.new_dynamic_size() for _ in range(4))
+        new = lambda *shape: page_table.new_empty(shape, dtype=torch.int32)  # noqa: E731
+        return new(items, 6), new(rows, 2), new(merged), new(merged + 1), new(slots)
