@@ -2,8 +2,9 @@
 
 A backend is any object with the functions of ``radixserve.kernels.reference`` (store_kv,
 plan_decode, decode_attention, plan_extend, extend_attention, gather_pages, scatter_pages), all with
-the same signatures: the torch reference on CPU, the Triton kernels on CUDA. The plans hold the
-index work of one step (which pages each sequence reads, masks), done once and reused by every layer.
+the same signatures: the C++ kernels (``radixserve.kernels.cpu``) on CPU, the torch reference where
+they cannot be built, the Triton kernels on CUDA. The plans hold the index work of one step (which
+pages each sequence reads, masks, work lists), done once and reused by every layer.
 
 One step's tokens are flattened: the extend sequences (prefill chunks) come first, then the decode
 sequences (one token each). Attention stores the step's new K/V into their slots, then each part
@@ -19,7 +20,7 @@ import torch
 
 from radixserve.kernels import reference
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 @dataclass(slots=True)
@@ -40,14 +41,25 @@ class AttentionMetadata:
 
 
 def select_backend(name: str, device: torch.device) -> ModuleType:
-    """The kernels for ``device``: ``auto`` picks Triton on CUDA and the torch reference elsewhere."""
+    """The kernels for ``device``: ``auto`` picks Triton on CUDA, else the C++ CPU kernels (``cpu``),
+    built on first use, or the torch reference (``torch``) where they cannot be built (logged once)."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
-    if name == "torch" or (name == "auto" and device.type != "cuda"):
+    if name == "torch":
         return reference
-    from radixserve.kernels import ops  # Triton is imported only when asked for
+    if name == "triton" or (name == "auto" and device.type == "cuda"):
+        from radixserve.kernels import ops  # Triton is imported only when asked for
 
-    return ops
+        return ops
+    if device.type != "cpu":
+        raise ValueError(f"the cpu attention backend runs on CPU tensors, not {device.type}")
+    from radixserve.kernels import cpu_build
+
+    if not cpu_build.load():  # no compiler, or the build failed: one warning, then the reference
+        return reference
+    from radixserve.kernels import cpu
+
+    return cpu
 
 
 def paged_attention(
