@@ -9,6 +9,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+from radixserve.kernels import cpu_build
+
 ROOT = Path(__file__).resolve().parent.parent
 IMPORTS = "import radixserve.kernels.reference, radixserve.frontend, radixserve; print(radixserve.kernels.reference.__file__)"
 
@@ -28,6 +30,9 @@ def test_built_wheel_layout_and_imports(tmp_path: Path) -> None:
     wheel = next((tmp_path / "dist").glob("radixserve-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "radixserve/kernels/reference.py" in names and "radixserve/frontend/__init__.py" in names
+    # The C++ CPU kernels' sources ship beside their builder, which compiles them at first use.
+    sources = {f"radixserve/kernels/csrc/{name}" for name in (*cpu_build.SOURCES, *cpu_build.HEADERS)}
+    assert "radixserve/kernels/cpu_build.py" in names and sources <= set(names)
     assert not [n for n in names if n.startswith(("kernels/", "frontend/"))]  # never top-level packages
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
