@@ -1,0 +1,142 @@
+"""Building, caching and loading the C++ CPU kernels, and the fallback to the torch reference."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from radixserve.kernels import cpu_build, reference
+from radixserve.model.attention import select_backend
+
+ROOT = Path(__file__).resolve().parents[2]
+HAS_CXX = shutil.which(os.environ.get("CXX", "c++")) is not None
+needs_cxx = pytest.mark.skipif(not HAS_CXX, reason="no C++ compiler")
+
+PICK = """
+import logging, torch
+from radixserve.kernels import cpu_build
+from radixserve.model.attention import select_backend
+first = select_backend("auto", torch.device("cpu"))
+second = select_backend("cpu", torch.device("cpu"))  # asked again: no second warning
+print(first.__name__, second.__name__, cpu_build.state().how)
+"""
+
+
+def _run(code: str, env: dict[str, str], cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=cwd,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_no_compiler_falls_back_to_the_reference_with_one_warning(tmp_path: Path) -> None:
+    out = _run(PICK, {"CXX": str(tmp_path / "no-such-c++"), "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["radixserve.kernels.reference", "radixserve.kernels.reference", "failed"]
+    lines = [line for line in out.stderr.splitlines() if "radixserve" in line]
+    assert lines == [
+        f"radixserve: no C++ compiler ({tmp_path / 'no-such-c++'}) found; CPU attention falls back to the torch "
+        "reference kernels (slower)"
+    ]
+
+
+def test_the_environment_can_force_the_reference_without_a_warning(tmp_path: Path) -> None:
+    out = _run(PICK, {"RADIXSERVE_CPU_KERNELS": "0", "XDG_CACHE_HOME": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["radixserve.kernels.reference", "radixserve.kernels.reference", "disabled"]
+    assert "radixserve" not in out.stderr
+
+
+@needs_cxx
+def test_a_built_library_is_loaded_from_the_cache_without_a_compiler(tmp_path: Path) -> None:
+    assert cpu_build.load()  # built (or found) in the default cache by this process
+    out = _run(PICK, {"CXX": str(tmp_path / "no-such-c++")})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["radixserve.kernels.cpu", "radixserve.kernels.cpu", "cached"]
+    assert "radixserve" not in out.stderr
+
+
+@needs_cxx
+def test_auto_picks_the_cpu_kernels_on_cpu() -> None:
+    from radixserve.kernels import cpu
+
+    assert select_backend("auto", torch.device("cpu")) is cpu
+    assert select_backend("cpu", torch.device("cpu")) is cpu
+    assert select_backend("torch", torch.device("cpu")) is reference
+    with pytest.raises(ValueError, match="attention_backend"):
+        select_backend("cuda-magic", torch.device("cpu"))
+
+
+@needs_cxx
+def test_the_build_uses_the_vector_width_of_this_cpu() -> None:
+    assert cpu_build.load()
+    isa = cpu_build.isa()
+    assert torch.ops.radixserve_cpu.build_isa() == isa
+    assert torch.ops.radixserve_cpu.vec_size() == {"AVX512": 16, "AVX2": 8}.get(
+        isa, torch.ops.radixserve_cpu.vec_size()
+    )
+    if torch.backends.cpu.get_cpu_capability() == "AVX512":
+        assert torch.ops.radixserve_cpu.vec_size() == 16  # 512-bit vectors really are used
+
+
+def test_flags_follow_the_cpu_and_never_ask_for_native(monkeypatch: pytest.MonkeyPatch) -> None:
+    for isa, expected in (("AVX512", "-mavx512f"), ("AVX2", "-mavx2")):
+        flags = cpu_build.compile_flags(isa)
+        assert expected in flags and f"-DCPU_CAPABILITY_{isa}" in flags
+        assert not any("native" in f or "amx" in f for f in flags)
+    assert not any(f.startswith("-m") for f in cpu_build.compile_flags("DEFAULT"))
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "SVE256")
+    assert cpu_build.isa() == "DEFAULT"
+
+
+def test_the_cache_key_covers_torch_isa_sources_and_flags(tmp_path: Path) -> None:
+    src = tmp_path / "a.cpp"
+    src.write_text("int x;")
+    key = cpu_build.build_key("AVX2", [src], ["-O3"])
+    assert key.startswith(f"{torch.__version__}-AVX2-")
+    assert cpu_build.build_key("AVX512", [src], ["-O3"]) != key
+    assert cpu_build.build_key("AVX2", [src], ["-O2"]) != key
+    src.write_text("int y;")
+    assert cpu_build.build_key("AVX2", [src], ["-O3"]) != key
+
+
+TINY_OP = """
+#include <torch/library.h>
+int64_t answer() { return 42; }
+TORCH_LIBRARY(radixserve_race_test, m) { m.def("answer() -> int", &answer); }
+"""
+
+RACE = """
+import sys
+from pathlib import Path
+import torch
+from radixserve.kernels import cpu_build
+src = Path(sys.argv[1])
+state = cpu_build.build_and_load("race_test", "DEFAULT", [src], [], ["-O0"], Path(sys.argv[2]))
+print(state.how, torch.ops.radixserve_race_test.answer())
+"""
+
+
+@needs_cxx
+def test_processes_racing_to_build_share_one_build(tmp_path: Path) -> None:
+    src = tmp_path / "race.cpp"
+    src.write_text(TINY_OP)
+    cmd = [sys.executable, "-c", RACE, str(src), str(tmp_path / "cache")]
+    procs = [
+        subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    results = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err for _, err in results]
+    hows = sorted(out.split()[0] for out, _ in results)
+    assert hows == ["built", "cached", "cached"] and all(out.split()[1] == "42" for out, _ in results)
