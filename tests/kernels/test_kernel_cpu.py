@@ -223,3 +223,26 @@ def test_malformed_plans_and_page_tables_raise_instead_of_reading_out_of_bounds(
         cpu.decode_attention(q, k_cache, v_cache, table, lens, 0.125, plan=bad)
     with pytest.raises(RuntimeError, match="slot"):
         cpu.store_kv(k_cache, v_cache, q[:, :3], q[:, :3], torch.tensor([10_000]))
+
+
+def test_ops_have_schemas_and_fake_kernels_for_tracing(make_paged: MakePaged) -> None:
+    k_cache, v_cache, table = make_paged([40, 70], 16, 3, HEAD_DIM, torch.float32, CPU)
+    lens = torch.tensor([40, 70], dtype=torch.int32)
+    plan = cpu.plan_decode(table, lens, 16)
+    q, k = torch.randn(2, 9, HEAD_DIM), torch.randn(2, 3, HEAD_DIM)
+    slots = torch.tensor([int(table[0, 2]) * 16 + 7, int(table[1, 4]) * 16 + 5])
+    assert "Tensor(a!) k_cache" in str(ops.store_kv.default._schema)
+    torch.library.opcheck(ops.paged_attention.default, (q, k_cache, v_cache, table, *plan.tensors(), 0.125))
+    torch.library.opcheck(ops.store_kv.default, (k_cache.clone(), v_cache.clone(), k, k, slots))
+    torch.library.opcheck(ops.plan.default, (table, torch.arange(3, dtype=torch.int32), lens, 16, 2, 32))
+
+    def step(q: torch.Tensor, k: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+        cpu.store_kv(kc, vc, k, k, slots)
+        return cpu.decode_attention(q, kc, vc, table, lens, 0.125, plan=plan)
+
+    want_caches = (k_cache.clone(), v_cache.clone())
+    want = step(q, k, *want_caches)
+    got_caches = (k_cache.clone(), v_cache.clone())
+    got = torch.compile(step, backend="aot_eager", fullgraph=True)(q, k, *got_caches)  # dynamo + FakeTensors
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert torch.equal(got_caches[0], want_caches[0]) and torch.equal(got_caches[1], want_caches[1])
