@@ -1,16 +1,16 @@
 // Ragged paged attention on CPU, reading K/V in place from the pages.
 //
 // The plan (plan.cpp) lists work items: a run of query rows against a range of one segment's
-// context. Each (item, kv head) pair is one unit of work; units are handed out to threads from an
-// atomic counter (the plan sorts items by decreasing cost, so this is longest-first scheduling).
-//
-// A unit takes one of two paths, by how many query rows share each K/V row (tokens x heads of a
-// GQA group, "M"):
-// - few rows (decode, M <= kVecRows): a vectorised loop over the context tokens straight from the
-//   pages: each K/V row is loaded once and used by every query row;
-// - many rows (extend, prefill, cascade groups): flash-attention blocks like torch's CPU kernel: a
-//   block of K/V rows is copied from the pages into a small thread-local buffer, then two GEMMs
-//   (Q K^T and P V, MKL's sgemm exported by libtorch_cpu) with an online softmax in between.
+// context. Units of work are handed out to threads from an atomic counter (the plan sorts items by
+// decreasing cost, so this is longest-first scheduling). An item takes one of two paths, by how
+// many query rows share each K/V row (tokens x heads of a GQA group, "M"):
+// - few rows (decode, M <= kVecRows): one unit for all kv heads, a vectorised loop over the
+//   context tokens straight from the pages: each K/V row is loaded once and used by every query
+//   row of its head;
+// - many rows (extend, prefill, cascade groups): one unit per kv head, flash-attention blocks like
+//   torch's CPU kernel: a block of K/V rows is copied from the pages into a small thread-local
+//   buffer, then two GEMMs (Q K^T and P V, MKL's sgemm exported by libtorch_cpu) with an online
+//   softmax in between.
 // Rows covered by several items (a context split across threads, or a shared prefix attended
 // apart from each row's own pages) write partial results with their log-sum-exps; a final pass
 // merges them.
@@ -182,72 +182,99 @@ inline Vec dot(const float* q, const float* k) {
   return acc;
 }
 
-// The vector path: NV vectors per head_dim row, at most kVecRows query rows. K/V rows are read
-// from the pages where they lie; q, scores and accumulators stay in L1.
-template <int NV>
-void attend_vec(const Ctx& c, const int32_t* item, int64_t h) {
-  constexpr int64_t D = NV * kVS;
-  const int64_t nrow = item[kRowEnd] - item[kRowBegin];
-  const int64_t G = c.group, M = nrow * G;
-  alignas(64) float qv[kVecRows][D];
-  alignas(64) float acc[kVecRows][D];
-  alignas(64) float s[kVecRows][kVecBlock];
-  float mx[kVecRows], l[kVecRows], corr[kVecRows];
-  int64_t lim[kVecRows], off[kVecBlock];
-  int64_t max_lim = 0;
-  const Vec vscale(c.scale);
-  for (int64_t i = 0; i < nrow; ++i) {
-    const int32_t* row = c.rows + (item[kRowBegin] + i) * kRowCols;
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t m = i * G + g;
-      const float* src = c.q + row[kQRow] * c.q_stride + (h * G + g) * D;
-      for (int64_t v = 0; v < NV; ++v) (Vec::loadu(src + v * kVS) * vscale).store(qv[m] + v * kVS);
-      std::fill(acc[m], acc[m] + D, 0.f);
-      mx[m] = kNegInf;
-      l[m] = 0.f;
-      lim[m] = row[kLimit];
-    }
-    max_lim = std::max<int64_t>(max_lim, row[kLimit]);
-  }
-  const int64_t seg = item[kSeg];
-  const int64_t end = std::min<int64_t>(item[kKvEnd], max_lim);
-  for (int64_t t0 = item[kKvBegin]; t0 < end; t0 += kVecBlock) {
-    const int64_t n = std::min(kVecBlock, end - t0);
-    token_offsets(c, seg, t0, n, h, off);
-    int64_t j = 0;
-    for (; j + 4 <= n; j += 4) {
-      const float *k0 = c.k + off[j], *k1 = c.k + off[j + 1], *k2 = c.k + off[j + 2], *k3 = c.k + off[j + 3];
-      for (int64_t m = 0; m < M; ++m)
-        sum4(dot<NV>(qv[m], k0), dot<NV>(qv[m], k1), dot<NV>(qv[m], k2), dot<NV>(qv[m], k3), s[m] + j);
-    }
-    for (; j < n; ++j) {
-      for (int64_t m = 0; m < M; ++m)
-        s[m][j] = at::vec::vec_reduce_all<float>([](const Vec& x, const Vec& y) { return x + y; },
-                                                 dot<NV>(qv[m], c.k + off[j]));
-    }
-    for (int64_t m = 0; m < M; ++m) corr[m] = softmax_step(s[m], n, lim[m] - t0, mx[m], l[m]);
-    // acc = acc * corr + P V, a row at a time so its NV accumulators stay in registers; the block's
-    // V rows (at most 64 x D floats) come from L1 again for each row.
-    for (int64_t m = 0; m < M; ++m) {
-      Vec a[NV];
-      const Vec vc(corr[m]);
-      for (int64_t v = 0; v < NV; ++v) a[v] = Vec::loadu(acc[m] + v * kVS) * vc;
-      for (int64_t jj = 0; jj < n; ++jj) {
-        const Vec p(s[m][jj]);
-        const float* vr = c.v + off[jj];
-        for (int64_t v = 0; v < NV; ++v) a[v] = at::vec::fmadd(p, Vec::loadu(vr + v * kVS), a[v]);
-      }
-      for (int64_t v = 0; v < NV; ++v) a[v].store(acc[m] + v * kVS);
-    }
-  }
-  for (int64_t m = 0; m < M; ++m) finish_row(acc[m], mx[m], l[m], D, dest(c, item, m / G, h * G + m % G));
-}
-
 // Thread-local scratch, grown on demand and kept between calls.
 float* scratch(int64_t n) {
   static thread_local std::vector<float> buf;
   if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
   return buf.data();
+}
+
+// The vector path: NV vectors per head_dim row, at most kVecRows query rows per kv head, kv heads
+// [h0, h1) together. K/V rows are read from the pages where they lie. Taking every kv head of the
+// item in one unit reads each block of pages whole (a page holds all heads of a token side by
+// side) and makes one unit of the item's work, not one per head. (Measured: no faster than a unit
+// per head, and neither was prefetching the next block in software; decode is bound by memory
+// bandwidth once the K/V of a 30-layer step leaves the caches, and reads each byte once.)
+template <int NV>
+void attend_vec(const Ctx& c, const int32_t* item, int64_t h0, int64_t h1) {
+  constexpr int64_t D = NV * kVS;
+  const int64_t nrow = item[kRowEnd] - item[kRowBegin];
+  const int64_t G = c.group, M = nrow * G, R = (h1 - h0) * M;  // rows r = (h - h0) * M + i * G + g
+  float* qv = scratch(R * (2 * D + kVecBlock + 3));
+  float* acc = qv + R * D;
+  float* s = acc + R * D;
+  float* mx = s + R * kVecBlock;
+  float* l = mx + R;
+  float* corr = l + R;
+  int64_t lim[kVecRows], off[kVecBlock];
+  int64_t max_lim = 0;
+  const Vec vscale(c.scale);
+  for (int64_t i = 0; i < nrow; ++i) {
+    const int32_t* row = c.rows + (item[kRowBegin] + i) * kRowCols;
+    for (int64_t h = h0; h < h1; ++h) {
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = (h - h0) * M + i * G + g;
+        const float* src = c.q + row[kQRow] * c.q_stride + (h * G + g) * D;
+        for (int64_t v = 0; v < NV; ++v) (Vec::loadu(src + v * kVS) * vscale).store(qv + r * D + v * kVS);
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) lim[i * G + g] = row[kLimit];
+    max_lim = std::max<int64_t>(max_lim, row[kLimit]);
+  }
+  std::fill(acc, acc + R * D, 0.f);
+  std::fill(mx, mx + R, kNegInf);
+  std::fill(l, l + R, 0.f);
+  const int64_t seg = item[kSeg];
+  const int64_t end = std::min<int64_t>(item[kKvEnd], max_lim);
+  for (int64_t t0 = item[kKvBegin]; t0 < end; t0 += kVecBlock) {
+    const int64_t n = std::min(kVecBlock, end - t0);
+    token_offsets(c, seg, t0, n, 0, off);  // head 0; head h is h * D further
+    for (int64_t h = h0; h < h1; ++h) {
+      const float* kh = c.k + h * D;
+      const float* vh = c.v + h * D;
+      float* const q_h = qv + (h - h0) * M * D;
+      float* const acc_h = acc + (h - h0) * M * D;
+      float* const s_h = s + (h - h0) * M * kVecBlock;
+      int64_t j = 0;
+      for (; j + 4 <= n; j += 4) {
+        const float *k0 = kh + off[j], *k1 = kh + off[j + 1], *k2 = kh + off[j + 2], *k3 = kh + off[j + 3];
+        for (int64_t m = 0; m < M; ++m) {
+          const float* q = q_h + m * D;
+          sum4(dot<NV>(q, k0), dot<NV>(q, k1), dot<NV>(q, k2), dot<NV>(q, k3), s_h + m * kVecBlock + j);
+        }
+      }
+      for (; j < n; ++j) {
+        for (int64_t m = 0; m < M; ++m)
+          s_h[m * kVecBlock + j] = at::vec::vec_reduce_all<float>(
+              [](const Vec& x, const Vec& y) { return x + y; }, dot<NV>(q_h + m * D, kh + off[j]));
+      }
+      for (int64_t m = 0; m < M; ++m) {
+        const int64_t r = (h - h0) * M + m;
+        corr[r] = softmax_step(s_h + m * kVecBlock, n, lim[m] - t0, mx[r], l[r]);
+      }
+      // acc = acc * corr + P V, a row at a time so its NV accumulators stay in registers; the
+      // block's V rows (at most 64 x D floats) come from L1 again for each row.
+      for (int64_t m = 0; m < M; ++m) {
+        Vec a[NV];
+        const Vec vc(corr[(h - h0) * M + m]);
+        float* const acc_m = acc_h + m * D;
+        const float* const p_m = s_h + m * kVecBlock;
+        for (int64_t v = 0; v < NV; ++v) a[v] = Vec::loadu(acc_m + v * kVS) * vc;
+        for (int64_t jj = 0; jj < n; ++jj) {
+          const Vec p(p_m[jj]);
+          const float* vr = vh + off[jj];
+          for (int64_t v = 0; v < NV; ++v) a[v] = at::vec::fmadd(p, Vec::loadu(vr + v * kVS), a[v]);
+        }
+        for (int64_t v = 0; v < NV; ++v) a[v].store(acc_m + v * kVS);
+      }
+    }
+  }
+  for (int64_t h = h0; h < h1; ++h) {
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t r = (h - h0) * M + m;
+      finish_row(acc + r * D, mx[r], l[r], D, dest(c, item, m / G, h * G + m % G));
+    }
+  }
 }
 
 void gemm(char ta, char tb, int m, int n, int k, const float* a, int lda, const float* b, int ldb, float beta,
@@ -291,6 +318,7 @@ void attend_gemm(const Ctx& c, const int32_t* item, int64_t h) {
       std::memcpy(kb + j * D, c.k + off[j], D * sizeof(float));
       std::memcpy(vb + j * D, c.v + off[j], D * sizeof(float));
     }
+
     // S[M, n] = Q K^T (row-major S is column-major S^T [n, M], leading dimension kGemmBlock).
     gemm('T', 'N', n, M, D, kb, D, qb, D, 0.f, s, kGemmBlock);
     for (int64_t m = 0; m < M; ++m) {
@@ -307,7 +335,7 @@ void attend_gemm(const Ctx& c, const int32_t* item, int64_t h) {
   for (int64_t m = 0; m < M; ++m) finish_row(ob + m * D, mx[m], l[m], D, dest(c, item, m / G, h * G + m % G));
 }
 
-using UnitFn = void (*)(const Ctx&, const int32_t*, int64_t);
+using UnitFn = void (*)(const Ctx&, const int32_t*, int64_t, int64_t);
 
 UnitFn vec_kernel(int64_t head_dim) {
   if (head_dim % kVS != 0) return nullptr;
@@ -414,19 +442,31 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(
               rw, static_cast<float>(scale), out.data_ptr<float>(), lse.data_ptr<float>(),
               part_out.data_ptr<float>(), part_lse.data_ptr<float>()};
 
+  // Units of work: a vector-path item takes every kv head at once (its pages are read whole); a
+  // GEMM item is one unit per kv head (each is plenty of work).
   const UnitFn vec = vec_kernel(D);
-  const int64_t units = N * Hkv;
+  std::vector<std::pair<int32_t, int32_t>> units;  // (item, kv head or -1 for all)
+  units.reserve(N * Hkv);
+  for (int64_t i = 0; i < N; ++i) {
+    const int32_t* x = it + i * kItemCols;
+    if (vec != nullptr && (x[kRowEnd] - x[kRowBegin]) * c.group <= kVecRows) {
+      units.emplace_back(static_cast<int32_t>(i), -1);
+    } else {
+      for (int64_t h = 0; h < Hkv; ++h) units.emplace_back(static_cast<int32_t>(i), static_cast<int32_t>(h));
+    }
+  }
+  const int64_t num_units = static_cast<int64_t>(units.size());
   std::atomic<int64_t> next{0};
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units));
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_units));
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t u = next.fetch_add(1, std::memory_order_relaxed); u < units;
+    for (int64_t u = next.fetch_add(1, std::memory_order_relaxed); u < num_units;
          u = next.fetch_add(1, std::memory_order_relaxed)) {
-      const int32_t* x = it + (u / Hkv) * kItemCols;
-      const int64_t m = (x[kRowEnd] - x[kRowBegin]) * c.group;
-      if (m <= kVecRows && vec != nullptr) {
-        vec(c, x, u % Hkv);
+      const auto [i, h] = units[u];
+      const int32_t* x = it + static_cast<int64_t>(i) * kItemCols;
+      if (h < 0) {
+        vec(c, x, 0, Hkv);
       } else {
-        attend_gemm(c, x, u % Hkv);
+        attend_gemm(c, x, h);
       }
     }
   });

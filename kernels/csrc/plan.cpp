@@ -5,13 +5,16 @@
 //   sees the tokens before L - T + i + 1);
 // - each segment is cut into items of at most kQBlock query rows (decode: one row);
 // - decode rows whose page tables start with the same pages (a prefix shared through the radix
-//   tree) form a cascade group: one item attends the group's stacked rows over the shared pages,
-//   then each row attends its own pages alone; the two results merge through their log-sum-exps.
-//   Why: measured (benchmarks/attention_cpu.py, "decode 8 x shared 1000"), attending the group's 8 x
-//   3 stacked rows as one GEMM over the shared pages is several times faster than reading those
-//   pages once per row, even with the rows run back to back so the pages stay in L2: the cost of
-//   decode on CPU is the per-token dot-product work, not memory traffic, and only the stacked GEMM
-//   removes that work.
+//   tree) form a cascade group when they share at least `cascade_min_tokens` tokens: one item
+//   attends the group's stacked rows over the shared pages (a GEMM of rows x heads-per-group query
+//   rows), then each row attends its own pages alone; the two merge through their log-sum-exps.
+//   Chosen by measurement (benchmarks/attention_cpu.py and side-by-side runs, 9 q / 3 kv heads):
+//   simply running the rows that share pages back to back already keeps those pages in L2, so the
+//   cascade saves little memory traffic; what it saves is compute, the per-token dot products of
+//   every row, which on CPU is what decode over a cached prefix costs. It pays off with the group:
+//   32 rows over 1,000 shared tokens run 1.4x (one layer) to 1.7x (30 layers) faster with it, 16
+//   rows over 512 about 1.15x, 8 rows over 1,000 1.0-1.3x, and 4 rows over 192 run 15% slower
+//   (short GEMMs, an extra merge), hence the minimum prefix (256 tokens by default, cpu.py).
 // - items whose context is long relative to the step's work are split along the context, so a
 //   batch-1 decode over three kv heads still keeps every thread busy (flash-decoding); the pieces
 //   merge through their log-sum-exps too;

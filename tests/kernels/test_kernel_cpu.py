@@ -61,15 +61,21 @@ def test_extend_matches_reference(page_size: int, group: int, kv_heads: int, mak
 @pytest.mark.parametrize(("group", "kv_heads"), GROUPS)
 @pytest.mark.parametrize("shared", [False, True])
 def test_decode_matches_reference(
-    page_size: int, group: int, kv_heads: int, shared: bool, make_paged: MakePaged
+    page_size: int,
+    group: int,
+    kv_heads: int,
+    shared: bool,
+    make_paged: MakePaged,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    lens = [1, 7, 300, 301, 333, 2 * page_size + 5, 129, 64, 1000, 17]
+    lens = [1, 7, 300, 301, 333, 2 * page_size + 5, 129, 164, 1000, 17]
     k_cache, v_cache, table = make_paged(
         lens, page_size, kv_heads, HEAD_DIM, torch.float32, CPU, seed=page_size
     )
     if shared:  # two groups sharing leading pages: rows 2-4 (a document) and rows 6-7
-        _share_prefix(table, [2, 3, 4], 250 // page_size)
-        _share_prefix(table, [6, 7], 60 // page_size)
+        _share_prefix(table, [2, 3, 4], 299 // page_size)  # 256 tokens or more: the default cascades
+        _share_prefix(table, [6, 7], 128 // page_size)  # cascades with a lower threshold
+        monkeypatch.setattr(cpu, "CASCADE_MIN_TOKENS", 64 if page_size < 64 else 256)
     gen = torch.Generator().manual_seed(group)
     q = torch.randn(len(lens), kv_heads * group, HEAD_DIM, generator=gen)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
@@ -135,7 +141,10 @@ def _mixed_step(
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])
-def test_mixed_extend_and_decode_step_through_paged_attention(page_size: int, make_paged: MakePaged) -> None:
+def test_mixed_extend_and_decode_step_through_paged_attention(
+    page_size: int, make_paged: MakePaged, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cpu, "CASCADE_MIN_TOKENS", 64)  # the two decode rows sharing 150 tokens cascade
     got, got_cache = _mixed_step(cpu, make_paged, page_size)
     want, want_cache = _mixed_step(reference, make_paged, page_size)
     assert torch.equal(got_cache, want_cache)  # store_kv wrote the same slots

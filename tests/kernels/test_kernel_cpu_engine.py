@@ -30,6 +30,7 @@ def test_engine_cpu_backend_matches_torch_backend(
         return plan
 
     monkeypatch.setattr(cpu, "plan_decode", spy)
+    monkeypatch.setattr(cpu, "CASCADE_MIN_TOKENS", 16)  # this test's shared prefix is 40 tokens
     rng = random.Random(0)
     shared = [rng.randrange(3, 290) for _ in range(40)]
     # Three requests over one cached prefix, then decode side by side (a cascade group), and a short one.
