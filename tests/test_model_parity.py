@@ -1,4 +1,5 @@
-"""Our model over the paged pool against HF transformers (the reference), on tiny random configs."""
+"""Our model over the paged pool against HF transformers (the reference), on tiny random configs, with
+the torch reference attention and with the default CPU backend (the C++ kernels where they build)."""
 
 from __future__ import annotations
 
@@ -9,18 +10,23 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from radixserve.cache.page_pool import KVPool
-from radixserve.kernels import reference
+from radixserve.model.attention import select_backend
 from radixserve.model.loader import load_model
 from radixserve.model.runner import ModelRunner, SeqChunk
 
 KINDS = ["llama", "llama-tied", "qwen2", "qwen3"]
 
 
-def _runner(path: Path, page_size: int, num_pages: int = 512) -> ModelRunner:
+@pytest.fixture(params=["torch", "auto"])
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def _runner(path: Path, page_size: int, backend: str, num_pages: int = 512) -> ModelRunner:
     model = load_model(path, torch.float32, torch.device("cpu"))
     c = model.config
     pool = KVPool(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim, torch.float32)
-    return ModelRunner(model, pool, reference, torch.device("cpu"))
+    return ModelRunner(model, pool, select_backend(backend, torch.device("cpu")), torch.device("cpu"))
 
 
 def _hf(path: Path) -> torch.nn.Module:
@@ -33,9 +39,9 @@ def _pages(n_tokens: int, page_size: int, start: int) -> list[int]:
 
 
 @pytest.mark.parametrize("kind", [*KINDS, "mistral"])
-def test_prefill_logits_match_hf(tiny_models: dict[str, Path], kind: str) -> None:
+def test_prefill_logits_match_hf(tiny_models: dict[str, Path], kind: str, backend: str) -> None:
     path = tiny_models[kind]
-    runner, hf = _runner(path, page_size=4), _hf(path)
+    runner, hf = _runner(path, 4, backend), _hf(path)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 290, (n,), generator=gen).tolist() for n in (7, 19, 1, 33)]
     chunks = [
@@ -54,9 +60,11 @@ def test_prefill_logits_match_hf(tiny_models: dict[str, Path], kind: str) -> Non
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("page_size", [1, 16, 64])
-def test_decode_logits_match_hf_cache(tiny_models: dict[str, Path], kind: str, page_size: int) -> None:
+def test_decode_logits_match_hf_cache(
+    tiny_models: dict[str, Path], kind: str, page_size: int, backend: str
+) -> None:
     path = tiny_models[kind]
-    runner, hf = _runner(path, page_size), _hf(path)
+    runner, hf = _runner(path, page_size, backend), _hf(path)
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 290, (n,), generator=gen).tolist() for n in (5, 12, 30)]
     steps = 10
@@ -80,9 +88,9 @@ def test_decode_logits_match_hf_cache(tiny_models: dict[str, Path], kind: str, p
             torch.testing.assert_close(out.logits[i], o.logits[0, -1], atol=1e-4, rtol=1e-4)
 
 
-def test_mixed_extend_and_decode_in_one_step(tiny_llama: Path) -> None:
+def test_mixed_extend_and_decode_in_one_step(tiny_llama: Path, backend: str) -> None:
     """A prefill chunk over a cached prefix and decode tokens flattened into one forward."""
-    runner, hf = _runner(tiny_llama, page_size=4), _hf(tiny_llama)
+    runner, hf = _runner(tiny_llama, 4, backend), _hf(tiny_llama)
     a = list(range(3, 40))
     b = list(range(50, 61))
     pa, pb = _pages(len(a), 4, 1), _pages(len(b) + 1, 4, 100)
