@@ -1,0 +1,212 @@
+"""CPU attention micro-benchmark: the torch reference backend vs the C++ in-place backend, side by side.
+
+The default model's shapes (9 q heads, 3 kv heads, head_dim 64, page size 16, float32), pages
+shuffled through a pool. Per case, ms per call: one layer (plan made once, outside the timing), and
+one step of 30 layers (the plan made once, then each layer on its own K/V, as the runner does).
+Cases: decode of batch 1/8/32 at 512 tokens of context; decode of 8 (and 32) rows sharing a
+1,000-token prefix plus ~50 own tokens each (also with the C++ cascade off, the measurement behind
+the cascade choice in ``kernels/csrc/plan.cpp``); extend of 100 tokens over 500 cached; prefill of
+512; a mixed step (that extend plus decode of 8 at 512). The backends run in this one process,
+taking turns for several rounds, and each number is the best seen (the machine is shared and noisy).
+
+    python -m benchmarks.attention_cpu [--repeats 10] [--rounds 4] [--layers 30] [--threads N] [--quick]
+
+Writes ``benchmarks/results/attention_cpu.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from benchmarks.common import best_of, machine, write_results
+from radixserve.kernels import reference
+from radixserve.model.attention import AttentionMetadata, paged_attention
+
+Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 9, 3, 64, 16
+SCALE = HEAD_DIM**-0.5
+
+
+@dataclass
+class Case:
+    name: str
+    extend: list[tuple[int, int]]  # (new tokens, cached tokens) per extend sequence
+    decode: list[int]  # context length per decode row
+    shared: int = 0  # leading tokens of the decode rows on pages they share
+
+
+CASES = [
+    Case("decode batch 1 @512", [], [512]),
+    Case("decode batch 8 @512", [], [512] * 8),
+    Case("decode batch 32 @512", [], [512] * 32),
+    Case("decode 8 x (shared 1000 + ~50 own)", [], [1000 + 45 + 2 * i for i in range(8)], shared=1000),
+    Case("decode 32 x (shared 1000 + ~50 own)", [], [1000 + 30 + i for i in range(32)], shared=1000),
+    Case("extend 100 over 500 cached", [(100, 500)], []),
+    Case("prefill 512", [(512, 0)], []),
+    Case("mixed: extend 100/500 + decode 8 @512", [(100, 500)], [512] * 8),
+]
+
+
+class Step:
+    """One step's tensors over a shuffled pool of ``layers`` layers: metadata for ``paged_attention``."""
+
+    def __init__(self, case: Case, layers: int, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        lens = [new + cached for new, cached in case.extend] + case.decode
+        shared_pages = case.shared // PAGE
+        own = [
+            (n + PAGE - 1) // PAGE - (shared_pages if i >= len(case.extend) else 0)
+            for i, n in enumerate(lens)
+        ]
+        num_pages = sum(own) + shared_pages + 1
+        order = torch.randperm(num_pages, generator=gen).tolist()
+        prefix, rest = order[:shared_pages], iter(order[shared_pages:])
+        tables = []
+        for i, n_own in enumerate(own):
+            head = prefix if i >= len(case.extend) else []
+            tables.append(head + [next(rest) for _ in range(n_own)])
+        width = max(map(len, tables))
+        table = torch.zeros(len(tables), width, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        shape = (layers, num_pages, PAGE, KV_HEADS, HEAD_DIM)
+        self.k = torch.randn(shape, generator=gen)
+        self.v = torch.randn(shape, generator=gen)
+        new = [n for n, _ in case.extend] + [1] * len(case.decode)
+        self.tokens = sum(new)
+        self.q = torch.randn(self.tokens, Q_HEADS, HEAD_DIM, generator=gen)
+        self.new_k = torch.randn(self.tokens, KV_HEADS, HEAD_DIM, generator=gen)
+        self.new_v = torch.randn(self.tokens, KV_HEADS, HEAD_DIM, generator=gen)
+        slots = []
+        for b, (n_new, n) in enumerate(zip(new, lens)):
+            slots += [tables[b][p // PAGE] * PAGE + p % PAGE for p in range(n - n_new, n)]
+        n_ext = len(case.extend)
+        cu = torch.zeros(n_ext + 1, dtype=torch.int32)
+        cu[1:] = torch.tensor(new[:n_ext], dtype=torch.int32).cumsum(0)
+        self.meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots),
+            num_extend_tokens=sum(new[:n_ext]),
+            extend_page_table=table[:n_ext],
+            extend_cu_q_lens=cu,
+            extend_seq_lens=torch.tensor(lens[:n_ext], dtype=torch.int32),
+            decode_page_table=table[n_ext:],
+            decode_seq_lens=torch.tensor(lens[n_ext:], dtype=torch.int32),
+        )
+
+    def plan(self, backend: ModuleType) -> None:
+        m = self.meta
+        m.extend_plan = m.decode_plan = None
+        if m.num_extend_tokens:
+            m.extend_plan = backend.plan_extend(
+                m.extend_page_table, m.extend_cu_q_lens, m.extend_seq_lens, PAGE
+            )
+        if m.num_decode:
+            m.decode_plan = backend.plan_decode(m.decode_page_table, m.decode_seq_lens, PAGE)
+
+    def layer(self, backend: ModuleType, i: int) -> torch.Tensor:
+        return paged_attention(
+            backend, self.q, self.new_k, self.new_v, self.k[i], self.v[i], self.meta, SCALE
+        )
+
+
+def measure(step: Step, backend: ModuleType, layers: int, repeats: int) -> tuple[float, float]:
+    """(ms for one layer's call, ms for a step of ``layers`` layers including its plan)."""
+
+    def whole_step() -> None:
+        step.plan(backend)
+        for i in range(layers):
+            step.layer(backend, i)
+
+    step.plan(backend)
+    one = best_of(lambda: step.layer(backend, 0), repeats) * 1e3
+    many = best_of(whole_step, max(3, repeats // 4)) * 1e3
+    return one, many
+
+
+def run(
+    repeats: int, rounds: int, layers: int, cases: list[Case]
+) -> tuple[list[dict[str, Any]], list[list[Any]]]:
+    from radixserve.kernels import cpu
+
+    def without_cascade(step: Step) -> tuple[float, float]:
+        saved, cpu.CASCADE_MIN_TOKENS = cpu.CASCADE_MIN_TOKENS, 0
+        try:
+            return measure(step, cpu, layers, repeats)
+        finally:
+            cpu.CASCADE_MIN_TOKENS = saved
+
+    rows, table = [], []
+    for case in cases:
+        step = Step(case, layers)
+        impls: dict[str, Callable[[Step], tuple[float, float]]] = {
+            "torch": lambda s: measure(s, reference, layers, repeats),
+            "cpu": lambda s: measure(s, cpu, layers, repeats),
+        }
+        if case.shared:
+            impls["cpu, cascade off"] = without_cascade
+        got = {name: (float("inf"), float("inf")) for name in impls}
+        with torch.inference_mode():
+            step.plan(reference)
+            want = step.layer(reference, 0)
+            step.plan(cpu)
+            torch.testing.assert_close(step.layer(cpu, 0), want, atol=1e-5, rtol=1e-5)
+            for _ in range(rounds):  # the backends take turns, so a busy spell hits them alike
+                for name, fn in impls.items():
+                    one, many = fn(step)
+                    got[name] = (min(got[name][0], one), min(got[name][1], many))
+        ref_one, ref_many = got["torch"]
+        for name, (one, many) in got.items():
+            row = {"case": case.name, "backend": name, "ms_layer": one, f"ms_{layers}_layers": many,
+                   "speedup_layer": ref_one / one, f"speedup_{layers}_layers": ref_many / many}  # fmt: skip
+            rows.append(row)
+            cells = [
+                case.name,
+                name,
+                round(one, 3),
+                round(many, 2),
+                f"{ref_one / one:.2f}x",
+                f"{ref_many / many:.2f}x",
+            ]
+            table.append(cells)
+            print(cells, flush=True)
+    return rows, table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=10, help="calls per measurement (best kept)")
+    parser.add_argument("--rounds", type=int, default=4, help="turns each backend takes (best kept)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--quick", action="store_true", help="few repeats and layers: a smoke run")
+    args = parser.parse_args()
+    if args.quick:
+        args.repeats, args.rounds, args.layers = 3, 1, 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows, table = run(args.repeats, args.rounds, args.layers, CASES)
+    header = [
+        "case",
+        "backend",
+        "ms / layer",
+        f"ms / {args.layers} layers",
+        "vs torch (layer)",
+        f"vs torch ({args.layers})",
+    ]
+    payload = {"shapes": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "page_size": PAGE,
+                          "dtype": "float32", "layers": args.layers, "repeats": args.repeats, "rounds": args.rounds},
+               "load_average_after": os.getloadavg(), "rows": rows}  # fmt: skip
+    print(machine())
+    write_results(
+        "attention_cpu", payload, table, header, "CPU attention: torch reference vs C++ in-place kernels"
+    )
+
+
+if __name__ == "__main__":
+    main()
