@@ -182,7 +182,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=10, help="calls per measurement (best kept)")
     parser.add_argument("--rounds", type=int, default=4, help="turns each backend takes (best kept)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads; results go to attention_cpu_t<N>"
+    )
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--quick", action="store_true", help="few repeats and layers: a smoke run")
     args = parser.parse_args()
@@ -203,9 +205,9 @@ def main() -> None:
                           "dtype": "float32", "layers": args.layers, "repeats": args.repeats, "rounds": args.rounds},
                "load_average_after": os.getloadavg(), "rows": rows}  # fmt: skip
     print(machine())
-    write_results(
-        "attention_cpu", payload, table, header, "CPU attention: torch reference vs C++ in-place kernels"
-    )
+    name = f"attention_cpu_t{args.threads}" if args.threads else "attention_cpu"
+    title = f"CPU attention: torch reference vs C++ in-place kernels ({torch.get_num_threads()} threads)"
+    write_results(name, payload, table, header, title)
 
 
 if __name__ == "__main__":

@@ -189,6 +189,56 @@ float* scratch(int64_t n) {
   return buf.data();
 }
 
+// acc[r] = acc[r] * corr[r] + sum_j p[r][j] V[j] for R rows at once: R x NV accumulators in
+// registers, each V row loaded once for the R rows, and R x NV independent FMA chains (one or two
+// chains would leave the loop waiting on FMA latency).
+template <int NV, int R>
+inline void pv_rows(float* acc, const float* p, const float* corr, const float* vh, const int64_t* off, int64_t n) {
+  constexpr int64_t D = NV * kVS;
+  Vec a[R][NV];
+  for (int r = 0; r < R; ++r) {
+    const Vec c(corr[r]);
+    for (int64_t v = 0; v < NV; ++v) a[r][v] = Vec::loadu(acc + r * D + v * kVS) * c;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vr = vh + off[j];
+    Vec pr[R];
+    for (int r = 0; r < R; ++r) pr[r] = Vec(p[r * kVecBlock + j]);
+    for (int64_t v = 0; v < NV; ++v) {
+      const Vec x = Vec::loadu(vr + v * kVS);
+      for (int r = 0; r < R; ++r) a[r][v] = at::vec::fmadd(pr[r], x, a[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t v = 0; v < NV; ++v) a[r][v].store(acc + r * D + v * kVS);
+}
+
+// P V for M rows (accumulators acc[M][D], probabilities p[M][kVecBlock]), up to 16 registers of
+// accumulators at a time.
+template <int NV>
+inline void pv(float* acc, const float* p, const float* corr, int64_t M, const float* vh, const int64_t* off, int64_t n) {
+  constexpr int64_t D = NV * kVS;
+  constexpr int kMaxRows = NV >= 16 ? 1 : (NV >= 8 ? 2 : 4);
+  for (int64_t m = 0; m < M;) {
+    const int64_t rest = M - m;
+    float* a = acc + m * D;
+    const float* pm = p + m * kVecBlock;
+    if (kMaxRows >= 4 && rest >= 4) {
+      pv_rows<NV, (kMaxRows >= 4 ? 4 : 1)>(a, pm, corr + m, vh, off, n);
+      m += 4;
+    } else if (kMaxRows >= 4 && rest == 3) {
+      pv_rows<NV, (kMaxRows >= 4 ? 3 : 1)>(a, pm, corr + m, vh, off, n);
+      m += 3;
+    } else if (kMaxRows >= 2 && rest >= 2) {
+      pv_rows<NV, (kMaxRows >= 2 ? 2 : 1)>(a, pm, corr + m, vh, off, n);
+      m += 2;
+    } else {
+      pv_rows<NV, 1>(a, pm, corr + m, vh, off, n);
+      m += 1;
+    }
+  }
+}
+
 // The vector path: NV vectors per head_dim row, at most kVecRows query rows per kv head, kv heads
 // [h0, h1) together. K/V rows are read from the pages where they lie. Taking every kv head of the
 // item in one unit reads each block of pages whole (a page holds all heads of a token side by
@@ -238,9 +288,30 @@ void attend_vec(const Ctx& c, const int32_t* item, int64_t h0, int64_t h1) {
       int64_t j = 0;
       for (; j + 4 <= n; j += 4) {
         const float *k0 = kh + off[j], *k1 = kh + off[j + 1], *k2 = kh + off[j + 2], *k3 = kh + off[j + 3];
-        for (int64_t m = 0; m < M; ++m) {
-          const float* q = q_h + m * D;
-          sum4(dot<NV>(q, k0), dot<NV>(q, k1), dot<NV>(q, k2), dot<NV>(q, k3), s_h + m * kVecBlock + j);
+        if constexpr (NV <= 4) {  // the 4 K rows fit in registers: load them once for all M rows
+          Vec kr[4][NV];
+          for (int64_t v = 0; v < NV; ++v) {
+            kr[0][v] = Vec::loadu(k0 + v * kVS);
+            kr[1][v] = Vec::loadu(k1 + v * kVS);
+            kr[2][v] = Vec::loadu(k2 + v * kVS);
+            kr[3][v] = Vec::loadu(k3 + v * kVS);
+          }
+          for (int64_t m = 0; m < M; ++m) {
+            const float* q = q_h + m * D;
+            Vec d[4];
+            const Vec q0 = Vec::loadu(q);
+            for (int t = 0; t < 4; ++t) d[t] = q0 * kr[t][0];
+            for (int64_t v = 1; v < NV; ++v) {
+              const Vec qv_ = Vec::loadu(q + v * kVS);
+              for (int t = 0; t < 4; ++t) d[t] = at::vec::fmadd(qv_, kr[t][v], d[t]);
+            }
+            sum4(d[0], d[1], d[2], d[3], s_h + m * kVecBlock + j);
+          }
+        } else {
+          for (int64_t m = 0; m < M; ++m) {
+            const float* q = q_h + m * D;
+            sum4(dot<NV>(q, k0), dot<NV>(q, k1), dot<NV>(q, k2), dot<NV>(q, k3), s_h + m * kVecBlock + j);
+          }
         }
       }
       for (; j < n; ++j) {
@@ -252,21 +323,7 @@ void attend_vec(const Ctx& c, const int32_t* item, int64_t h0, int64_t h1) {
         const int64_t r = (h - h0) * M + m;
         corr[r] = softmax_step(s_h + m * kVecBlock, n, lim[m] - t0, mx[r], l[r]);
       }
-      // acc = acc * corr + P V, a row at a time so its NV accumulators stay in registers; the
-      // block's V rows (at most 64 x D floats) come from L1 again for each row.
-      for (int64_t m = 0; m < M; ++m) {
-        Vec a[NV];
-        const Vec vc(corr[(h - h0) * M + m]);
-        float* const acc_m = acc_h + m * D;
-        const float* const p_m = s_h + m * kVecBlock;
-        for (int64_t v = 0; v < NV; ++v) a[v] = Vec::loadu(acc_m + v * kVS) * vc;
-        for (int64_t jj = 0; jj < n; ++jj) {
-          const Vec p(p_m[jj]);
-          const float* vr = vh + off[jj];
-          for (int64_t v = 0; v < NV; ++v) a[v] = at::vec::fmadd(p, Vec::loadu(vr + v * kVS), a[v]);
-        }
-        for (int64_t v = 0; v < NV; ++v) a[v].store(acc_m + v * kVS);
-      }
+      pv<NV>(acc_h, s_h, corr + (h - h0) * M, M, vh, off, n);
     }
   }
   for (int64_t h = h0; h < h1; ++h) {
