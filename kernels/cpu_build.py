@@ -36,8 +36,8 @@ import torch
 logger = logging.getLogger("radixserve.kernels")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("ops.cpp", "attention.cpp", "plan.cpp")
-HEADERS = ("radixserve_cpu.h",)
+SOURCES = ("ops.cpp", "plan.cpp", "attention.cpp", "decode_kernel.cpp", "gemm_kernel.cpp")
+HEADERS = ("radixserve_cpu.h", "kernel_common.h")
 DISABLE_ENV = "RADIXSERVE_CPU_KERNELS"
 COST = "CPU attention falls back to the torch reference kernels (slower)"
 ISA_FLAGS: dict[str, list[str]] = {

@@ -4,14 +4,14 @@
 // The ops are real torch operators with schemas (mutated arguments annotated), so a compiled graph
 // can call them as opaque nodes; their fake (meta) implementations are registered from Python
 // (radixserve/kernels/cpu_build.py).
-#include "radixserve_cpu.h"
-
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <cstring>
 #include <string>
+
+#include "radixserve_cpu.h"
 
 namespace radixserve_cpu {
 namespace {
@@ -39,7 +39,8 @@ void store_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k_in, 
   const int64_t capacity = k_cache.size(0) * k_cache.size(1);
   const int64_t row_bytes = H * D * k.element_size();
   const int64_t* s = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(s[t] < capacity, "radixserve_cpu: slot ", s[t], " out of range");
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(s[t] < capacity, "radixserve_cpu: slot ", s[t], " out of range");
   char* kc = static_cast<char*>(k_cache.data_ptr());
   char* vc = static_cast<char*>(v_cache.data_ptr());
   const char* kp = static_cast<const char*>(k.data_ptr());
@@ -74,8 +75,9 @@ std::string build_isa() {
 TORCH_LIBRARY(radixserve_cpu, m) {
   m.def("store_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
   m.def(
-      "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor items, Tensor rows, "
-      "Tensor merge_rows, Tensor merge_offsets, Tensor merge_slots, float scale) -> (Tensor out, Tensor lse)");
+      "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor items, "
+      "Tensor rows, Tensor merge_rows, Tensor merge_offsets, Tensor merge_slots, float scale) "
+      "-> (Tensor out, Tensor lse)");
   m.def(
       "plan(Tensor page_table, Tensor cu_q_lens, Tensor kv_lens, int page_size, int num_threads, "
       "int cascade_min_tokens) -> (Tensor items, Tensor rows, Tensor merge_rows, Tensor merge_offsets, "

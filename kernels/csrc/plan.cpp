@@ -19,12 +19,12 @@
 //   batch-1 decode over three kv heads still keeps every thread busy (flash-decoding); the pieces
 //   merge through their log-sum-exps too;
 // - items are sorted by decreasing cost: the attention op hands them out longest first.
-#include "radixserve_cpu.h"
-
 #include <algorithm>
 #include <cmath>
 #include <map>
 #include <vector>
+
+#include "radixserve_cpu.h"
 
 namespace radixserve_cpu {
 namespace {
@@ -32,7 +32,7 @@ namespace {
 // Query tokens per item: GEMMs of kQBlock x group rows (192 for the default model). 64 measured
 // about 10% faster than 32 for extend and prefill; larger blocks leave fewer items to share out.
 constexpr int64_t kQBlock = 64;
-constexpr int64_t kMinChunk = 128;     // the shortest context piece a split leaves
+constexpr int64_t kMinChunk = 128;      // the shortest context piece a split leaves
 constexpr int64_t kUnitsPerThread = 4;  // split until the step has about this many items per thread
 constexpr int64_t kAlign = 16;          // split points fall on multiples of this many tokens
 // A (query row, context token) pair costs this much in a many-row GEMM item relative to a context
@@ -91,9 +91,9 @@ std::vector<Item> split_long(const std::vector<Item>& items, int64_t num_threads
 
 }  // namespace
 
-PlanTensors plan(
-    const at::Tensor& page_table_in, const at::Tensor& cu_q_lens_in, const at::Tensor& kv_lens_in,
-    int64_t page_size, int64_t num_threads, int64_t cascade_min_tokens) {
+PlanTensors plan(const at::Tensor& page_table_in, const at::Tensor& cu_q_lens_in,
+                 const at::Tensor& kv_lens_in, int64_t page_size, int64_t num_threads,
+                 int64_t cascade_min_tokens) {
   const at::Tensor table_t = page_table_in.to(at::kInt).contiguous();
   const at::Tensor cu_t = cu_q_lens_in.to(at::kInt).contiguous();
   const at::Tensor lens_t = kv_lens_in.to(at::kInt).contiguous();
@@ -125,7 +125,8 @@ PlanTensors plan(
   if (cascade_min_tokens > 0 && W > 0) {
     std::map<int32_t, std::vector<int32_t>> by_first;
     for (int64_t s = 0; s < B; ++s) {
-      if (cu[s + 1] - cu[s] == 1 && lens[s] > page_size) by_first[table[s * W]].push_back(static_cast<int32_t>(s));
+      if (cu[s + 1] - cu[s] == 1 && lens[s] > page_size)
+        by_first[table[s * W]].push_back(static_cast<int32_t>(s));
     }
     for (auto& [first, members] : by_first) {
       if (members.size() < 2) continue;
@@ -184,7 +185,8 @@ PlanTensors plan(
   for (Item& it : items) {
     if (count[rows[it.row_begin * kRowCols + kQRow]] <= 1) continue;
     it.partial = num_slots;
-    for (int32_t e = it.row_begin; e < it.row_end; ++e) slots_of[rows[e * kRowCols + kQRow]].push_back(num_slots++);
+    for (int32_t e = it.row_begin; e < it.row_end; ++e)
+      slots_of[rows[e * kRowCols + kQRow]].push_back(num_slots++);
   }
   std::vector<int32_t> merge_rows, merge_offsets{0}, merge_slots;
   for (int32_t r = 0; r < num_rows; ++r) {
@@ -197,7 +199,8 @@ PlanTensors plan(
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   std::vector<int32_t> flat;
   flat.reserve(items.size() * kItemCols);
-  for (const Item& it : items) flat.insert(flat.end(), {it.seg, it.row_begin, it.row_end, it.kv_begin, it.kv_end, it.partial});
+  for (const Item& it : items)
+    flat.insert(flat.end(), {it.seg, it.row_begin, it.row_end, it.kv_begin, it.kv_end, it.partial});
   return {to_tensor(flat, kItemCols), to_tensor(rows, kRowCols), to_tensor(merge_rows, 0),
           to_tensor(merge_offsets, 0), to_tensor(merge_slots, 0)};
 }

@@ -28,14 +28,15 @@ enum RowCol : int { kQRow = 0, kLimit, kRowCols };
 using PlanTensors = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 // items, rows, merge_rows, merge_offsets, merge_slots (see plan.cpp).
-PlanTensors plan(
-    const at::Tensor& page_table, const at::Tensor& cu_q_lens, const at::Tensor& kv_lens, int64_t page_size,
-    int64_t num_threads, int64_t cascade_min_tokens);
+PlanTensors plan(const at::Tensor& page_table, const at::Tensor& cu_q_lens, const at::Tensor& kv_lens,
+                 int64_t page_size, int64_t num_threads, int64_t cascade_min_tokens);
 
 // (out [T, q_heads, head_dim], lse [T, q_heads]) for q [T, q_heads, head_dim].
-std::tuple<at::Tensor, at::Tensor> paged_attention(
-    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& page_table,
-    const at::Tensor& items, const at::Tensor& rows, const at::Tensor& merge_rows,
-    const at::Tensor& merge_offsets, const at::Tensor& merge_slots, double scale);
+std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                                   const at::Tensor& v_cache, const at::Tensor& page_table,
+                                                   const at::Tensor& items, const at::Tensor& rows,
+                                                   const at::Tensor& merge_rows,
+                                                   const at::Tensor& merge_offsets,
+                                                   const at::Tensor& merge_slots, double scale);
 
 }  // namespace radixserve_cpu

@@ -1,0 +1,137 @@
+// Shared pieces of the CPU attention kernels (attention.cpp, decode_kernel.cpp, gemm_kernel.cpp):
+// the context of one call, page addressing, output slots, the online softmax step.
+#pragma once
+
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "radixserve_cpu.h"
+
+namespace radixserve_cpu::detail {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kVS = Vec::size();
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kVecRows = 8;    // the vector path's most query rows per kv head (tokens x group)
+constexpr int64_t kVecBlock = 64;  // context tokens per online-softmax step of the vector path
+
+struct Ctx {
+  const float* q;
+  int64_t q_stride;  // q[r, head, d] = q[r * q_stride + head * head_dim + d]
+  const float* k;
+  const float* v;
+  int64_t num_pages, page_size, kv_heads, head_dim, group, q_heads;
+  const int32_t* table;
+  int64_t table_stride, table_cols;
+  const int32_t* rows;  // [R, kRowCols]
+  float scale;
+  float* out;       // [T, q_heads, head_dim]
+  float* lse;       // [T, q_heads]
+  float* part_out;  // [P, q_heads, head_dim]
+  float* part_lse;  // [P, q_heads]
+};
+
+// Element offsets of context tokens [t0, t0 + n) of segment seg, kv head h, inside a layer's cache:
+// one page-table lookup per page, no division per token.
+inline void token_offsets(const Ctx& c, int64_t seg, int64_t t0, int64_t n, int64_t h, int64_t* off) {
+  int64_t col = t0 / c.page_size, in = t0 % c.page_size;
+  const int32_t* pages = c.table + seg * c.table_stride;
+  const int64_t row = c.kv_heads * c.head_dim;
+  int64_t base = 0;
+  for (int64_t j = 0; j < n; ++j, ++in) {
+    if (j == 0 || in == c.page_size) {
+      if (in == c.page_size) {
+        ++col;
+        in = 0;
+      }
+      TORCH_CHECK(col < c.table_cols, "radixserve_cpu: token ", t0 + j, " lies past the page table's width");
+      const int64_t page = pages[col];
+      TORCH_CHECK(page >= 0 && page < c.num_pages, "radixserve_cpu: page ", page, " not in [0, ", c.num_pages,
+                  ")");
+      base = page * c.page_size * row + h * c.head_dim;
+    }
+    off[j] = base + in * row;
+  }
+}
+
+struct Dest {
+  float* out;
+  float* lse;
+};
+
+// Where row i (a query token of the item) writes head `head`: the output, or its partial slot.
+inline Dest dest(const Ctx& c, const int32_t* item, int64_t i, int64_t head) {
+  const int64_t partial = item[kPartial];
+  if (partial < 0) {
+    const int64_t r = c.rows[(item[kRowBegin] + i) * kRowCols + kQRow];
+    return {c.out + (r * c.q_heads + head) * c.head_dim, c.lse + r * c.q_heads + head};
+  }
+  const int64_t slot = partial + i;
+  return {c.part_out + (slot * c.q_heads + head) * c.head_dim, c.part_lse + slot * c.q_heads + head};
+}
+
+// Normalises an accumulated row and writes it with its log-sum-exp; a row that saw no token
+// (padding, or a context chunk wholly past its causal limit) is zeros with lse -inf.
+inline void finish_row(const float* acc, float mx, float l, int64_t dim, Dest d) {
+  if (l == 0.f) {
+    std::fill(d.out, d.out + dim, 0.f);
+    *d.lse = kNegInf;
+    return;
+  }
+  const Vec inv(1.f / l);
+  for (int64_t x = 0; x < dim; x += kVS) (Vec::loadu(acc + x) * inv).store(d.out + x);
+  *d.lse = mx + std::log(l);
+}
+
+// One online-softmax step of a row over block scores s[0, n): entries from `valid` on are masked.
+// Turns s into probabilities (relative to the new running max), updates max and sum, and returns
+// the factor the row's accumulator must be rescaled by.
+inline float softmax_step(float* s, int64_t n, int64_t valid, float& mx, float& l) {
+  valid = std::clamp<int64_t>(valid, 0, n);
+  if (valid > 0) {
+    const float block_max = at::vec::reduce_all<float>(
+        [](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }, s, valid);
+    const float new_max = std::max(mx, block_max);
+    if (new_max != kNegInf) {  // always true for finite scores; kept for safety
+      const Vec vmax(new_max);
+      Vec vsum(0.f);
+      int64_t j = 0;
+      for (; j + kVS <= valid; j += kVS) {
+        const Vec p = (Vec::loadu(s + j) - vmax).exp_u20();
+        p.store(s + j);
+        vsum = vsum + p;
+      }
+      if (j < valid) {
+        const int64_t rest = valid - j;
+        const Vec p = Vec::set(Vec(0.f), (Vec::loadu(s + j, rest) - vmax).exp_u20(), rest);
+        p.store(s + j, rest);
+        vsum = vsum + p;
+      }
+      std::fill(s + valid, s + n, 0.f);
+      const float corr = mx == kNegInf ? 0.f : std::exp(mx - new_max);
+      l = l * corr + at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return a + b; }, vsum);
+      mx = new_max;
+      return corr;
+    }
+  }
+  std::fill(s, s + n, 0.f);
+  return 1.f;
+}
+
+// Thread-local scratch of at least n floats, grown on demand and kept between calls.
+float* scratch(int64_t n);
+
+// The vector path for this head_dim (kv heads [h0, h1) of an item), or nullptr where none is built.
+using VecKernel = void (*)(const Ctx&, const int32_t* item, int64_t h0, int64_t h1);
+VecKernel vec_kernel(int64_t head_dim);
+
+// The GEMM path: kv head h of an item, any number of query rows.
+void attend_gemm(const Ctx& c, const int32_t* item, int64_t h);
+
+}  // namespace radixserve_cpu::detail
