@@ -115,29 +115,34 @@ def build_and_load(
             torch.ops.load_library(str(library))
             return LoadState(True, "cached", path=library)
         logger.info("radixserve: building the CPU attention kernels in %s (once, about a minute)", directory)
+        # Holding the flock, nobody else builds here: a lock file of cpp_extension's own is one a
+        # killed builder left, and cpp_extension would wait on it forever.
+        (directory / "lock").unlink(missing_ok=True)
         try:
             cpp_extension.load(
                 name=name,
                 sources=[str(s) for s in sources],
                 extra_cflags=flags,
                 extra_ldflags=["-fopenmp"],
-                extra_include_paths=[str(h.parent) for h in headers[:1]],
                 build_directory=str(directory),
                 is_python_module=False,
                 verbose=False,
             )
         except Exception as exc:  # a compiler error, a missing header, a link or load failure
             (directory / "build.log").write_text(str(exc))
-            first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-            return LoadState(
-                False,
-                "failed",
-                f"building the C++ kernels failed ({first[:200]}; see {directory / 'build.log'})",
-            )
+            return LoadState(False, "failed", f"building the C++ kernels failed ({_first_error(str(exc))}; "
+                             f"see {directory / 'build.log'})")  # fmt: skip
         tmp = directory / "ready.tmp"
         tmp.write_text(name + "\n")
         tmp.replace(ready)
     return LoadState(True, "built", path=library)
+
+
+def _first_error(log: str) -> str:
+    """The compiler's first error line in a build log, else its first line, shortened."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()] or ["unknown error"]
+    # gcc and clang write "file:line:col: error: ..."
+    return next((line for line in lines if "error:" in line), lines[0])[:200]
 
 
 def load() -> bool:

@@ -140,3 +140,32 @@ def test_processes_racing_to_build_share_one_build(tmp_path: Path) -> None:
     assert all(p.returncode == 0 for p in procs), [err for _, err in results]
     hows = sorted(out.split()[0] for out, _ in results)
     assert hows == ["built", "cached", "cached"] and all(out.split()[1] == "42" for out, _ in results)
+
+
+@needs_cxx
+def test_a_build_killed_midway_leaves_nothing_that_blocks_the_next(tmp_path: Path) -> None:
+    src = tmp_path / "race.cpp"
+    src.write_text(TINY_OP)
+    root = tmp_path / "cache"
+    directory = root / cpu_build.build_key("DEFAULT", [src], ["-O0"])
+    directory.mkdir(parents=True)
+    (directory / "lock").touch()  # cpp_extension's lock file, as a killed builder leaves it
+    out = subprocess.run(
+        [sys.executable, "-c", RACE, str(src), str(root)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0 and out.stdout.split() == ["built", "42"], out.stderr
+
+
+@needs_cxx
+def test_a_failed_build_is_reported_by_its_first_compiler_error(tmp_path: Path) -> None:
+    log = "Error building extension 'x': [1/2] c++ -c a.cpp\na.cpp:3:1: error: expected ';'\nninja: build stopped"
+    assert cpu_build._first_error(log) == "a.cpp:3:1: error: expected ';'"
+    src = tmp_path / "broken.cpp"
+    src.write_text("int broken( {\n")
+    state = cpu_build.build_and_load("broken", "DEFAULT", [src], [], ["-O0"], tmp_path / "cache")
+    assert not state.loaded and "broken.cpp:1" in state.reason and "error:" in state.reason
+    assert next((tmp_path / "cache").glob("*/build.log")).read_text()
