@@ -39,38 +39,31 @@ using namespace detail;
 
 namespace {
 
-// Combines each merged row's partial results through their log-sum-exps.
-void merge_partials(const Ctx& c, const at::Tensor& merge_rows, const at::Tensor& merge_offsets,
-                    const at::Tensor& merge_slots) {
-  const int64_t n = merge_rows.numel(), H = c.q_heads, D = c.head_dim;
-  const int32_t* rows = merge_rows.data_ptr<int32_t>();
-  const int32_t* offs = merge_offsets.data_ptr<int32_t>();
-  const int32_t* slots = merge_slots.data_ptr<int32_t>();
-  at::parallel_for(0, n * H, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t i = u / H, head = u % H;
-      float* out = c.out + (rows[i] * H + head) * D;
-      float mx = kNegInf;
-      for (int64_t k = offs[i]; k < offs[i + 1]; ++k) mx = std::max(mx, c.part_lse[slots[k] * H + head]);
-      std::fill(out, out + D, 0.f);
-      if (mx == kNegInf) {
-        c.lse[rows[i] * H + head] = kNegInf;
-        continue;
-      }
-      float total = 0.f;
-      for (int64_t k = offs[i]; k < offs[i + 1]; ++k) {
-        const float w = std::exp(c.part_lse[slots[k] * H + head] - mx);
-        if (w == 0.f) continue;
-        total += w;
-        const float* src = c.part_out + (slots[k] * H + head) * D;
-        for (int64_t x = 0; x < D; x += kVS)
-          at::vec::fmadd(Vec(w), Vec::loadu(src + x), Vec::loadu(out + x)).store(out + x);
-      }
-      const Vec inv(1.f / total);
-      for (int64_t x = 0; x < D; x += kVS) (Vec::loadu(out + x) * inv).store(out + x);
-      c.lse[rows[i] * H + head] = mx + std::log(total);
+// Combines merged row i's partial results (every q head) through their log-sum-exps.
+void merge_row(const Ctx& c, int64_t row, const int32_t* slots, int64_t num_slots) {
+  const int64_t H = c.q_heads, D = c.head_dim;
+  for (int64_t head = 0; head < H; ++head) {
+    float* out = c.out + (row * H + head) * D;
+    float mx = kNegInf;
+    for (int64_t k = 0; k < num_slots; ++k) mx = std::max(mx, c.part_lse[slots[k] * H + head]);
+    std::fill(out, out + D, 0.f);
+    if (mx == kNegInf) {
+      c.lse[row * H + head] = kNegInf;
+      continue;
     }
-  });
+    float total = 0.f;
+    for (int64_t k = 0; k < num_slots; ++k) {
+      const float w = std::exp(c.part_lse[slots[k] * H + head] - mx);
+      if (w == 0.f) continue;
+      total += w;
+      const float* src = c.part_out + (slots[k] * H + head) * D;
+      for (int64_t x = 0; x < D; x += kVS)
+        at::vec::fmadd(Vec(w), Vec::loadu(src + x), Vec::loadu(out + x)).store(out + x);
+    }
+    const Vec inv(1.f / total);
+    for (int64_t x = 0; x < D; x += kVS) (Vec::loadu(out + x) * inv).store(out + x);
+    c.lse[row * H + head] = mx + std::log(total);
+  }
 }
 
 void check_index(const at::Tensor& t, int64_t dim, const char* name) {
@@ -133,7 +126,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q_in, const
   at::Tensor out = at::empty({T, Hq, D}, q.options());
   at::Tensor lse = at::empty({T, Hq}, q.options());
   at::Tensor part_out = at::empty({P, Hq, D}, q.options());
-  at::Tensor part_lse = at::empty({P, Hq}, q.options());
+  at::Tensor part_lse = at::full({P, Hq}, kNegInf, q.options());  // a slot never written weighs 0
   const Ctx c{q.data_ptr<float>(),
               q.stride(0),
               k_cache.data_ptr<float>(),
@@ -168,6 +161,29 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q_in, const
     }
   }
   const int64_t num_units = static_cast<int64_t>(units.size());
+
+  // A merged row is combined by whichever thread finishes the last unit writing to it, so one
+  // parallel region does the whole call (on a busy machine every extra fork-join costs a wait for
+  // the other threads to be scheduled).
+  const int64_t num_merged = merge_rows.numel();
+  const int32_t* offs = merge_offsets.data_ptr<int32_t>();
+  std::vector<int32_t> merge_of(T, -1);
+  for (int64_t m = 0; m < num_merged; ++m) merge_of[mr[m]] = static_cast<int32_t>(m);
+  std::vector<std::atomic<int32_t>> pending(num_merged);
+  for (auto& p : pending) p.store(0, std::memory_order_relaxed);
+  const auto for_merged_rows = [&](const int32_t* x, auto&& fn) {
+    if (x[kPartial] < 0) return;
+    for (int32_t e = x[kRowBegin]; e < x[kRowEnd]; ++e) {
+      const int32_t m = merge_of[rw[e * kRowCols + kQRow]];
+      if (m >= 0) fn(m);
+    }
+  };
+  for (const auto& [i, h] : units)
+    for_merged_rows(it + static_cast<int64_t>(i) * kItemCols, [&](int32_t m) { pending[m].fetch_add(1); });
+  for (int64_t m = 0; m < num_merged; ++m) {  // only in a malformed plan: a merged row no item writes
+    if (pending[m].load(std::memory_order_relaxed) == 0) merge_row(c, mr[m], ms + offs[m], 0);
+  }
+
   std::atomic<int64_t> next{0};
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_units));
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
@@ -180,9 +196,12 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q_in, const
       } else {
         attend_gemm(c, x, h);
       }
+      for_merged_rows(x, [&](int32_t m) {
+        if (pending[m].fetch_sub(1, std::memory_order_acq_rel) == 1)
+          merge_row(c, mr[m], ms + offs[m], offs[m + 1] - offs[m]);
+      });
     }
   });
-  if (merge_rows.numel() > 0) merge_partials(c, merge_rows, merge_offsets, merge_slots);
   for (int64_t r = 0; r < T; ++r) {  // rows in no segment (batch padding): zeros
     if (!covered[r]) {
       out[r].zero_();

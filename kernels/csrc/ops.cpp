@@ -46,7 +46,8 @@ void store_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k_in, 
   const char* kp = static_cast<const char*>(k.data_ptr());
   const char* vp = static_cast<const char*>(v.data_ptr());
   const int64_t k_stride = k.stride(0) * k.element_size(), v_stride = v.stride(0) * v.element_size();
-  at::parallel_for(0, T, 256, [&](int64_t begin, int64_t end) {
+  // A step's rows copy in microseconds: threads only for big ones (a fork-join costs more).
+  at::parallel_for(0, T, 4096, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       if (s[t] < 0) continue;
       std::memcpy(kc + s[t] * row_bytes, kp + t * k_stride, row_bytes);

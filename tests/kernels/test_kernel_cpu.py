@@ -255,3 +255,30 @@ def test_ops_have_schemas_and_fake_kernels_for_tracing(make_paged: MakePaged) ->
     got = torch.compile(step, backend="aot_eager", fullgraph=True)(q, k, *got_caches)  # dynamo + FakeTensors
     torch.testing.assert_close(got, want, atol=0, rtol=0)
     assert torch.equal(got_caches[0], want_caches[0]) and torch.equal(got_caches[1], want_caches[1])
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_split_extend_and_cascade_merge_alike_on_any_number_of_threads(
+    threads: int, make_paged: MakePaged
+) -> None:
+    """Plans made for 4 threads split long contexts (extend and a cascade group's shared pages) into
+    pieces merged through their log-sum-exps; the op runs them on however many threads there are."""
+    lens = [2000, 1300, 1301, 1302]  # an extend of 40 over 1,960 cached; three decode rows sharing 1,280
+    k_cache, v_cache, table = make_paged(lens, 16, 3, HEAD_DIM, torch.float32, CPU, seed=5)
+    _share_prefix(table, [1, 2, 3], 80)
+    q = torch.randn(43, 9, HEAD_DIM)
+    cu = torch.tensor([0, 40, 41, 42, 43], dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    plan = cpu.Plan(*ops.plan(table, cu, seq_lens, 16, 4, 256))
+    assert plan.items.shape[0] > 6 and plan.merge_rows.numel() == 43  # every row split or cascaded
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, lse = ops.paged_attention(q, k_cache, v_cache, table, *plan.tensors(), 0.125)
+    finally:
+        torch.set_num_threads(saved)
+    want = reference.extend_attention(q[:40], k_cache, v_cache, table[:1], cu[:2], seq_lens[:1], 0.125)
+    torch.testing.assert_close(out[:40], want, atol=1e-5, rtol=1e-5)
+    want = reference.decode_attention(q[40:], k_cache, v_cache, table[1:], seq_lens[1:], 0.125)
+    torch.testing.assert_close(out[40:], want, atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(lse).all()
