@@ -122,6 +122,10 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q_in, const
     TORCH_CHECK(mr[i] >= 0 && mr[i] < T, "radixserve_cpu: bad merge row");
   const int32_t* ms = merge_slots.data_ptr<int32_t>();
   for (int64_t i = 0; i < P; ++i) TORCH_CHECK(ms[i] >= 0 && ms[i] < P, "radixserve_cpu: bad merge slot");
+  const int32_t* offs = merge_offsets.data_ptr<int32_t>();
+  TORCH_CHECK(offs[0] == 0 && offs[merge_rows.numel()] == P, "radixserve_cpu: malformed merge offsets");
+  for (int64_t i = 0; i < merge_rows.numel(); ++i)
+    TORCH_CHECK(offs[i] <= offs[i + 1], "radixserve_cpu: malformed merge offsets");
 
   at::Tensor out = at::empty({T, Hq, D}, q.options());
   at::Tensor lse = at::empty({T, Hq}, q.options());
@@ -166,7 +170,6 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q_in, const
   // parallel region does the whole call (on a busy machine every extra fork-join costs a wait for
   // the other threads to be scheduled).
   const int64_t num_merged = merge_rows.numel();
-  const int32_t* offs = merge_offsets.data_ptr<int32_t>();
   std::vector<int32_t> merge_of(T, -1);
   for (int64_t m = 0; m < num_merged; ++m) merge_of[mr[m]] = static_cast<int32_t>(m);
   std::vector<std::atomic<int32_t>> pending(num_merged);
