@@ -12,12 +12,13 @@
 //   simply running the rows that share pages back to back already keeps those pages in L2, so the
 //   cascade saves little memory traffic; what it saves is compute, the per-token dot products of
 //   every row, which on CPU is what decode over a cached prefix costs. It pays off with the group:
-//   32 rows over 1,000 shared tokens run 1.4x (one layer) to 1.7x (30 layers) faster with it, 16
-//   rows over 512 about 1.15x, 8 rows over 1,000 1.0-1.3x, and 4 rows over 192 run 15% slower
-//   (short GEMMs, an extra merge), hence the minimum prefix (256 tokens by default, cpu.py).
-// - items whose context is long relative to the step's work are split along the context, so a
-//   batch-1 decode over three kv heads still keeps every thread busy (flash-decoding); the pieces
-//   merge through their log-sum-exps too;
+//   32 rows over 1,000 shared tokens run 1.5-1.7x faster with it (one layer or a 30-layer step, 1
+//   or 2 threads), 16 rows over 512 about 1.15x, 8 rows over 1,000 0.95-1.3x, and 4 rows over 192
+//   15% slower (short GEMMs, an extra merge), hence the minimum prefix (256 tokens, cpu.py).
+// - where the threads would otherwise be unevenly busy, items whose context is long relative to
+//   the step's work are split along the context, so a batch-1 decode (one unit of work for all its
+//   kv heads) still keeps every thread busy (flash-decoding); the pieces merge through their
+//   log-sum-exps too;
 // - items are sorted by decreasing cost: the attention op hands them out longest first.
 #include <algorithm>
 #include <cmath>
