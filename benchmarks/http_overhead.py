@@ -33,7 +33,7 @@ RESULTS = Path(__file__).parent / "results"
 TOPICS = ["the sea", "a mountain", "the city at night", "an old library", "a thunderstorm", "a quiet garden",
           "a train journey", "the first snow"]  # fmt: skip
 SERVER = (
-    "import argparse, sys; from radixserve.server.app import add_serve_arguments, run_from_args; "
+    "import argparse, sys; from radixserve.server.launch import add_serve_arguments, run_from_args; "
     "p = argparse.ArgumentParser(); add_serve_arguments(p); run_from_args(p.parse_args(sys.argv[1:]))"
 )
 
