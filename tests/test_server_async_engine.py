@@ -13,6 +13,7 @@ import pytest
 
 from radixserve import Engine, SamplingParams
 from radixserve.config import EngineConfig
+from radixserve.errors import InvalidRequestError
 from radixserve.model.loader import load_tokenizer
 from radixserve.outputs import RequestOutput
 from radixserve.server.async_engine import AsyncEngine, EngineUnavailableError, RequestRecord
@@ -90,9 +91,9 @@ def test_bad_input_raises_before_streaming(config: EngineConfig) -> None:
     async def body(ae: AsyncEngine) -> None:
         with pytest.raises(ValueError, match="prompt is empty"):
             await ae.generate("", SamplingParams()).__anext__()
-        with pytest.raises(ValueError, match="maximum context length") as info:
+        with pytest.raises(InvalidRequestError, match="maximum context length") as info:
             await ae.generate("x", SamplingParams(max_tokens=10**6)).__anext__()
-        assert (info.value.param, info.value.code) == ("max_tokens", "context_length_exceeded")  # type: ignore[attr-defined]
+        assert (info.value.param, info.value.code) == ("max_tokens", "context_length_exceeded")
 
     run(config, body)
 

@@ -1,10 +1,11 @@
-"""The HTTP server: a Starlette app over an AsyncEngine, uvicorn to run it, and the `serve` CLI flags.
+"""The HTTP server: a Starlette app over an AsyncEngine, and uvicorn to run it (flags: server/launch.py).
 
 Invariants:
-- A request is submitted to the engine only after its body decoded and validated; every failure
+- A request is submitted to the engine only after its body decoded and validated against the
+  protocol types (the engine checks the rest and refuses with InvalidRequestError); every failure
   before the first byte of a response is an OpenAI-style error body (``ErrorResponse``) with the
   status code of its cause (400 bad input, 401 auth, 404/405 route, 409 refused, 413 body too
-  large, 429 queue full, 503 shutting down, 500 bug).
+  large, 429 queue full, 503 shutting down or engine process down, 500 bug).
 - Streaming responses wait for the request's first output before sending headers, so bad input and
   back-pressure are still answered with a status code; errors after that end the stream with an
   ``error`` event.
