@@ -181,13 +181,10 @@ class AsyncEngine:
     # -- what the front-end knows -----------------------------------------------------------------
     @property
     def max_model_len(self) -> int:
-        return self._facts.max_model_len
-
-    @property
-    def _facts(self) -> Ready:
+        """From the engine process's Ready report (the model's limit, or the configured one)."""
         if self._ready is None:
             raise EngineUnavailableError("the engine process has not started")
-        return self._ready
+        return self._ready.max_model_len
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         return tokenize(self.tokenizer, prompt)
@@ -286,12 +283,8 @@ class AsyncEngine:
         if not self._accepting:
             return
         how = f"{'exited' if code == 0 else 'died'} ({describe_exit(code)})"  # 0: it drained after a signal
-        logger.error(
-            "engine process %s %s; failing %d open request(s) and restarting it",
-            pid,
-            how,
-            len(self._requests),
-        )
+        logger.error("engine process %s %s; failing %d open request(s) and restarting it",
+                     pid, how, len(self._requests))  # fmt: skip
         self._fail_all(EngineUnavailableError(f"the engine process {how}; it is being restarted"))
         lived = time.monotonic() - self._started_at
         self._quick_deaths = 0 if lived >= STABLE_S else self._quick_deaths + 1
@@ -301,9 +294,8 @@ class AsyncEngine:
         t0 = time.monotonic()
         while self._accepting:
             # A process that keeps dying soon after it started waits longer each time.
-            delay = (
-                0.0 if self._quick_deaths <= 1 else min(2.0 ** (self._quick_deaths - 2), MAX_RESTART_DELAY_S)
-            )
+            n = self._quick_deaths
+            delay = min(2.0 ** (n - 2), MAX_RESTART_DELAY_S) if n > 1 else 0.0  # 0, 0, 1, 2, 4, ... s
             await asyncio.sleep(delay)
             try:
                 await self._launch()

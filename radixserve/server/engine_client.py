@@ -147,6 +147,8 @@ class EngineClient:
 
     def close(self) -> None:
         """Release the sockets and the directory (the process, if any, is already gone or going)."""
+        if self._ctx.closed:
+            return
         for task in self._tasks:
             task.cancel()
         self._push.close(linger=0)

@@ -6,8 +6,9 @@
 (server/messages.py).
 
 Invariants:
-- Only this process's main thread touches the engine; it owns the compute threads (``--threads``,
-  default: every core it may run on, ``--cpus`` pins it). The front-end runs no model code.
+- Only one thread of this process, the loop's, touches the engine (after the main thread built it);
+  the process owns the compute threads (``--threads``, default: every core it may run on; ``--cpus``
+  pins it). The front-end runs no model code.
 - The loop blocks on the socket only while the engine has nothing unfinished. Between two steps it
   takes every message that has arrived, so aborts and new requests wait at most one step.
 - The engine runs with ``detokenize=False``: its outputs carry token ids, never text.
@@ -24,6 +25,8 @@ import dataclasses
 import logging
 import os
 import signal
+import sys
+import threading
 import time
 from collections.abc import Callable
 from types import FrameType
@@ -194,13 +197,27 @@ def main(argv: list[str] | None = None) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, loop.stop)
     loop.stopping = bool(pending)
-    logger.info("engine process %d ready: %s, %d threads, %d KV pages", os.getpid(), engine.model_path,
-                torch.get_num_threads(), engine.kv.num_pages)  # fmt: skip
-    try:
-        loop.run()
-    finally:
-        engine.close()
-        ctx.destroy(linger=1000)  # give the last outputs a moment to leave; never hang on a gone peer
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        logger.info("engine process %d ready: %s, %d threads, %d KV pages", os.getpid(), engine.model_path,
+                    torch.get_num_threads(), engine.kv.num_pages)  # fmt: skip
+        try:
+            loop.run()
+        except BaseException as exc:
+            logger.exception("the engine loop failed")
+            failed.append(exc)
+
+    # The loop steps on a thread of its own, as the in-process server did: on this project's loaded
+    # 2-core host, OpenMP regions started from a process's main thread ran about 5x slower than the
+    # same steps from another thread. The main thread only waits, and runs the signal handlers.
+    worker = threading.Thread(target=run, name="radixserve-engine-loop")
+    worker.start()
+    worker.join()
+    engine.close()  # queued disk-tier writes land
+    ctx.destroy(linger=1000)  # give the last outputs a moment to leave; never hang on a gone peer
+    if failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":
