@@ -60,7 +60,7 @@ STALLED_POLL_MS = 1  # work is queued but the last step could do none (a grammar
 
 
 class EngineLoop:
-    """Receive, step, send: the engine process's main loop."""
+    """Receive, step, send: the engine process's loop."""
 
     def __init__(self, engine: Engine, inbox: zmq.Socket[bytes], outbox: zmq.Socket[bytes]) -> None:
         self.engine = engine
