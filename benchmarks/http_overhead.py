@@ -3,8 +3,8 @@
 Both sides do the same work: the same prompts, greedy, ``ignore_eos``, the same ``max_tokens``, a
 fresh prefix cache. The server runs in its own process (``run_from_args``, as ``radixserve serve``
 does) and the client streams /v1/completions over SSE; the offline run happens after the server
-has exited, so the two never compete for the CPU, and steps the engine from a worker thread as the
-server does. Throughput is output tokens / wall time.
+has exited, so the two never compete for the CPU, and steps the engine from a worker thread.
+Throughput is output tokens / wall time.
 
     python -m benchmarks.http_overhead [--model DIR] [--num-requests 32] [--max-tokens 64]
 
@@ -33,7 +33,7 @@ RESULTS = Path(__file__).parent / "results"
 TOPICS = ["the sea", "a mountain", "the city at night", "an old library", "a thunderstorm", "a quiet garden",
           "a train journey", "the first snow"]  # fmt: skip
 SERVER = (
-    "import argparse, sys; from radixserve.server.app import add_serve_arguments, run_from_args; "
+    "import argparse, sys; from radixserve.server.launch import add_serve_arguments, run_from_args; "
     "p = argparse.ArgumentParser(); add_serve_arguments(p); run_from_args(p.parse_args(sys.argv[1:]))"
 )
 
@@ -89,8 +89,8 @@ def run_offline(args: argparse.Namespace, texts: list[str]) -> dict[str, Any]:
     engine.generate(prompts(4), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
     engine.flush_cache()
     outs: list[Any] = []
-    # Stepped from a worker thread, as the server steps it: on a CPU host with more runnable threads
-    # than cores, OpenMP in the main thread can be many times slower, which would flatter the server.
+    # Stepped from a worker thread: on a CPU host with more runnable threads than cores, OpenMP in
+    # the main thread can be many times slower, which would flatter the server.
     worker = threading.Thread(target=lambda: outs.extend(engine.generate(texts, params)))
     t0 = time.perf_counter()
     worker.start()

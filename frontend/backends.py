@@ -1,4 +1,4 @@
-"""Where programs run: a remote server (``RuntimeEndpoint``, over POST /generate) or an in-process ``Engine``.
+"""Where programs run: a remote server (``RuntimeEndpoint``, over POST /generate) or a local ``Engine``.
 
 Invariants:
 - A backend is called from many threads at once (one per program state): every method is thread-safe,
@@ -6,7 +6,7 @@ Invariants:
 - Prompts travel as text; the server's radix cache deduplicates the shared prefixes, so resending a
   prefix costs a cache lookup, not a prefill.
 - Role segments are rendered client-side by ``ChatTemplate`` from the model's Jinja chat template
-  (the in-process engine's tokenizer, or ``GET /get_model_info`` of the server when it offers one,
+  (the local engine's tokenizer, or ``GET /get_model_info`` of the server when it offers one,
   else ChatML), so both backends send the same text for the same program.
 - Every failure surfaces as ``BackendError`` carrying the server's message; the interpreter adds the step.
 """
@@ -205,22 +205,26 @@ def _completion(res: dict[str, Any]) -> Completion:
 
 
 class Engine(Backend):
-    """An in-process ``radixserve.Engine``, stepped on its own thread so concurrent calls share batches.
+    """A local engine: an ``AsyncEngine`` and the engine process it starts, driven from a background
+    event loop so concurrent calls share batches.
 
-    ``model`` is a model folder (None: the embedded default) or an existing ``radixserve.Engine``;
-    ``options`` are the engine's options (page_size, num_pages, ...).
+    ``model`` is a model folder (None: the embedded default); ``options`` are the engine's options
+    (page_size, num_pages, ...).
     """
 
-    def __init__(self, model: Any = None, **options: Any) -> None:
-        from radixserve.engine.engine import Engine as CoreEngine
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        from radixserve.config import EngineConfig
         from radixserve.server.async_engine import AsyncEngine
 
-        self.engine = model if isinstance(model, CoreEngine) else CoreEngine(model, **options)
-        self._async = AsyncEngine(self.engine)
+        self.engine = AsyncEngine(EngineConfig.from_kwargs(model=model, **options))
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rf-engine-loop", daemon=True)
         self._thread.start()
-        self._async.start()
+        try:
+            asyncio.run_coroutine_threadsafe(self.engine.start(), self._loop).result()
+        except BaseException:
+            self._stop_loop()
+            raise
         tok = self.engine.tokenizer
         self._template = ChatTemplate(
             getattr(tok, "chat_template", None), tok.bos_token or "", tok.eos_token or ""
@@ -246,9 +250,12 @@ class Engine(Backend):
 
     def close(self) -> None:
         if self._loop.is_running():
-            asyncio.run_coroutine_threadsafe(self._async.shutdown(5.0), self._loop).result()
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
+            asyncio.run_coroutine_threadsafe(self.engine.shutdown(5.0), self._loop).result()
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
 
     # -- internals ----------------------------------------------------------------------------------
     def _call(self, coro: Any) -> Any:
@@ -261,7 +268,7 @@ class Engine(Backend):
 
     async def _generate(self, prompt: str, params: Any, on_text: Callable[[str], None] | None) -> Completion:
         text, last, count = "", None, 0
-        async for delta in self._async.generate(prompt, params):
+        async for delta in self.engine.generate(prompt, params):
             piece = delta.outputs[0]
             if on_text is not None and piece.text:
                 on_text(piece.text)
@@ -275,7 +282,7 @@ class Engine(Backend):
 
     async def _collect(self, prompt: str, params: Any) -> Any:
         first = None
-        async for delta in self._async.generate(prompt, params):
+        async for delta in self.engine.generate(prompt, params):
             first = first or delta
             if delta.prompt_logprobs is not None:
                 first = delta

@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from radixserve.engine.engine import Engine, EngineStats
+    from radixserve.engine.engine import Engine
+    from radixserve.engine.stats import EngineStats
     from radixserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
     from radixserve.sampling.params import SamplingParams
 
@@ -18,7 +19,7 @@ __version__ = "0.1.0"
 
 _LOCATIONS = {
     "Engine": "radixserve.engine.engine",
-    "EngineStats": "radixserve.engine.engine",
+    "EngineStats": "radixserve.engine.stats",
     "CompletionOutput": "radixserve.outputs",
     "RequestOutput": "radixserve.outputs",
     "TokenLogprob": "radixserve.outputs",

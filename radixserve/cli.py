@@ -31,7 +31,7 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from radixserve.server.app import run_from_args
+    from radixserve.server.launch import run_from_args
 
     run_from_args(args)
 
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_generate)
 
     p = sub.add_parser("serve", help="serve the OpenAI-compatible and native HTTP API")
-    from radixserve.server.app import add_serve_arguments
+    from radixserve.server.launch import add_serve_arguments
 
     add_serve_arguments(p)
     p.set_defaults(func=_serve)

@@ -34,6 +34,9 @@ class EngineConfig:
     aging_s: float = 30.0  # waiting this long is worth one priority level
     jump_forward: bool = False  # append grammar-forced tokens without a decode step each (may change outputs)
     debug_checks: bool = False  # check every cache invariant whenever the engine goes idle
+    # False: outputs carry token ids only (text None) and stop strings are left to the caller, who
+    # detokenizes; the server's engine process runs so, its front-end makes the text.
+    detokenize: bool = True
     # Tiers beneath the device pool (docs/cache.md); 0 GB means no such tier.
     host_cache_gb: float = 0.0
     disk_cache_gb: float = 0.0

@@ -1,48 +1,97 @@
-"""Run the real app under a real uvicorn on a free loopback port, in a background thread."""
+"""Run the real app under a real uvicorn on a free loopback port, in a background thread; the engine
+runs in its own process, as under ``radixserve serve``."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from radixserve import Engine
+from radixserve.config import EngineConfig
 from radixserve.server.app import build_app
 from radixserve.server.async_engine import AsyncEngine
 
 MODEL_NAME = "tiny"
 
 
+@dataclass
+class Served:
+    url: str
+    engine: AsyncEngine
+    loop: asyncio.AbstractEventLoop  # the server's (and the engine's) event loop, in another thread
+
+
 @contextmanager
-def running_server(engine: Engine, model_name: str = MODEL_NAME, **app_options: Any) -> Iterator[str]:
-    """Serve ``engine`` until the block exits; yields the base URL."""
-    max_waiting = app_options.pop("max_waiting_requests", None)
-    app = build_app(AsyncEngine(engine, max_waiting), model_name, **app_options)
+def running_server(
+    config: EngineConfig,
+    model_name: str = MODEL_NAME,
+    max_waiting_requests: int | None = None,
+    **app_options: Any,
+) -> Iterator[str]:
+    """Serve an engine built from ``config`` until the block exits; yields the base URL.
+
+    When the block ends without an error, the engine's page accounting must be whole once its
+    requests have drained (every test module's traffic ends with that check)."""
+    with serving(config, model_name, max_waiting_requests, **app_options) as served:
+        yield served.url
+
+
+@contextmanager
+def serving(
+    config: EngineConfig,
+    model_name: str = MODEL_NAME,
+    max_waiting_requests: int | None = None,
+    **app_options: Any,
+) -> Iterator[Served]:
+    """``running_server``, yielding the AsyncEngine and its loop too."""
+    engine = AsyncEngine(config, max_waiting_requests)
+    app = build_app(engine, model_name, **app_options)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(
+        target=loop.run_until_complete, args=(server.serve(sockets=[sock]),), daemon=True
+    )
     thread.start()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120  # the engine process loads the model before the server starts
     while not server.started:
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("uvicorn did not start")
         time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield Served(f"http://127.0.0.1:{port}", engine, loop)
+        assert_pages_whole(engine, loop)
     finally:
         server.should_exit = True
-        thread.join(timeout=30)
+        thread.join(timeout=60)
+        loop.close()
         sock.close()
+
+
+def assert_pages_whole(engine: AsyncEngine, loop: asyncio.AbstractEventLoop) -> None:
+    """Once idle, free + cached == total with no page in use, and the engine's own page-by-page check
+    (a debug call into the engine process, run on ``loop``, the engine's) passes."""
+    deadline = time.monotonic() + 30
+    while True:
+        s = engine.stats()
+        if s.num_running == s.num_waiting == s.in_use_pages == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert s.num_running == s.num_waiting == s.in_use_pages == 0, s
+    assert s.free_pages + s.cached_pages == s.num_pages, s
+    asyncio.run_coroutine_threadsafe(engine.check_integrity(), loop).result(timeout=30)
 
 
 def scrape(client: httpx.Client, headers: dict[str, str] | None = None) -> dict[str, float]:

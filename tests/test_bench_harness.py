@@ -15,7 +15,7 @@ from server_util import running_server
 from benchmarks.metrics import LATENCIES, PERCENTILES
 from benchmarks.serve_bench import RunConfig, run_benchmark, write_results
 from benchmarks.workloads import Corpus, WorkloadSpec, build_workload, load_tokenizer
-from radixserve import Engine
+from radixserve.config import EngineConfig
 
 SUMMARY_KEYS = {
     "requests", "completed", "errors", "duration_s", "prompt_tokens", "output_tokens", "request_throughput",
@@ -38,8 +38,8 @@ def corpus(tokenizer: Any) -> Corpus:
 
 @pytest.fixture(scope="module")
 def url(tiny_llama: Path) -> Iterator[str]:
-    engine = Engine(str(tiny_llama), page_size=4, num_pages=4096, max_running_requests=16)
-    with running_server(engine) as base:
+    config = EngineConfig(str(tiny_llama), page_size=4, num_pages=4096, max_running_requests=16)
+    with running_server(config) as base:
         yield base
 
 

@@ -51,6 +51,8 @@ def test_serve_help_lists_the_flags() -> None:
         "--no-prefix-cache",
         "--api-key",
         "--schedule-policy",
+        "--engine-threads",
+        "--engine-cpus",
     ):
         assert flag in out.stdout
 

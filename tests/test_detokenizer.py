@@ -11,6 +11,7 @@ from tokenizer_util import make_tokenizer
 
 from radixserve.sampling.detokenizer import IncrementalDetokenizer, TextStream
 from radixserve.sampling.params import SamplingParams
+from radixserve.sampling.stop import token_stop
 
 tokenizer = make_tokenizer()
 EOS = tokenizer.eos_token_id
@@ -37,10 +38,21 @@ def decode(token_ids: list[int]) -> str:
 Step = tuple[str, str | None, str | int | None]  # what TextStream.append returns
 
 
+class Sample(TextStream):
+    """A TextStream fed as the engine feeds it: each token with its token-level stop (token_stop)."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        super().__init__(tokenizer, params, PROMPT)
+        self.params = params
+
+    def append(self, token_id: int, stop: Any = None) -> Step:
+        return super().append(token_id, token_stop(self.params, {EOS}, token_id, self.num_tokens + 1))
+
+
 def stream(text: str, eos: bool = True, **params: Any) -> tuple[TextStream, list[Step]]:
     """Feed ``text``'s tokens (then EOS) until the stream finishes; return it and every step's result."""
     params.setdefault("max_tokens", 1000)
-    text_stream = TextStream(tokenizer, SamplingParams(**params), PROMPT, [EOS])
+    text_stream = Sample(SamplingParams(**params))
     steps: list[Step] = []
     for token in encode(text) + ([EOS] if eos else []):
         steps.append(text_stream.append(token))
@@ -141,7 +153,7 @@ def test_eos_stops_and_adds_no_text() -> None:
 
 
 def test_ignore_eos_keeps_going_until_length() -> None:
-    text_stream = TextStream(tokenizer, SamplingParams(ignore_eos=True, max_tokens=3), PROMPT, [EOS])
+    text_stream = Sample(SamplingParams(ignore_eos=True, max_tokens=3))
     assert text_stream.append(EOS)[1] is None
     assert text_stream.append(encode("hi")[0])[1] is None
     assert text_stream.append(EOS)[1:] == ("length", None)

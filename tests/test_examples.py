@@ -17,7 +17,7 @@ import httpx
 import pytest
 from server_util import running_server
 
-from radixserve import Engine
+from radixserve.config import EngineConfig
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 ARGS = {
@@ -30,8 +30,8 @@ ARGS = {
 
 @pytest.fixture(scope="module")
 def url(tiny_llama: Path) -> Iterator[str]:
-    engine = Engine(str(tiny_llama), page_size=4, num_pages=2048)
-    with running_server(engine) as base:
+    config = EngineConfig(str(tiny_llama), page_size=4, num_pages=2048)
+    with running_server(config) as base:
         yield base
 
 

@@ -19,7 +19,7 @@ import pytest
 from server_util import running_server
 
 import radixserve.frontend as rf
-from radixserve import Engine
+from radixserve.config import EngineConfig
 
 pytestmark = pytest.mark.real_model
 
@@ -31,8 +31,8 @@ INTEGRATION = "needs the engine integration of radixserve.sampling.grammar (cons
 def url() -> Iterator[str]:
     from radixserve.model.default_model import prepare_default_model
 
-    engine = Engine(str(prepare_default_model(progress=False)), page_size=PAGE, kv_cache_gb=0.25)
-    with running_server(engine, "smollm") as base:
+    config = EngineConfig(str(prepare_default_model(progress=False)), page_size=PAGE, kv_cache_gb=0.25)
+    with running_server(config, "smollm") as base:
         yield base
 
 

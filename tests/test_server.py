@@ -16,7 +16,8 @@ import openai
 import pytest
 from server_util import MODEL_NAME, running_server, scrape
 
-from radixserve import Engine
+from radixserve.config import EngineConfig
+from radixserve.model.loader import load_tokenizer
 
 KEY, OTHER_KEY = "test-key", "other-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -25,13 +26,13 @@ HELLO: Any = [{"role": "user", "content": "Hello there, how are you today?"}]
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_llama: Path) -> Engine:
-    return Engine(str(tiny_llama), page_size=4, num_pages=2048, max_running_requests=64)
+def config(tiny_llama: Path) -> EngineConfig:
+    return EngineConfig(str(tiny_llama), page_size=4, num_pages=2048, max_running_requests=64)
 
 
 @pytest.fixture(scope="module")
-def url(engine: Engine) -> Iterator[str]:
-    with running_server(engine, api_key=[KEY, OTHER_KEY], salt_per_key=True, max_body_bytes=MAX_BODY) as base:
+def url(config: EngineConfig) -> Iterator[str]:
+    with running_server(config, api_key=[KEY, OTHER_KEY], salt_per_key=True, max_body_bytes=MAX_BODY) as base:
         yield base
 
 
@@ -141,8 +142,8 @@ def test_raw_sse_deltas_join_to_greedy_text(client: httpx.Client, route: str) ->
         assert chunks[-1]["meta_info"]["finish_reason"] == whole["meta_info"]["finish_reason"]
 
 
-def test_generate_with_token_ids_and_logprobs(client: httpx.Client, engine: Engine) -> None:
-    ids = engine.tokenize("The quick brown fox")
+def test_generate_with_token_ids_and_logprobs(client: httpx.Client, tiny_llama: Path) -> None:
+    ids = load_tokenizer(tiny_llama).encode("The quick brown fox")
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 3, "temperature": 0, "n": 2},
             "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2}  # fmt: skip
     out = client.post("/generate", json=body).json()
@@ -161,7 +162,8 @@ def test_32_concurrent_streams_while_health_answers(url: str) -> None:
 
     async def stream(c: httpx.AsyncClient, i: int) -> tuple[str | None, str]:
         nonlocal in_flight
-        body = {"model": MODEL_NAME, "prompt": f"request number {i}:", "max_tokens": 16, "temperature": 0,
+        # 64 tokens each: with the engine in its own process, 16 were over before /health was asked.
+        body = {"model": MODEL_NAME, "prompt": f"request number {i}:", "max_tokens": 64, "temperature": 0,
                 "ignore_eos": True, "stream": True}  # fmt: skip
         in_flight += 1
         try:
@@ -172,7 +174,8 @@ def test_32_concurrent_streams_while_health_answers(url: str) -> None:
         return json.loads(payloads[-2])["choices"][0]["finish_reason"], payloads[-1]
 
     async def poll_health(c: httpx.AsyncClient) -> None:
-        await asyncio.sleep(0.2)
+        while not in_flight:  # start as soon as the streams do
+            await asyncio.sleep(0.005)
         while in_flight:
             t0 = time.perf_counter()
             r = await c.get("/health")
@@ -297,7 +300,7 @@ def test_models_and_flush_cache(client: httpx.Client) -> None:
 
 
 def test_queue_full_is_429_with_retry_after(tiny_llama: Path) -> None:
-    engine = Engine(str(tiny_llama), page_size=4, num_pages=256, max_running_requests=1)
+    config = EngineConfig(str(tiny_llama), page_size=4, num_pages=256, max_running_requests=1)
     body = {
         "model": MODEL_NAME,
         "prompt": "hold the only slot",
@@ -305,7 +308,7 @@ def test_queue_full_is_429_with_retry_after(tiny_llama: Path) -> None:
         "ignore_eos": True,
         "stream": True,
     }
-    with running_server(engine, max_waiting_requests=1) as url, httpx.Client(base_url=url, timeout=60) as c:
+    with running_server(config, max_waiting_requests=1) as url, httpx.Client(base_url=url, timeout=60) as c:
         with c.stream("POST", "/v1/completions", json=body) as running:
             lines = running.iter_lines()  # kept alive: a dropped reader closes its stream
             assert first_event(lines)
@@ -349,8 +352,8 @@ def test_metrics_parse_and_hold_the_documented_families(client: httpx.Client) ->
 
 def test_tier_metrics_are_exported(tiny_llama: Path) -> None:
     """With a host tier, /metrics carries per-tier figures labelled device/host, and hits count after reuse."""
-    engine = Engine(str(tiny_llama), page_size=4, num_pages=16, host_cache_gb=0.01)
-    with running_server(engine) as url, httpx.Client(base_url=url, timeout=60) as c:
+    config = EngineConfig(str(tiny_llama), page_size=4, num_pages=16, host_cache_gb=0.01)
+    with running_server(config) as url, httpx.Client(base_url=url, timeout=60) as c:
         doc = list(range(3, 43))
         for first in (50, 51, 52, 53):  # each evicts the previous one's pages from the tiny device pool
             body = {"model": MODEL_NAME, "prompt": [first, *doc], "max_tokens": 2, "temperature": 0}

@@ -1,22 +1,55 @@
-"""AsyncEngine without HTTP: streams, cancellation, bad input and shutdown draining."""
+"""AsyncEngine without HTTP: streams, cancellation, bad input and shutdown draining, over the engine
+process; stop strings made in the front-end; the front-end/engine-process split itself."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 
 from radixserve import Engine, SamplingParams
+from radixserve.config import EngineConfig
+from radixserve.errors import InvalidRequestError
+from radixserve.model.loader import load_tokenizer
 from radixserve.outputs import RequestOutput
 from radixserve.server.async_engine import AsyncEngine, EngineUnavailableError, RequestRecord
+from radixserve.server.engine_client import EngineClient
+from radixserve.server.messages import AddRequest, FromEngine, StepOutputs, ToEngine
 
 LONG = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_llama: Path) -> Engine:
-    return Engine(str(tiny_llama), page_size=4, num_pages=1024)
+def config(tiny_llama: Path) -> EngineConfig:
+    return EngineConfig(str(tiny_llama), page_size=4, num_pages=1024)
+
+
+@pytest.fixture(scope="module")
+def engine(config: EngineConfig) -> Engine:
+    """The offline engine, in this process: what the server must agree with."""
+    return Engine(config.model, page_size=config.page_size, num_pages=config.num_pages)
+
+
+def run(config: EngineConfig, body: Callable[[AsyncEngine], Awaitable[T]], **options: Any) -> T:
+    """Start an AsyncEngine (and its engine process), run ``body``, check the pages, shut it down."""
+
+    async def main() -> T:
+        ae = AsyncEngine(config, **options)
+        await ae.start()
+        try:
+            result = await body(ae)
+            if ae.healthy:
+                await _assert_pages_whole(ae)
+            return result
+        finally:
+            await ae.shutdown(0)
+
+    return asyncio.run(main())
 
 
 async def _wait_idle(ae: AsyncEngine) -> None:
@@ -28,20 +61,23 @@ async def _wait_idle(ae: AsyncEngine) -> None:
     raise AssertionError(f"engine did not go idle: {ae.stats()}")
 
 
-def test_stream_matches_offline_generate(engine: Engine) -> None:
+async def _assert_pages_whole(ae: AsyncEngine) -> None:
+    await _wait_idle(ae)
+    s = ae.stats()
+    assert s.free_pages + s.cached_pages == s.num_pages, s
+    await ae.check_integrity()  # page by page, in the engine process
+
+
+def test_stream_matches_offline_generate(config: EngineConfig, engine: Engine) -> None:
     params = SamplingParams(max_tokens=10, temperature=0, n=2)
     expected = engine.generate(["stream me"], params)[0]
     records: list[RequestRecord] = []
 
-    async def main() -> list[RequestOutput]:
-        ae = AsyncEngine(engine, on_finish=records.append)
-        ae.start()
-        try:
-            return [d async for d in ae.generate("stream me", params)]
-        finally:
-            await ae.shutdown(0)
+    async def body(ae: AsyncEngine) -> list[RequestOutput]:
+        ae.on_finish = records.append
+        return [d async for d in ae.generate("stream me", params)]
 
-    deltas = asyncio.run(main())
+    deltas = run(config, body)
     for i in range(2):
         mine = [d.outputs[0] for d in deltas if d.outputs[0].index == i]
         assert "".join(c.text for c in mine) == expected.outputs[i].text
@@ -51,66 +87,53 @@ def test_stream_matches_offline_generate(engine: Engine) -> None:
     assert rec.output_tokens == 20 and rec.finish_reason == "length" and len(rec.token_gaps) == 9
 
 
-def test_bad_input_raises_before_streaming(engine: Engine) -> None:
-    async def main() -> None:
-        ae = AsyncEngine(engine)
-        ae.start()
-        try:
-            with pytest.raises(ValueError, match="prompt is empty"):
-                await ae.generate("", SamplingParams()).__anext__()
-            with pytest.raises(ValueError, match="maximum context length"):
-                await ae.generate("x", SamplingParams(max_tokens=10**6)).__anext__()
-        finally:
-            await ae.shutdown(0)
+def test_bad_input_raises_before_streaming(config: EngineConfig) -> None:
+    async def body(ae: AsyncEngine) -> None:
+        with pytest.raises(ValueError, match="prompt is empty"):
+            await ae.generate("", SamplingParams()).__anext__()
+        with pytest.raises(InvalidRequestError, match="maximum context length") as info:
+            await ae.generate("x", SamplingParams(max_tokens=10**6)).__anext__()
+        assert (info.value.param, info.value.code) == ("max_tokens", "context_length_exceeded")
 
-    asyncio.run(main())
+    run(config, body)
 
 
-def test_closing_a_stream_aborts_its_request(engine: Engine) -> None:
+def test_closing_a_stream_aborts_its_request(config: EngineConfig) -> None:
     records: list[RequestRecord] = []
 
-    async def main() -> None:
-        ae = AsyncEngine(engine, on_finish=records.append)
-        ae.start()
-        try:
-            stream = ae.generate("abandon me", LONG)
-            await stream.__anext__()
-            await stream.aclose()
-            await _wait_idle(ae)
-        finally:
-            await ae.shutdown(0)
+    async def body(ae: AsyncEngine) -> None:
+        ae.on_finish = records.append
+        stream = ae.generate("abandon me", LONG)
+        await stream.__anext__()
+        await stream.aclose()
+        await _wait_idle(ae)
 
-    asyncio.run(main())
+    run(config, body)
     assert [r.finish_reason for r in records] == ["abort"] and records[0].output_tokens < 400
 
 
-def test_cancelling_the_consumer_aborts_its_request(engine: Engine) -> None:
-    async def main() -> None:
-        ae = AsyncEngine(engine)
-        ae.start()
+def test_cancelling_the_consumer_aborts_its_request(config: EngineConfig) -> None:
+    async def body(ae: AsyncEngine) -> None:
         first = asyncio.Event()
 
         async def consume() -> None:
             async for _ in ae.generate("cancel me", LONG):
                 first.set()
 
-        try:
-            task = asyncio.create_task(consume())
-            await first.wait()
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-            await _wait_idle(ae)
-        finally:
-            await ae.shutdown(0)
+        task = asyncio.create_task(consume())
+        await first.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await _wait_idle(ae)
 
-    asyncio.run(main())
+    run(config, body)
 
 
-def test_shutdown_drains_short_requests_and_aborts_the_rest(engine: Engine) -> None:
+def test_shutdown_drains_short_requests_and_aborts_the_rest(config: EngineConfig) -> None:
     async def main() -> tuple[str | None, str | None]:
-        ae = AsyncEngine(engine)
-        ae.start()
+        ae = AsyncEngine(config)
+        await ae.start()
 
         async def last_reason(prompt: str, params: SamplingParams) -> str | None:
             reason = None
@@ -127,7 +150,88 @@ def test_shutdown_drains_short_requests_and_aborts_the_rest(engine: Engine) -> N
         assert not ae.healthy
         with pytest.raises(EngineUnavailableError):
             await ae.generate("late", SamplingParams()).__anext__()
+        # The engine's last report, sent after it aborted the long request: nothing left in it.
+        s = ae.stats()
+        assert s.num_running == s.num_waiting == s.in_use_pages == 0, s
         return await short, await long
 
     assert asyncio.run(main()) == ("length", "abort")
-    assert not engine.has_unfinished()
+
+
+def test_stop_string_ends_only_its_sample_as_offline(config: EngineConfig, engine: Engine) -> None:
+    """n=2, sampled: a stop string that occurs in sample 0's text only ends sample 0, mid-stream, and
+    both samples match the offline engine's (which makes its text in-process) exactly."""
+    base = SamplingParams(max_tokens=24, temperature=1.0, seed=7, n=2)
+    free = engine.generate(["two samples"], base)[0].outputs
+    text0, text1 = free[0].text, free[1].text
+    # A 3-character piece from the middle of sample 0 (pieces of a byte-level BPE this small cross
+    # token boundaries) that sample 1 never produces.
+    stop = next(
+        text0[i : i + 3] for i in range(len(text0) // 3, len(text0) - 3) if text0[i : i + 3] not in text1
+    )
+    params = SamplingParams(max_tokens=24, temperature=1.0, seed=7, n=2, stop=[stop])
+    expected = engine.generate(["two samples"], params)[0].outputs
+    assert (expected[0].finish_reason, expected[0].stop_reason) == ("stop", stop)
+    assert expected[1].text == text1 and len(expected[0].token_ids) < len(free[0].token_ids)
+
+    async def body(ae: AsyncEngine) -> list[RequestOutput]:
+        return [d async for d in ae.generate("two samples", params)]
+
+    deltas = run(config, body)
+    for i in range(2):
+        mine = [d.outputs[0] for d in deltas if d.outputs[0].index == i]
+        assert "".join(c.text for c in mine) == expected[i].text
+        assert [t for c in mine for t in c.token_ids] == expected[i].token_ids
+        assert (mine[-1].finish_reason, mine[-1].stop_reason) == (
+            expected[i].finish_reason,
+            expected[i].stop_reason,
+        )
+    # Sample 0 ended before sample 1 did: its stream was not held until the request finished.
+    ends = [d.outputs[0].index for d in deltas if d.outputs[0].finish_reason is not None]
+    assert ends == [0, 1]
+
+
+def test_front_end_tokenizes_and_the_engine_process_sends_no_text(
+    config: EngineConfig, engine: Engine, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine process is handed token ids and hands back token ids: every StepOutput it sends has
+    ``text`` None. The text a client sees is made in the front-end, and equals the offline engine's."""
+    sent: list[ToEngine] = []
+    received: list[FromEngine] = []
+    send, start = EngineClient.send, EngineClient.start
+
+    def recording_send(self: EngineClient, msg: ToEngine) -> bool:
+        sent.append(msg)
+        return send(self, msg)
+
+    async def recording_start(self: EngineClient, on_message: Any, on_exit: Any) -> Any:
+        def record(msg: FromEngine) -> None:
+            received.append(msg)
+            on_message(msg)
+
+        return await start(self, record, on_exit)
+
+    monkeypatch.setattr(EngineClient, "send", recording_send)
+    monkeypatch.setattr(EngineClient, "start", recording_start)
+    prompt = "héllo wörld, tokenized in the front-end 🙂"
+    params = SamplingParams(max_tokens=12, temperature=0, stop=["xyz"])
+    expected = engine.generate([prompt], params)[0]
+
+    async def body(ae: AsyncEngine) -> str:
+        return "".join([d.outputs[0].text async for d in ae.generate(prompt, params)])
+
+    assert run(config, body) == expected.text
+    (add,) = [m for m in sent if isinstance(m, AddRequest)]
+    assert add.prompt_token_ids == load_tokenizer(tiny_llama).encode(prompt) == expected.prompt_token_ids
+    outputs = [o for m in received if isinstance(m, StepOutputs) for o in m.outputs]
+    assert [t for o in outputs for t in o.token_ids] == expected.token_ids
+    assert outputs and all(o.text is None for o in outputs)
+
+
+def test_engine_process_is_pinned_where_asked(config: EngineConfig) -> None:
+    async def body(ae: AsyncEngine) -> int:
+        assert ae.engine_pid is not None and os.sched_getaffinity(ae.engine_pid) == {0}
+        params = SamplingParams(max_tokens=3, ignore_eos=True)
+        return sum([len(d.outputs[0].token_ids) async for d in ae.generate("pinned", params)])
+
+    assert run(config, body, engine_threads=1, engine_cpus=[0]) == 3

@@ -15,15 +15,15 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from server_util import running_server
 
-from radixserve import Engine
+from radixserve.config import EngineConfig
 
 KEY = "fuzz-key"
 
 
 @pytest.fixture(scope="module")
 def fuzz_url(tiny_llama: Path) -> Iterator[str]:
-    engine = Engine(str(tiny_llama), page_size=4, num_pages=512, max_model_len=96)
-    with running_server(engine, api_key=KEY) as url:
+    config = EngineConfig(str(tiny_llama), page_size=4, num_pages=512, max_model_len=96)
+    with running_server(config, api_key=KEY) as url:
         yield url
 
 

@@ -9,7 +9,7 @@ import openai
 import pytest
 from server_util import running_server
 
-from radixserve import Engine
+from radixserve.config import EngineConfig
 
 pytestmark = pytest.mark.real_model
 NAME = "SmolLM2-135M-Instruct"
@@ -19,8 +19,8 @@ NAME = "SmolLM2-135M-Instruct"
 def oai() -> Iterator[openai.OpenAI]:
     from radixserve.model.default_model import prepare_default_model
 
-    engine = Engine(str(prepare_default_model(progress=False)), page_size=16, kv_cache_gb=0.25)
-    with running_server(engine, model_name=NAME) as url:
+    config = EngineConfig(str(prepare_default_model(progress=False)), page_size=16, kv_cache_gb=0.25)
+    with running_server(config, model_name=NAME) as url:
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 

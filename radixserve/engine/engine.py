@@ -11,7 +11,6 @@ import queue
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,10 +19,13 @@ from radixserve.cache.page_pool import KVPool
 from radixserve.cache.tiers import make_tiers
 from radixserve.config import EngineConfig
 from radixserve.engine.kv_manager import KVCacheManager
-from radixserve.engine.output import OutputAssembler, StepOutput
+from radixserve.engine.output import OutputAssembler, StepOutput, add_text
 from radixserve.engine.policy import PRIORITY_NAMES
+from radixserve.engine.prompt import Prompt, apply_chat_template, tokenize
 from radixserve.engine.request import Request, Status
 from radixserve.engine.scheduler import ScheduledBatch, Scheduler
+from radixserve.engine.stats import EngineStats
+from radixserve.errors import InvalidRequestError
 from radixserve.model.attention import select_backend
 from radixserve.model.loader import load_model, load_tokenizer, resolve_model_path
 from radixserve.model.runner import ModelRunner, SeqChunk
@@ -32,31 +34,7 @@ from radixserve.sampling.detokenizer import TextStream
 from radixserve.sampling.grammar import GrammarCompiler, Matcher, batch_mask
 from radixserve.sampling.params import SamplingParams
 from radixserve.sampling.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
-
-Prompt = str | list[int]
-
-
-@dataclass
-class EngineStats:
-    num_waiting: int
-    num_running: int
-    num_pages: int
-    free_pages: int
-    cached_pages: int
-    in_use_pages: int
-    evictable_pages: int
-    prefix_query_tokens: int
-    prefix_hit_tokens: int
-    evicted_pages: int
-    num_preemptions: int
-    num_steps: int
-    prompt_tokens: int
-    generation_tokens: int
-    tiers: dict[str, dict[str, float]] = field(default_factory=dict)  # per tier (device/host/disk): TierStats
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+from radixserve.sampling.stop import GRAMMAR_COMPLETE, TokenStop, token_stop
 
 
 class Engine:
@@ -80,6 +58,7 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = sorted(eos)
+        self._eos = frozenset(eos)
         page_bytes = KVPool.bytes_per_page(
             mcfg.num_layers, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim, self.dtype
         )
@@ -109,6 +88,8 @@ class Engine:
         self._grammar: GrammarCompiler | None = None  # built on the first constrained request
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._groups: dict[str, list[Request]] = {}
+        self._unscheduled: set[str] = set()  # groups none of whose samples has been scheduled yet
+        self.newly_scheduled: list[str] = []  # groups scheduled for the first time by the latest step
         self._ids = itertools.count()
         self.num_steps = 0
         self.prompt_tokens = 0
@@ -116,11 +97,10 @@ class Engine:
 
     # -- public API -------------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:
-        return list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt)
+        return tokenize(self.tokenizer, prompt)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return apply_chat_template(self.tokenizer, messages)
 
     def add_request(
         self,
@@ -130,7 +110,7 @@ class Engine:
         cache_salt: str | None = None,
         priority: int | str = 0,
     ) -> str:
-        """Validate and queue one prompt (n samples). Raises ValueError on bad input; thread-safe."""
+        """Validate and queue one prompt (n samples). Raises InvalidRequestError on bad input; thread-safe."""
         params = params or SamplingParams()
         params.validate(self.model.config.vocab_size)
         token_ids = self.tokenize(prompt)
@@ -139,8 +119,9 @@ class Engine:
             self.grammar_compiler.validate(params)
         if isinstance(priority, str):
             if priority not in PRIORITY_NAMES:
-                raise ValueError(
-                    f"priority must be an integer or one of {sorted(PRIORITY_NAMES)}, got {priority!r}"
+                raise InvalidRequestError(
+                    f"priority must be an integer or one of {sorted(PRIORITY_NAMES)}, got {priority!r}",
+                    "priority",
                 )
             priority = PRIORITY_NAMES[priority]
         group_id = request_id or uuid.uuid4().hex
@@ -152,9 +133,10 @@ class Engine:
         self._inbox.put(("add", reqs))
         return group_id
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request (all its samples) and free its pages at the next step; thread-safe."""
-        self._inbox.put(("abort", request_id))
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        """Stop a request (all its samples, or only sample ``index``) and free its pages at the next
+        step; thread-safe. Each sample it stops ends with an "abort" output."""
+        self._inbox.put(("abort", (request_id, index)))
 
     def has_unfinished(self) -> bool:
         return bool(self._groups) or not self._inbox.empty()
@@ -194,8 +176,8 @@ class Engine:
     ) -> Iterator[RequestOutput]:
         """Step the engine in this thread, yielding each delta of one request as it comes.
 
-        For concurrent use (a server), wrap the engine in ``radixserve.server.async_engine.AsyncEngine``,
-        whose ``generate`` is the async iterator of deltas.
+        For concurrent use, ``radixserve.server.async_engine.AsyncEngine`` runs an engine in a process
+        of its own; its ``generate`` is the async iterator of deltas.
         """
         params = params or SamplingParams()
         ids = self.tokenize(prompt)
@@ -247,6 +229,10 @@ class Engine:
         """One engine iteration: admit and abort, schedule, one forward, sample, postprocess."""
         outputs = self._drain_inbox()
         batch = self.scheduler.schedule()
+        self.newly_scheduled = [
+            g for g in dict.fromkeys(r.group_id for r in batch.requests) if g in self._unscheduled
+        ]
+        self._unscheduled.difference_update(self.newly_scheduled)
         if not batch:
             if self.config.debug_checks and not self.scheduler.has_work():
                 self.check_integrity()
@@ -297,31 +283,33 @@ class Engine:
                     matcher.accept(t)
             elif matcher is not None:
                 matcher.accept(token)
-            text, finish, stop, appended = self._append_tokens(r, tokens)
-            if finish is None and matcher is not None and matcher.is_terminated():
-                finish = "stop"  # the grammar is complete: only EOS could follow
-            outputs.append(StepOutput(
-                r.group_id, r.index, appended, text, None if lp is None else [lp], finish, stop,
-                r.num_cached_tokens, now, r.prompt_logprobs if first else None,
-            ))  # fmt: skip
-            if finish is not None:
-                self._finish(r, finish)
+            appended, stop = self._append_tokens(r, tokens)
+            if stop is None and matcher is not None and matcher.is_terminated():
+                stop = GRAMMAR_COMPLETE
+            finish, stop_reason, hidden = stop if stop is not None else (None, None, False)
+            out = StepOutput(r.group_id, r.index, appended, None, None if lp is None else [lp], finish, stop_reason,
+                             r.num_cached_tokens, now, r.prompt_logprobs if first else None, hidden)  # fmt: skip
+            if r.text is not None:
+                out = add_text(r.text, out)
+                cut = len(appended) - len(out.token_ids)  # tokens after a stop string are dropped
+                if cut:
+                    del r.token_ids[-cut:]
+                    self.generation_tokens -= cut
+            outputs.append(out)
+            if out.finish_reason is not None:
+                self._finish(r, out.finish_reason)
         return outputs
 
-    def _append_tokens(
-        self, req: Request, tokens: list[int]
-    ) -> tuple[str, str | None, str | int | None, list[int]]:
-        text, finish, stop = "", None, None
-        appended = []
-        for t in tokens:
+    def _append_tokens(self, req: Request, tokens: list[int]) -> tuple[list[int], TokenStop | None]:
+        """Append tokens up to the first that ends the sample on token-level checks."""
+        stop = None
+        for n, t in enumerate(tokens, 1):
             req.token_ids.append(t)
-            appended.append(t)
             self.generation_tokens += 1
-            delta, finish, stop = req.stream.append(t)
-            text += delta
-            if finish is not None:
-                break
-        return text, finish, stop, appended
+            stop = token_stop(req.params, self._eos, t, req.num_output_tokens)
+            if stop is not None:
+                return tokens[:n], stop
+        return list(tokens), None
 
     def _matcher(self, req: Request) -> Matcher | None:
         if req.grammar is not None and not isinstance(req.grammar, Matcher):
@@ -338,26 +326,30 @@ class Engine:
             gen = torch.Generator(self.device).manual_seed(params.seed + index)
         req = Request(f"{group_id}#{index}", group_id, index, list(token_ids), len(token_ids), params,
                       priority, cache_salt, now, generator=gen)  # fmt: skip
-        req.stream = TextStream(self.tokenizer, params, token_ids, self.eos_token_ids)
+        if self.config.detokenize:
+            req.text = TextStream(self.tokenizer, params, token_ids)
         if params.constrained:
             req.grammar = self.grammar_compiler.submit(params)
         return req
 
     def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
-            raise ValueError("prompt is empty")
+            raise InvalidRequestError("prompt is empty", "prompt")
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
         total = len(token_ids) + params.max_tokens
         if total > self.max_model_len:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
-                f"exceeds the maximum context length of {self.max_model_len} tokens"
-            )
+                f"exceeds the maximum context length of {self.max_model_len} tokens",
+                "max_tokens", "context_length_exceeded",
+            )  # fmt: skip
         pages = -(-total // self.config.page_size)
         if pages > self.kv.num_pages:
-            raise ValueError(f"the request needs {pages} KV pages but the pool has only {self.kv.num_pages}")
+            raise InvalidRequestError(
+                f"the request needs {pages} KV pages but the pool has only {self.kv.num_pages}"
+            )
 
     def _drain_inbox(self) -> list[StepOutput]:
         outputs: list[StepOutput] = []
@@ -365,13 +357,16 @@ class Engine:
             kind, item = self._inbox.get()
             if kind == "add":
                 self._groups[item[0].group_id] = item
+                self._unscheduled.add(item[0].group_id)
                 for req in item:
                     self.scheduler.add(req)
-            elif item in self._groups:
+            elif item[0] in self._groups:
                 now = time.monotonic()
-                for req in self._groups[item]:
-                    if req.status != Status.FINISHED:
-                        outputs.append(StepOutput(req.group_id, req.index, [], "", None, "abort", None,
+                group_id, index = item
+                for req in self._groups[group_id]:
+                    if req.status != Status.FINISHED and index in (None, req.index):
+                        text = None if req.text is None else ""
+                        outputs.append(StepOutput(req.group_id, req.index, [], text, None, "abort", None,
                                                   req.num_cached_tokens, now))  # fmt: skip
                         self._finish(req, "abort")
         return outputs
@@ -382,6 +377,7 @@ class Engine:
         group = self._groups.get(req.group_id)
         if group is not None and all(r.status == Status.FINISHED for r in group):
             del self._groups[req.group_id]
+            self._unscheduled.discard(req.group_id)
 
     def _wants_prompt_logprobs(self, req: Request) -> bool:
         if req.params.prompt_logprobs is None:

@@ -4,23 +4,55 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 from radixserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from radixserve.sampling.detokenizer import TextStream
+from radixserve.sampling.stop import TokenStop
 
 
-@dataclass(slots=True)
-class StepOutput:
-    """What one engine step produced for one sample: the new tokens and text, and whether it ended."""
+class StepOutput(msgspec.Struct, array_like=True):
+    """What one engine step produced for one sample: the new tokens (and text), and whether it ended.
+
+    A msgspec Struct because the server's engine process sends these as they are (array-like: no
+    field names on the wire). ``text`` is None where the engine does not detokenize; ``add_text``
+    fills it in. ``finish_reason`` is "stop", "length" or "abort"; ``hides_last_token`` marks an
+    ending by an EOS or stop token, whose text is not part of the output.
+    """
 
     group_id: str
     index: int
     token_ids: list[int]
-    text: str
+    text: str | None
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None
     stop_reason: str | int | None
     cached_tokens: int
     time: float
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    hides_last_token: bool = False
+
+
+def add_text(stream: TextStream, step: StepOutput) -> StepOutput:
+    """``step`` with the text of its tokens, from its sample's ``stream``.
+
+    A stop string ends the sample at the token that completes it: the result then holds only the
+    tokens up to that one, and finishes with "stop" even where the engine would have gone on. The
+    offline engine and the server's front-end both make their text here, so they agree exactly.
+    """
+    text = ""
+    last = len(step.token_ids) - 1
+    for i, token_id in enumerate(step.token_ids):
+        stop = None
+        if i == last and step.finish_reason is not None:
+            stop_token = step.stop_reason if isinstance(step.stop_reason, int) else None
+            stop = TokenStop(step.finish_reason, stop_token, step.hides_last_token)
+        delta, reason, stop_reason = stream.append(token_id, stop)
+        text += delta
+        if reason is not None:
+            return msgspec.structs.replace(step, token_ids=step.token_ids[: i + 1], text=text,
+                                           finish_reason=reason, stop_reason=stop_reason)  # fmt: skip
+    return msgspec.structs.replace(step, text=text)
 
 
 @dataclass
@@ -49,7 +81,7 @@ class OutputAssembler:
     def add(self, step: StepOutput) -> RequestOutput:
         """Fold ``step`` into the accumulated result; returns the delta it represents."""
         out = self.result.outputs[step.index]
-        out.text += step.text
+        out.text += step.text or ""
         out.token_ids.extend(step.token_ids)
         if step.logprobs is not None:
             out.logprobs = (out.logprobs or []) + step.logprobs
@@ -66,7 +98,7 @@ class OutputAssembler:
         if self.finished:
             res.finished, res.finish_time = True, step.time
         delta = CompletionOutput(
-            step.index, step.text, step.token_ids, step.finish_reason, step.stop_reason, step.logprobs
+            step.index, step.text or "", step.token_ids, step.finish_reason, step.stop_reason, step.logprobs
         )
         return RequestOutput(
             res.request_id, res.prompt, res.prompt_token_ids, [delta], res.finished, res.cached_tokens,

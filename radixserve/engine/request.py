@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from radixserve.outputs import TokenLogprob
+from radixserve.sampling.detokenizer import TextStream
 from radixserve.sampling.params import SamplingParams
 
 
@@ -46,7 +47,7 @@ class Request:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     cache_node: Any = None  # the locked radix node covering the shared prefix, if any
     kv_load: Any = None  # while waiting: its prefix coming back from host/disk (KVCacheManager.prefetch)
-    stream: Any = None  # the TextStream that detokenizes and checks stops
+    text: TextStream | None = None  # detokenizes and checks stop strings, where the engine makes the text
     grammar: Any = None  # a Future of the constraint's Matcher while compiling, then the Matcher
     first_token_time: float | None = None
     finish_reason: str | None = None

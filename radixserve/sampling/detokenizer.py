@@ -4,17 +4,19 @@ Invariants:
 - ``IncrementalDetokenizer.add`` only returns whole characters: text that ends in U+FFFD (a UTF-8
   sequence cut between tokens) waits for the tokens that complete it. ``flush`` gives up waiting.
 - ``TextStream`` never emits text that could still turn out to be the start of a stop string, never
-  emits a stop string or anything after it, and never emits the text of an EOS or stop token.
+  emits a stop string or anything after it, and never emits the text of an EOS or stop token (a
+  ``TokenStop`` marked hidden).
 - The deltas ``TextStream.append`` returns, joined, equal ``TextStream.text`` once the stream has
   finished: the decoded output (without EOS / stop tokens), cut before the first stop string.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 from radixserve.sampling.params import SamplingParams
+from radixserve.sampling.stop import TokenStop
 
 # Tokens of context decoded before the new ones: enough for tokenizers (SentencePiece) whose
 # decoding of a token depends on its neighbours, e.g. dropping the leading space of the first token.
@@ -38,7 +40,7 @@ class IncrementalDetokenizer:
     ):
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        self._tokens = list(prompt_token_ids)
+        self._tokens = list(prompt_token_ids[-_CONTEXT_TOKENS:])  # only the context is ever decoded
         self._read_offset = len(self._tokens)
         self._prefix_offset = max(self._read_offset - _CONTEXT_TOKENS, 0)
 
@@ -70,31 +72,24 @@ class IncrementalDetokenizer:
 
 
 class TextStream:
-    """The text of one output sequence, fed one token at a time, with its stop conditions.
+    """The text of one output sequence, fed one token at a time, and its stop strings.
 
-    The engine calls ``append(token_id)`` once per generated token (including the EOS or stop token
-    that ends it) and gets ``(delta, finish_reason, stop_reason)``:
+    The engine decides on token ids alone whether a token ends the sample (``TokenStop``: EOS, a stop
+    token, the token budget, a complete grammar); ``append(token_id, stop)`` adds the token's text and
+    returns ``(delta, finish_reason, stop_reason)``:
     - ``delta``: new text safe to show now (may be ""),
-    - ``finish_reason``: None while running, else "stop" (EOS, a stop token or a stop string) or
-      "length" (``max_tokens`` tokens appended),
-    - ``stop_reason``: the stop string or stop token id that ended it; None for EOS and "length".
+    - ``finish_reason``: None while running, else ``stop.finish_reason``, or "stop" when a stop string
+      appeared in the text, which ends the sample at this token even though ``stop`` is None,
+    - ``stop_reason``: the stop string or stop token id that ended it; None for EOS, "length" and a
+      complete grammar.
     Once finished, ``append`` raises. ``text`` is the full text so far (it may run ahead of the
     deltas while a possible stop-string prefix is held back).
     """
 
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        params: SamplingParams,
-        prompt_token_ids: Sequence[int],
-        eos_token_ids: Iterable[int],
-    ):
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, prompt_token_ids: Sequence[int]):
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
         self._stops = list(params.stop)
         self._longest_stop = max((len(s) for s in self._stops), default=0)
-        self._stop_token_ids = set(params.stop_token_ids)
-        self._eos_token_ids = set() if params.ignore_eos else set(eos_token_ids)
-        self._max_tokens = params.max_tokens
         self._emitted = 0  # length of the text prefix already returned as deltas
         self.text = ""
         self.num_tokens = 0
@@ -105,28 +100,25 @@ class TextStream:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def append(self, token_id: int) -> tuple[str, str | None, str | int | None]:
+    def append(
+        self, token_id: int, stop: TokenStop | None = None
+    ) -> tuple[str, str | None, str | int | None]:
         if self.finished:
             raise RuntimeError("append() after the stream finished")
         self.num_tokens += 1
         start = len(self.text)
         reason: str | None = None
         stop_reason: str | int | None = None
-        if token_id in self._eos_token_ids:
-            reason = "stop"
-        elif token_id in self._stop_token_ids:
-            reason, stop_reason = "stop", token_id
-        else:
+        if stop is None or not stop.hidden:
             self.text += self._detokenizer.add(token_id)
-            if self.num_tokens >= self._max_tokens:
-                reason = "length"
-        if reason is not None:
+        if stop is not None:
+            reason, stop_reason = stop.finish_reason, stop.stop_reason
             self.text += self._detokenizer.flush()
         hit = self._find_stop(start)
         if hit is not None:
-            index, stop = hit
+            index, stop_string = hit
             self.text = self.text[:index]
-            reason, stop_reason = "stop", stop
+            reason, stop_reason = "stop", stop_string
         end = len(self.text) if reason is not None else max(len(self.text) - self._held_back(), self._emitted)
         delta = self.text[self._emitted : end]
         self._emitted = end

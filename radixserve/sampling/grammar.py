@@ -10,7 +10,7 @@ Invariants:
   A matcher that entered llguidance's error state (it was fed a token outside its mask) also allows only
   EOS and reports itself terminated, so the request ends instead of looping.
 - Nothing here raises on a bad constraint at decode time: bad constraints are rejected by ``validate``
-  (ValueError naming the field and llguidance's message) before a request is queued.
+  (InvalidRequestError naming the field and llguidance's message) before a request is queued.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import llguidance.hf
 import numpy as np
 import torch
 
+from radixserve.errors import InvalidRequestError
 from radixserve.sampling.params import SamplingParams
 
 # Flexible whitespace lets a sampling model spend its whole token budget on blanks between JSON
@@ -172,7 +173,7 @@ class GrammarCompiler:
         self.cache_misses = 0
 
     def validate(self, params: SamplingParams) -> None:
-        """Raise ValueError naming the field and the problem if the request's constraint is invalid."""
+        """Raise InvalidRequestError naming the field and the problem if the request's constraint is invalid."""
         key = constraint_of(params)
         if key is None:
             return
@@ -187,7 +188,7 @@ class GrammarCompiler:
                 _remember(self._validated, key, error, self._cache_size)
         if error:
             prefix = f"{key[0]} is invalid: "
-            raise ValueError(error if error.startswith(prefix) else prefix + error)
+            raise InvalidRequestError(error if error.startswith(prefix) else prefix + error, key[0])
 
     def submit(self, params: SamplingParams) -> concurrent.futures.Future[Matcher]:
         """A fresh matcher for one sample, compiled on a worker thread (or copied from the cache).

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from radixserve.errors import InvalidRequestError
+
 
 @dataclass
 class SamplingParams:
@@ -44,35 +46,41 @@ class SamplingParams:
         return any(x is not None for x in (self.regex, self.json_schema, self.grammar, self.choices))
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ValueError naming the first bad field."""
+        """Raise InvalidRequestError naming the first bad field."""
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+            raise InvalidRequestError(
+                f"max_tokens must be a positive integer, got {self.max_tokens!r}", "max_tokens"
+            )
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}", "temperature")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if self.top_k < -1 or (vocab_size is not None and self.top_k > vocab_size):
-            raise ValueError(f"top_k must be -1 (disabled) or in [1, vocab_size], got {self.top_k}")
+            raise InvalidRequestError(
+                f"top_k must be -1 (disabled) or in [1, vocab_size], got {self.top_k}", "top_k"
+            )
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
         if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            raise InvalidRequestError(
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}", "repetition_penalty"
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}", name)
         if not isinstance(self.n, int) or not 1 <= self.n <= 128:
-            raise ValueError(f"n must be an integer in [1, 128], got {self.n!r}")
+            raise InvalidRequestError(f"n must be an integer in [1, 128], got {self.n!r}", "n")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 20:
-                raise ValueError(f"{name} must be in [0, 20], got {value}")
+                raise InvalidRequestError(f"{name} must be in [0, 20], got {value}", name)
         if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+            raise InvalidRequestError("stop strings must be non-empty", "stop")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be in [0, {vocab_size})")
+            raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
         n_constraints = sum(x is not None for x in (self.regex, self.json_schema, self.grammar, self.choices))
         if n_constraints > 1:
-            raise ValueError("at most one of regex, json_schema, grammar and choices may be given")
+            raise InvalidRequestError("at most one of regex, json_schema, grammar and choices may be given")
         if self.choices is not None and (not self.choices or any(not c for c in self.choices)):
-            raise ValueError("choices must be a non-empty list of non-empty strings")
+            raise InvalidRequestError("choices must be a non-empty list of non-empty strings", "choices")

@@ -1,10 +1,11 @@
-"""The HTTP server: a Starlette app over an AsyncEngine, uvicorn to run it, and the `serve` CLI flags.
+"""The HTTP server: a Starlette app over an AsyncEngine, and uvicorn to run it (flags: server/launch.py).
 
 Invariants:
-- A request is submitted to the engine only after its body decoded and validated; every failure
+- A request is submitted to the engine only after its body decoded and validated against the
+  protocol types (the engine checks the rest and refuses with InvalidRequestError); every failure
   before the first byte of a response is an OpenAI-style error body (``ErrorResponse``) with the
   status code of its cause (400 bad input, 401 auth, 404/405 route, 409 refused, 413 body too
-  large, 429 queue full, 503 shutting down, 500 bug).
+  large, 429 queue full, 503 shutting down or engine process down, 500 bug).
 - Streaming responses wait for the request's first output before sending headers, so bad input and
   back-pressure are still answered with a status code; errors after that end the stream with an
   ``error`` event.
@@ -16,15 +17,14 @@ Invariants:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import hashlib
 import hmac
 import logging
 import math
-import os
 import re
+import sys
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
@@ -39,9 +39,8 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from radixserve.cache.tiers import WRITE_POLICIES
-from radixserve.engine.engine import Engine, Prompt
-from radixserve.model.default_model import DEFAULT_MODEL_NAME
+from radixserve.engine.prompt import Prompt
+from radixserve.errors import InvalidRequestError
 from radixserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from radixserve.sampling.grammar import strict_schema
 from radixserve.sampling.params import SamplingParams
@@ -56,9 +55,6 @@ S = TypeVar("S")
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                 405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
                 429: "rate_limit_error", 503: "service_unavailable_error"}  # fmt: skip
-_SAMPLING_NAMES = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty", "n", "logprobs", "prompt_logprobs", "stop", "stop_token_ids", "choices",
-                   "priority", "prompt", "seed", "regex", "json_schema", "grammar"}  # fmt: skip
 
 
 class ApiError(Exception):
@@ -88,12 +84,10 @@ _DONE = b"data: [DONE]\n\n"
 
 
 def _value_error(exc: ValueError) -> ApiError:
-    """Map an engine ValueError to a 400 naming the parameter its message starts with."""
-    msg = str(exc)
-    if "maximum context length" in msg:
-        return ApiError(400, msg, "max_tokens", "context_length_exceeded")
-    first = re.split(r"[\s(]", msg, maxsplit=1)[0]
-    return ApiError(400, msg, first if first in _SAMPLING_NAMES else None)
+    """A refused request is a 400 with the parameter and code the engine named (InvalidRequestError)."""
+    if isinstance(exc, InvalidRequestError):
+        return ApiError(400, str(exc), exc.param, exc.code)
+    return ApiError(400, str(exc))
 
 
 # -- turning results into wire types ---------------------------------------------------------------
@@ -169,7 +163,7 @@ class _Api:
         self.salt_per_key = salt_per_key
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
-        self.tokens = _TokenText(engine.engine.tokenizer)
+        self.tokens = _TokenText(engine.tokenizer)
         self.openapi = msgspec.json.encode(p.openapi_schema(model_name))
 
     # -- plumbing ---------------------------------------------------------------------------------
@@ -274,7 +268,7 @@ class _Api:
         self.check_model(req.model)
         messages = [{"role": m.role, "content": _content(m.content)} for m in req.messages]
         try:
-            token_ids = self.engine.engine.apply_chat_template(messages)
+            token_ids = self.engine.apply_chat_template(messages)
         except Exception as exc:  # templates raise whatever jinja raises, e.g. on role order
             raise ApiError(400, f"cannot apply the chat template: {exc}", "messages") from None
         max_tokens = req.max_completion_tokens or req.max_tokens or self.remaining(len(token_ids))
@@ -332,10 +326,10 @@ class _Api:
         yield _DONE
 
     def remaining(self, prompt_tokens: int) -> int:
-        left = self.engine.engine.max_model_len - prompt_tokens
+        left = self.engine.max_model_len - prompt_tokens
         if left <= 0:
             raise ApiError(400, f"the prompt ({prompt_tokens} tokens) leaves no room for output within the maximum "
-                                f"context length of {self.engine.engine.max_model_len} tokens",
+                                f"context length of {self.engine.max_model_len} tokens",
                            "messages", "context_length_exceeded")  # fmt: skip
         return left
 
@@ -352,7 +346,7 @@ class _Api:
         first, stream = await self.submit(
             prompt, params, rid, self.salt(request, req.cache_salt), req.priority
         )
-        prompt_text = prompt if isinstance(prompt, str) else str(self.engine.engine.tokenizer.decode(prompt))
+        prompt_text = prompt if isinstance(prompt, str) else str(self.engine.tokenizer.decode(prompt))
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
             return _event_stream(self.completion_events(req, rid, prompt_text, first, stream, usage), stream)
@@ -461,16 +455,14 @@ class _Api:
 
     # -- small routes -----------------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
-        card = p.ModelCard(
-            id=self.model_name, created=self.created, max_model_len=self.engine.engine.max_model_len
-        )
+        card = p.ModelCard(id=self.model_name, created=self.created, max_model_len=self.engine.max_model_len)
         return _json(p.ModelList(data=[card]))
 
     async def model_info(self, request: Request) -> Response:
         """What a client-side program needs to render prompts the way the engine would (the DSL uses it)."""
-        tok = self.engine.engine.tokenizer
-        return _json(p.ModelInfo(self.model_name, str(self.engine.engine.model_path), tok.chat_template,
-                                 tok.bos_token, tok.eos_token, self.engine.engine.max_model_len))  # fmt: skip
+        tok = self.engine.tokenizer
+        return _json(p.ModelInfo(self.model_name, str(self.engine.model_path), tok.chat_template,
+                                 tok.bos_token, tok.eos_token, self.engine.max_model_len))  # fmt: skip
 
     async def health(self, request: Request) -> Response:
         if not self.engine.healthy:
@@ -567,7 +559,8 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     drain_timeout: float = 30.0,
 ) -> Starlette:
-    """The ASGI app. Starting it (lifespan) starts the engine thread; stopping it drains and stops it."""
+    """The ASGI app. Starting it (lifespan) starts the engine process and waits until it is ready;
+    stopping it drains the requests and stops the process."""
     api = _Api(engine, model_name, salt_per_key, max_body_bytes)
     metrics = ServerMetrics(engine)
 
@@ -582,7 +575,7 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        engine.start()
+        await engine.start()
         yield
         await engine.shutdown(drain_timeout)
 
@@ -593,6 +586,9 @@ def build_app(
     async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         return error_response(exc.status_code, exc.detail, headers=dict(exc.headers) if exc.headers else None)
+
+    async def on_unavailable(request: Request, exc: Exception) -> Response:
+        return error_response(503, str(exc))
 
     async def on_bug(request: Request, exc: Exception) -> Response:
         logger.exception("unhandled error", exc_info=exc)
@@ -612,6 +608,7 @@ def build_app(
     handlers: dict[Any, Callable[..., Any]] = {
         ApiError: on_api_error,
         HTTPException: on_http_error,
+        EngineUnavailableError: on_unavailable,  # e.g. the engine process died under a request
         Exception: on_bug,
     }
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
@@ -623,94 +620,25 @@ def build_app(
 
 # -- running it -----------------------------------------------------------------------------------------
 def serve(
-    engine: Engine,
+    engine: AsyncEngine,
     host: str = "127.0.0.1",
     port: int = 8000,
     model_name: str | None = None,
     api_key: str | Sequence[str] | None = None,
     salt_per_key: bool = False,
-    max_waiting_requests: int | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     drain_timeout: float = 30.0,
     log_level: str = "info",
 ) -> None:
     """Serve ``engine`` with uvicorn until SIGINT/SIGTERM: then stop accepting, drain, abort the rest."""
-    async_engine = AsyncEngine(engine, max_waiting_requests)
+    if "torch" in sys.modules:  # transformers imports it; its threads must not compete with the engine's
+        import torch
+
+        torch.set_num_threads(1)
     name = model_name or engine.model_path.name
-    app = build_app(async_engine, name, api_key, salt_per_key, max_body_bytes, drain_timeout)
+    app = build_app(engine, name, api_key, salt_per_key, max_body_bytes, drain_timeout)
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=math.ceil(drain_timeout)
     )
     logger.info("serving %s on http://%s:%d", name, host, port)
     uvicorn.Server(config).run()
-
-
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``radixserve serve``."""
-    a = parser.add_argument
-    a("--model", default=None, help="local HF model folder (default: the embedded SmolLM2-135M-Instruct)")
-    a("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    a("--port", type=int, default=8000)
-    a(
-        "--served-model-name",
-        default=None,
-        help="the model name clients send (default: the model folder's name; SmolLM2-135M-Instruct for the embedded one)",
-    )
-    a("--page-size", type=int, default=16, help="tokens per KV page")
-    a("--kv-cache-gb", type=float, default=1.0, help="KV cache size in GiB")
-    a("--num-pages", type=int, default=None, help="KV pages (overrides --kv-cache-gb)")
-    a("--max-running-requests", type=int, default=64)
-    a("--max-batched-tokens", type=int, default=None,
-      help="tokens per step; longer prefills are chunked (default: 512 on CPU, 8192 on CUDA)")  # fmt: skip
-    a("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    a("--max-waiting-requests", type=int, default=1024, help="beyond this, new requests get 429")
-    a("--schedule-policy", default="lpm", choices=["fcfs", "lpm", "dfs-weight"])
-    a("--eviction-policy", default="lru", choices=["lru", "lfu", "priority"])
-    a("--no-prefix-cache", dest="prefix_cache", action="store_false", help="disable prefix caching")
-    a("--attention-backend", default="auto")
-    a("--jump-forward", action="store_true", help="append grammar-forced tokens without a decode step each")
-    a("--host-cache-gb", type=float, default=0.0, help="host-RAM KV tier beneath the device pool (0: off)")
-    a(
-        "--disk-cache-gb",
-        type=float,
-        default=0.0,
-        help="disk KV tier (needs --disk-cache-dir; survives restarts)",
-    )
-    a("--disk-cache-dir", default=None)
-    a(
-        "--write-policy",
-        default="write_through",
-        choices=WRITE_POLICIES,
-        help="when pages are copied down a tier: on insert, after k hits, or on eviction",
-    )
-    a("--write-through-threshold", type=int, default=2, help="k for write_through_selective")
-    a(
-        "--api-key",
-        default=os.environ.get("RADIXSERVE_API_KEY"),
-        help="bearer key(s), comma-separated, required on every route but /health (default: $RADIXSERVE_API_KEY)",
-    )
-    a("--salt-per-key", action="store_true", help="give each API key its own prefix-cache namespace")
-    a("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger request bodies get 413")
-    a("--drain-timeout", type=float, default=30.0, help="seconds to let running requests finish on shutdown")
-    a("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-
-
-def run_from_args(args: argparse.Namespace) -> None:
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    engine = Engine(
-        model=args.model, page_size=args.page_size, kv_cache_gb=args.kv_cache_gb, num_pages=args.num_pages,
-        max_running_requests=args.max_running_requests, max_batched_tokens=args.max_batched_tokens,
-        max_model_len=args.max_model_len, max_waiting_requests=args.max_waiting_requests,
-        prefix_cache=args.prefix_cache, schedule_policy=args.schedule_policy, eviction_policy=args.eviction_policy,
-        attention_backend=args.attention_backend, jump_forward=args.jump_forward,
-        host_cache_gb=args.host_cache_gb, disk_cache_gb=args.disk_cache_gb, disk_cache_dir=args.disk_cache_dir,
-        write_policy=args.write_policy, write_through_threshold=args.write_through_threshold,
-    )  # fmt: skip
-    keys = [k.strip() for k in args.api_key.split(",") if k.strip()] if args.api_key else None
-    if args.salt_per_key and not keys:
-        raise SystemExit("--salt-per-key needs --api-key")
-    name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else None)
-    serve(engine, args.host, args.port, name, keys, args.salt_per_key, args.max_waiting_requests,
-          args.max_body_bytes, args.drain_timeout, args.log_level)  # fmt: skip

@@ -1,39 +1,61 @@
-"""AsyncEngine: the Engine's step loop on a background thread, its outputs as asyncio streams.
+"""AsyncEngine: the server's front-end half. It owns an engine process and serves it to asyncio code.
+
+The front-end tokenizes prompts, sends token ids to the engine process (server/engine_process.py),
+and turns the token ids that come back into text, one ``TextStream`` per sample, where stop strings
+are checked too (``add_text``, the code the offline Engine uses). ``generate`` streams one request's
+deltas.
 
 Invariants:
-- Only the engine thread calls ``engine.step()`` or touches the scheduler and cache; everything the
-  event loop needs from that state (``stats()``, ``flush_cache()``) goes through a snapshot taken on
-  the engine thread or a call queued to it. The event loop never waits on model compute.
-- Each submitted request has one stream entry, registered before the engine can produce output for
-  it and removed when its consumer stops; StepOutputs for a request without an entry are dropped.
-- A consumer that stops before its request finished (client disconnect, cancellation, aclose) aborts
-  the request, so its KV pages are released at the next step.
-- The engine thread sleeps on ``_wake`` only while the engine has nothing unfinished; every call that
-  gives it work sets ``_wake`` after queueing the work, and the loop clears ``_wake`` before checking.
+- Everything here runs on the event loop; the engine process alone runs model code, so the loop
+  never waits on compute. One task receives the process's messages (EngineClient).
+- Each submitted request has one entry in ``_requests``, registered before its AddRequest is sent
+  and removed when its consumer stops; outputs for a request without an entry are dropped, as are
+  outputs for a sample that has already ended here.
+- A consumer that stops before its request finished (client disconnect, cancellation, aclose)
+  aborts the request; a sample that a stop string ended is aborted alone. Either way the engine
+  frees its pages at its next step.
+- When the engine process dies, every open request fails at once with EngineUnavailableError, new
+  requests get EngineUnavailableError, and a new process is started; ``healthy`` is True again when
+  it is ready.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import dataclasses
 import itertools
 import logging
-import queue
-import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
 
-from radixserve.engine.engine import Engine, EngineStats, Prompt
-from radixserve.engine.output import OutputAssembler, StepOutput
+from radixserve.config import EngineConfig
+from radixserve.engine.output import OutputAssembler, StepOutput, add_text
+from radixserve.engine.prompt import Prompt, apply_chat_template, tokenize
+from radixserve.engine.stats import EngineStats
+from radixserve.errors import InvalidRequestError
+from radixserve.model.loader import load_tokenizer, resolve_model_path
 from radixserve.outputs import RequestOutput
+from radixserve.sampling.detokenizer import TextStream
 from radixserve.sampling.params import SamplingParams
+from radixserve.server.engine_client import EngineClient, describe_exit
+from radixserve.server.messages import (
+    Abort,
+    AddRequest,
+    Call,
+    CallResult,
+    FromEngine,
+    Ready,
+    RequestError,
+    StepOutputs,
+    ToEngine,
+)  # fmt: skip
 
 logger = logging.getLogger("radixserve.server")
 
-T = TypeVar("T")
+MAX_RESTART_DELAY_S = 30.0
+STABLE_S = 60.0  # an engine process that served this long resets the restart back-off
 
 
 class QueueFullError(RuntimeError):
@@ -41,7 +63,7 @@ class QueueFullError(RuntimeError):
 
 
 class EngineUnavailableError(RuntimeError):
-    """The engine is shutting down or its loop has failed; no new requests are accepted."""
+    """The server is shutting down, or the engine process died and is being restarted."""
 
 
 @dataclass
@@ -69,79 +91,116 @@ class RequestRecord:
 
 
 @dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
+class _Request:
+    params: SamplingParams
+    prompt_token_ids: list[int]
     queue: asyncio.Queue[list[StepOutput] | BaseException]
     arrival_time: float
     scheduled_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    texts: dict[int, TextStream] = field(default_factory=dict)  # per sample, from its first output
+    ended: set[int] = field(default_factory=set)  # samples whose last output has been queued
+    rejected: bool = False  # the engine refused it: nothing to abort, nothing to report
 
 
 class AsyncEngine:
-    """Serves an Engine to asyncio code: ``generate`` streams the deltas of one request."""
+    """Serves an engine process to asyncio code: ``generate`` streams the deltas of one request.
+
+    ``engine_threads`` and ``engine_cpus`` set the process's torch threads (default: one per core it
+    may use) and pin it to CPUs (default: no pinning).
+    """
 
     def __init__(
         self,
-        engine: Engine,
+        config: EngineConfig,
         max_waiting_requests: int | None = None,
         on_finish: Callable[[RequestRecord], None] | None = None,
+        engine_threads: int | None = None,
+        engine_cpus: Sequence[int] | None = None,
+        log_level: str = "info",
     ) -> None:
-        self.engine = engine
-        self.max_waiting_requests = max_waiting_requests or engine.config.max_waiting_requests
+        self.model_path = resolve_model_path(config.model)
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.config = dataclasses.replace(config, model=str(self.model_path), detokenize=False)
+        self.max_waiting_requests = max_waiting_requests or config.max_waiting_requests
         self.on_finish = on_finish
-        self._streams: dict[str, _Stream] = {}
-        self._unscheduled: set[str] = set()  # submitted, not yet seen running: the waiting requests
-        self._lock = threading.Lock()  # guards _streams and _unscheduled across the two threads
-        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = (
-            queue.SimpleQueue()
-        )
-        self._wake = threading.Event()
-        self._stop = False
+        self._process_options = (engine_threads, engine_cpus, log_level)
+        self._requests: dict[str, _Request] = {}
+        self._unscheduled: set[str] = set()  # submitted, not yet reported scheduled: the waiting requests
+        self._calls: dict[int, asyncio.Future[bool | None]] = {}
+        self._call_ids = itertools.count()
+        self._client: EngineClient | None = None  # None while there is no ready engine process
+        self._ready: Ready | None = None
+        self._stats = EngineStats()
         self._accepting = False
-        self._error: BaseException | None = None
-        self._stats = engine.stats()
-        self._thread: threading.Thread | None = None
+        self._restarter: asyncio.Task[None] | None = None
+        self._started_at = 0.0
+        self._quick_deaths = 0  # consecutive deaths of processes that did not serve for STABLE_S
 
     # -- lifecycle --------------------------------------------------------------------------------
-    def start(self) -> None:
-        if self._thread is not None:
+    async def start(self) -> None:
+        """Start the engine process and wait until it is ready; raises if it exits first."""
+        if self._accepting:
             return
         self._accepting = True
-        self._thread = threading.Thread(target=self._run, name="radixserve-engine", daemon=True)
-        self._thread.start()
+        try:
+            await self._launch()
+        except BaseException:
+            self._accepting = False
+            raise
 
     async def shutdown(self, drain_timeout: float = 30.0) -> None:
-        """Stop accepting, let running requests finish for up to ``drain_timeout`` s, abort the rest."""
+        """Stop accepting, let running requests finish for up to ``drain_timeout`` s, abort the rest,
+        then stop the engine process (it closes the engine: queued disk-tier writes land)."""
         self._accepting = False
+        if self._restarter is not None:
+            self._restarter.cancel()
         deadline = time.monotonic() + drain_timeout
-        while self._streams and time.monotonic() < deadline:
+        while self._requests and self._client is not None and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        with self._lock:
-            remaining = list(self._streams)
-        for rid in remaining:
-            self.engine.abort(rid)
-        self._wake.set()
-        deadline = time.monotonic() + 5.0  # aborted streams end at the next step
-        while self._streams and time.monotonic() < deadline:
+        for rid in list(self._requests):
+            self._send(Abort(rid))
+        deadline = time.monotonic() + 5.0  # aborted streams end at the engine's next step
+        while self._requests and self._client is not None and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        self._stop = True
-        self._wake.set()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
-            self._thread = None
-        await asyncio.to_thread(self.engine.close)  # queued disk-tier writes land before the process ends
+        client, self._client = self._client, None
+        if client is not None:
+            code = await client.stop(timeout=60.0)
+            logger.info("engine process %s stopped (%s)", client.pid, describe_exit(code or 0))
+        self._fail_all(EngineUnavailableError("the server is shutting down"))
 
     @property
     def healthy(self) -> bool:
-        return (
-            self._accepting and self._error is None and self._thread is not None and self._thread.is_alive()
-        )
+        return self._accepting and self._client is not None
 
-    # -- requests ---------------------------------------------------------------------------------
+    @property
+    def engine_pid(self) -> int | None:
+        """The engine process's id while one is ready."""
+        return None if self._client is None else self._client.pid
+
+    # -- what the front-end knows -----------------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        """From the engine process's Ready report (the model's limit, or the configured one)."""
+        if self._ready is None:
+            raise EngineUnavailableError("the engine process has not started")
+        return self._ready.max_model_len
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        return tokenize(self.tokenizer, prompt)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        return apply_chat_template(self.tokenizer, messages)
+
+    def stats(self) -> EngineStats:
+        """The engine's counters as of its latest step (or call); all zero before the first report."""
+        return self._stats
+
     @property
     def num_waiting(self) -> int:
         return len(self._unscheduled)
 
+    # -- requests ---------------------------------------------------------------------------------
     async def generate(
         self,
         prompt: Prompt,
@@ -152,134 +211,179 @@ class AsyncEngine:
     ) -> AsyncGenerator[RequestOutput, None]:
         """Submit one request and yield its deltas (one sample each) until every sample finished.
 
-        Raises ValueError (bad input), QueueFullError or EngineUnavailableError before yielding."""
+        Raises InvalidRequestError (bad input, found by the engine), QueueFullError or
+        EngineUnavailableError before yielding; EngineUnavailableError after, if the engine dies."""
         if not self.healthy:
             raise EngineUnavailableError(
-                "the server is shutting down" if self._error is None else "the engine has failed"
+                "the server is shutting down" if not self._accepting else "the engine process is restarting"
             )
         if self.num_waiting >= self.max_waiting_requests:
             raise QueueFullError(
                 f"{self.num_waiting} requests are waiting (limit {self.max_waiting_requests})"
             )
         rid = request_id or uuid.uuid4().hex
-        token_ids = self.engine.tokenize(prompt)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic())
-        with self._lock:
-            if rid in self._streams:
-                raise ValueError(f"request id {rid!r} is already in use")
-            self._streams[rid] = stream
-            self._unscheduled.add(rid)
+        if rid in self._requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        token_ids = self.tokenize(prompt)
+        req = _Request(params, token_ids, asyncio.Queue(), time.monotonic())
+        self._requests[rid] = req
+        self._unscheduled.add(rid)
         try:
-            self.engine.add_request(token_ids, params, rid, cache_salt, priority)
-        except BaseException:
+            sent = self._send(AddRequest(rid, token_ids, params, cache_salt, priority))
+        except OverflowError:  # msgpack carries 64-bit integers; no sensible request holds larger ones
             self._forget(rid)
-            raise
-        self._wake.set()
+            raise InvalidRequestError("an integer in the request is out of the 64-bit range") from None
+        if not sent:
+            self._forget(rid)
+            raise EngineUnavailableError("the engine process is not reachable")
         text = prompt if isinstance(prompt, str) else None
-        assembler = OutputAssembler(rid, text, token_ids, params.n, stream.arrival_time)
+        assembler = OutputAssembler(rid, text, token_ids, params.n, req.arrival_time)
         try:
             while not assembler.finished:
-                item = await stream.queue.get()
+                item = await req.queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 for step in item:
                     if step.index == 0 and step.token_ids:
-                        stream.token_times.append(step.time)
+                        req.token_times.append(step.time)
                     yield assembler.add(step)
         finally:
-            if not assembler.finished:
-                self.engine.abort(rid)
-                self._wake.set()
+            if not assembler.finished and not req.rejected:
+                self._send(Abort(rid))
             self._forget(rid)
-            self._report(rid, stream, assembler.result)
-
-    def stats(self) -> EngineStats:
-        """The engine's counters as of its latest step (or idle moment)."""
-        return self._stats
+            if not req.rejected:
+                self._report(rid, req, assembler.result)
 
     async def flush_cache(self) -> bool:
-        return await self.call_in_engine(self.engine.flush_cache)
+        """Drop every cached prefix page; False while requests hold cached pages."""
+        return bool(await self._call("flush_cache"))
 
-    async def call_in_engine(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the engine thread between two steps and return its result."""
-        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._calls.put((fn, fut))
-        self._wake.set()
-        return await asyncio.wrap_future(fut)
+    async def check_integrity(self) -> None:
+        """A debug call: the engine checks its page accounting page by page; RuntimeError if it is off."""
+        await self._call("check_integrity")
+
+    # -- the engine process -----------------------------------------------------------------------
+    async def _launch(self) -> None:
+        threads, cpus, log_level = self._process_options
+        client = EngineClient(self.config, threads, cpus, log_level)
+        try:
+            ready = await client.start(self._on_message, self._on_exit)
+        except BaseException:
+            client.kill()
+            client.close()
+            raise
+        self._client, self._ready, self._stats = client, ready, ready.stats
+        self._started_at = time.monotonic()
+
+    def _on_exit(self, code: int) -> None:
+        client, self._client = self._client, None
+        pid = client.pid if client is not None else "?"
+        if client is not None:
+            client.close()
+        if not self._accepting:
+            return
+        how = f"{'exited' if code == 0 else 'died'} ({describe_exit(code)})"  # 0: it drained after a signal
+        logger.error("engine process %s %s; failing %d open request(s) and restarting it",
+                     pid, how, len(self._requests))  # fmt: skip
+        self._fail_all(EngineUnavailableError(f"the engine process {how}; it is being restarted"))
+        lived = time.monotonic() - self._started_at
+        self._quick_deaths = 0 if lived >= STABLE_S else self._quick_deaths + 1
+        self._restarter = asyncio.create_task(self._restart())
+
+    async def _restart(self) -> None:
+        t0 = time.monotonic()
+        while self._accepting:
+            # A process that keeps dying soon after it started waits longer each time.
+            n = self._quick_deaths
+            delay = min(2.0 ** (n - 2), MAX_RESTART_DELAY_S) if n > 1 else 0.0  # 0, 0, 1, 2, 4, ... s
+            await asyncio.sleep(delay)
+            try:
+                await self._launch()
+            except Exception as exc:
+                logger.error("engine process restart failed: %s", exc)
+                self._quick_deaths += 1
+                continue
+            assert self._client is not None
+            logger.info("engine process %s restarted: serving again after %.1f s", self._client.pid,
+                        time.monotonic() - t0)  # fmt: skip
+            return
+
+    def _send(self, msg: ToEngine) -> bool:
+        return self._client is not None and self._client.send(msg)
+
+    async def _call(self, method: str) -> bool | None:
+        call_id = next(self._call_ids)
+        future: asyncio.Future[bool | None] = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        if not self._send(Call(call_id, method)):
+            del self._calls[call_id]
+            raise EngineUnavailableError("the engine process is not available")
+        return await future
+
+    def _on_message(self, msg: FromEngine) -> None:
+        if isinstance(msg, StepOutputs):
+            self._on_step(msg)
+        elif isinstance(msg, RequestError):
+            req = self._requests.get(msg.request_id)
+            if req is not None:
+                req.rejected = True
+                unavailable = EngineUnavailableError(msg.message) if msg.unavailable else None
+                req.queue.put_nowait(unavailable or InvalidRequestError(msg.message, msg.param, msg.code))
+        elif isinstance(msg, CallResult):
+            self._stats = msg.stats
+            future = self._calls.pop(msg.call_id, None)
+            if future is not None and not future.done():
+                if msg.error is None:
+                    future.set_result(msg.value)
+                else:
+                    future.set_exception(RuntimeError(f"the engine's call failed: {msg.error}"))
+
+    def _on_step(self, msg: StepOutputs) -> None:
+        self._stats = msg.stats
+        for rid in msg.scheduled:
+            self._unscheduled.discard(rid)
+            req = self._requests.get(rid)
+            if req is not None and req.scheduled_time is None:
+                req.scheduled_time = msg.time
+        batches: dict[str, list[StepOutput]] = {}
+        for out in msg.outputs:
+            req = self._requests.get(out.group_id)
+            if req is None or out.index in req.ended:
+                continue
+            text = req.texts.get(out.index)
+            if text is None:
+                text = req.texts[out.index] = TextStream(self.tokenizer, req.params, req.prompt_token_ids)
+            step = add_text(text, out)
+            if step.finish_reason is not None:
+                req.ended.add(out.index)
+                if out.finish_reason is None:  # a stop string ended it; the engine would go on
+                    self._send(Abort(out.group_id, out.index))
+            batches.setdefault(out.group_id, []).append(step)
+        for rid, steps in batches.items():
+            self._requests[rid].queue.put_nowait(steps)
 
     # -- helpers ----------------------------------------------------------------------------------
-    def _forget(self, rid: str) -> None:
-        with self._lock:
-            self._streams.pop(rid, None)
-            self._unscheduled.discard(rid)
+    def _fail_all(self, error: BaseException) -> None:
+        for req in self._requests.values():
+            req.queue.put_nowait(error)
+        self._unscheduled.clear()
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(error)
+        self._calls.clear()
 
-    def _report(self, rid: str, stream: _Stream, result: RequestOutput) -> None:
+    def _forget(self, rid: str) -> None:
+        self._requests.pop(rid, None)
+        self._unscheduled.discard(rid)
+
+    def _report(self, rid: str, req: _Request, result: RequestOutput) -> None:
         if self.on_finish is None:
             return
-        times = stream.token_times
+        times = req.token_times
         first = result.outputs[0]
         record = RequestRecord(
             rid, len(result.prompt_token_ids), result.cached_tokens, sum(len(o.token_ids) for o in result.outputs),
-            first.finish_reason or "abort", stream.arrival_time, stream.scheduled_time, result.first_token_time,
+            first.finish_reason or "abort", req.arrival_time, req.scheduled_time, result.first_token_time,
             result.finish_time or time.monotonic(), [b - a for a, b in itertools.pairwise(times)],
         )  # fmt: skip
         self.on_finish(record)
-
-    # -- the engine thread ------------------------------------------------------------------------
-    def _run(self) -> None:
-        engine = self.engine
-        try:
-            while not self._stop:
-                self._wake.clear()
-                self._run_calls()
-                if not engine.has_unfinished():
-                    self._stats = engine.stats()
-                    self._wake.wait()
-                    continue
-                outputs = engine.step()
-                self._note_scheduled()
-                self._stats = engine.stats()
-                self._dispatch(outputs)
-        except BaseException as exc:
-            logger.exception("engine loop failed; failing all open requests")
-            self._error = exc
-            with self._lock:
-                streams = list(self._streams.values())
-            for s in streams:
-                s.loop.call_soon_threadsafe(s.queue.put_nowait, RuntimeError(f"engine failure: {exc!r}"))
-
-    def _run_calls(self) -> None:
-        while not self._calls.empty():
-            fn, fut = self._calls.get()
-            try:
-                result = fn()
-            except Exception as exc:
-                fut.set_exception(exc)
-                continue
-            self._stats = self.engine.stats()  # callers may read stats() as soon as they resume
-            fut.set_result(result)
-
-    def _note_scheduled(self) -> None:
-        """Mark requests that left the waiting queue (safe: this is the thread that steps)."""
-        if not self._unscheduled:
-            return
-        now = time.monotonic()
-        with self._lock:
-            for req in self.engine.scheduler.running:
-                if req.group_id in self._unscheduled:
-                    self._unscheduled.discard(req.group_id)
-                    self._streams[req.group_id].scheduled_time = now
-
-    def _dispatch(self, outputs: list[StepOutput]) -> None:
-        by_request: dict[str, list[StepOutput]] = {}
-        for out in outputs:
-            by_request.setdefault(out.group_id, []).append(out)
-        with self._lock:
-            targets = [(self._streams.get(rid), outs) for rid, outs in by_request.items()]
-            for rid in by_request:  # finished within the step that admitted it
-                if rid in self._unscheduled:
-                    self._unscheduled.discard(rid)
-                    self._streams[rid].scheduled_time = by_request[rid][0].time
-        for stream, outs in targets:
-            if stream is not None:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, outs)

@@ -17,15 +17,18 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-NonNegInt = Annotated[int, Meta(ge=0)]
-PositiveInt = Annotated[int, Meta(ge=1)]
-Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+# Integers that reach the engine travel as msgpack int64s to its process; larger ones are a 400 here.
+INT64_MAX = 2**63 - 1
+NonNegInt = Annotated[int, Meta(ge=0, le=INT64_MAX)]
+PositiveInt = Annotated[int, Meta(ge=1, le=INT64_MAX)]
+TopK = Annotated[int, Meta(ge=-1, le=INT64_MAX)]
+Seed = Annotated[int, Meta(ge=0, le=INT64_MAX)]
 Temperature = Annotated[float, Meta(ge=0.0, le=100.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
 N = Annotated[int, Meta(ge=1, le=128)]
-Priority = int | Literal["interactive", "batch"]
+Priority = Annotated[int, Meta(ge=-INT64_MAX - 1, le=INT64_MAX)] | Literal["interactive", "batch"]
 Stop = str | list[str] | None
 
 
@@ -81,7 +84,7 @@ class SamplingFields(Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # extras
-    top_k: Annotated[int, Meta(ge=-1)] = -1
+    top_k: TopK = -1
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] = 1.0
     ignore_eos: bool = False
@@ -238,7 +241,7 @@ class GenerateSamplingParams(Struct, kw_only=True, forbid_unknown_fields=True):
     max_tokens: PositiveInt | None = None  # alias of max_new_tokens
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
-    top_k: Annotated[int, Meta(ge=-1)] = -1
+    top_k: TopK = -1
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] = 1.0
     presence_penalty: Penalty = 0.0

@@ -1,0 +1,30 @@
+"""EngineStats: a snapshot of the engine's counters, for /metrics and for callers of Engine.stats()."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class EngineStats(msgspec.Struct, array_like=True):
+    """A snapshot of the engine's counters (a Struct: the engine process sends one after each step).
+    All zero: nothing reported yet."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    num_pages: int = 0
+    free_pages: int = 0
+    cached_pages: int = 0
+    in_use_pages: int = 0
+    evictable_pages: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    evicted_pages: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    tiers: dict[str, dict[str, float]] = msgspec.field(default_factory=dict)  # per tier (device/host/disk)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0

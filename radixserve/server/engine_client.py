@@ -1,0 +1,174 @@
+"""EngineClient: the front-end's handle on one engine process, and the two sockets to it.
+
+Invariants:
+- One client is one process: the front-end makes a new client (new sockets in a new private
+  directory) for each restart, so nothing an old process sent can reach its successor's requests.
+- The front-end binds both sockets; the process connects. ``send`` never blocks: a message that
+  cannot be queued (no process on the other end) is refused, and the caller treats the engine as gone.
+- Messages are handed to ``on_message`` in the order the process sent them, on the event loop. When
+  the process exits, what it sent before exiting is handed on first, then ``on_exit`` gets the
+  exit status, once, unless ``stop`` asked for the exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from radixserve.config import EngineConfig
+from radixserve.server.messages import FromEngine, Ready, Shutdown, ToEngine
+
+logger = logging.getLogger("radixserve.server")
+
+EXIT_GRACE_S = 0.1  # how long after an exit its last messages may still be on their way
+
+
+class EngineStartError(RuntimeError):
+    """The engine process exited before it was ready."""
+
+
+def describe_exit(returncode: int) -> str:
+    """``-9`` -> "killed by SIGKILL", ``1`` -> "exit code 1"."""
+    if returncode < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-returncode).name}"
+    return f"exit code {returncode}"
+
+
+class EngineClient:
+    def __init__(
+        self, config: EngineConfig, threads: int | None = None, cpus: Sequence[int] | None = None,
+        log_level: str = "info",
+    ) -> None:  # fmt: skip
+        self.config = config
+        self.threads = threads
+        self.cpus = cpus
+        self.log_level = log_level
+        self._dir = tempfile.mkdtemp(prefix="radixserve-")
+        self._ctx = zmq.asyncio.Context()
+        self._push = zmq.Socket(self._ctx, zmq.PUSH)  # a plain socket: sending never waits
+        self._push.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a connected process
+        self._push.setsockopt(zmq.SNDHWM, 0)  # a busy engine must not make the front-end drop messages
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._push.bind(f"ipc://{self._dir}/input")
+        self._pull.bind(f"ipc://{self._dir}/output")
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(FromEngine)
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._exited: asyncio.Future[int] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    async def start(self, on_message: Callable[[FromEngine], None], on_exit: Callable[[int], None]) -> Ready:
+        """Start the process and wait until it is ready (EngineStartError if it exits first)."""
+        loop = asyncio.get_running_loop()
+        self._exited = exited = loop.create_future()
+        cmd = [sys.executable, "-m", "radixserve.server.engine_process", "--config",
+               msgspec.json.encode(self.config).decode(), "--input", f"ipc://{self._dir}/input",
+               "--output", f"ipc://{self._dir}/output", "--log-level", self.log_level]  # fmt: skip
+        cmd += ["--threads", str(self.threads)] if self.threads else []
+        cmd += ["--cpus", ",".join(map(str, self.cpus))] if self.cpus else []
+        # The child must import the code this process runs (a source tree, a test's sys.path), and
+        # live in a session of its own, so a terminal's Ctrl-C reaches only the front-end, which
+        # drains and then stops the engine.
+        path = [os.path.abspath(p) for p in sys.path if p] + [os.environ.get("PYTHONPATH", "")]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))}
+        self._proc = proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+
+        def exit_code(code: int) -> None:
+            if not exited.done():
+                exited.set_result(code)
+
+        def wait() -> None:
+            code = proc.wait()
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening
+                loop.call_soon_threadsafe(exit_code, code)
+
+        threading.Thread(target=wait, name=f"radixserve-engine-{proc.pid}-wait", daemon=True).start()
+        first = asyncio.ensure_future(self._pull.recv())
+        await asyncio.wait({first, exited}, return_when=asyncio.FIRST_COMPLETED)
+        if not first.done():
+            first.cancel()
+            raise EngineStartError(
+                f"the engine process exited before it was ready ({describe_exit(exited.result())})"
+            )
+        ready = self._decoder.decode(first.result())
+        if not isinstance(ready, Ready):
+            raise EngineStartError(f"the engine process sent {type(ready).__name__} before Ready")
+        receiver = asyncio.create_task(self._receive(on_message))
+        self._tasks = [receiver, asyncio.create_task(self._watch(receiver, on_exit))]
+        return ready
+
+    def send(self, msg: ToEngine) -> bool:
+        """Queue ``msg`` for the process; False when there is none to take it."""
+        try:
+            self._push.send(self._encoder.encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return False
+        return True
+
+    async def stop(self, timeout: float) -> int | None:
+        """Ask the process to finish and close, wait up to ``timeout`` s, then kill it. Returns its exit status."""
+        self._stopping = True
+        code = None
+        if self._proc is not None and self._exited is not None:
+            self.send(Shutdown())
+            try:
+                code = await asyncio.wait_for(asyncio.shield(self._exited), timeout)
+            except asyncio.TimeoutError:
+                logger.warning(
+                    "engine process %d did not stop within %.0f s; killing it", self._proc.pid, timeout
+                )
+                self._proc.kill()
+                code = await self._exited
+        self.close()
+        return code
+
+    def kill(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+
+    def close(self) -> None:
+        """Release the sockets and the directory (the process, if any, is already gone or going)."""
+        if self._ctx.closed:
+            return
+        for task in self._tasks:
+            task.cancel()
+        self._push.close(linger=0)
+        self._pull.close(linger=0)
+        self._ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    async def _receive(self, on_message: Callable[[FromEngine], None]) -> None:
+        while True:
+            msg = self._decoder.decode(await self._pull.recv())
+            try:
+                on_message(msg)
+            except Exception:  # a bug in one handler must not stop the stream of outputs
+                logger.exception("handling %s failed", type(msg).__name__)
+
+    async def _watch(self, receiver: asyncio.Task[None], on_exit: Callable[[int], None]) -> None:
+        assert self._exited is not None
+        code = await self._exited
+        if self._stopping:
+            return
+        await asyncio.sleep(EXIT_GRACE_S)  # let the receiver hand on what the process sent last
+        receiver.cancel()
+        on_exit(code)

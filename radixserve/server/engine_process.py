@@ -1,0 +1,224 @@
+"""The engine process: builds the Engine, then serves the front-end over two ZMQ sockets.
+
+``EngineClient`` (server/engine_client.py) starts it as
+``python -m radixserve.server.engine_process --config JSON --input ADDR --output ADDR``; it pulls
+``ToEngine`` messages from ``--input`` and pushes ``FromEngine`` messages to ``--output``
+(server/messages.py).
+
+Invariants:
+- Only one thread of this process, the loop's, touches the engine (after the main thread built it);
+  the process owns the compute threads (``--threads``, default: every core it may run on; ``--cpus``
+  pins it). The front-end runs no model code.
+- The loop blocks on the socket only while the engine has nothing unfinished. Between two steps it
+  takes every message that has arrived, so aborts and new requests wait at most one step.
+- The engine runs with ``detokenize=False``: its outputs carry token ids, never text.
+- A bad request is answered with a ``RequestError`` and never reaches the scheduler; an exception
+  anywhere else ends the process (exit code 1, traceback on stderr) and the front-end restarts it.
+- SIGTERM, SIGINT and ``Shutdown`` all mean: accept nothing new, finish what is queued, close the
+  engine (queued disk-tier writes land), exit 0. If the front-end process goes away, it exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import zmq
+
+from radixserve.config import EngineConfig
+from radixserve.errors import InvalidRequestError
+from radixserve.server.messages import (
+    Abort,
+    AddRequest,
+    Call,
+    CallResult,
+    FromEngine,
+    Ready,
+    RequestError,
+    Shutdown,
+    StepOutputs,
+    ToEngine,
+)  # fmt: skip
+
+if TYPE_CHECKING:
+    from radixserve.engine.engine import Engine
+
+logger = logging.getLogger("radixserve.engine_process")
+
+IDLE_POLL_MS = 1000  # while idle, look up this often whether the front-end is still there
+STALLED_POLL_MS = 1  # work is queued but the last step could do none (a grammar still compiling)
+
+
+class EngineLoop:
+    """Receive, step, send: the engine process's loop."""
+
+    def __init__(self, engine: Engine, inbox: zmq.Socket[bytes], outbox: zmq.Socket[bytes]) -> None:
+        self.engine = engine
+        self.inbox = inbox
+        self.outbox = outbox
+        self.stopping = False
+        self._parent = os.getppid()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(ToEngine)
+        self._calls: dict[str, Callable[[], Any]] = {
+            "flush_cache": engine.flush_cache,
+            "check_integrity": engine.check_integrity,  # a debug call: raises if the page accounting is off
+        }
+
+    def stop(self, signum: int = 0, frame: FrameType | None = None) -> None:
+        self.stopping = True
+
+    def run(self) -> None:
+        engine = self.engine
+        cfg = engine.config
+        self._send(Ready(os.getpid(), str(engine.model_path), engine.max_model_len, engine.model.config.vocab_size,
+                         engine.eos_token_ids, cfg.page_size, engine.kv.num_pages, engine.max_batched_tokens,
+                         engine.stats()))  # fmt: skip
+        progressed = True
+        while True:
+            busy = engine.has_unfinished()
+            if self.stopping and not busy:
+                return
+            self._receive(0 if busy and progressed else STALLED_POLL_MS if busy else IDLE_POLL_MS)
+            if os.getppid() != self._parent:
+                logger.warning("the front-end process is gone; closing the engine")
+                return
+            if engine.has_unfinished():
+                progressed = self._step()
+
+    def _step(self) -> bool:
+        engine = self.engine
+        steps = engine.num_steps
+        outputs = engine.step()
+        progressed = bool(outputs) or engine.num_steps != steps
+        if progressed or engine.newly_scheduled:
+            self._send(StepOutputs(time.monotonic(), outputs, engine.newly_scheduled, engine.stats()))
+        return progressed
+
+    def _receive(self, timeout_ms: int) -> None:
+        if not self.inbox.poll(timeout_ms):
+            return
+        while True:
+            try:
+                frame = self.inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(self._decoder.decode(frame))
+
+    def _handle(self, msg: ToEngine) -> None:
+        if isinstance(msg, AddRequest):
+            self._add(msg)
+        elif isinstance(msg, Abort):
+            self.engine.abort(msg.request_id, msg.index)
+        elif isinstance(msg, Call):
+            value, error = None, None
+            try:
+                value = self._calls[msg.method]()
+            except Exception as exc:  # reported to the caller; the engine itself is fine
+                error = f"{type(exc).__name__}: {exc}"
+            self._send(CallResult(msg.call_id, value, error, self.engine.stats()))
+        elif isinstance(msg, Shutdown):
+            self.stopping = True
+
+    def _add(self, msg: AddRequest) -> None:
+        rid = msg.request_id
+        if self.stopping:
+            self._send(RequestError(rid, "the engine is shutting down", unavailable=True))
+            return
+        try:
+            self.engine.add_request(msg.prompt_token_ids, msg.params, rid, msg.cache_salt, msg.priority)
+        except InvalidRequestError as exc:
+            self._send(RequestError(rid, str(exc), exc.param, exc.code))
+        except ValueError as exc:  # any other refusal is still the request's fault, not the engine's
+            self._send(RequestError(rid, str(exc)))
+
+    def _send(self, msg: FromEngine) -> None:
+        self.outbox.send(self._encoder.encode(msg))
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m radixserve.server.engine_process")
+    p.add_argument("--config", required=True, help="the EngineConfig as JSON")
+    p.add_argument("--input", required=True, help="ZMQ address to pull requests from")
+    p.add_argument("--output", required=True, help="ZMQ address to push outputs to")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: one per usable core)")
+    p.add_argument(
+        "--cpus", default=None, help="pin the process to these CPUs, e.g. 0-3,8 (default: no pinning)"
+    )
+    p.add_argument("--log-level", default="info")
+    return p.parse_args(argv)
+
+
+def parse_cpus(text: str) -> list[int]:
+    """``"0-3,8"`` -> ``[0, 1, 2, 3, 8]``."""
+    cpus: list[int] = []
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        cpus.extend(range(int(first), int(last or first) + 1))
+    if not cpus:
+        raise ValueError(f"no CPUs in {text!r}")
+    return cpus
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    # Until the loop runs, a signal only marks the process as stopping: it finishes loading, then exits.
+    pending: list[int] = []
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda n, f: pending.append(n))
+    if args.cpus:  # before torch starts its threads (at its first parallel op): they inherit the mask
+        os.sched_setaffinity(0, parse_cpus(args.cpus))
+    import torch
+
+    torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
+    from radixserve.engine.engine import Engine
+
+    config = msgspec.json.decode(args.config, type=EngineConfig)
+    engine = Engine(**dataclasses.asdict(dataclasses.replace(config, detokenize=False)))
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(args.input)
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.connect(args.output)
+    loop = EngineLoop(engine, inbox, outbox)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, loop.stop)
+    loop.stopping = bool(pending)
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        logger.info("engine process %d ready: %s, %d threads, %d KV pages", os.getpid(), engine.model_path,
+                    torch.get_num_threads(), engine.kv.num_pages)  # fmt: skip
+        try:
+            loop.run()
+        except BaseException as exc:
+            logger.exception("the engine loop failed")
+            failed.append(exc)
+
+    # The loop steps on a thread of its own, as the in-process server did: on this project's loaded
+    # 2-core host, OpenMP regions started from a process's main thread ran about 5x slower than the
+    # same steps from another thread. The main thread only waits, and runs the signal handlers.
+    worker = threading.Thread(target=run, name="radixserve-engine-loop")
+    worker.start()
+    worker.join()
+    engine.close()  # queued disk-tier writes land
+    ctx.destroy(linger=1000)  # give the last outputs a moment to leave; never hang on a gone peer
+    if failed:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

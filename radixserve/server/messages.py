@@ -1,0 +1,101 @@
+"""The messages between the server's front-end and its engine process: msgpack-encoded msgspec Structs.
+
+One PUSH/PULL socket each way. Front-end -> engine: ``AddRequest``, ``Abort``, ``Call``, ``Shutdown``.
+Engine -> front-end: ``Ready`` (once, first), ``StepOutputs`` (after every step that did something),
+``RequestError`` and ``CallResult``. A message is one frame; the tag (the class name) says its type.
+
+Invariants:
+- Per-step traffic carries token ids, never text: the front-end tokenizes and detokenizes. Every
+  struct on the wire but the request's ``SamplingParams`` is array-like: no field names travel.
+- ZMQ keeps the order of one socket: an ``Abort`` sent after an ``AddRequest`` reaches the engine after
+  it, and every output the engine sent before it exits arrives before the front-end sees the socket go.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from radixserve.engine.output import StepOutput
+from radixserve.engine.stats import EngineStats
+from radixserve.sampling.params import SamplingParams
+
+
+class _Message(msgspec.Struct, tag=True, array_like=True):
+    """Tagged by class name, fields by position."""
+
+
+# -- front-end -> engine ---------------------------------------------------------------------------
+class AddRequest(_Message):
+    """One prompt (n samples), already tokenized by the front-end."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None = None
+    priority: int | str = 0
+
+
+class Abort(_Message):
+    """Stop a request: all its samples, or only sample ``index`` (one a stop string ended)."""
+
+    request_id: str
+    index: int | None = None
+
+
+class Call(_Message):
+    """Run one of the engine's maintenance methods between two steps; answered by a CallResult."""
+
+    call_id: int
+    method: str  # "flush_cache" | "check_integrity"
+
+
+class Shutdown(_Message):
+    """Finish what is queued (the front-end has aborted what it gave up on), close the engine, exit."""
+
+
+ToEngine = AddRequest | Abort | Call | Shutdown
+
+
+# -- engine -> front-end ---------------------------------------------------------------------------
+class Ready(_Message):
+    """The engine is built and listening: the facts the front-end needs from it."""
+
+    pid: int
+    model_path: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    page_size: int
+    num_pages: int
+    max_batched_tokens: int
+    stats: EngineStats
+
+
+class StepOutputs(_Message):
+    """What one engine step did: per-sample outputs, which waiting requests it scheduled, its counters."""
+
+    time: float  # time.monotonic() in the engine process (CLOCK_MONOTONIC: the front-end's clock too)
+    outputs: list[StepOutput]
+    scheduled: list[str]  # requests scheduled for the first time: they no longer count as waiting
+    stats: EngineStats
+
+
+class RequestError(_Message):
+    """The engine refused a request. ``unavailable``: it is shutting down (503), else the request is
+    invalid (400, with the parameter and code that ``InvalidRequestError`` named)."""
+
+    request_id: str
+    message: str
+    param: str | None = None
+    code: str | None = None
+    unavailable: bool = False
+
+
+class CallResult(_Message):
+    call_id: int
+    value: bool | None
+    error: str | None
+    stats: EngineStats  # taken after the call, so a caller sees its effect in stats() at once
+
+
+FromEngine = Ready | StepOutputs | RequestError | CallResult

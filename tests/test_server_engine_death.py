@@ -1,0 +1,118 @@
+"""The engine process dies mid-stream (SIGKILL): every open request fails at once, /health turns 503,
+and the front-end starts a new engine process and serves again."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from server_util import MODEL_NAME, Served, scrape, serving
+
+from radixserve.config import EngineConfig
+
+LONG: dict[str, Any] = {"model": MODEL_NAME, "prompt": "a story that never ends", "max_tokens": 400,
+                        "temperature": 0, "ignore_eos": True}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama: Path) -> Iterator[Served]:
+    # Two running slots: a third request waits, so one stream has not started when the engine dies.
+    with serving(EngineConfig(str(tiny_llama), page_size=4, num_pages=1024, max_running_requests=2)) as s:
+        yield s
+
+
+def _error(r: httpx.Response) -> dict[str, Any]:
+    body = r.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+def test_sigkill_mid_stream_fails_every_request_then_the_server_serves_again(
+    served: Served, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="radixserve.server")
+    c = httpx.Client(base_url=served.url, timeout=60)
+    assert c.post("/v1/completions", json={**LONG, "max_tokens": 2}).status_code == 200
+    pid = served.engine.engine_pid
+    assert pid is not None
+    results: dict[str, httpx.Response] = {}
+
+    def post(name: str, body: dict[str, Any]) -> None:
+        results[name] = httpx.post(f"{served.url}/v1/completions", json=body, timeout=60)
+
+    with c.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as streaming:
+        lines = streaming.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))  # the stream has started
+        threads = [threading.Thread(target=post, args=("whole", LONG)),  # running, not streamed
+                   threading.Thread(target=post, args=("waiting", {**LONG, "stream": True}))]  # fmt: skip
+        threads[0].start()
+        deadline = time.monotonic() + 30
+        while scrape(c)["radixserve:num_requests_running"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        threads[1].start()
+        while scrape(c)["radixserve:num_requests_waiting"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert time.monotonic() < deadline, scrape(c)
+
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        rest = [line[len("data: ") :] for line in lines if line.startswith("data: ")]
+        for t in threads:
+            t.join(timeout=30)
+    waited = time.monotonic() - killed
+    assert waited < 10, f"the clients waited {waited:.1f} s after the engine died"
+
+    # The started stream ends with an error event; the other two get an OpenAI-style 503 body.
+    assert rest and "[DONE]" not in rest and "error" in json.loads(rest[-1]), rest[-3:]
+    for name in ("whole", "waiting"):
+        r = results[name]
+        assert r.status_code == 503 and "died" in _error(r)["message"], (name, r.text)
+
+    # While the engine process is down: /health is 503 and so is a new request.
+    assert c.get("/health").status_code == 503
+    r = c.post("/v1/completions", json={**LONG, "max_tokens": 2})
+    assert r.status_code == 503 and _error(r)["type"] == "service_unavailable_error"
+
+    deadline = time.monotonic() + 60
+    while c.get("/health").status_code != 200:
+        assert time.monotonic() < deadline, "the engine process was not restarted"
+        time.sleep(0.1)
+    r = c.post("/v1/completions", json={**LONG, "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    assert served.engine.engine_pid not in (None, pid)
+    c.close()
+
+    messages = [rec.getMessage() for rec in caplog.records if rec.name == "radixserve.server"]
+    assert [m for m in messages if f"engine process {pid} died (killed by SIGKILL)" in m], messages
+    assert [m for m in messages if "restarted: serving again" in m], messages
+
+
+def test_sigterm_to_the_engine_process_drains_it_then_it_is_restarted(served: Served) -> None:
+    """A signalled engine process finishes what it runs (the stream ends normally), refuses new work
+    meanwhile (503), closes the engine and exits 0; the front-end then starts a new one."""
+    pid = served.engine.engine_pid
+    assert pid is not None
+    with httpx.Client(base_url=served.url, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as streaming:
+            lines = streaming.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            os.kill(pid, signal.SIGTERM)
+            time.sleep(0.2)
+            refused = c.post("/v1/completions", json={**LONG, "max_tokens": 2})
+            rest = [line[len("data: ") :] for line in lines if line.startswith("data: ")]
+        assert refused.status_code == 503 and "shutting down" in _error(refused)["message"], refused.text
+        assert rest[-1] == "[DONE]" and json.loads(rest[-2])["choices"][0]["finish_reason"] == "length"
+        deadline = time.monotonic() + 60
+        while served.engine.engine_pid in (None, pid) or c.get("/health").status_code != 200:
+            assert time.monotonic() < deadline, "the engine process was not restarted"
+            time.sleep(0.1)
+        assert c.post("/v1/completions", json={**LONG, "max_tokens": 2}).status_code == 200
