@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from . import cpu_build, reference
+from .parts import PartsPlan
 from .reference import gather_pages, scatter_pages
 
 if not cpu_build.load():
@@ -135,7 +136,41 @@ def extend_attention(
     return out
 
 
+@dataclass(slots=True)
+class StepPlan:
+    """A whole step for the ragged op: extend and decode sequences alike are segments of one plan."""
+
+    page_table: torch.Tensor  # [B, W] int32
+    work: Plan
+    # For tensors the ops do not take: the reference's plan of the same step, made on first use.
+    args: tuple[torch.Tensor, torch.Tensor, int, int]  # cu_q_lens, seq_lens, num_extend, page_size
+    fallback: PartsPlan | None = None
+
+
+def plan_step(
+    page_table: torch.Tensor, cu_q_lens: torch.Tensor, seq_lens: torch.Tensor, num_extend: int, page_size: int
+) -> StepPlan:
+    table = page_table.to(torch.int32)
+    return StepPlan(
+        table, _plan(table, cu_q_lens, seq_lens, page_size), (cu_q_lens, seq_lens, num_extend, page_size)
+    )
+
+
+def attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan, scale: float
+) -> torch.Tensor:
+    """One layer's attention for the whole step: ``q [T, q_heads, head_dim]`` -> ``[T, q_heads, head_dim]``."""
+    if not _supported(q, k_cache):
+        if plan.fallback is None:
+            plan.fallback = reference.plan_step(plan.page_table, *plan.args)
+        return reference.attention(q, k_cache, v_cache, plan.fallback, scale)
+    out, _ = _ops.paged_attention(q, k_cache, v_cache, plan.page_table, *plan.work.tensors(), scale)
+    return out
+
+
+CAPTURABLE = True  # every op above traces under torch.compile (real torch ops with fake kernels)
+
 __all__ = [
-    "Plan", "decode_attention", "extend_attention", "gather_pages", "plan_decode", "plan_extend",
+    "CAPTURABLE", "Plan", "StepPlan", "attention", "plan_step", "decode_attention", "extend_attention", "gather_pages", "plan_decode", "plan_extend",
     "scatter_pages", "store_kv",
 ]  # fmt: skip

@@ -36,7 +36,7 @@ import torch
 logger = logging.getLogger("radixserve.kernels")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("ops.cpp", "plan.cpp", "attention.cpp", "decode_kernel.cpp", "gemm_kernel.cpp")
+SOURCES = ("ops.cpp", "plan.cpp", "attention.cpp", "decode_kernel.cpp", "gemm_kernel.cpp", "linear.cpp")
 HEADERS = ("radixserve_cpu.h", "kernel_common.h")
 DISABLE_ENV = "RADIXSERVE_CPU_KERNELS"
 COST = "CPU attention falls back to the torch reference kernels (slower)"
@@ -202,6 +202,12 @@ def _register_fakes() -> None:
         slot_mapping: torch.Tensor,
     ) -> None:
         return None
+
+    @torch.library.register_fake("radixserve_cpu::linear")
+    def _linear(
+        x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
     @torch.library.register_fake("radixserve_cpu::plan")
     def _plan(

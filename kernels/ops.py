@@ -13,6 +13,7 @@ import torch
 from .decode_attention import decode_attention
 from .extend_attention import extend_attention
 from .kv_ops import gather_pages, scatter_pages, store_kv
+from .parts import PartsPlan, attend_parts, plan_parts
 
 
 def plan_decode(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> None:
@@ -26,7 +27,19 @@ def plan_extend(
     return None
 
 
+def plan_step(
+    page_table: torch.Tensor, cu_q_lens: torch.Tensor, seq_lens: torch.Tensor, num_extend: int, page_size: int
+) -> PartsPlan:
+    return plan_parts(plan_extend, plan_decode, page_table, cu_q_lens, seq_lens, num_extend, page_size)
+
+
+def attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PartsPlan, scale: float
+) -> torch.Tensor:
+    return attend_parts(extend_attention, decode_attention, q, k_cache, v_cache, plan, scale)
+
+
 __all__ = [
-    "decode_attention", "extend_attention", "gather_pages", "plan_decode", "plan_extend", "scatter_pages",
-    "store_kv",
+    "attention", "decode_attention", "extend_attention", "gather_pages", "plan_decode", "plan_extend",
+    "plan_step", "scatter_pages", "store_kv",
 ]  # fmt: skip

@@ -7,6 +7,9 @@ Shared layout (the same for every implementation of these signatures):
 - ``page_table[b, i]`` is the i-th page of sequence b (entries past the sequence's pages are ignored);
 - ``seq_lens[b]`` counts every token of sequence b whose K/V is in the cache, the new ones included.
 Attention reads all K/V through the page table: the caller stores the step's new K/V first.
+
+Step level (what the model calls): ``plan_step`` once per step over the flattened batch (extend
+sequences first, then decode ones), ``attention`` once per layer with that plan.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from .parts import PartsPlan, attend_parts, plan_parts
 
 
 def store_kv(
@@ -260,3 +265,17 @@ def gather_pages(buffer: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
 def scatter_pages(buffer: torch.Tensor, pages: torch.Tensor, src: torch.Tensor) -> None:
     """Unpack ``src`` (as made by ``gather_pages``) into ``pages`` of every layer."""
     buffer[:, pages.long()] = src.to(buffer.dtype)
+
+
+def plan_step(
+    page_table: torch.Tensor, cu_q_lens: torch.Tensor, seq_lens: torch.Tensor, num_extend: int, page_size: int
+) -> PartsPlan:
+    """The index work of one step (sequences ``[0, num_extend)`` extend, the rest decode one token)."""
+    return plan_parts(plan_extend, plan_decode, page_table, cu_q_lens, seq_lens, num_extend, page_size)
+
+
+def attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PartsPlan, scale: float
+) -> torch.Tensor:
+    """One layer's attention for the whole step: ``q [T, q_heads, head_dim]`` -> ``[T, q_heads, head_dim]``."""
+    return attend_parts(extend_attention, decode_attention, q, k_cache, v_cache, plan, scale)

@@ -31,6 +31,9 @@ class EngineConfig:
     schedule_policy: str = "lpm"
     eviction_policy: str = "lru"
     attention_backend: str = "auto"
+    # Run the model step eagerly instead of as a compiled graph (model/capture.py), which is used
+    # where the attention backend allows it (the C++ CPU kernels) and a C++ compiler is found.
+    enforce_eager: bool = False
     aging_s: float = 30.0  # waiting this long is worth one priority level
     jump_forward: bool = False  # append grammar-forced tokens without a decode step each (may change outputs)
     debug_checks: bool = False  # check every cache invariant whenever the engine goes idle

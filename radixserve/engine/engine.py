@@ -81,9 +81,9 @@ class Engine:
         self.scheduler = Scheduler(
             self.kv, cfg.max_running_requests, self.max_batched_tokens, cfg.schedule_policy, cfg.aging_s
         )
-        self.runner = ModelRunner(
-            self.model, self.kv_pool, select_backend(cfg.attention_backend, self.device), self.device
-        )
+        backend = select_backend(cfg.attention_backend, self.device)
+        capture = not cfg.enforce_eager and getattr(backend, "CAPTURABLE", False)
+        self.runner = ModelRunner(self.model, self.kv_pool, backend, self.device, capture)
         self.sampler = Sampler()
         self._grammar: GrammarCompiler | None = None  # built on the first constrained request
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()

@@ -20,17 +20,31 @@ class Linear(nn.Linear):
     """
 
     packed: torch.Tensor | None = None
+    packed_linear: Any = None  # radixserve_cpu::linear, where the C++ CPU kernels load
 
     def prepack(self) -> None:
         w = self.weight
         if w.device.type == "cpu" and w.dtype == torch.float32 and torch.backends.mkldnn.is_available():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 8)
+            self.packed_linear = _packed_linear_op()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.dim() == 2 and x.shape[0] > 1:
-            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.packed is None:
+            return nn.functional.linear(x, self.weight, self.bias)
+        if self.packed_linear is not None:  # one opaque op: a captured graph keeps the packed weight
+            out: torch.Tensor = self.packed_linear(x, self.weight, self.packed, self.bias)
+            return out
+        if x.dim() == 2 and x.shape[0] > 1:
+            out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             return out
         return nn.functional.linear(x, self.weight, self.bias)
+
+
+def _packed_linear_op() -> Any:
+    """``radixserve_cpu::linear`` (the choice below, as one op) where the C++ CPU kernels load."""
+    from radixserve.kernels import cpu_build
+
+    return torch.ops.radixserve_cpu.linear if cpu_build.load() else None
 
 
 class RMSNorm(nn.Module):

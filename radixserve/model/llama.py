@@ -86,7 +86,6 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -102,7 +101,6 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, rope, meta, kv, backend)
         return self.norm(x)
 
-    @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 

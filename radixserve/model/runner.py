@@ -1,7 +1,9 @@
 """ModelRunner: turns one scheduled batch into tensors, runs one forward, returns the logits it needs.
 
 The batch is flattened with the extend sequences (prefill chunks of two or more tokens) first and the
-single-token sequences last, so attention can hand each part to its own kernel.
+single-token sequences last. The backend plans the step's attention once (``plan_step``); every layer
+reuses the plan. Where the step can be captured (``model/capture.py``), the forward from token ids to
+logits runs as one compiled graph; steps that need every position's logits (prompt logprobs) run eagerly.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 
 from radixserve.cache.page_pool import KVPool
 from radixserve.model.attention import AttentionMetadata
+from radixserve.model.capture import CapturedStep
 from radixserve.model.llama import LlamaForCausalLM
 
 
@@ -33,33 +36,69 @@ class RunnerOutput:
     all_logits: dict[int, torch.Tensor]  # chunk index -> [num_new, vocab] where want_all_logits
 
 
+@dataclass(slots=True)
+class StepInputs:
+    """One step as tensors: what the model (compiled or not) takes."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    last_rows: torch.Tensor  # [num_chunks] int64: each chunk's last token
+
+
 class ModelRunner:
     def __init__(
-        self, model: LlamaForCausalLM, kv: KVPool, backend: ModuleType, device: torch.device
+        self,
+        model: LlamaForCausalLM,
+        pool: KVPool,
+        backend: ModuleType,
+        device: torch.device,
+        capture: bool = False,
     ) -> None:
         self.model = model
-        self.kv = kv
+        self.pool = pool
         self.backend = backend
         self.device = device
-        self.page_size = kv.page_size
+        self.page_size = pool.page_size
+        self.captured = CapturedStep.create(self.forward) if capture else None
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Token ids -> the logits after each chunk's last token (the function that is captured)."""
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.pool, self.backend)
+        return self.model.compute_logits(hidden.index_select(0, inputs.last_rows))
 
     def run(self, chunks: list[SeqChunk]) -> RunnerOutput:
         order = sorted(range(len(chunks)), key=lambda i: chunks[i].num_new == 1)
         ordered = [chunks[i] for i in order]
-        input_ids, positions, meta = self._prepare(ordered)
-        hidden = self.model(input_ids, positions, meta, self.kv, self.backend)
-        ends = torch.tensor([c.num_new for c in ordered], device=self.device).cumsum(0) - 1
-        last = self.model.compute_logits(hidden[ends])
+        inputs = self.prepare(ordered)
+        all_logits: dict[int, torch.Tensor] = {}
+        if any(c.want_all_logits for c in ordered):
+            with torch.inference_mode():
+                last = self._with_all_logits(inputs, ordered, order, all_logits)
+        elif self.captured is not None:
+            # no_grad, not inference_mode: the graph writes the KV pool through views, which
+            # inference tensors do not allow in a traced graph.
+            with torch.no_grad():
+                last = self.captured(inputs)
+        else:
+            with torch.inference_mode():
+                last = self.forward(inputs)
         logits = torch.empty_like(last)
         logits[torch.tensor(order, device=self.device)] = last
-        all_logits: dict[int, torch.Tensor] = {}
-        for pos, i in enumerate(order):
-            if chunks[i].want_all_logits:
-                end = int(ends[pos]) + 1
-                all_logits[i] = self.model.compute_logits(hidden[end - chunks[i].num_new : end])
         return RunnerOutput(logits, all_logits)
 
-    def _prepare(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _with_all_logits(
+        self, inputs: StepInputs, ordered: list[SeqChunk], order: list[int], out: dict[int, torch.Tensor]
+    ) -> torch.Tensor:
+        """The eager forward, keeping every position's logits of the chunks that want them in ``out``."""
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.pool, self.backend)
+        for pos, (chunk, end) in enumerate(zip(ordered, inputs.last_rows.tolist())):
+            if chunk.want_all_logits:
+                out[order[pos]] = self.model.compute_logits(hidden[end + 1 - chunk.num_new : end + 1])
+        return self.model.compute_logits(hidden.index_select(0, inputs.last_rows))
+
+    def prepare(self, chunks: list[SeqChunk]) -> StepInputs:
+        """Flat token ids and positions, the slot of each new token, and the backend's plan of the step."""
         dev, ps = self.device, self.page_size
         flat: list[int] = []
         for c in chunks:
@@ -77,22 +116,13 @@ class ModelRunner:
         for i, c in enumerate(chunks):
             table[i, : len(c.page_table)] = torch.tensor(c.page_table, dtype=torch.int64)
         slots = table[row, positions // ps] * ps + positions % ps
-        num_ext = sum(1 for c in chunks if c.num_new > 1)
-        n_ext_tokens = int(cu[num_ext])
-        table32 = table.to(torch.int32)
-        meta = AttentionMetadata(
-            slot_mapping=slots.to(dev),
-            num_extend_tokens=n_ext_tokens,
-            extend_page_table=table32[:num_ext].to(dev),
-            extend_cu_q_lens=cu[: num_ext + 1].to(torch.int32).to(dev),
-            extend_seq_lens=seq_lens[:num_ext].to(dev),
-            decode_page_table=table32[num_ext:].to(dev),
-            decode_seq_lens=seq_lens[num_ext:].to(dev),
+        num_extend = sum(1 for c in chunks if c.num_new > 1)
+        plan = self.backend.plan_step(
+            table.to(torch.int32).to(dev), cu.to(torch.int32).to(dev), seq_lens.to(dev), num_extend, ps
         )
-        if num_ext:
-            meta.extend_plan = self.backend.plan_extend(
-                meta.extend_page_table, meta.extend_cu_q_lens, meta.extend_seq_lens, ps
-            )
-        if num_ext < len(chunks):
-            meta.decode_plan = self.backend.plan_decode(meta.decode_page_table, meta.decode_seq_lens, ps)
-        return torch.tensor(flat, dtype=torch.int64, device=dev), positions.to(dev), meta
+        return StepInputs(
+            torch.tensor(flat, dtype=torch.int64, device=dev),
+            positions.to(dev),
+            AttentionMetadata(slots.to(dev), plan),
+            (cu[1:] - 1).to(dev),
+        )
