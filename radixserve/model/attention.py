@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from radixserve.cache.page_pool import KVPool
 from radixserve.kernels import reference
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
@@ -59,11 +60,13 @@ def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    pool: KVPool,
+    layer: int,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]`` of the step's new tokens -> attention output ``[T, Hq, D]``."""
-    backend.store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    return backend.attention(q, k_cache, v_cache, meta.plan, scale)
+    """``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]`` of the step's new tokens -> attention output ``[T, Hq, D]``;
+    their K/V go into ``layer`` of the pool first."""
+    return backend.attention(
+        q, k, v, pool.k_buffer, pool.v_buffer, layer, meta.slot_mapping, meta.plan, scale
+    )

@@ -45,7 +45,10 @@ def _SHAPE_CONFIG() -> Any:
     one work item), and no assuming two sizes equal because they were equal once (duck shapes)."""
     import torch.fx.experimental._config as shape_config
 
-    return shape_config.patch(backed_size_oblivious=True, use_duck_shape=False)
+    return shape_config.patch(
+        backed_size_oblivious=os.environ.get("RS_BSO", "1") == "1",
+        use_duck_shape=os.environ.get("RS_DUCK", "0") == "1",
+    )
 
 
 class CapturedStep:

@@ -45,10 +45,8 @@ class Attention(nn.Module):
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         # q and k are adjacent in the fused projection, so one rotation serves both.
         q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
-        k_cache, v_cache = kv.layer(self.layer_idx)
-        out = paged_attention(
-            backend, q, k, v.view(-1, self.num_kv_heads, self.head_dim), k_cache, v_cache, meta, self.scale
-        )
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        out = paged_attention(backend, q, k, v, kv, self.layer_idx, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

@@ -1,0 +1,126 @@
+"""The captured model step (torch.compile over the C++ CPU kernels) against the eager step.
+
+Two runners over identical pools run the same sequence of steps (ragged prefills, an extend over a
+cached prefix beside decode tokens, decode batches of several sizes including one row); the captured
+logits must equal the eager ones within 1e-4, from one graph family that serves every step size.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from radixserve import Engine, SamplingParams
+from radixserve.cache.page_pool import KVPool
+from radixserve.kernels import cpu_build
+from radixserve.model import capture
+from radixserve.model.loader import load_model
+from radixserve.model.runner import ModelRunner, SeqChunk
+
+if not cpu_build.load() or capture.find_compiler() is None:
+    pytest.skip(
+        "no C++ compiler: neither the CPU kernels nor the captured step exist", allow_module_level=True
+    )
+from radixserve.kernels import cpu  # noqa: E402
+
+
+def _runner(path: Path, captured: bool) -> ModelRunner:
+    model = load_model(path, torch.float32, torch.device("cpu"))
+    c = model.config
+    pool = KVPool(c.num_layers, 256, 4, c.num_kv_heads, c.head_dim, torch.float32)
+    return ModelRunner(model, pool, cpu, torch.device("cpu"), capture=captured)
+
+
+def _steps() -> list[list[SeqChunk]]:
+    """Prefills, an extend over a cached prefix beside decodes, then decode batches of 3, 1 and 2 rows."""
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, 290, (n,), generator=gen).tolist() for n in (9, 30, 17)]
+    pages = [list(range(1 + 20 * i, 21 + 20 * i)) for i in range(3)]
+    steps = [[SeqChunk(seqs[0], 0, 9, pages[0]), SeqChunk(seqs[1], 0, 12, pages[1])]]
+    steps.append([SeqChunk(seqs[1], 12, 18, pages[1]), SeqChunk(seqs[2], 0, 17, pages[2])])
+    for rows in (3, 3, 1, 2, 3):
+        step = []
+        for i in range(rows):
+            seqs[i].append(int(torch.randint(3, 290, (1,), generator=gen)))
+            step.append(SeqChunk(seqs[i], len(seqs[i]) - 1, 1, pages[i]))
+        steps.append(step)
+    return steps
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])  # GQA; qkv bias; q/k norm and head_dim 32
+def test_captured_step_matches_eager_logits(tiny_models: dict[str, Path], kind: str) -> None:
+    eager, captured = _runner(tiny_models[kind], False), _runner(tiny_models[kind], True)
+    assert captured.captured is not None
+    for step in _steps():
+        want = eager.run(step).logits
+        got = captured.run(
+            [SeqChunk(list(c.token_ids), c.num_computed, c.num_new, c.page_table) for c in step]
+        )
+        torch.testing.assert_close(got.logits, want, atol=1e-4, rtol=1e-4)
+    assert captured.captured.compiled is not None  # it ran compiled throughout, never fell back
+
+
+def test_missing_compiler_runs_eagerly_with_one_log_line(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    with caplog.at_level(logging.WARNING, logger="radixserve.model"):
+        engine = Engine(str(tiny_llama), page_size=4, num_pages=64)
+    assert engine.runner.captured is None
+    lines = [r.getMessage() for r in caplog.records if r.name == "radixserve.model"]
+    assert len(lines) == 1 and "no C++ compiler" in lines[0] and "eagerly" in lines[0]
+    out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert len(out[0].token_ids) == 3
+
+
+def test_a_failing_compile_falls_back_to_eager(tiny_llama: Path, caplog: pytest.LogCaptureFixture) -> None:
+    eager, captured = _runner(tiny_llama, False), _runner(tiny_llama, True)
+    assert captured.captured is not None
+
+    def broken(*args: object) -> torch.Tensor:
+        raise torch._dynamo.exc.BackendCompilerFailed(lambda *a: None, RuntimeError("no linker"))  # type: ignore[arg-type]
+
+    captured.captured.compiled = broken
+    step = _steps()[0]
+    with caplog.at_level(logging.WARNING, logger="radixserve.model"):
+        got = captured.run(step).logits
+    torch.testing.assert_close(got, eager.run(step).logits)
+    assert captured.captured.compiled is None
+    assert any("compiling the model step failed" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.real_model
+def test_real_model_greedy_is_token_identical_captured_and_eager() -> None:
+    """Across batch sizes and with the prefix cache on and off, the captured engine's greedy tokens are
+    the eager engine's."""
+    rng = torch.Generator().manual_seed(0)
+    shared = torch.randint(100, 40000, (300,), generator=rng).tolist()
+    prompts = [shared + torch.randint(100, 40000, (n,), generator=rng).tolist() for n in range(5, 37)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    results: dict[tuple[bool, bool], list[list[int]]] = {}
+    for eager in (True, False):
+        for cache in (True, False):
+            engine = Engine(kv_cache_gb=0.3, enforce_eager=eager, prefix_cache=cache)
+            assert (engine.runner.captured is None) == eager
+            tokens = [o.token_ids for o in engine.generate(prompts[:1], params)]  # alone
+            tokens += [o.token_ids for o in engine.generate(prompts[1:8], params)]  # 7 at once
+            tokens += [o.token_ids for o in engine.generate(prompts[8:], params)]  # 24 at once
+            results[eager, cache] = tokens
+            if not eager:
+                assert engine.runner.captured is not None and engine.runner.captured.compiled is not None
+    assert results[False, True] == results[True, True]
+    assert results[False, False] == results[True, False]
+    assert results[False, True] == results[False, False]
+
+
+def test_inductor_cache_lives_under_the_radixserve_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    capture.CapturedStep(lambda x: x)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "radixserve" / "inductor")
