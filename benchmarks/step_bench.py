@@ -136,9 +136,10 @@ class Steps:
         return seconds
 
 
-CONFIGS = {
-    "torch": dict(attention_backend="torch"),
-    "cpu": dict(attention_backend="cpu"),
+CONFIGS: dict[str, dict[str, Any]] = {
+    "torch-eager": dict(attention_backend="torch", enforce_eager=True),  # before this work
+    "cpu-eager": dict(attention_backend="cpu", enforce_eager=True),  # in-place C++ attention
+    "cpu-captured": dict(attention_backend="cpu"),  # + the compiled step (the default on CPU)
 }
 
 
@@ -164,7 +165,7 @@ def main() -> None:
     rows: list[list[Any]] = []
     model: Model | None = None
     for name in args.configs.split(","):
-        engine = Engine(prefix_cache=False, kv_cache_gb=2.0, **CONFIGS[name])  # type: ignore[arg-type]
+        engine = Engine(prefix_cache=False, kv_cache_gb=2.0, **CONFIGS[name])
         model = model or Model(engine)
         steps = Steps(engine)
         res: dict[str, Any] = {}

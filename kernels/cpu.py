@@ -160,23 +160,21 @@ def attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    layer: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     plan: StepPlan,
     scale: float,
 ) -> torch.Tensor:
-    """One layer's step: store the new K/V ``[T, kv_heads, head_dim]`` into their slots of layer
-    ``layer`` of the pool buffers, then attend ``q [T, q_heads, head_dim]`` -> ``[T, q_heads, head_dim]``."""
-    if not _supported(q, k_buffer):
+    """One layer's step: store the new K/V ``[T, kv_heads, head_dim]`` into their slots, then attend
+    ``q [T, q_heads, head_dim]`` -> ``[T, q_heads, head_dim]``."""
+    if not _supported(q, k_cache):
         if plan.fallback is None:
             plan.fallback = reference.plan_step(plan.page_table, *plan.args)
-        return reference.attention(q, k, v, k_buffer, v_buffer, layer, slot_mapping, plan.fallback, scale)
-    return _ops.attend_layer(
-        q, k.to(k_buffer.dtype), v.to(v_buffer.dtype), k_buffer, v_buffer, layer, slot_mapping, plan.page_table,
-        *plan.work.tensors(), scale,
-    )  # fmt: skip
+        return reference.attention(q, k, v, k_cache, v_cache, slot_mapping, plan.fallback, scale)
+    store_kv(k_cache, v_cache, k, v, slot_mapping)
+    out, _ = _ops.paged_attention(q, k_cache, v_cache, plan.page_table, *plan.work.tensors(), scale)
+    return out
 
 
 CAPTURABLE = True  # every op above traces under torch.compile (real torch ops with fake kernels)

@@ -36,7 +36,7 @@ import torch
 logger = logging.getLogger("radixserve.kernels")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("ops.cpp", "plan.cpp", "attention.cpp", "decode_kernel.cpp", "gemm_kernel.cpp", "linear.cpp", "layer.cpp")
+SOURCES = ("ops.cpp", "plan.cpp", "attention.cpp", "decode_kernel.cpp", "gemm_kernel.cpp", "linear.cpp")
 HEADERS = ("radixserve_cpu.h", "kernel_common.h")
 DISABLE_ENV = "RADIXSERVE_CPU_KERNELS"
 COST = "CPU attention falls back to the torch reference kernels (slower)"
@@ -202,14 +202,6 @@ def _register_fakes() -> None:
         slot_mapping: torch.Tensor,
     ) -> None:
         return None
-
-    @torch.library.register_fake("radixserve_cpu::attend_layer")
-    def _attend_layer(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
-        layer: int, slot_mapping: torch.Tensor, page_table: torch.Tensor, items: torch.Tensor, rows: torch.Tensor,
-        merge_rows: torch.Tensor, merge_offsets: torch.Tensor, merge_slots: torch.Tensor, scale: float,
-    ) -> torch.Tensor:  # fmt: skip
-        return q.new_empty(q.shape)
 
     @torch.library.register_fake("radixserve_cpu::linear")
     def _linear(

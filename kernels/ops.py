@@ -37,16 +37,13 @@ def attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    layer: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     plan: PartsPlan,
     scale: float,
 ) -> torch.Tensor:
-    """One layer's step over the pool buffers ``[layers, pages, page_size, kv_heads, head_dim]``: store
-    the new K/V into their slots of ``layer``, then attend the whole step's queries."""
-    k_cache, v_cache = k_buffer[layer], v_buffer[layer]
+    """One layer's step: store the new K/V into their slots, then attend the whole step's queries."""
     store_kv(k_cache, v_cache, k, v, slot_mapping)
     return attend_parts(extend_attention, decode_attention, q, k_cache, v_cache, plan, scale)
 

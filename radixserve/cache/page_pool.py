@@ -31,6 +31,9 @@ class KVPool:
         shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
         self.k_buffer = torch.zeros(shape, dtype=dtype, device=device)
         self.v_buffer = torch.zeros(shape, dtype=dtype, device=device)
+        # Each layer's K and V as views, made once: the model takes them as they are (a view made
+        # inside a compiled graph and written by an opaque op loses its offset in torch 2.13).
+        self.layers = [(self.k_buffer[i], self.v_buffer[i]) for i in range(num_layers)]
         self.num_layers = num_layers
         self.num_pages = num_pages
         self.page_size = page_size
@@ -44,7 +47,7 @@ class KVPool:
         )
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k_buffer[i], self.v_buffer[i]
+        return self.layers[i]
 
     def copy_page(self, src: int, dst: int, num_tokens: int) -> None:
         """Copy the first ``num_tokens`` slots of page ``src`` into ``dst`` in every layer (copy-on-write)."""

@@ -84,6 +84,7 @@ class Engine:
         backend = select_backend(cfg.attention_backend, self.device)
         capture = not cfg.enforce_eager and getattr(backend, "CAPTURABLE", False)
         self.runner = ModelRunner(self.model, self.kv_pool, backend, self.device, capture)
+        self.runner.warmup()
         self.sampler = Sampler()
         self._grammar: GrammarCompiler | None = None  # built on the first constrained request
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()

@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 
-from radixserve.cache.page_pool import KVPool
 from radixserve.kernels import reference
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
@@ -60,13 +59,11 @@ def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    pool: KVPool,
-    layer: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
     """``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]`` of the step's new tokens -> attention output ``[T, Hq, D]``;
-    their K/V go into ``layer`` of the pool first."""
-    return backend.attention(
-        q, k, v, pool.k_buffer, pool.v_buffer, layer, meta.slot_mapping, meta.plan, scale
-    )
+    their K/V go into one layer's ``k_cache``/``v_cache`` first."""
+    return backend.attention(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.plan, scale)

@@ -92,12 +92,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[T, 1, D/2]`` of the positions, looked up once per forward for every layer."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """cos and sin ``[T, D/2]`` of the positions, looked up once per forward for every layer."""
+        return self.cos[positions], self.sin[positions]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [T, H, D]`` (rotate-half layout), in float32."""
+    """Rotate ``x [T, H, D]`` by ``cos``/``sin [T, D/2]`` (rotate-half layout), in float32."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     x1, x2 = x.float().chunk(2, dim=-1)
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return out.to(x.dtype)

@@ -1,6 +1,9 @@
 """Llama-family decoder (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm) over the paged KV pool.
 
 The model sees a flat batch of new tokens and an AttentionMetadata; it knows nothing of requests.
+Each decoder layer is handed its own K/V cache tensors (views of the pool made outside the layer)
+and nothing that tells layers apart, so all layers are one function of their inputs: compiled
+once, that function serves every layer (``model/capture.py``).
 """
 
 from __future__ import annotations
@@ -16,11 +19,12 @@ from radixserve.model.attention import AttentionMetadata, paged_attention
 from radixserve.model.config import ModelConfig
 from radixserve.model.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
 
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos and sin [T, head_dim / 2] of the step's positions
+
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -33,9 +37,10 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: Rope,
         meta: AttentionMetadata,
-        kv: KVPool,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
         backend: ModuleType,
     ) -> torch.Tensor:
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
@@ -46,27 +51,28 @@ class Attention(nn.Module):
         # q and k are adjacent in the fused projection, so one rotation serves both.
         q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        out = paged_attention(backend, q, k, v, kv, self.layer_idx, meta, self.scale)
+        out = paged_attention(backend, q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx)
+        self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: Rope,
         meta: AttentionMetadata,
-        kv: KVPool,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
         backend: ModuleType,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta, kv, backend)
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta, k_cache, v_cache, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -78,7 +84,7 @@ class LlamaForCausalLM(nn.Module):
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -95,8 +101,8 @@ class LlamaForCausalLM(nn.Module):
         """Flat new tokens ``[T]`` -> final hidden states ``[T, hidden]``, writing their K/V into ``kv``."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary.table(positions)
-        for layer in self.layers:
-            x = layer(x, rope, meta, kv, backend)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv.layers):
+            x = layer(x, rope, meta, k_cache, v_cache, backend)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

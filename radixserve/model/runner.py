@@ -2,12 +2,13 @@
 
 The batch is flattened with the extend sequences (prefill chunks of two or more tokens) first and the
 single-token sequences last. The backend plans the step's attention once (``plan_step``); every layer
-reuses the plan. Where the step can be captured (``model/capture.py``), the forward from token ids to
-logits runs as one compiled graph; steps that need every position's logits (prompt logprobs) run eagerly.
+reuses the plan. Where the step can be captured (``model/capture.py``), the decoder layers run as
+compiled code.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -15,7 +16,7 @@ import torch
 
 from radixserve.cache.page_pool import KVPool
 from radixserve.model.attention import AttentionMetadata
-from radixserve.model.capture import CapturedStep
+from radixserve.model.capture import CapturedLayers
 from radixserve.model.llama import LlamaForCausalLM
 
 
@@ -44,6 +45,7 @@ class StepInputs:
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
     last_rows: torch.Tensor  # [num_chunks] int64: each chunk's last token
+    spans: list[tuple[int, int]]  # each chunk's rows
 
 
 class ModelRunner:
@@ -60,42 +62,42 @@ class ModelRunner:
         self.backend = backend
         self.device = device
         self.page_size = pool.page_size
-        self.captured = CapturedStep.create(self.forward) if capture else None
+        self.captured = CapturedLayers.create(model.layers) if capture else None
 
-    def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Token ids -> the logits after each chunk's last token (the function that is captured)."""
+    def forward(
+        self, inputs: StepInputs, want_all: list[bool]
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The logits after each chunk's last token, and every position's for the chunks in ``want_all``."""
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.pool, self.backend)
-        return self.model.compute_logits(hidden.index_select(0, inputs.last_rows))
+        all_logits = {
+            i: self.model.compute_logits(hidden[start:end])
+            for i, (want, (start, end)) in enumerate(zip(want_all, inputs.spans))
+            if want
+        }
+        return self.model.compute_logits(hidden.index_select(0, inputs.last_rows)), all_logits
+
+    def warmup(self) -> None:
+        """Compile before serving: a two-token and a one-token step (the graphs every step uses)
+        over page 0, which holds nothing yet."""
+        if self.captured is not None:
+            self.run([SeqChunk([0, 0], 0, 2, [0, 0])])
+            self.run([SeqChunk([0, 0], 1, 1, [0, 0])])
 
     def run(self, chunks: list[SeqChunk]) -> RunnerOutput:
         order = sorted(range(len(chunks)), key=lambda i: chunks[i].num_new == 1)
         ordered = [chunks[i] for i in order]
         inputs = self.prepare(ordered)
-        all_logits: dict[int, torch.Tensor] = {}
-        if any(c.want_all_logits for c in ordered):
-            with torch.inference_mode():
-                last = self._with_all_logits(inputs, ordered, order, all_logits)
-        elif self.captured is not None:
-            # no_grad, not inference_mode: the graph writes the KV pool through views, which
-            # inference tensors do not allow in a traced graph.
-            with torch.no_grad():
-                last = self.captured(inputs)
-        else:
-            with torch.inference_mode():
-                last = self.forward(inputs)
+        want_all = [c.want_all_logits for c in ordered]
+        # no_grad, not inference_mode: compiled layers write the pool's K/V through views, which
+        # inference tensors do not allow in a traced graph.
+        with torch.no_grad():
+            if self.captured is not None:
+                last, all_logits = self.captured.run(self.forward, inputs, want_all)
+            else:
+                last, all_logits = self.forward(inputs, want_all)
         logits = torch.empty_like(last)
         logits[torch.tensor(order, device=self.device)] = last
-        return RunnerOutput(logits, all_logits)
-
-    def _with_all_logits(
-        self, inputs: StepInputs, ordered: list[SeqChunk], order: list[int], out: dict[int, torch.Tensor]
-    ) -> torch.Tensor:
-        """The eager forward, keeping every position's logits of the chunks that want them in ``out``."""
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.pool, self.backend)
-        for pos, (chunk, end) in enumerate(zip(ordered, inputs.last_rows.tolist())):
-            if chunk.want_all_logits:
-                out[order[pos]] = self.model.compute_logits(hidden[end + 1 - chunk.num_new : end + 1])
-        return self.model.compute_logits(hidden.index_select(0, inputs.last_rows))
+        return RunnerOutput(logits, {order[i]: v for i, v in all_logits.items()})
 
     def prepare(self, chunks: list[SeqChunk]) -> StepInputs:
         """Flat token ids and positions, the slot of each new token, and the backend's plan of the step."""
@@ -125,4 +127,5 @@ class ModelRunner:
             positions.to(dev),
             AttentionMetadata(slots.to(dev), plan),
             (cu[1:] - 1).to(dev),
+            list(itertools.pairwise(cu.tolist())),
         )

@@ -123,19 +123,8 @@ def _mixed_step(
     slots = []
     for b, (t, n) in enumerate(zip(new, lens)):
         slots += [int(table[b, p // page_size]) * page_size + p % page_size for p in range(n - t, n)]
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        num_extend_tokens=49,
-        extend_page_table=table[:2],
-        extend_cu_q_lens=_cu(new[:2]),
-        extend_seq_lens=torch.tensor(lens[:2], dtype=torch.int32),
-        decode_page_table=table[2:],
-        decode_seq_lens=torch.tensor(lens[2:], dtype=torch.int32),
-    )
-    meta.extend_plan = backend.plan_extend(
-        meta.extend_page_table, meta.extend_cu_q_lens, meta.extend_seq_lens, page_size
-    )
-    meta.decode_plan = backend.plan_decode(meta.decode_page_table, meta.decode_seq_lens, page_size)
+    plan = backend.plan_step(table, _cu(new), torch.tensor(lens, dtype=torch.int32), 2, page_size)
+    meta = AttentionMetadata(torch.tensor(slots, dtype=torch.int64), plan)
     out = paged_attention(backend, q, k, v, k_cache, v_cache, meta, 0.125)
     return out, torch.stack((k_cache, v_cache))
 

@@ -22,14 +22,16 @@ def test_engine_cpu_backend_matches_torch_backend(
     tiny_models: dict[str, Path], model: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cascades = []
-    plan_decode = cpu.plan_decode
+    plan_step = cpu.plan_step
 
-    def spy(*args: object) -> cpu.Plan:
-        plan = plan_decode(*args)  # type: ignore[arg-type]
-        cascades.append(bool((plan.items[:, 2] - plan.items[:, 1] > 1).any()))
+    def spy(*args: object) -> cpu.StepPlan:
+        plan = plan_step(*args)  # type: ignore[arg-type]
+        if plan.args[2] == 0:  # a decode-only step: an item of several rows is a cascade group
+            items = plan.work.items
+            cascades.append(bool((items[:, 2] - items[:, 1] > 1).any()))
         return plan
 
-    monkeypatch.setattr(cpu, "plan_decode", spy)
+    monkeypatch.setattr(cpu, "plan_step", spy)
     monkeypatch.setattr(cpu, "CASCADE_MIN_TOKENS", 16)  # this test's shared prefix is 40 tokens
     rng = random.Random(0)
     shared = [rng.randrange(3, 290) for _ in range(40)]
