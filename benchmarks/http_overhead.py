@@ -1,12 +1,21 @@
-"""HTTP overhead: N concurrent streams through the server vs the engine's offline ``generate``.
+"""HTTP overhead on a multi-turn trace: the server against the offline engine given the same trace.
 
-Both sides do the same work: the same prompts, greedy, ``ignore_eos``, the same ``max_tokens``, a
-fresh prefix cache. The server runs in its own process (``run_from_args``, as ``radixserve serve``
-does) and the client streams /v1/completions over SSE; the offline run happens after the server
-has exited, so the two never compete for the CPU, and steps the engine from a worker thread.
-Throughput is output tokens / wall time.
+The trace is the ``multiturn`` workload (benchmarks/workloads.py): S conversations of T turns, each
+turn sent when the conversation's previous answer came back, so every request extends a prefix the
+cache holds and arrivals follow completions. Both sides do the same work: greedy, ``ignore_eos``,
+the same ``max_tokens`` per turn, answers fed back into the next turn's messages, a fresh prefix
+cache.
 
-    python -m benchmarks.http_overhead [--model DIR] [--num-requests 32] [--max-tokens 64]
+- HTTP: ``radixserve serve`` in its own processes (front-end + engine), driven by the benchmark's
+  streaming client (``serve_bench``, /v1/chat/completions, closed loop with one worker per
+  conversation).
+- Offline: the ``Engine`` in this process, stepped from a worker thread, replaying the same
+  conversations: a conversation's next turn is added when its previous answer finished.
+
+The offline run happens after the server has exited, so the two never compete for the CPU.
+Throughput is output tokens over wall time; the overhead is 1 - HTTP / offline.
+
+    python -m benchmarks.http_overhead [--sessions 8] [--turns 4] [--turn-tokens 128] [--output-tokens 64]
 
 Writes benchmarks/results/http_overhead.{json,md}.
 """
@@ -14,118 +23,119 @@ Writes benchmarks/results/http_overhead.{json,md}.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import platform
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-import torch
-
+from benchmarks.common import RESULTS, machine
+from benchmarks.serve_bench import RunConfig, run_benchmark
 from benchmarks.servers import free_port, serving
+from benchmarks.workloads import Corpus, Workload, WorkloadSpec, build_workload, load_tokenizer
 from radixserve import Engine, SamplingParams
-
-RESULTS = Path(__file__).parent / "results"
-TOPICS = ["the sea", "a mountain", "the city at night", "an old library", "a thunderstorm", "a quiet garden",
-          "a train journey", "the first snow"]  # fmt: skip
-SERVER = (
-    "import argparse, sys; from radixserve.server.launch import add_serve_arguments, run_from_args; "
-    "p = argparse.ArgumentParser(); add_serve_arguments(p); run_from_args(p.parse_args(sys.argv[1:]))"
-)
+from radixserve.engine.output import OutputAssembler
 
 
-def prompts(n: int) -> list[str]:
-    return [f"Request {i}: write a short story about {TOPICS[i % len(TOPICS)]}." for i in range(n)]
+def workload(args: argparse.Namespace, tokenizer: Any, corpus: Corpus) -> Workload:
+    spec = WorkloadSpec("multiturn", seed=args.seed, output_tokens=args.output_tokens,
+                        num_sessions=args.sessions, turns=args.turns, turn_tokens=args.turn_tokens)  # fmt: skip
+    return build_workload(spec, tokenizer, corpus)
 
 
-async def http_run(url: str, texts: list[str], max_tokens: int) -> dict[str, Any]:
-    async def one(c: httpx.AsyncClient, prompt: str, t0: float) -> tuple[int, float]:
-        body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
-        usage, ttft = None, float("nan")
-        async with c.stream("POST", "/v1/completions", json=body) as r:
-            r.raise_for_status()
-            async for line in r.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk["usage"] is not None:
-                    usage = chunk["usage"]
-                elif ttft != ttft:  # nan: this is the first chunk
-                    ttft = time.perf_counter() - t0
-        assert usage is not None
-        return int(usage["completion_tokens"]), ttft
-
-    limits = httpx.Limits(max_connections=len(texts) + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as c:
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*(one(c, p, t0) for p in texts))
-        wall = time.perf_counter() - t0
-    tokens = sum(n for n, _ in results)
-    ttfts = sorted(t for _, t in results)
-    return {"output_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-            "ttft_median_s": ttfts[len(ttfts) // 2]}  # fmt: skip
-
-
-def run_http(args: argparse.Namespace, texts: list[str]) -> dict[str, Any]:
+def run_http(args: argparse.Namespace, trace: Workload, tokenizer: Any) -> dict[str, Any]:
     port = free_port()
-    cmd = [sys.executable, "-c", SERVER, "--port", str(port), "--served-model-name", "bench", "--log-level", "warning",
-           "--kv-cache-gb", str(args.kv_cache_gb), "--max-running-requests", str(args.num_requests)]  # fmt: skip
-    if args.model:
-        cmd += ["--model", args.model]
+    cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(port), "--served-model-name", "bench",
+           "--log-level", "warning", "--kv-cache-gb", str(args.kv_cache_gb), *args.server_args]  # fmt: skip
     with serving("radixserve", cmd, port, RESULTS / "logs") as url:
-        asyncio.run(http_run(url, prompts(4), 4))  # warm-up
-        httpx.post(f"{url}/flush_cache", timeout=60).raise_for_status()
-        return asyncio.run(http_run(url, texts, args.max_tokens))
+        cfg = RunConfig(url, request_rate=None, concurrency=args.sessions, max_requests=trace.num_turns,
+                        max_duration_s=args.max_duration, label="http")  # fmt: skip
+        doc = run_benchmark(cfg, trace, tokenizer, progress=False)
+    s = doc["summary"]
+    return {"output_tokens": s["output_tokens"], "wall_s": s["duration_s"], "tokens_per_s": s["output_throughput"],
+            "ttft_p50_ms": s["ttft"]["p50_ms"], "errors": s["errors"]}  # fmt: skip
 
 
-def run_offline(args: argparse.Namespace, texts: list[str]) -> dict[str, Any]:
-    engine = Engine(args.model, kv_cache_gb=args.kv_cache_gb, max_running_requests=args.num_requests)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    engine.generate(prompts(4), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
+def run_offline(args: argparse.Namespace, trace: Workload) -> dict[str, Any]:
+    engine = Engine(kv_cache_gb=args.kv_cache_gb)
+    engine.generate(["Say hello."], SamplingParams(max_tokens=4, temperature=0))  # warm-up, as the client does
     engine.flush_cache()
-    outs: list[Any] = []
-    # Stepped from a worker thread: on a CPU host with more runnable threads than cores, OpenMP in
-    # the main thread can be many times slower, which would flatter the server.
-    worker = threading.Thread(target=lambda: outs.extend(engine.generate(texts, params)))
-    t0 = time.perf_counter()
+    result: dict[str, Any] = {}
+    # Stepped from a worker thread, as the engine process steps it.
+    worker = threading.Thread(target=lambda: result.update(replay(engine, trace)))
     worker.start()
     worker.join()
-    wall = time.perf_counter() - t0
-    tokens = sum(len(o.token_ids) for o in outs)
-    return {"output_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
+    return result
+
+
+def replay(engine: Engine, trace: Workload) -> dict[str, Any]:
+    """Every conversation at once; a conversation's next turn goes in when its answer is out."""
+    open_: dict[str, tuple[int, int, OutputAssembler]] = {}
+    ttfts: list[float] = []
+
+    def add(session: int, turn: int) -> None:
+        s = trace.sessions[session]
+        ids = engine.apply_chat_template(s.messages(turn))
+        params = SamplingParams(max_tokens=s.turns[turn].max_tokens, temperature=0, ignore_eos=True)
+        rid = engine.add_request(ids, params)
+        open_[rid] = (session, turn, OutputAssembler(rid, None, ids, 1, time.monotonic()))
+
+    start = time.perf_counter()
+    for i in range(len(trace.sessions)):
+        add(i, 0)
+    tokens = 0
+    while open_:
+        for out in engine.step():
+            session, turn, asm = open_[out.group_id]
+            asm.add(out)
+            if not asm.finished:
+                continue
+            del open_[out.group_id]
+            res = asm.result
+            tokens += len(res.token_ids)
+            ttfts.append((res.first_token_time or res.arrival_time) - res.arrival_time)
+            trace.sessions[session].answers.append(res.text)
+            if turn + 1 < len(trace.sessions[session].turns):
+                add(session, turn + 1)
+    wall = time.perf_counter() - start
+    return {"output_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "ttft_p50_ms": sorted(ttfts)[len(ttfts) // 2] * 1e3}  # fmt: skip
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    ap.add_argument("--model", default=None, help="HF folder (default: the embedded SmolLM2-135M-Instruct)")
-    ap.add_argument("--num-requests", type=int, default=32)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--kv-cache-gb", type=float, default=0.5)
+    ap.add_argument("--sessions", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--turn-tokens", type=int, default=128)
+    ap.add_argument("--output-tokens", type=int, default=64)
+    ap.add_argument("--kv-cache-gb", type=float, default=1.0)
+    ap.add_argument("--max-duration", type=float, default=600.0)
+    ap.add_argument("--seed", type=int, default=2)
+    ap.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="extra `radixserve serve` flags")
     args = ap.parse_args()
-    texts = prompts(args.num_requests)
-    http = run_http(args, texts)
-    offline = run_offline(args, texts)
+    from radixserve.model.default_model import prepare_default_model
+
+    tokenizer = load_tokenizer(str(prepare_default_model(progress=False)))
+    corpus = Corpus(tokenizer)
+    http = run_http(args, workload(args, tokenizer, corpus), tokenizer)
+    offline = run_offline(args, workload(args, tokenizer, corpus))
     ratio = http["tokens_per_s"] / offline["tokens_per_s"]
-    result = {
-        "num_requests": args.num_requests, "max_tokens": args.max_tokens, "model": args.model or "SmolLM2-135M-Instruct",
-        "device": "cuda" if torch.cuda.is_available() else "cpu", "cpu": platform.processor() or platform.machine(),
-        "torch_threads": torch.get_num_threads(), "http": http, "offline": offline, "http_over_offline": ratio,
-        "overhead_pct": (1 - ratio) * 100,
-    }  # fmt: skip
+    result = {"machine": machine(), "args": vars(args), "http": http, "offline": offline,
+              "http_over_offline": ratio, "overhead_pct": (1 - ratio) * 100}  # fmt: skip
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "http_overhead.json").write_text(json.dumps(result, indent=2) + "\n")
+    m = result["machine"]
     md = (
-        f"# HTTP overhead ({args.num_requests} concurrent streams, {args.max_tokens} tokens each, greedy, "
-        f"{result['model']} on {result['device']})\n\n"
-        "| path | output tokens | wall (s) | tokens/s |\n|---|---:|---:|---:|\n"
-        f"| HTTP /v1/completions (SSE) | {http['output_tokens']} | {http['wall_s']:.2f} | {http['tokens_per_s']:.1f} |\n"
-        f"| offline Engine.generate | {offline['output_tokens']} | {offline['wall_s']:.2f} | {offline['tokens_per_s']:.1f} |\n\n"
-        f"HTTP / offline throughput: {ratio:.3f} (overhead {result['overhead_pct']:.1f}%)\n"
+        f"# HTTP overhead on a multi-turn trace ({args.sessions} conversations x {args.turns} turns of "
+        f"{args.turn_tokens} tokens, {args.output_tokens}-token answers, greedy)\n\n"
+        f"Machine: {m['cpu']} ({m['cores']} cores), torch {m['torch']}, {m['date']}\n\n"
+        "| path | output tokens | wall (s) | tokens/s | TTFT p50 (ms) |\n|---|---:|---:|---:|---:|\n"
+        f"| HTTP /v1/chat/completions (SSE), engine process | {http['output_tokens']} | {http['wall_s']:.2f} | "
+        f"{http['tokens_per_s']:.1f} | {http['ttft_p50_ms']:.0f} |\n"
+        f"| offline Engine, same trace | {offline['output_tokens']} | {offline['wall_s']:.2f} | "
+        f"{offline['tokens_per_s']:.1f} | {offline['ttft_p50_ms']:.0f} |\n\n"
+        f"HTTP / offline throughput: {ratio:.3f} (overhead {result['overhead_pct']:.1f}%; target <= 10%)\n"
     )  # fmt: skip
     (RESULTS / "http_overhead.md").write_text(md)
     print(md)
