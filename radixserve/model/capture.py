@@ -66,6 +66,9 @@ class CapturedLayers:
         # reads the variable at each use, so ours still applies.
         if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, os.path.abspath(default_cache_dir())):
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir())
+        import torch._inductor.config as inductor_config
+
+        inductor_config.size_asserts = False  # per-call Python checks of every op's output strides
         # One code object (DecoderLayer.forward) gets a graph per model architecture in a process
         # (and one for one-token steps); the default limit of 8 would quietly run later ones eagerly.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)

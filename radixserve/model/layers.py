@@ -10,13 +10,15 @@ from torch import nn
 
 
 class Linear(nn.Linear):
-    """nn.Linear that, once ``prepack()``-ed on a CPU, multiplies two or more rows through a
+    """nn.Linear that, once ``prepack()``-ed on a CPU, multiplies three or more rows through a
     oneDNN-blocked copy of its weight.
 
     Why: MKL's plain sgemm threads products with few rows poorly, and a decode step is exactly that
     (one row per running request): the blocked copy makes 8-32-row products 1.3x faster here
-    (``benchmarks/engine_bench.py``). A single row keeps the plain weight, where oneDNN is slower.
+    (``benchmarks/engine_bench.py``). One or two rows keep the plain weight, where oneDNN is slower.
     The copy costs one more weight's worth of memory, and must be made after the weights are final.
+    Where the C++ CPU kernels load, the choice is one opaque op (``radixserve_cpu::linear``), so a
+    captured graph can take the packed weight as an input.
     """
 
     packed: torch.Tensor | None = None
@@ -34,7 +36,7 @@ class Linear(nn.Linear):
         if self.packed_linear is not None:  # one opaque op: a captured graph keeps the packed weight
             out: torch.Tensor = self.packed_linear(x, self.weight, self.packed, self.bias)
             return out
-        if x.dim() == 2 and x.shape[0] > 1:
+        if x.dim() == 2 and x.shape[0] > 2:
             out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             return out
         return nn.functional.linear(x, self.weight, self.bias)
