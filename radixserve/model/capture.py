@@ -53,7 +53,7 @@ def _shape_config() -> AbstractContextManager[Any]:
     two sizes equal because they were equal once (duck shapes): one graph for every step."""
     import torch.fx.experimental._config as shape_config
 
-    return shape_config.patch(backed_size_oblivious=True, use_duck_shape=False)  # type: ignore[no-any-return]
+    return shape_config.patch(backed_size_oblivious=True, use_duck_shape=False)  # type: ignore[no-any-return,attr-defined]
 
 
 class CapturedLayers:
