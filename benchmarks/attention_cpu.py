@@ -86,28 +86,18 @@ class Step:
         slots = []
         for b, (n_new, n) in enumerate(zip(new, lens)):
             slots += [tables[b][p // PAGE] * PAGE + p % PAGE for p in range(n - n_new, n)]
-        n_ext = len(case.extend)
-        cu = torch.zeros(n_ext + 1, dtype=torch.int32)
-        cu[1:] = torch.tensor(new[:n_ext], dtype=torch.int32).cumsum(0)
-        self.meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots),
-            num_extend_tokens=sum(new[:n_ext]),
-            extend_page_table=table[:n_ext],
-            extend_cu_q_lens=cu,
-            extend_seq_lens=torch.tensor(lens[:n_ext], dtype=torch.int32),
-            decode_page_table=table[n_ext:],
-            decode_seq_lens=torch.tensor(lens[n_ext:], dtype=torch.int32),
-        )
+        # Extend sequences first, single-token rows last: the runner's order for ``plan_step``.
+        self.num_extend = len(case.extend)
+        self.page_table = table
+        self.cu_q_lens = torch.zeros(len(new) + 1, dtype=torch.int32)
+        self.cu_q_lens[1:] = torch.tensor(new, dtype=torch.int32).cumsum(0)
+        self.seq_lens = torch.tensor(lens, dtype=torch.int32)
+        self.meta = AttentionMetadata(slot_mapping=torch.tensor(slots), plan=None)
 
     def plan(self, backend: ModuleType) -> None:
-        m = self.meta
-        m.extend_plan = m.decode_plan = None
-        if m.num_extend_tokens:
-            m.extend_plan = backend.plan_extend(
-                m.extend_page_table, m.extend_cu_q_lens, m.extend_seq_lens, PAGE
-            )
-        if m.num_decode:
-            m.decode_plan = backend.plan_decode(m.decode_page_table, m.decode_seq_lens, PAGE)
+        self.meta.plan = backend.plan_step(
+            self.page_table, self.cu_q_lens, self.seq_lens, self.num_extend, PAGE
+        )
 
     def layer(self, backend: ModuleType, i: int) -> torch.Tensor:
         return paged_attention(
