@@ -57,14 +57,19 @@ def run_http(args: argparse.Namespace, trace: Workload, tokenizer: Any) -> dict[
 
 
 def run_offline(args: argparse.Namespace, trace: Workload) -> dict[str, Any]:
-    engine = Engine(kv_cache_gb=args.kv_cache_gb)
-    engine.generate(
-        ["Say hello."], SamplingParams(max_tokens=4, temperature=0)
-    )  # warm-up, as the client does
-    engine.flush_cache()
     result: dict[str, Any] = {}
-    # Stepped from a worker thread, as the engine process steps it.
-    worker = threading.Thread(target=lambda: result.update(replay(engine, trace)))
+
+    def build_and_replay() -> None:
+        # On a worker thread, as in the engine process, which also builds the engine on the thread
+        # that steps it (two threads running model code make every step slower: model/runner.py).
+        engine = Engine(kv_cache_gb=args.kv_cache_gb)
+        engine.generate(
+            ["Say hello."], SamplingParams(max_tokens=4, temperature=0)
+        )  # warm-up, as the client does
+        engine.flush_cache()
+        result.update(replay(engine, trace))
+
+    worker = threading.Thread(target=build_and_replay)
     worker.start()
     worker.join()
     return result

@@ -6,8 +6,10 @@
 (server/messages.py).
 
 Invariants:
-- Only one thread of this process, the loop's, touches the engine (after the main thread built it);
-  the process owns the compute threads (``--threads``, default: every core it may run on; ``--cpus``
+- Only one thread of this process, the loop's, touches the engine: it builds it and steps it. Model
+  code run from a second thread would start a second OpenMP team, and libgomp then throttles every
+  team's spin-wait (more managed threads than CPUs): each of the step's ~1,000 parallel regions ends
+  in a futex sleep/wake, ~40% slower per step on 2 cores (see ``Engine.step``). The process owns the compute threads (``--threads``, default: every core it may run on; ``--cpus``
   pins it). The front-end runs no model code.
 - The loop blocks on the socket only while the engine has nothing unfinished. Between two steps it
   takes every message that has arrived, so aborts and new requests wait at most one step.
@@ -29,7 +31,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -62,11 +63,13 @@ STALLED_POLL_MS = 1  # work is queued but the last step could do none (a grammar
 class EngineLoop:
     """Receive, step, send: the engine process's loop."""
 
-    def __init__(self, engine: Engine, inbox: zmq.Socket[bytes], outbox: zmq.Socket[bytes]) -> None:
+    def __init__(
+        self, engine: Engine, inbox: zmq.Socket[bytes], outbox: zmq.Socket[bytes], stop: threading.Event
+    ) -> None:
         self.engine = engine
         self.inbox = inbox
         self.outbox = outbox
-        self.stopping = False
+        self.stop = stop  # set by a signal or a Shutdown message
         self._parent = os.getppid()
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(ToEngine)
@@ -74,9 +77,6 @@ class EngineLoop:
             "flush_cache": engine.flush_cache,
             "check_integrity": engine.check_integrity,  # a debug call: raises if the page accounting is off
         }
-
-    def stop(self, signum: int = 0, frame: FrameType | None = None) -> None:
-        self.stopping = True
 
     def run(self) -> None:
         engine = self.engine
@@ -87,7 +87,7 @@ class EngineLoop:
         progressed = True
         while True:
             busy = engine.has_unfinished()
-            if self.stopping and not busy:
+            if self.stop.is_set() and not busy:
                 return
             self._receive(0 if busy and progressed else STALLED_POLL_MS if busy else IDLE_POLL_MS)
             if os.getppid() != self._parent:
@@ -128,11 +128,11 @@ class EngineLoop:
                 error = f"{type(exc).__name__}: {exc}"
             self._send(CallResult(msg.call_id, value, error, self.engine.stats()))
         elif isinstance(msg, Shutdown):
-            self.stopping = True
+            self.stop.set()
 
     def _add(self, msg: AddRequest) -> None:
         rid = msg.request_id
-        if self.stopping:
+        if self.stop.is_set():
             self._send(RequestError(rid, "the engine is shutting down", unavailable=True))
             return
         try:
@@ -175,46 +175,47 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    # Until the loop runs, a signal only marks the process as stopping: it finishes loading, then exits.
-    pending: list[int] = []
+    # A signal means: accept nothing new, finish what is queued, exit. One that arrives while the
+    # engine is still loading is kept until the loop starts.
+    stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda n, f: pending.append(n))
+        signal.signal(signum, lambda n, f: stop.set())
     if args.cpus:  # before torch starts its threads (at its first parallel op): they inherit the mask
         os.sched_setaffinity(0, parse_cpus(args.cpus))
-    import torch
-
-    torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
-    from radixserve.engine.engine import Engine
-
     config = msgspec.json.decode(args.config, type=EngineConfig)
-    engine = Engine(**dataclasses.asdict(dataclasses.replace(config, detokenize=False)))
     ctx = zmq.Context()
-    inbox = ctx.socket(zmq.PULL)
-    inbox.connect(args.input)
-    outbox = ctx.socket(zmq.PUSH)
-    outbox.connect(args.output)
-    loop = EngineLoop(engine, inbox, outbox)
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, loop.stop)
-    loop.stopping = bool(pending)
     failed: list[BaseException] = []
+    built: list[Engine] = []
 
     def run() -> None:
-        logger.info("engine process %d ready: %s, %d threads, %d KV pages", os.getpid(), engine.model_path,
-                    torch.get_num_threads(), engine.kv.num_pages)  # fmt: skip
-        try:
-            loop.run()
-        except BaseException as exc:
-            logger.exception("the engine loop failed")
-            failed.append(exc)
+        import torch
 
-    # The loop steps on a thread of its own, as the in-process server did: on this project's loaded
-    # 2-core host, OpenMP regions started from a process's main thread ran about 5x slower than the
-    # same steps from another thread. The main thread only waits, and runs the signal handlers.
+        from radixserve.engine.engine import Engine
+
+        try:
+            # Built here, not on the main thread: the thread that steps the engine must be the only
+            # one that ever runs model code (module docstring).
+            torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
+            engine = Engine(**dataclasses.asdict(dataclasses.replace(config, detokenize=False)))
+            built.append(engine)
+            inbox = ctx.socket(zmq.PULL)
+            inbox.connect(args.input)
+            outbox = ctx.socket(zmq.PUSH)
+            outbox.connect(args.output)
+            logger.info("engine process %d ready: %s, %d threads, %d KV pages", os.getpid(), engine.model_path,
+                        torch.get_num_threads(), engine.kv.num_pages)  # fmt: skip
+            EngineLoop(engine, inbox, outbox, stop).run()
+        except BaseException as exc:
+            logger.exception("the engine failed")
+            failed.append(exc)
+        finally:
+            if built:
+                built[0].close()  # queued disk-tier writes land
+
+    # The main thread only waits and runs the signal handlers.
     worker = threading.Thread(target=run, name="radixserve-engine-loop")
     worker.start()
     worker.join()
-    engine.close()  # queued disk-tier writes land
     ctx.destroy(linger=1000)  # give the last outputs a moment to leave; never hang on a gone peer
     if failed:
         sys.exit(1)
