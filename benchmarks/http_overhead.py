@@ -9,8 +9,8 @@ cache.
 - HTTP: ``radixserve serve`` in its own processes (front-end + engine), driven by the benchmark's
   streaming client (``serve_bench``, /v1/chat/completions, closed loop with one worker per
   conversation).
-- Offline: the ``Engine`` in this process, stepped from a worker thread, replaying the same
-  conversations: a conversation's next turn is added when its previous answer finished.
+- Offline: the ``Engine`` in this process, built and stepped on one worker thread (as the engine
+  process does; see model/runner.py for why one thread), replaying the same conversations: a conversation's next turn is added when its previous answer finished.
 
 The offline run happens after the server has exited, so the two never compete for the CPU.
 Throughput is output tokens over wall time; the overhead is 1 - HTTP / offline.
