@@ -157,3 +157,31 @@ def test_aging_lets_old_low_priority_requests_through() -> None:
     for policy in ("fcfs", "lpm", "dfs-weight"):
         assert order_waiting(new + [old], policy, lambda r: 0, aging_s=30.0)[0] is old
         assert order_waiting(new + [old], policy, lambda r: 0, aging_s=1e6)[0] is not old
+
+
+def _run(engine: Engine, prompt: list[int], priority: str) -> int:
+    """Run one request to completion alone; the number of prompt tokens it found in the cache."""
+    rid = engine.add_request(
+        prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), priority=priority
+    )
+    cached = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.group_id == rid and out.finish_reason:
+                cached = out.cached_tokens
+    return cached
+
+
+def test_priority_eviction_keeps_interactive_prefixes_under_pressure(tiny_llama: Path) -> None:
+    """Lower is more urgent, for requests and for the tree: batch prefixes go first, though the
+    interactive one is the oldest (LRU, for contrast, evicts it)."""
+    kept = {}
+    for policy in ("priority", "lru"):
+        engine = Engine(str(tiny_llama), page_size=4, num_pages=64, eviction_policy=policy)
+        chat = _tokens(40, 500)
+        _run(engine, chat + [1], "interactive")
+        for i in range(8):  # 8 x 10 pages of batch prefixes through a 64-page pool
+            _run(engine, _tokens(40, 600 + i) + [1], "batch")
+        kept[policy] = _run(engine, chat + [2], "interactive")
+        engine.check_integrity()
+    assert kept == {"priority": 40, "lru": 0}

@@ -186,8 +186,9 @@ class RadixCache:
         """Cache ``tokens`` (truncated to whole pages) with their ``pages``, one page per whole page of tokens.
 
         The tree takes ownership only of the pages past ``num_existing``; the caller frees its pages in
-        ``pages[:num_existing // page_size]`` that are not the tree's. Nodes on the path keep the highest
-        priority any insert gave them.
+        ``pages[:num_existing // page_size]`` that are not the tree's. ``priority`` follows requests:
+        a lower value is more urgent. Nodes on the path keep the most urgent (lowest) priority any
+        insert gave them, and the ``priority`` eviction policy evicts the least urgent first.
         """
         ps = self.page_size
         num_pages = len(tokens) // ps
@@ -206,11 +207,12 @@ class RadixCache:
                 leaf.hashes = list(self._chain(key, leaf.key, 0, len(leaf.key)))
             node.children[self._child_key(leaf.key)] = leaf
             self._evictable += len(leaf.pages)
+            leaf.priority = priority
             node = leaf
         path = node
         while not path.is_root:
             path.last_access = time
-            path.priority = max(path.priority, priority)
+            path.priority = min(path.priority, priority)
             path = self._parent(path)
         return InsertResult(num_existing, node)
 
@@ -448,8 +450,8 @@ class RadixCache:
     def _eviction_key(self, node: TreeNode) -> tuple[int, int]:
         if self.eviction_policy == "lfu":
             return node.hit_count, node.last_access
-        if self.eviction_policy == "priority":
-            return node.priority, node.last_access
+        if self.eviction_policy == "priority":  # the least urgent (highest value) first, then LRU
+            return -node.priority, node.last_access
         return node.last_access, 0
 
     @staticmethod
