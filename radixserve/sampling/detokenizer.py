@@ -7,7 +7,10 @@ Invariants:
   emits a stop string or anything after it, and never emits the text of an EOS or stop token (a
   ``TokenStop`` marked hidden).
 - The deltas ``TextStream.append`` returns, joined, equal ``TextStream.text`` once the stream has
-  finished: the decoded output (without EOS / stop tokens), cut before the first stop string.
+  finished: the decoded output (without EOS / stop tokens), cut before the first stop string (after
+  it, with ``include_stop_str_in_output``).
+- Stop strings are looked for only once the sample has ``min_tokens`` tokens, as in vLLM: one that
+  ends earlier does not count.
 """
 
 from __future__ import annotations
@@ -89,6 +92,8 @@ class TextStream:
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams, prompt_token_ids: Sequence[int]):
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
         self._stops = list(params.stop)
+        self._include_stop = params.include_stop_str_in_output
+        self._min_tokens = params.min_tokens
         self._longest_stop = max((len(s) for s in self._stops), default=0)
         self._emitted = 0  # length of the text prefix already returned as deltas
         self.text = ""
@@ -117,7 +122,7 @@ class TextStream:
         hit = self._find_stop(start)
         if hit is not None:
             index, stop_string = hit
-            self.text = self.text[:index]
+            self.text = self.text[: index + (len(stop_string) if self._include_stop else 0)]
             reason, stop_reason = "stop", stop_string
         end = len(self.text) if reason is not None else max(len(self.text) - self._held_back(), self._emitted)
         delta = self.text[self._emitted : end]
@@ -127,7 +132,7 @@ class TextStream:
 
     def _find_stop(self, start: int) -> tuple[int, str] | None:
         """The earliest stop string in the text, given that none lay wholly before ``start``."""
-        if not self._stops or len(self.text) == start:
+        if not self._stops or len(self.text) == start or self.num_tokens < self._min_tokens:
             return None
         search_from = max(start - self._longest_stop + 1, 0)
         best: tuple[int, str] | None = None

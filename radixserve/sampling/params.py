@@ -27,6 +27,9 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per output token (0: only the sampled one)
     prompt_logprobs: int | None = None  # number of top logprobs per prompt token (0: only the actual one)
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # added to these tokens' logits before anything else
+    min_tokens: int = 0  # EOS, stop token ids and stop strings cannot end a sample before this many tokens
+    include_stop_str_in_output: bool = False  # keep the stop string that ended a sample in its text
     # Constrained decoding (at most one of these).
     regex: str | None = None
     json_schema: str | dict | None = None
@@ -75,6 +78,16 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 20:
                 raise InvalidRequestError(f"{name} must be in [0, 20], got {value}", name)
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens must be in [0, max_tokens = {self.max_tokens}], got {self.min_tokens!r}",
+                "min_tokens",
+            )
+        if self.logit_bias:
+            if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.logit_bias):
+                raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab_size})", "logit_bias")
+            if any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
+                raise InvalidRequestError("logit_bias values must be in [-100, 100]", "logit_bias")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty", "stop")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):

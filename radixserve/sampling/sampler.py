@@ -7,15 +7,18 @@ Invariants:
   across steps; unseeded rows share one draw from the global RNG.
 - Greedy rows (temperature 0) take the argmax of the penalised logits and never consume randomness;
   when every row is greedy nothing but the argmax (and logprobs, if asked for) is computed.
-- Reported logprobs are ``log_softmax`` of the logits after the allowed-token mask and the penalties,
+- Reported logprobs are ``log_softmax`` of the logits after ``logit_bias``, the allowed-token mask and
+  the penalties,
   before temperature, top-k, top-p and min-p: the model's distribution as the penalties shape it,
   independent of how the request chooses to sample from it.
 - The caller's logits tensor is never modified.
+- ``logit_bias`` and ``min_tokens`` cost nothing for rows that do not use them: a batch without
+  either has no bias tensors, and the sampler does no extra work for it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -35,7 +38,9 @@ class SamplingBatch:
     ``top_ks`` holds 0 where top-k is disabled. ``generators`` holds None for unseeded rows and for
     greedy rows (they draw nothing). ``seen_ids`` (prompt + output, for the repetition penalty) and
     ``output_ids`` (for presence/frequency) are right-padded with -1 and exist only when some row
-    uses the matching penalty.
+    uses the matching penalty. ``bias`` (rows, columns, values) is added to the logits first: each
+    row's ``logit_bias``, and -inf for the tokens that would end a row still short of its ``min_tokens``
+    (EOS unless ``ignore_eos``, and its stop token ids); None when no row has either.
     """
 
     temperatures: Tensor
@@ -55,6 +60,7 @@ class SamplingBatch:
     needs_min_p: bool
     seen_ids: Tensor | None = None
     output_ids: Tensor | None = None
+    bias: tuple[Tensor, Tensor, Tensor] | None = None
 
     @classmethod
     def build(
@@ -64,6 +70,7 @@ class SamplingBatch:
         output_token_ids: Sequence[Sequence[int]],
         generators: Sequence[torch.Generator | None],
         device: torch.device | str,
+        eos_token_ids: Collection[int] = (),
     ) -> SamplingBatch:
         if not len(params) == len(prompt_token_ids) == len(output_token_ids) == len(generators):
             raise ValueError("params, prompt_token_ids, output_token_ids and generators differ in length")
@@ -96,7 +103,32 @@ class SamplingBatch:
             if needs_repetition
             else None,
             output_ids=_pad(outputs, device) if needs_counts else None,
+            bias=_bias(params, outputs, eos_token_ids, device),
         )
+
+
+def _bias(
+    params: Sequence[SamplingParams], outputs: list[list[int]], eos_token_ids: Collection[int],
+    device: torch.device | str,
+) -> tuple[Tensor, Tensor, Tensor] | None:  # fmt: skip
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            rows += [i] * len(p.logit_bias)
+            cols += p.logit_bias.keys()
+            values += p.logit_bias.values()
+        # A constrained row keeps its grammar's choices: once complete, only EOS may follow.
+        if p.min_tokens > len(outputs[i]) and not p.constrained:
+            banned = [*([] if p.ignore_eos else eos_token_ids), *p.stop_token_ids]
+            rows += [i] * len(banned)
+            cols += banned
+            values += [float("-inf")] * len(banned)
+    if not rows:
+        return None
+    return (torch.tensor(rows, dtype=torch.int64, device=device), torch.tensor(cols, dtype=torch.int64, device=device),
+            torch.tensor(values, dtype=torch.float32, device=device))  # fmt: skip
 
 
 def _pad(rows: list[list[int]], device: torch.device | str) -> Tensor:
@@ -140,6 +172,8 @@ class Sampler:
     def __call__(self, logits: Tensor, batch: SamplingBatch, mask: Tensor | None = None) -> SamplerOutput:
         """``mask`` ([B, V] bool, True = allowed) is applied before anything else."""
         logits = logits.float()
+        if batch.bias is not None:  # out of place: the caller's tensor stays as it is
+            logits = logits.index_put(batch.bias[:2], batch.bias[2], accumulate=True)
         if mask is not None:
             logits = logits.masked_fill(~mask, float("-inf"))
         if batch.needs_penalties:

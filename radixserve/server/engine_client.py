@@ -29,7 +29,7 @@ import zmq
 import zmq.asyncio
 
 from radixserve.config import EngineConfig
-from radixserve.server.messages import FromEngine, Ready, Shutdown, ToEngine
+from radixserve.server.messages import FromEngine, Ready, Shutdown, StartFailed, ToEngine
 
 logger = logging.getLogger("radixserve.server")
 
@@ -37,7 +37,7 @@ EXIT_GRACE_S = 0.1  # how long after an exit its last messages may still be on t
 
 
 class EngineStartError(RuntimeError):
-    """The engine process exited before it was ready."""
+    """The engine process exited before it was ready, or could not build the engine as configured."""
 
 
 def describe_exit(returncode: int) -> str:
@@ -110,6 +110,8 @@ class EngineClient:
                 f"the engine process exited before it was ready ({describe_exit(exited.result())})"
             )
         ready = self._decoder.decode(first.result())
+        if isinstance(ready, StartFailed):
+            raise EngineStartError(f"the engine could not start: {ready.message}")
         if not isinstance(ready, Ready):
             raise EngineStartError(f"the engine process sent {type(ready).__name__} before Ready")
         receiver = asyncio.create_task(self._receive(on_message))

@@ -47,6 +47,7 @@ from radixserve.server.messages import (
     Ready,
     RequestError,
     Shutdown,
+    StartFailed,
     StepOutputs,
     ToEngine,
 )  # fmt: skip
@@ -185,6 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     config = msgspec.json.decode(args.config, type=EngineConfig)
     ctx = zmq.Context()
     failed: list[BaseException] = []
+    refused: list[str] = []
     built: list[Engine] = []
 
     def run() -> None:
@@ -193,15 +195,21 @@ def main(argv: list[str] | None = None) -> None:
         from radixserve.engine.engine import Engine
 
         try:
-            # Built here, not on the main thread: the thread that steps the engine must be the only
-            # one that ever runs model code (module docstring).
-            torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
-            engine = Engine(**dataclasses.asdict(dataclasses.replace(config, detokenize=False)))
-            built.append(engine)
             inbox = ctx.socket(zmq.PULL)
             inbox.connect(args.input)
             outbox = ctx.socket(zmq.PUSH)
             outbox.connect(args.output)
+            # Built here, not on the main thread: the thread that steps the engine must be the only
+            # one that ever runs model code (module docstring).
+            torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
+            try:
+                engine = Engine(**dataclasses.asdict(dataclasses.replace(config, detokenize=False)))
+            except ValueError as exc:  # a configuration that cannot work: say why instead of a traceback
+                logger.error("cannot start the engine: %s", exc)
+                outbox.send(msgspec.msgpack.encode(StartFailed(str(exc))))
+                refused.append(str(exc))
+                return
+            built.append(engine)
             logger.info("engine process %d ready: %s, %d threads, %d KV pages", os.getpid(), engine.model_path,
                         torch.get_num_threads(), engine.kv.num_pages)  # fmt: skip
             EngineLoop(engine, inbox, outbox, stop).run()
@@ -219,6 +227,8 @@ def main(argv: list[str] | None = None) -> None:
     ctx.destroy(linger=1000)  # give the last outputs a moment to leave; never hang on a gone peer
     if failed:
         sys.exit(1)
+    if refused:
+        sys.exit(2)
 
 
 if __name__ == "__main__":

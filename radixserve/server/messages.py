@@ -1,7 +1,7 @@
 """The messages between the server's front-end and its engine process: msgpack-encoded msgspec Structs.
 
 One PUSH/PULL socket each way. Front-end -> engine: ``AddRequest``, ``Abort``, ``Call``, ``Shutdown``.
-Engine -> front-end: ``Ready`` (once, first), ``StepOutputs`` (after every step that did something),
+Engine -> front-end: ``Ready`` (once, first; or ``StartFailed`` instead), ``StepOutputs`` (after every step that did something),
 ``RequestError`` and ``CallResult``. A message is one frame; the tag (the class name) says its type.
 
 Invariants:
@@ -71,6 +71,13 @@ class Ready(_Message):
     stats: EngineStats
 
 
+class StartFailed(_Message):
+    """Sent instead of Ready when the engine cannot be built as configured (e.g. a KV pool too small
+    for ``max_model_len``); the process exits after it. The message names the flags to change."""
+
+    message: str
+
+
 class StepOutputs(_Message):
     """What one engine step did: per-sample outputs, which waiting requests it scheduled, its counters."""
 
@@ -98,4 +105,4 @@ class CallResult(_Message):
     stats: EngineStats  # taken after the call, so a caller sees its effect in stats() at once
 
 
-FromEngine = Ready | StepOutputs | RequestError | CallResult
+FromEngine = Ready | StartFailed | StepOutputs | RequestError | CallResult
