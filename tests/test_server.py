@@ -230,7 +230,7 @@ BAD: dict[str, tuple[str, Any, int, str | None]] = {
     "malformed-json": ("/v1/chat/completions", b'{"model": "tiny", "messages": [', 400, None),
     "wrong-type": ("/v1/chat/completions", {**CHAT, "messages": "hi"}, 400, "messages"),
     "wrong-type-nested": ("/v1/chat/completions", {**CHAT, "temperature": "hot"}, 400, "temperature"),
-    "unknown-model": ("/v1/chat/completions", {**CHAT, "model": "gpt-9"}, 400, "model"),
+    "unknown-model": ("/v1/chat/completions", {**CHAT, "model": "gpt-9"}, 404, "model"),
     "empty-messages": ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages"),
     "n-zero": ("/v1/chat/completions", {**CHAT, "n": 0}, 400, "n"),
     "n-too-big": ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "n": 1000}, 400, "n"),

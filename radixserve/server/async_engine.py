@@ -107,7 +107,8 @@ class AsyncEngine:
     """Serves an engine process to asyncio code: ``generate`` streams the deltas of one request.
 
     ``engine_threads`` and ``engine_cpus`` set the process's torch threads (default: one per core it
-    may use) and pin it to CPUs (default: no pinning).
+    may use) and pin it to CPUs (default: no pinning). ``chat_template`` (Jinja text) replaces the
+    model's chat template.
     """
 
     def __init__(
@@ -118,9 +119,12 @@ class AsyncEngine:
         engine_threads: int | None = None,
         engine_cpus: Sequence[int] | None = None,
         log_level: str = "info",
+        chat_template: str | None = None,
     ) -> None:
         self.model_path = resolve_model_path(config.model)
         self.tokenizer = load_tokenizer(self.model_path)
+        if chat_template is not None:
+            self.tokenizer.chat_template = chat_template
         self.config = dataclasses.replace(config, model=str(self.model_path), detokenize=False)
         self.max_waiting_requests = max_waiting_requests or config.max_waiting_requests
         self.on_finish = on_finish

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from pathlib import Path
 
 from radixserve.cache.tiers import WRITE_POLICIES
 from radixserve.config import EngineConfig
@@ -12,6 +13,8 @@ from radixserve.model.default_model import DEFAULT_MODEL_NAME
 from radixserve.server.app import DEFAULT_MAX_BODY_BYTES, serve
 from radixserve.server.async_engine import AsyncEngine
 from radixserve.server.engine_process import parse_cpus
+from radixserve.server.reasoning import REASONING_PARSERS
+from radixserve.server.tools import TOOL_CALL_PARSERS
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +59,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger request bodies get 413")
     a("--drain-timeout", type=float, default=30.0, help="seconds to let running requests finish on shutdown")
     a("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    a("--chat-template", default=None,
+      help="a Jinja chat template file that replaces the model's (e.g. one that renders tools)")  # fmt: skip
+    a("--tool-call-parser", default="auto", choices=TOOL_CALL_PARSERS,
+      help="how the model writes tool calls (default auto: from the chat template; hermes where it says nothing)")  # fmt: skip
+    a("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+      help="split <think>...</think> off the reply as reasoning_content (default: off)")  # fmt: skip
+    a("--allowed-origins", default=None,
+      help="turn on CORS for these browser origins, comma-separated, or * (default: off)")  # fmt: skip
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -77,8 +88,19 @@ def run_from_args(args: argparse.Namespace) -> None:
     keys = [k.strip() for k in args.api_key.split(",") if k.strip()] if args.api_key else None
     if args.salt_per_key and not keys:
         raise SystemExit("--salt-per-key needs --api-key")
+    template = None
+    if args.chat_template is not None:
+        try:
+            template = Path(args.chat_template).read_text()
+        except OSError as exc:
+            raise SystemExit(f"--chat-template: cannot read {args.chat_template}: {exc.strerror}") from None
+    origins = (
+        [o.strip() for o in args.allowed_origins.split(",") if o.strip()] if args.allowed_origins else None
+    )
     engine = AsyncEngine(engine_config_from_args(args), args.max_waiting_requests,
-                         engine_threads=args.engine_threads, engine_cpus=args.engine_cpus, log_level=args.log_level)  # fmt: skip
+                         engine_threads=args.engine_threads, engine_cpus=args.engine_cpus, log_level=args.log_level,
+                         chat_template=template)  # fmt: skip
     name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else None)
     serve(engine, args.host, args.port, name, keys, args.salt_per_key, args.max_body_bytes, args.drain_timeout,
-          args.log_level)  # fmt: skip
+          args.log_level, tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+          allowed_origins=origins)  # fmt: skip

@@ -1,13 +1,17 @@
-"""Wire types of the HTTP API (msgspec Structs) and the OpenAPI document generated from them.
+"""Wire types of the HTTP API (msgspec Structs): shared fields, completions, /generate, tokenize, admin.
+
+The chat types are in protocol_chat.py, the OpenAPI document generated from both in openapi.py.
 
 Invariants:
 - Every request body is decoded with ``msgspec.json.decode(body, type=...)`` into one of the request
   Structs below; range constraints live in the types (``Meta``), so the OpenAPI schema and the
   validation that answers 400 are the same rules.
-- Request Structs accept unknown fields (OpenAI clients send extras), except ``GenerateSamplingParams``,
-  where an unknown key is almost always a typo that would silently change sampling.
+- The OpenAI routes check a body's top-level keys against openai_fields.py before decoding it: a
+  field that is neither a Struct field here nor known to have no effect on the output is a 400.
+  Nested objects (messages, tools, stream options) ignore keys they do not know.
+  ``GenerateSamplingParams`` forbids unknown keys, where one is almost always a typo.
 - Responses are the Structs below encoded with ``msgspec.json.encode``; field names follow the OpenAI
-  API (and SGLang's for ``/generate``).
+  API (vLLM's for its extensions, SGLang's for ``/generate``).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from msgspec import Meta, Struct
 # Integers that reach the engine travel as msgpack int64s to its process; larger ones are a 400 here.
 INT64_MAX = 2**63 - 1
 NonNegInt = Annotated[int, Meta(ge=0, le=INT64_MAX)]
+TokenId = Annotated[int, Meta(ge=0, le=INT64_MAX)]
 PositiveInt = Annotated[int, Meta(ge=1, le=INT64_MAX)]
 TopK = Annotated[int, Meta(ge=-1, le=INT64_MAX)]
 Seed = Annotated[int, Meta(ge=0, le=INT64_MAX)]
@@ -47,6 +52,7 @@ class ErrorResponse(Struct):
 # -- shared request fields ------------------------------------------------------------------------
 class StreamOptions(Struct):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: every chunk carries the usage so far
 
 
 class JsonSchemaFormat(Struct):
@@ -82,7 +88,6 @@ class SamplingFields(Struct, kw_only=True):
     frequency_penalty: Penalty = 0.0
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
     # extras
     top_k: TopK = -1
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
@@ -95,26 +100,9 @@ class SamplingFields(Struct, kw_only=True):
     regex: str | None = None
     choices: list[str] | None = None
     response_format: ResponseFormat | None = None
-
-
-# -- /v1/chat/completions -------------------------------------------------------------------------
-class ContentPart(Struct):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(Struct):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-
-
-class ChatCompletionRequest(SamplingFields, kw_only=True):
-    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
-    max_tokens: PositiveInt | None = None
-    max_completion_tokens: PositiveInt | None = None
-    logprobs: bool = False
-    top_logprobs: TopLogprobs | None = None
+    logit_bias: dict[TokenId, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
+    min_tokens: NonNegInt = 0
+    include_stop_str_in_output: bool = False
 
 
 class PromptTokensDetails(Struct):
@@ -128,73 +116,17 @@ class Usage(Struct):
     prompt_tokens_details: PromptTokensDetails
 
 
-class TopLogprob(Struct):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class ChatTokenLogprob(Struct):
-    token: str
-    logprob: float
-    bytes: list[int]
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(Struct):
-    content: list[ChatTokenLogprob]
-
-
-class ChatResponseMessage(Struct):
-    role: str
-    content: str
-
-
-class ChatChoice(Struct):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatLogprobs | None
-    finish_reason: str | None
-    stop_reason: str | int | None = None
-
-
-class ChatCompletionResponse(Struct, kw_only=True):
-    id: str
-    object: str = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class DeltaMessage(Struct, omit_defaults=True):
-    role: str | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(Struct):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-
-
-class ChatCompletionChunk(Struct, kw_only=True):
-    id: str
-    object: str = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
 # -- /v1/completions ------------------------------------------------------------------------------
 class CompletionRequest(SamplingFields, kw_only=True):
-    prompt: str | list[NonNegInt]
-    max_tokens: PositiveInt = 16
+    # str | list[str] | list[int] | list[list[int]]; msgspec takes one list type in a union, so
+    # completions.py checks the items (and names the bad one).
+    prompt: str | list[Any]
+    max_tokens: NonNegInt | None = (
+        None  # None: 16, as OpenAI, within what the context holds; 0 with echo: score only
+    )
     echo: bool = False
     logprobs: TopLogprobs | None = None
+    best_of: PositiveInt | None = None  # only best_of == n (nothing to choose) is served
 
 
 class CompletionLogprobs(Struct):
@@ -291,6 +223,23 @@ class GenerateResponse(Struct):
     meta_info: GenerateMeta
 
 
+# -- /tokenize, /detokenize (vLLM's shapes) ------------------------------------------------------
+class TokenizeResponse(Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(Struct, kw_only=True):
+    tokens: list[TokenId]
+    model: str | None = None
+
+
+class DetokenizeResponse(Struct):
+    prompt: str
+
+
 # -- admin ----------------------------------------------------------------------------------------
 class FlushCacheResponse(Struct):
     success: bool
@@ -298,80 +247,3 @@ class FlushCacheResponse(Struct):
 
 class HealthResponse(Struct):
     status: str
-
-
-# -- OpenAPI --------------------------------------------------------------------------------------
-_SCHEMA_TYPES: tuple[Any, ...] = (
-    ErrorResponse, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk, CompletionRequest,
-    CompletionResponse, ModelList, GenerateRequest, GenerateResponse, FlushCacheResponse, HealthResponse,
-)  # fmt: skip
-
-
-def _ref(t: type) -> dict[str, str]:
-    return {"$ref": f"#/components/schemas/{t.__name__}"}
-
-
-def _json(schema: dict[str, Any]) -> dict[str, Any]:
-    return {"application/json": {"schema": schema}}
-
-
-def _errors(*codes: int) -> dict[str, Any]:
-    return {str(c): {"description": "error", "content": _json(_ref(ErrorResponse))} for c in codes}
-
-
-def _post(summary: str, body: type, ok: dict[str, Any], streams: bool) -> dict[str, Any]:
-    content = _json(ok)
-    if streams:
-        content["text/event-stream"] = {"schema": {"type": "string"}}
-    return {
-        "post": {
-            "summary": summary,
-            "requestBody": {"required": True, "content": _json(_ref(body))},
-            "responses": {
-                "200": {"description": "OK", "content": content},
-                **_errors(400, 401, 413, 429, 503),
-            },
-        }
-    }
-
-
-def _get(summary: str, ok: dict[str, Any], media_type: str = "application/json") -> dict[str, Any]:
-    return {"get": {"summary": summary,
-                    "responses": {"200": {"description": "OK", "content": {media_type: {"schema": ok}}},
-                                  **_errors(401)}}}  # fmt: skip
-
-
-def openapi_schema(model_name: str, title: str = "radixserve", version: str = "0.1.0") -> dict[str, Any]:
-    """The OpenAPI 3.1 document served at ``GET /openapi.json``; ``model`` must be the served name."""
-    _, components = msgspec.json.schema_components(_SCHEMA_TYPES, ref_template="#/components/schemas/{name}")
-    for request in (ChatCompletionRequest, CompletionRequest):
-        components[request.__name__]["properties"]["model"] = {"type": "string", "enum": [model_name]}
-    generate_ok = {"oneOf": [_ref(GenerateResponse), {"type": "array", "items": _ref(GenerateResponse)}]}
-    flush = {"post": {"summary": "Drop every cached prefix page",
-                      "responses": {"200": {"description": "OK", "content": _json(_ref(FlushCacheResponse))},
-                                    **_errors(401, 409)}}}  # fmt: skip
-    health = _get("Liveness", _ref(HealthResponse))
-    health["get"]["security"] = []
-    health["get"]["responses"].update(_errors(503))
-    return {
-        "openapi": "3.1.0",
-        "info": {"title": title, "version": version},
-        "paths": {
-            "/v1/chat/completions": _post(
-                "Chat completion (OpenAI)", ChatCompletionRequest, _ref(ChatCompletionResponse), True
-            ),
-            "/v1/completions": _post(
-                "Text completion (OpenAI)", CompletionRequest, _ref(CompletionResponse), True
-            ),
-            "/generate": _post("Native generation", GenerateRequest, generate_ok, True),
-            "/v1/models": _get("Served models", _ref(ModelList)),
-            "/health": health,
-            "/metrics": _get("Prometheus metrics", {"type": "string"}, "text/plain"),
-            "/flush_cache": flush,
-        },
-        "components": {
-            "schemas": components,
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-        },
-        "security": [{"bearer": []}],
-    }

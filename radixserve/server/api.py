@@ -1,0 +1,269 @@
+"""ApiContext: what every route shares: body decoding, the served model, submitting and collecting requests.
+
+Invariants:
+- A request is submitted to the engine only after its body decoded and validated against the
+  protocol types (and, on the OpenAI routes, the field policy of openai_fields.py); the engine
+  checks the rest and refuses with InvalidRequestError, answered as a 400 with its param and code.
+- A batch (several prompts) is submitted at once; if any prompt is refused, the others are aborted
+  and the whole request is answered with that refusal.
+- A client that disconnects while a non-streaming request runs aborts every request it started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import re
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from typing import Any, TypeVar
+
+import msgspec
+from starlette.requests import Request
+
+from radixserve.engine.prompt import Prompt
+from radixserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from radixserve.sampling.grammar import strict_schema
+from radixserve.sampling.params import SamplingParams
+from radixserve.server import protocol as p
+from radixserve.server import protocol_chat as c
+from radixserve.server.async_engine import AsyncEngine, EngineUnavailableError, QueueFullError
+from radixserve.server.chat_render import template_source
+from radixserve.server.http_util import ApiError
+from radixserve.server.openai_fields import Refused, check_fields
+from radixserve.server.reasoning import REASONING_PARSERS
+from radixserve.server.tools import TOOL_CALL_PARSERS, choose_format
+
+S = TypeVar("S")
+Submitted = tuple[RequestOutput, AsyncGenerator[RequestOutput, None]]  # the first delta, and the rest
+
+
+class TokenText:
+    """Decodes single tokens for logprob listings, memoised (the vocabulary is fixed)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self._tok.decode([token_id])
+        return text
+
+    def chat_logprobs(self, lps: list[TokenLogprob] | None) -> c.ChatLogprobs | None:
+        if lps is None:
+            return None
+        content = []
+        for lp in lps:
+            tok = self(lp.token_id)
+            top = [c.TopLogprob(self(t), v, list(self(t).encode())) for t, v in lp.top.items()]
+            content.append(c.ChatTokenLogprob(tok, lp.logprob, list(tok.encode()), top))
+        return c.ChatLogprobs(content)
+
+    def completion_logprobs(self, lps: Sequence[TokenLogprob | None], token_ids: Sequence[int],
+                            offset: int) -> p.CompletionLogprobs:  # fmt: skip
+        """OpenAI's legacy layout; a None entry (the first prompt token) has no logprob."""
+        out = p.CompletionLogprobs([], [], [], [])
+        for lp, tid in zip(lps, token_ids, strict=True):
+            tok = self(tid)
+            out.tokens.append(tok)
+            out.token_logprobs.append(None if lp is None else lp.logprob)
+            out.top_logprobs.append(None if lp is None else {self(t): v for t, v in lp.top.items()})
+            out.text_offset.append(offset)
+            offset += len(tok)
+        return out
+
+
+def merge_deltas(deltas: Sequence[RequestOutput], n: int) -> RequestOutput:
+    """Fold the stream of one request back into its whole result."""
+    last = deltas[-1]
+    outs = [CompletionOutput(i) for i in range(n)]
+    result = RequestOutput(
+        last.request_id, last.prompt, last.prompt_token_ids, outs, last.finished, last.cached_tokens
+    )
+    for d in deltas:
+        o = outs[d.outputs[0].index]
+        out = d.outputs[0]
+        o.text += out.text
+        o.token_ids.extend(out.token_ids)
+        if out.logprobs is not None:
+            o.logprobs = (o.logprobs or []) + out.logprobs
+        if out.finish_reason is not None:
+            o.finish_reason, o.stop_reason = out.finish_reason, out.stop_reason
+        if d.prompt_logprobs is not None:
+            result.prompt_logprobs = d.prompt_logprobs
+    return result
+
+
+class ApiContext:
+    """``tool_call_parser`` (tools.py) and ``reasoning_parser`` (reasoning.py; None: off) shape chat replies."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str, salt_per_key: bool, max_body_bytes: int,
+                 tool_call_parser: str = "auto", reasoning_parser: str | None = None) -> None:  # fmt: skip
+        if tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {tool_call_parser!r}")
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {reasoning_parser!r}")
+        self.engine = engine
+        self.model_name = model_name
+        self.salt_per_key = salt_per_key
+        self.max_body_bytes = max_body_bytes
+        self.tokens = TokenText(engine.tokenizer)
+        self.tool_format = choose_format(tool_call_parser, template_source(engine.tokenizer))
+        self.reasoning = reasoning_parser is not None
+
+    # -- bodies -----------------------------------------------------------------------------------
+    async def body(self, request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise ApiError(413, f"request body exceeds the limit of {self.max_body_bytes} bytes")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.max_body_bytes:
+                raise ApiError(413, f"request body exceeds the limit of {self.max_body_bytes} bytes")
+        return bytes(body)
+
+    async def decode(self, request: Request, type_: type[S]) -> S:
+        return _decode(await self.body(request), type_)
+
+    async def decode_openai(self, request: Request, type_: type[S], refused: Mapping[str, Refused]) -> S:
+        """``decode``, after checking the body's top-level fields against the field policy."""
+        body = await self.body(request)
+        try:
+            fields = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+        except msgspec.ValidationError:
+            raise ApiError(400, "the request body must be a JSON object") from None
+        except msgspec.DecodeError as exc:
+            raise ApiError(400, f"invalid JSON body: {exc}") from None
+        try:
+            check_fields(fields, type_.__struct_fields__, refused)  # type: ignore[attr-defined]
+        except ValueError as exc:
+            raise ApiError.invalid(exc) from None
+        return _decode(body, type_)
+
+    def check_model(self, model: str | None) -> None:
+        """A model other than the served one is a 404 ``model_not_found``, as OpenAI and vLLM answer."""
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           "model", "model_not_found")  # fmt: skip
+
+    def salt(self, request: Request, salt: str | None) -> str | None:
+        key = request.scope.get("radixserve.api_key")
+        if not (self.salt_per_key and key):
+            return salt
+        tenant = "key:" + hashlib.sha256(key.encode()).hexdigest()[:16]
+        return tenant if salt is None else f"{tenant}/{salt}"
+
+    def max_tokens(self, prompt_tokens: int, requested: int | None, default: int | None, param: str) -> int:
+        """``requested``, or when it is omitted ``default`` (None: no limit) clamped to what the context
+        leaves; the engine process guarantees that one ``max_model_len`` request fits in its KV pool."""
+        if requested is not None:
+            return requested
+        room = self.engine.max_model_len - prompt_tokens
+        if room <= 0:
+            raise ApiError(400, f"the prompt ({prompt_tokens} tokens) leaves no room for output within the maximum "
+                                f"context length of {self.engine.max_model_len} tokens",
+                           param, "context_length_exceeded")  # fmt: skip
+        return room if default is None else min(default, room)
+
+    @staticmethod
+    def sampling(req: p.SamplingFields, max_tokens: int, logprobs: int | None,
+                 prompt_logprobs: int | None = None) -> SamplingParams:  # fmt: skip
+        fmt = req.response_format
+        json_schema: str | dict | None = None
+        if fmt is not None and fmt.type == "json_object":
+            json_schema = {"type": "object"}
+        elif fmt is not None and fmt.type == "json_schema":
+            json_schema = (fmt.json_schema.schema if fmt.json_schema else None) or {"type": "object"}
+            if fmt.json_schema is not None and fmt.json_schema.strict:
+                json_schema = strict_schema(json_schema)  # llguidance would otherwise allow extra keys
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+            repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty, seed=req.seed, stop=stop,
+            stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos, n=req.n, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens, regex=req.regex,
+            json_schema=json_schema, choices=req.choices, logit_bias=req.logit_bias, min_tokens=req.min_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+        )  # fmt: skip
+
+    # -- running requests -------------------------------------------------------------------------
+    async def submit(
+        self, prompt: Prompt, params: SamplingParams, rid: str, salt: str | None, priority: int | str,
+    ) -> Submitted:  # fmt: skip
+        """Start a request; returns its first delta and the stream of the rest."""
+        stream = self.engine.generate(prompt, params, rid, salt, priority)
+        try:
+            first = await stream.__anext__()
+        except ValueError as exc:
+            raise ApiError.invalid(exc) from None
+        except QueueFullError as exc:
+            raise ApiError(429, f"server busy: {exc}", headers={"Retry-After": "1"}) from None
+        except EngineUnavailableError as exc:
+            raise ApiError(503, str(exc)) from None
+        return first, stream
+
+    async def submit_all(
+        self, prompts: Sequence[Prompt], params: Sequence[SamplingParams], rid: str, salt: str | None,
+        priority: int | str,
+    ) -> list[Submitted]:  # fmt: skip
+        """Start one request per prompt, all at once; if one is refused, abort the rest and raise."""
+        if len(prompts) == 1:
+            return [await self.submit(prompts[0], params[0], rid, salt, priority)]
+        results = await asyncio.gather(
+            *(self.submit(prompt, sp, f"{rid}-{i}", salt, priority)
+              for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True))),
+            return_exceptions=True,
+        )  # fmt: skip
+        started = [r for r in results if not isinstance(r, BaseException)]
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for _, stream in started:
+                await stream.aclose()
+            raise errors[0]
+        return started
+
+    async def collect(self, request: Request, submitted: Sequence[Submitted], n: int) -> list[RequestOutput]:
+        """Run requests to their end, aborting them all if the client goes away meanwhile."""
+
+        async def drain(
+            first: RequestOutput, stream: AsyncGenerator[RequestOutput, None]
+        ) -> list[RequestOutput]:
+            return [first] + [d async for d in stream]
+
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        work = [asyncio.ensure_future(drain(first, stream)) for first, stream in submitted]
+        watch = asyncio.ensure_future(disconnected())
+        try:
+            pending: set[asyncio.Future[Any]] = set(work)
+            while pending and not watch.done():
+                done, pending = await asyncio.wait(pending | {watch}, return_when=asyncio.FIRST_COMPLETED)
+                pending.discard(watch)
+                for task in done:
+                    if task is not watch and task.exception() is not None:
+                        raise task.exception()  # type: ignore[misc]
+        finally:
+            watch.cancel()
+            for task in work:
+                task.cancel()
+            await asyncio.gather(*work, return_exceptions=True)
+            for _, stream in submitted:
+                await stream.aclose()
+        if not all(task.done() and not task.cancelled() for task in work):
+            raise ApiError(400, "client disconnected")
+        return [merge_deltas(task.result(), n) for task in work]
+
+
+def _decode(body: bytes, type_: type[S]) -> S:
+    try:
+        return msgspec.json.decode(body, type=type_, strict=False)  # lax like pydantic: 2.0 and "2" are ints
+    except msgspec.ValidationError as exc:
+        path = re.search(r"at `\$\.?([^`]*)`", str(exc))
+        raise ApiError(400, str(exc), path.group(1) or None if path else None) from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"invalid JSON body: {exc}") from None

@@ -1,0 +1,75 @@
+"""``POST /generate``: the native endpoint (SGLang-style), used by the frontend DSL."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncGenerator
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from radixserve.engine.prompt import Prompt
+from radixserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from radixserve.sampling.params import SamplingParams
+from radixserve.server import protocol as p
+from radixserve.server.api import ApiContext
+from radixserve.server.http_util import DONE, ApiError, chain, event_stream, json_response, sse
+
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+async def generate(ctx: ApiContext, request: Request) -> Response:
+    req = await ctx.decode(request, p.GenerateRequest)
+    if (req.text is None) == (req.input_ids is None):
+        raise ApiError(400, "give exactly one of text and input_ids", "text")
+    prompt: Prompt = req.text if req.text is not None else list(req.input_ids or [])
+    sp = req.sampling_params
+    logprobs = req.top_logprobs_num if req.return_logprob else None
+    prompt_logprobs = req.top_logprobs_num if req.return_logprob and req.logprob_start_len >= 0 else None
+    stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
+    params = SamplingParams(
+        max_tokens=sp.max_new_tokens or sp.max_tokens or DEFAULT_MAX_NEW_TOKENS, temperature=sp.temperature,
+        top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p, repetition_penalty=sp.repetition_penalty,
+        presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty, stop=stop,
+        stop_token_ids=list(sp.stop_token_ids or []), ignore_eos=sp.ignore_eos, n=sp.n, seed=sp.seed,
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=sp.skip_special_tokens,
+        regex=sp.regex, json_schema=sp.json_schema, grammar=sp.grammar, choices=sp.choices,
+    )  # fmt: skip
+    rid = req.rid or uuid.uuid4().hex
+    first, stream = await ctx.submit(prompt, params, rid, ctx.salt(request, req.cache_salt), req.priority)
+    if req.stream:
+        return event_stream(_events(req, rid, first, stream), [stream])
+    [res] = await ctx.collect(request, [(first, stream)], sp.n)
+    outs = [_response(req, rid, o, res, res.prompt_logprobs) for o in res.outputs]
+    return json_response(outs[0] if sp.n == 1 else outs)
+
+
+def _response(req: p.GenerateRequest, rid: str, o: CompletionOutput, res: RequestOutput,
+              prompt_logprobs: list[TokenLogprob | None] | None) -> p.GenerateResponse:  # fmt: skip
+    meta = p.GenerateMeta(id=rid, prompt_tokens=len(res.prompt_token_ids), completion_tokens=len(o.token_ids),
+                          cached_tokens=res.cached_tokens, finish_reason=o.finish_reason, stop_reason=o.stop_reason)  # fmt: skip
+    if req.return_logprob:
+        lps = o.logprobs or []
+        meta.output_token_logprobs = [(lp.logprob, lp.token_id) for lp in lps]
+        if req.top_logprobs_num:
+            meta.output_top_logprobs = [[(v, t) for t, v in lp.top.items()] for lp in lps]
+        if prompt_logprobs is not None:
+            start = req.logprob_start_len
+            entries = list(zip(prompt_logprobs[start:], res.prompt_token_ids[start:], strict=True))
+            meta.input_token_logprobs = [(None if lp is None else lp.logprob, t) for lp, t in entries]
+            if req.top_logprobs_num:
+                meta.input_top_logprobs = [None if lp is None else [(v, t) for t, v in lp.top.items()]
+                                           for lp, _ in entries]  # fmt: skip
+    return p.GenerateResponse(o.index, o.text, list(o.token_ids), meta)
+
+
+async def _events(req: p.GenerateRequest, rid: str, first: RequestOutput,
+                  stream: AsyncGenerator[RequestOutput, None]) -> AsyncGenerator[bytes, None]:  # fmt: skip
+    counts: dict[int, int] = {}
+    async for d in chain(first, stream):
+        c = d.outputs[0]
+        counts[c.index] = counts.get(c.index, 0) + len(c.token_ids)
+        piece = _response(req, rid, c, d, d.prompt_logprobs)
+        piece.meta_info.completion_tokens = counts[c.index]
+        yield sse(piece)
+    yield DONE

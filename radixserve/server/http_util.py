@@ -1,0 +1,130 @@
+"""HTTP plumbing shared by the routes: the error type and body, JSON and SSE responses, stream merging.
+
+Invariants:
+- Every error answered before a response starts is an OpenAI-style body (``ErrorResponse``) with the
+  status of its cause; ``ApiError`` carries it from wherever it is raised to the app's handler.
+- An SSE response, however it ends (finished, client gone, error), closes the request streams it
+  serves, which aborts the requests that are still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import Any, TypeVar
+
+import msgspec
+from starlette.responses import Response, StreamingResponse
+
+from radixserve.errors import InvalidRequestError
+from radixserve.outputs import RequestOutput
+from radixserve.server import protocol as p
+
+logger = logging.getLogger("radixserve.server")
+
+T = TypeVar("T")
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
+                429: "rate_limit_error", 503: "service_unavailable_error"}  # fmt: skip
+DONE = b"data: [DONE]\n\n"
+
+
+class ApiError(Exception):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+    @classmethod
+    def invalid(cls, exc: ValueError) -> ApiError:
+        """A refused request is a 400 with the parameter and code it named (InvalidRequestError)."""
+        if isinstance(exc, InvalidRequestError):
+            return cls(400, str(exc), exc.param, exc.code)
+        return cls(400, str(exc))
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> Response:  # fmt: skip
+    err = p.ErrorResponse(p.ErrorInfo(message, _ERROR_TYPES.get(status, "server_error"), param, code))
+    return Response(msgspec.json.encode(err), status, headers, media_type="application/json")
+
+
+def json_response(obj: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(obj), status, media_type="application/json")
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> p.Usage:
+    return p.Usage(
+        prompt_tokens, completion_tokens, prompt_tokens + completion_tokens, p.PromptTokensDetails(cached)
+    )
+
+
+async def chain(first: T, rest: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
+    yield first
+    async for d in rest:
+        yield d
+
+
+async def merge(streams: Sequence[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[int, T], None]:
+    """The items of several streams as they come, each with the position of its stream."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, T] | tuple[int, BaseException] | None] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncGenerator[T, None]) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait((i, item))
+        except Exception as exc:
+            queue.put_nowait((i, exc))
+        finally:
+            queue.put_nowait(None)
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        open_streams = len(tasks)
+        while open_streams:
+            entry = await queue.get()
+            if entry is None:
+                open_streams -= 1
+            elif isinstance(entry[1], BaseException):
+                raise entry[1]
+            else:
+                yield entry  # type: ignore[misc]
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+def event_stream(
+    events: AsyncGenerator[bytes, None], requests: Sequence[AsyncGenerator[RequestOutput, None]]
+) -> StreamingResponse:
+    """SSE response; however it ends, the requests' streams are closed, which aborts any unfinished."""
+
+    async def guarded() -> AsyncIterator[bytes]:
+        try:
+            async for e in events:
+                yield e
+        except Exception as exc:  # headers are sent: the error can only travel as an event
+            logger.exception("stream failed")
+            yield sse(p.ErrorResponse(p.ErrorInfo(str(exc), "server_error")))
+        finally:
+            await events.aclose()
+            for request in requests:
+                await request.aclose()
+
+    return StreamingResponse(guarded(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip

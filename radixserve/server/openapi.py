@@ -1,0 +1,118 @@
+"""The OpenAPI 3.1 document served at ``GET /openapi.json``, generated from the protocol types."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from radixserve.server import protocol as p
+from radixserve.server import protocol_chat as c
+
+OPENAI_ERRORS = (400, 401, 404, 413, 429, 503)  # 404: an unknown model
+
+_SCHEMA_TYPES: tuple[Any, ...] = (
+    p.ErrorResponse, c.ChatCompletionRequest, c.ChatCompletionResponse, c.ChatCompletionChunk, p.CompletionRequest,
+    p.CompletionResponse, p.ModelList, p.ModelCard, p.GenerateRequest, p.GenerateResponse, c.TokenizeRequest,
+    p.TokenizeResponse, p.DetokenizeRequest, p.DetokenizeResponse, p.FlushCacheResponse, p.HealthResponse,
+)  # fmt: skip
+
+
+def _ref(t: type) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{t.__name__}"}
+
+
+def _json(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"application/json": {"schema": schema}}
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    return {str(c): {"description": "error", "content": _json(_ref(p.ErrorResponse))} for c in codes}
+
+
+def _post(summary: str, body: type, ok: dict[str, Any], streams: bool, errors: tuple[int, ...] = (400, 401, 413, 429, 503)) -> dict[str, Any]:  # fmt: skip
+    content = _json(ok)
+    if streams:
+        content["text/event-stream"] = {"schema": {"type": "string"}}
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": _json(_ref(body))},
+            "responses": {
+                "200": {"description": "OK", "content": content},
+                **_errors(*errors),
+            },
+        }
+    }
+
+
+def _get(summary: str, ok: dict[str, Any], media_type: str = "application/json") -> dict[str, Any]:
+    return {"get": {"summary": summary,
+                    "responses": {"200": {"description": "OK", "content": {media_type: {"schema": ok}}},
+                                  **_errors(401)}}}  # fmt: skip
+
+
+def openapi_schema(model_name: str, title: str = "radixserve", version: str = "0.1.0") -> dict[str, Any]:
+    """The OpenAPI 3.1 document served at ``GET /openapi.json``; ``model`` must be the served name."""
+    _, components = msgspec.json.schema_components(_SCHEMA_TYPES, ref_template="#/components/schemas/{name}")
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        components[name]["properties"]["model"] = {"type": "string", "enum": [model_name]}
+    for name in ("TokenizeRequest", "DetokenizeRequest"):
+        components[name]["properties"]["model"] = {"enum": [model_name, None]}
+    generate_ok = {"oneOf": [_ref(p.GenerateResponse), {"type": "array", "items": _ref(p.GenerateResponse)}]}
+    flush = {"post": {"summary": "Drop every cached prefix page",
+                      "responses": {"200": {"description": "OK", "content": _json(_ref(p.FlushCacheResponse))},
+                                    **_errors(401, 409)}}}  # fmt: skip
+    health = _get("Liveness", _ref(p.HealthResponse))
+    model = _get("One served model", _ref(p.ModelCard))
+    model["get"]["parameters"] = [
+        {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
+    ]
+    model["get"]["responses"].update(_errors(404))
+    health["get"]["security"] = []
+    health["get"]["responses"].update(_errors(503))
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": title, "version": version},
+        "paths": {
+            "/v1/chat/completions": _post(
+                "Chat completion (OpenAI)",
+                c.ChatCompletionRequest,
+                _ref(c.ChatCompletionResponse),
+                True,
+                OPENAI_ERRORS,
+            ),
+            "/v1/completions": _post(
+                "Text completion (OpenAI)",
+                p.CompletionRequest,
+                _ref(p.CompletionResponse),
+                True,
+                OPENAI_ERRORS,
+            ),
+            "/generate": _post("Native generation", p.GenerateRequest, generate_ok, True),
+            "/tokenize": _post(
+                "Tokenize a prompt or chat messages (vLLM)",
+                c.TokenizeRequest,
+                _ref(p.TokenizeResponse),
+                False,
+                (400, 401, 404, 413),
+            ),
+            "/detokenize": _post(
+                "Detokenize token ids (vLLM)",
+                p.DetokenizeRequest,
+                _ref(p.DetokenizeResponse),
+                False,
+                (400, 401, 404, 413),
+            ),
+            "/v1/models": _get("Served models", _ref(p.ModelList)),
+            "/v1/models/{model}": model,
+            "/health": health,
+            "/metrics": _get("Prometheus metrics", {"type": "string"}, "text/plain"),
+            "/flush_cache": flush,
+        },
+        "components": {
+            "schemas": components,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+        "security": [{"bearer": []}],
+    }
