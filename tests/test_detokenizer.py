@@ -196,3 +196,17 @@ def test_eos_releases_a_held_back_stop_prefix() -> None:
     assert joined(steps[:-1]) == "The quick brown fox "  # "ST" waits: it may become "STOP"
     assert steps[-1] == ("ST", "stop", None)
     assert joined(steps) == text_stream.text == "The quick brown fox ST"
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string() -> None:
+    kept, steps = stream("The quick brown fox STOP here", stop=["STOP"], include_stop_str_in_output=True)
+    assert joined(steps) == kept.text == "The quick brown fox STOP"
+    assert (kept.finish_reason, kept.stop_reason) == ("stop", "STOP")
+    cut, _ = stream("The quick brown fox STOP here", stop=["STOP"])
+    assert cut.text == "The quick brown fox "
+
+
+def test_stop_strings_do_not_count_before_min_tokens() -> None:
+    early, _ = stream("STOP here, then STOP again", stop=["STOP"], min_tokens=3)
+    assert early.text == "STOP here, then "  # the first STOP ended within the first 3 tokens
+    assert stream("STOP here", stop=["STOP"])[0].text == ""

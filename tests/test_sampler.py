@@ -254,3 +254,43 @@ def test_compute_prompt_logprobs() -> None:
 def test_build_rejects_mismatched_lengths() -> None:
     with pytest.raises(ValueError):
         SamplingBatch.build([SamplingParams()], [[1]], [], [None], "cpu")
+
+
+def test_logit_bias_and_min_tokens_change_only_their_rows() -> None:
+    logits = random_logits(3, 50)
+    before = logits.clone()
+    worst = int(logits[0].argmin())
+    top3 = logits[2].topk(3).indices.tolist()
+    params = [
+        SamplingParams(temperature=0, logit_bias={worst: 100.0}),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[top3[0]]),
+    ]
+
+    def build(row2_output: list[int]) -> SamplingBatch:
+        return SamplingBatch.build(
+            params, [[]] * 3, [[], [], row2_output], [None] * 3, "cpu", eos_token_ids=[top3[1]]
+        )
+
+    out = sampler(logits, build([7]))
+    assert out.tokens.tolist() == [
+        worst,
+        int(logits[1].argmax()),
+        top3[2],
+    ]  # row 2: its stop token and EOS wait
+    assert sampler(logits, build([7, 7])).tokens.tolist()[2] == top3[0]  # with 2 tokens they may end it
+    assert torch.equal(logits, before)
+    assert make_batch([SamplingParams(), SamplingParams(min_tokens=1, ignore_eos=True)]).bias is None
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [(SamplingParams(logit_bias={10**6: 1.0}), "logit_bias"), (SamplingParams(logit_bias={1: 101.0}), "logit_bias"),
+     (SamplingParams(max_tokens=4, min_tokens=5), "min_tokens")],
+)  # fmt: skip
+def test_bad_bias_and_min_tokens_name_their_field(params: SamplingParams, field: str) -> None:
+    from radixserve.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError) as info:
+        params.validate(vocab_size=1000)
+    assert info.value.param == field

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,55 @@ from tokenizer_util import make_tokenizer
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Qwen2.5's tool-calling template, shortened (Hermes format); it also shows a message's name.
+HERMES_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n"
+    "{%- if messages[0].role == 'system' %}{{ messages[0].content }}{% else %}You are a helpful assistant.{% endif %}"
+    "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+    "{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' or (m.role == 'system' and not loop.first) or (m.role == 'assistant' and not m.tool_calls) %}"
+    "<|im_start|>{{ m.role }}{% if m.name %} ({{ m.name }}){% endif %}\n{{ m.content }}<|im_end|>\n"
+    "{%- elif m.role == 'assistant' %}<|im_start|>assistant{% if m.content %}\n{{ m.content }}{% endif %}"
+    "{%- for tc in m.tool_calls %}\n<tool_call>\n"
+    '{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}\n</tool_call>'
+    "{%- endfor %}<|im_end|>\n"
+    "{%- elif m.role == 'tool' %}"
+    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "\n<tool_response>\n{{ m.content }}\n</tool_response>"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Qwen3's template, shortened: <think> replies; earlier turns' reasoning is dropped from the history;
+# enable_thinking=false puts an empty think block in the prompt.
+THINK_TEMPLATE = (
+    "{%- set ns = namespace(last_user=0) %}"
+    "{%- for m in messages %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}"
+    "{%- set content = m.content %}{% set reasoning = '' %}"
+    "{%- if m.reasoning_content is defined and m.reasoning_content is not none %}"
+    "{% set reasoning = m.reasoning_content %}"
+    "{%- elif '</think>' in content %}"
+    "{% set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\n') %}"
+    "{% set content = content.split('</think>')[-1].lstrip('\n') %}{%- endif %}"
+    "{%- if loop.index0 > ns.last_user and reasoning %}"
+    "<|im_start|>assistant\n<think>\n{{ reasoning }}\n</think>\n\n{{ content }}<|im_end|>\n"
+    "{%- else %}<|im_start|>assistant\n{{ content }}<|im_end|>\n{%- endif %}"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+    "{%- endif %}"
 )
 
 TINY: dict[str, dict[str, Any]] = {
@@ -29,18 +79,25 @@ TINY: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
-def make_tiny_model(root: Path, kind: str = "llama", seed: int = 0) -> Path:
-    """Write a tiny random model of ``kind`` with the test tokenizer and a ChatML template."""
+def make_tiny_model(
+    root: Path, kind: str = "llama", seed: int = 0, chat_template: str = CHAT_TEMPLATE, context: int = 512
+) -> Path:
+    """Write a tiny random model of ``kind`` with the test tokenizer, a chat template (ChatML) and a
+    context of ``context`` tokens."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    path = root / f"tiny-{kind}-{seed}"
+    suffix = (
+        "" if chat_template == CHAT_TEMPLATE else "-" + hashlib.sha256(chat_template.encode()).hexdigest()[:8]
+    )
+    suffix += "" if context == 512 else f"-ctx{context}"
+    path = root / f"tiny-{kind}-{seed}{suffix}"
     if (path / "config.json").exists():
         return path
     tok = make_tokenizer()
     spec = dict(TINY[kind])
     model_type = spec.pop("model_type")
     cfg = AutoConfig.for_model(
-        model_type, vocab_size=len(tok), max_position_embeddings=512, rms_norm_eps=1e-6,
+        model_type, vocab_size=len(tok), max_position_embeddings=context, rms_norm_eps=1e-6,
         bos_token_id=None, eos_token_id=tok.eos_token_id, **spec,
     )  # fmt: skip
     torch.manual_seed(seed)
@@ -51,6 +108,7 @@ def make_tiny_model(root: Path, kind: str = "llama", seed: int = 0) -> Path:
             if p.dim() == 2:
                 p.normal_(0, 0.08)
     model.save_pretrained(path)
-    tok.chat_template = CHAT_TEMPLATE
+    before, tok.chat_template = tok.chat_template, chat_template  # the tokenizer is shared: put it back after
     tok.save_pretrained(path)
+    tok.chat_template = before if before is not None else CHAT_TEMPLATE
     return path
