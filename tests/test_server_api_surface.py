@@ -108,7 +108,7 @@ def test_streaming_usage_can_come_with_every_chunk(client: httpx.Client) -> None
 # -- the field policy ------------------------------------------------------------------------------
 CHAT: dict[str, Any] = {"model": MODEL_NAME, "messages": HELLO, "max_tokens": 2}
 COMPLETION: dict[str, Any] = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}
-REFUSED: dict[str, tuple[str, dict[str, Any], str, str]] = {
+REFUSED: dict[str, tuple[str, dict[str, Any], str, str | None]] = {
     "suffix": ("/v1/completions", {**COMPLETION, "suffix": " end"}, "suffix", "unsupported_parameter"),
     "best_of": ("/v1/completions", {**COMPLETION, "best_of": 3}, "best_of", "unsupported_parameter"),
     "beam-search": ("/v1/completions", {**COMPLETION, "use_beam_search": True}, "use_beam_search", "unsupported_parameter"),

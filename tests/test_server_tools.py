@@ -61,7 +61,9 @@ def valid(name: str, arguments: str) -> dict[str, Any]:
     return dict(args)
 
 
-def test_required_tool_choice_forces_a_valid_call(oai: openai.OpenAI) -> None:
+def test_required_tool_choice_forces_a_valid_call_whose_result_gets_an_answer(
+    oai: openai.OpenAI, url: str, model: Path
+) -> None:
     r = oai.chat.completions.create(model=MODEL_NAME, messages=ASK, tools=TOOLS, tool_choice="required",
                                     parallel_tool_calls=False, temperature=0, max_tokens=200)  # fmt: skip
     choice = r.choices[0]
@@ -69,12 +71,26 @@ def test_required_tool_choice_forces_a_valid_call(oai: openai.OpenAI) -> None:
     [call] = choice.message.tool_calls or []
     assert call.type == "function" and call.id.startswith("call_")
     valid(call.function.name, call.function.arguments)
+    # The loop every agent runs: the assistant's message as it came back, the tool's result, the answer.
+    history: Any = [*ASK, choice.message.model_dump(exclude_none=True),
+                    {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 21}'}]  # fmt: skip
+    final = oai.chat.completions.create(model=MODEL_NAME, messages=history, tools=TOOLS, temperature=0,
+                                        max_tokens=8, extra_body={"ignore_eos": True})  # fmt: skip
+    answer = final.choices[0]
+    assert answer.finish_reason == "length" and answer.message.content and not answer.message.tool_calls
+    with httpx.Client(base_url=url, timeout=120) as c:
+        tokens = c.post("/tokenize", json={"messages": history, "tools": TOOLS}).json()["tokens"]
+    text = str(load_tokenizer(model).decode(tokens))
+    sent = json.dumps({"name": call.function.name, "arguments": json.loads(call.function.arguments)})
+    assert f"<tool_call>\n{sent}\n</tool_call>" in text  # the call went back as the model wrote it
+    assert '<tool_response>\n{"celsius": 21}\n</tool_response>' in text
+    assert final.usage and final.usage.prompt_tokens == len(tokens)
 
 
 def test_streamed_tool_call_deltas_assemble_to_the_same_call(oai: openai.OpenAI) -> None:
     body: Any = dict(model=MODEL_NAME, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
                      temperature=0, max_tokens=200)  # fmt: skip
-    whole = oai.chat.completions.create(**body).choices[0].message.tool_calls or []
+    whole: list[Any] = oai.chat.completions.create(**body).choices[0].message.tool_calls or []
     calls: dict[int, dict[str, str]] = {}
     finish = None
     for chunk in oai.chat.completions.create(**body, stream=True):
@@ -96,7 +112,7 @@ def test_a_named_function_is_the_one_called(oai: openai.OpenAI) -> None:
     r = oai.chat.completions.create(model=MODEL_NAME, messages=ASK, tools=TOOLS, temperature=0, max_tokens=200,
                                     tool_choice={"type": "function", "function": {"name": "get_time"}})  # fmt: skip
     [call] = r.choices[0].message.tool_calls or []
-    assert call.function.name == "get_time"
+    assert call.type == "function" and call.function.name == "get_time"
     valid("get_time", call.function.arguments)
 
 
@@ -128,7 +144,7 @@ def test_calls_results_and_names_go_back_through_the_template(
     ]  # fmt: skip
     with httpx.Client(base_url=url, timeout=120) as c:
         tokens = c.post("/tokenize", json={"messages": history, "tools": TOOLS}).json()["tokens"]
-    text = load_tokenizer(model).decode(tokens)
+    text = str(load_tokenizer(model).decode(tokens))
     assert "<|im_start|>user (ada)\nWeather in Oslo?" in text  # the message's name reached the template
     assert (
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}}\n</tool_call>' in text

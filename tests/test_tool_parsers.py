@@ -38,7 +38,7 @@ TOOLS: list[dict[str, Any]] = [
 def run(fmt: ToolCallFormat, text: str, pieces: int) -> tuple[str, list[ParsedCall]]:
     """Feed ``text`` in ``pieces`` roughly equal deltas (1: whole); returns (content, calls)."""
     stream = ToolCallStream(fmt)
-    content, calls = "", []
+    content, calls = "", list[ParsedCall]()
     size = max(1, -(-len(text) // pieces))
     for i in range(0, len(text), size):
         c, new = stream.feed(text[i : i + size])
@@ -122,7 +122,7 @@ def test_every_output_of_a_tool_grammar_parses_into_valid_calls(name: str, paral
             assert matcher.consume_token(token)
             ids.append(token)
         assert matcher.is_accepting()
-        content, calls = run(fmt, tok.decode(ids), 1)
+        content, calls = run(fmt, str(tok.decode(ids)), 1)
         assert content == "" and calls and (parallel or len(calls) == 1)
         for call in calls:
             jsonschema.validate(json.loads(call.arguments), schemas[call.name])
