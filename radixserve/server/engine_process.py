@@ -14,6 +14,9 @@ Invariants:
 - The loop blocks on the socket only while the engine has nothing unfinished. Between two steps it
   takes every message that has arrived, so aborts and new requests wait at most one step.
 - The engine runs with ``detokenize=False``: its outputs carry token ids, never text.
+- A configuration that cannot work (the Engine raises ValueError, e.g. a KV pool smaller than one
+  ``max_model_len`` request) is answered with ``StartFailed``, naming the flags to change, instead of
+  ``Ready``; the process then exits 2 and the front-end does not restart it.
 - A bad request is answered with a ``RequestError`` and never reaches the scheduler; an exception
   anywhere else ends the process (exit code 1, traceback on stderr) and the front-end restarts it.
 - SIGTERM, SIGINT and ``Shutdown`` all mean: accept nothing new, finish what is queued, close the
