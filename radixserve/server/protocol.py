@@ -121,9 +121,8 @@ class CompletionRequest(SamplingFields, kw_only=True):
     # str | list[str] | list[int] | list[list[int]]; msgspec takes one list type in a union, so
     # completions.py checks the items (and names the bad one).
     prompt: str | list[Any]
-    max_tokens: NonNegInt | None = (
-        None  # None: 16, as OpenAI, within what the context holds; 0 with echo: score only
-    )
+    # None: 16, as OpenAI's default, within what the context holds; 0 (with echo): score only
+    max_tokens: NonNegInt | None = None
     echo: bool = False
     logprobs: TopLogprobs | None = None
     best_of: PositiveInt | None = None  # only best_of == n (nothing to choose) is served
