@@ -18,3 +18,9 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_models: dict[str, Path]) -> Path:
     return tiny_models["llama"]
+
+
+@pytest.fixture(scope="session")
+def tool_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen2 with a 2048-token context: prompts that describe tools are long."""
+    return make_tiny_model(tmp_path_factory.mktemp("tool-model"), "qwen2", context=2048)

@@ -8,13 +8,15 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
+from tiny_models import HERMES_TEMPLATE
 
 from radixserve.config import EngineConfig
 from radixserve.server.app import build_app
@@ -81,6 +83,12 @@ def serving(
         thread.join(timeout=60)
         loop.close()
         sock.close()
+
+
+def tool_server(model: Path, **app_options: Any) -> AbstractContextManager[str]:
+    """``running_server`` for tool calling: Qwen2.5's template (Hermes tool calls), a pool for long prompts."""
+    config = EngineConfig(str(model), page_size=4, num_pages=2048)
+    return running_server(config, chat_template=HERMES_TEMPLATE, **app_options)
 
 
 def assert_pages_whole(engine: AsyncEngine, loop: asyncio.AbstractEventLoop) -> None:

@@ -16,10 +16,7 @@ import httpx
 import jsonschema
 import pytest
 from pydantic import BaseModel, Field, SecretStr
-from server_util import MODEL_NAME, running_server
-from tiny_models import HERMES_TEMPLATE, make_tiny_model
-
-from radixserve.config import EngineConfig
+from server_util import MODEL_NAME, tool_server
 
 INSTALL = "pip install -e '.[dev]' (make install does)"
 
@@ -40,15 +37,8 @@ class GetWeather(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("clients"), "qwen2", context=2048)
-
-
-@pytest.fixture(scope="module")
-def url(model: Path) -> Iterator[str]:
-    with running_server(
-        EngineConfig(str(model), page_size=4, num_pages=2048), chat_template=HERMES_TEMPLATE
-    ) as base:
+def url(tool_model: Path) -> Iterator[str]:
+    with tool_server(tool_model) as base:
         yield base
 
 
@@ -123,7 +113,7 @@ def write_tasks(folder: Path) -> None:
 
 
 def test_lm_eval_local_completions_runs_and_agrees_with_our_logprobs(
-    url: str, model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    url: str, tool_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.setenv(var, "1")
@@ -133,7 +123,7 @@ def test_lm_eval_local_completions_runs_and_agrees_with_our_logprobs(
     from lm_eval.tasks import TaskManager
 
     write_tasks(tmp_path)
-    lm = LocalCompletionsAPI(base_url=f"{url}/v1/completions", model=MODEL_NAME, tokenizer=str(model),
+    lm = LocalCompletionsAPI(base_url=f"{url}/v1/completions", model=MODEL_NAME, tokenizer=str(tool_model),
                              tokenizer_backend="huggingface", max_length=2048, max_retries=1)  # fmt: skip
     assert lm.tokenized_requests  # the default: prompts go as lists of token lists
     results = lm_eval.simple_evaluate(model=lm, tasks=list(TASKS), task_manager=TaskManager(include_path=str(tmp_path)),

@@ -14,10 +14,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from server_util import MODEL_NAME, running_server
-from tiny_models import HERMES_TEMPLATE, make_tiny_model
+from server_util import MODEL_NAME, tool_server
 
-from radixserve.config import EngineConfig
 from radixserve.model.loader import load_tokenizer
 
 WEATHER: dict[str, Any] = {"type": "object", "properties": {
@@ -38,15 +36,8 @@ CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", 
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tools"), "qwen2", context=2048)  # tool prompts are long
-
-
-@pytest.fixture(scope="module")
-def url(model: Path) -> Iterator[str]:
-    with running_server(
-        EngineConfig(str(model), page_size=4, num_pages=2048), chat_template=HERMES_TEMPLATE
-    ) as base:
+def url(tool_model: Path) -> Iterator[str]:
+    with tool_server(tool_model) as base:
         yield base
 
 
@@ -62,7 +53,7 @@ def valid(name: str, arguments: str) -> dict[str, Any]:
 
 
 def test_required_tool_choice_forces_a_valid_call_whose_result_gets_an_answer(
-    oai: openai.OpenAI, url: str, model: Path
+    oai: openai.OpenAI, url: str, tool_model: Path
 ) -> None:
     r = oai.chat.completions.create(model=MODEL_NAME, messages=ASK, tools=TOOLS, tool_choice="required",
                                     parallel_tool_calls=False, temperature=0, max_tokens=200)  # fmt: skip
@@ -80,7 +71,7 @@ def test_required_tool_choice_forces_a_valid_call_whose_result_gets_an_answer(
     assert answer.finish_reason == "length" and answer.message.content and not answer.message.tool_calls
     with httpx.Client(base_url=url, timeout=120) as c:
         tokens = c.post("/tokenize", json={"messages": history, "tools": TOOLS}).json()["tokens"]
-    text = str(load_tokenizer(model).decode(tokens))
+    text = str(load_tokenizer(tool_model).decode(tokens))
     sent = json.dumps({"name": call.function.name, "arguments": json.loads(call.function.arguments)})
     assert f"<tool_call>\n{sent}\n</tool_call>" in text  # the call went back as the model wrote it
     assert '<tool_response>\n{"celsius": 21}\n</tool_response>' in text
@@ -134,7 +125,7 @@ def test_calls_in_a_free_reply_are_parsed_unless_tool_choice_is_none(url: str) -
 
 
 def test_calls_results_and_names_go_back_through_the_template(
-    url: str, oai: openai.OpenAI, model: Path
+    url: str, oai: openai.OpenAI, tool_model: Path
 ) -> None:
     history: Any = [
         {"role": "user", "content": "Weather in Oslo?", "name": "ada"},
@@ -144,7 +135,7 @@ def test_calls_results_and_names_go_back_through_the_template(
     ]  # fmt: skip
     with httpx.Client(base_url=url, timeout=120) as c:
         tokens = c.post("/tokenize", json={"messages": history, "tools": TOOLS}).json()["tokens"]
-    text = str(load_tokenizer(model).decode(tokens))
+    text = str(load_tokenizer(tool_model).decode(tokens))
     assert "<|im_start|>user (ada)\nWeather in Oslo?" in text  # the message's name reached the template
     assert (
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}}\n</tool_call>' in text
