@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -10,6 +11,8 @@ from radixserve.engine.policy import POLICIES
 from radixserve.model.attention import BACKENDS
 
 EVICTION_POLICIES = ("lru", "lfu", "priority")
+
+logger = logging.getLogger("radixserve.engine")
 
 
 @dataclass
@@ -84,3 +87,24 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
         return cls(**kwargs)
+
+
+def context_within_pool(max_model_len: int, configured: bool, num_pages: int, page_size: int) -> int:
+    """The context length to serve: one request of ``max_model_len`` tokens must fit in the KV pool, so
+    that a request that omits max_tokens can always run to its end. A ``configured`` length that does
+    not fit is refused (ValueError naming the flags to change); the model's own is lowered, with a warning."""
+    pool_tokens = num_pages * page_size
+    if pool_tokens >= max_model_len:
+        return max_model_len
+    if configured:
+        raise ValueError(
+            f"max_model_len {max_model_len} (--max-model-len) needs {-(-max_model_len // page_size)} KV pages of "
+            f"{page_size} tokens, but the pool has {num_pages}: raise --kv-cache-gb or --num-pages, or lower "
+            f"--max-model-len to at most {pool_tokens}"
+        )  # fmt: skip
+    logger.warning(
+        "the KV pool (%d pages of %d tokens) holds fewer tokens than the model's context of %d: max_model_len "
+        "lowered to %d (raise --kv-cache-gb or --num-pages to serve the whole context)",
+        num_pages, page_size, max_model_len, pool_tokens,
+    )  # fmt: skip
+    return pool_tokens

@@ -7,7 +7,6 @@ drains, so the scheduler, the cache and the model are touched only by the thread
 from __future__ import annotations
 
 import itertools
-import logging
 import queue
 import time
 import uuid
@@ -18,7 +17,7 @@ import torch
 
 from radixserve.cache.page_pool import KVPool
 from radixserve.cache.tiers import make_tiers
-from radixserve.config import EngineConfig
+from radixserve.config import EngineConfig, context_within_pool
 from radixserve.engine.kv_manager import KVCacheManager
 from radixserve.engine.output import OutputAssembler, StepOutput, add_text
 from radixserve.engine.policy import PRIORITY_NAMES
@@ -36,8 +35,6 @@ from radixserve.sampling.grammar import GrammarCompiler, Matcher, batch_mask
 from radixserve.sampling.params import SamplingParams
 from radixserve.sampling.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
 from radixserve.sampling.stop import GRAMMAR_COMPLETE, TokenStop, token_stop
-
-logger = logging.getLogger("radixserve.engine")
 
 
 class Engine:
@@ -66,7 +63,8 @@ class Engine:
             mcfg.num_layers, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim, self.dtype
         )
         num_pages = cfg.num_pages or max(1, int(cfg.kv_cache_gb * 2**30) // page_bytes)
-        self._fit_context_to_pool(num_pages)
+        self.max_model_len = context_within_pool(self.max_model_len, cfg.max_model_len is not None, num_pages,
+                                                 cfg.page_size)  # fmt: skip
         self.kv_pool = KVPool(
             mcfg.num_layers,
             num_pages,
@@ -355,26 +353,6 @@ class Engine:
             raise InvalidRequestError(
                 f"the request needs {pages} KV pages but the pool has only {self.kv.num_pages}"
             )
-
-    def _fit_context_to_pool(self, num_pages: int) -> None:
-        """One request of ``max_model_len`` tokens must fit in the pool: a configured length that does
-        not is refused (ValueError naming the flags), the model's own is lowered with a warning."""
-        page_size = self.config.page_size
-        pool_tokens = num_pages * page_size
-        if pool_tokens >= self.max_model_len:
-            return
-        if self.config.max_model_len is not None:
-            raise ValueError(
-                f"max_model_len {self.max_model_len} (--max-model-len) needs {-(-self.max_model_len // page_size)} "
-                f"KV pages of {page_size} tokens, but the pool has {num_pages}: raise --kv-cache-gb or --num-pages, "
-                f"or lower --max-model-len to at most {pool_tokens}"
-            )  # fmt: skip
-        logger.warning(
-            "the KV pool (%d pages of %d tokens) holds fewer tokens than the model's context of %d: max_model_len "
-            "lowered to %d (raise --kv-cache-gb or --num-pages to serve the whole context)",
-            num_pages, page_size, self.max_model_len, pool_tokens,
-        )  # fmt: skip
-        self.max_model_len = pool_tokens
 
     def _drain_inbox(self) -> list[StepOutput]:
         outputs: list[StepOutput] = []
