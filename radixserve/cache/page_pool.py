@@ -49,11 +49,6 @@ class KVPool:
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.layers[i]
 
-    def copy_page(self, src: int, dst: int, num_tokens: int) -> None:
-        """Copy the first ``num_tokens`` slots of page ``src`` into ``dst`` in every layer (copy-on-write)."""
-        self.k_buffer[:, dst, :num_tokens] = self.k_buffer[:, src, :num_tokens]
-        self.v_buffer[:, dst, :num_tokens] = self.v_buffer[:, src, :num_tokens]
-
 
 class PageAllocator:
     """A free list of page indices. ``can_allocate(n)`` and ``allocate(n)`` go in pairs."""

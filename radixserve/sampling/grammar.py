@@ -133,10 +133,6 @@ class Matcher:
         """The grammar is complete (nothing but EOS may follow) or broken: the request should stop."""
         return self._ll.is_stopped()
 
-    def is_accepting(self) -> bool:
-        """What was accepted so far is a complete match (more may still follow)."""
-        return self._ll.is_accepting()
-
     def forced_tokens(self) -> list[int]:
         """Jump-forward: the tokens the grammar forces next, without choice (empty if none)."""
         if self._ll.is_error() or self._ll.is_stopped():
