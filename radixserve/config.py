@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass, fields
 from typing import Any
 
-from radixserve.cache.tiers import WRITE_POLICIES
+from radixserve.cache.tier_controller import WRITE_POLICIES
 from radixserve.engine.policy import POLICIES
 from radixserve.model.attention import BACKENDS
 
@@ -45,6 +45,7 @@ class EngineConfig:
     detokenize: bool = True
     # Tiers beneath the device pool (docs/cache.md); 0 GB means no such tier.
     host_cache_gb: float = 0.0
+    # 0 with a disk_cache_dir: 10% of the free space on its filesystem, at most 64 GiB (docs/cache.md)
     disk_cache_gb: float = 0.0
     disk_cache_dir: str | None = None  # survives restarts; entries of another model are deleted
     write_policy: str = "write_through"  # write_through | write_through_selective | write_back
@@ -71,8 +72,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
         if self.host_cache_gb < 0 or self.disk_cache_gb < 0:
             raise ValueError("host_cache_gb and disk_cache_gb must be >= 0")
-        if (self.disk_cache_gb > 0) != bool(self.disk_cache_dir):
-            raise ValueError("a disk tier needs both disk_cache_gb > 0 and disk_cache_dir")
+        if self.disk_cache_gb > 0 and not self.disk_cache_dir:
+            raise ValueError("a disk tier (disk_cache_gb > 0) needs disk_cache_dir")
         if self.write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
         if self.write_through_threshold < 1:

@@ -129,7 +129,7 @@ def test_locked_nodes_survive_eviction() -> None:
     cache.insert([1, 2, 4, 5], [0, 1, 3, 4])
     cache.insert([7, 8], [5, 6])
     cache.lock(keep)
-    assert cache.evict(100) == 4
+    assert cache.evict(100).num_pages == 4
     assert sorted(freed.pages) == [3, 4, 5, 6]
     assert cache.match_prefix([1, 2, 3]).pages == [0, 1, 2]
     assert cache.total_pages == cache.protected_pages == 3
@@ -145,7 +145,7 @@ def test_evict_parent_after_children() -> None:
     cache.insert([1, 2], [0, 1])
     cache.insert([1, 2, 3], [0, 1, 2])
     cache.insert([1, 2, 4], [0, 1, 3])
-    assert cache.evict(4) == 4
+    assert cache.evict(4).num_pages == 4
     assert cache.total_pages == 0 and sorted(freed.pages) == [0, 1, 2, 3]
     cache.check_integrity()
 
@@ -154,7 +154,7 @@ def test_evict_trims_a_large_leaf_exactly() -> None:
     freed = Freed()
     cache = RadixCache(page_size=2, on_free=freed)
     cache.insert(list(range(10)), [0, 1, 2, 3, 4])
-    assert cache.evict(2) == 2
+    assert cache.evict(2).num_pages == 2
     assert freed.pages == [3, 4]
     assert cache.match_prefix(list(range(10))).pages == [0, 1, 2]
     cache.check_integrity()
@@ -181,7 +181,7 @@ def _three_leaves(policy: str) -> tuple[RadixCache, Freed]:
 def test_eviction_order_per_policy(policy: str, order: list[int]) -> None:
     cache, freed = _three_leaves(policy)
     for _ in order:
-        assert cache.evict(1) == 1
+        assert cache.evict(1).num_pages == 1
     assert freed.pages == order
 
 
@@ -203,7 +203,7 @@ def test_namespaces_never_share_pages() -> None:
 def test_evicted_namespace_root_is_dropped_and_lock_of_evicted_node_raises() -> None:
     cache = RadixCache(page_size=1)
     node = cache.insert([1, 2], [0, 1], namespace="salt").node
-    assert cache.evict(2) == 2
+    assert cache.evict(2).num_pages == 2
     with pytest.raises(RuntimeError):
         cache.lock(node)
     assert cache.match_prefix([1, 2], namespace="salt").num_tokens == 0
@@ -341,7 +341,7 @@ def make_machine(page_size: int, num_pages: int, alphabet: int, max_len: int) ->
         def evict(self, n: int) -> None:
             evictable = self.cache.evictable_pages
             free_before = self.alloc.num_free
-            assert self.cache.evict(n) == min(n, evictable)
+            assert self.cache.evict(n).num_pages == min(n, evictable)
             assert self.alloc.num_free - free_before == min(n, evictable)
 
         @invariant()

@@ -18,7 +18,7 @@ import torch
 from tiny_models import make_tiny_model
 
 from radixserve import Engine, SamplingParams
-from radixserve.cache.radix import RadixCache
+from radixserve.cache.radix import EvictResult, RadixCache
 from radixserve.cache.tiers import DiskStore, HostStore, namespace_key, page_key
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -47,11 +47,11 @@ def reference(model: Path, prompts: list[list[int]]) -> list[list[int]]:
 def evict_from_device(eng: Engine, doc: list[int]) -> None:
     """Fill the device pool with other prompts until no page of ``doc`` is left on it."""
     seed = 1000
-    while eng.kv.tree is not None and eng.kv.tree.prefix_len(doc):
+    while eng.kv_cache.tree is not None and eng.kv_cache.tree.prefix_len(doc):
         eng.generate([tokens(100, seed)], GREEDY)
         seed += 1
-    if eng.kv.tiers is not None:
-        eng.kv.tiers.drain()
+    if eng.kv_cache.tiers is not None:
+        eng.kv_cache.tiers.drain()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -172,7 +172,7 @@ def _write_doc_to_disk(model: Path, kv: Path, prompt: list[int]) -> None:
 
 def _page_file(model: Path, kv: Path, doc: list[int], page: int) -> Path:
     """The disk file of page ``page`` of ``doc`` (keys from a throwaway engine's tree: same model, same chain)."""
-    tree = engine(model, 8, host_cache_gb=gb(1)).kv.tree
+    tree = engine(model, 8, host_cache_gb=gb(1)).kv_cache.tree
     assert tree is not None
     keys = list(tree._chain(tree._last_key(tree._root(None)), doc, 0, len(doc)))
     return kv / f"{keys[page].hex()}.kv"
@@ -234,7 +234,7 @@ def test_every_tier_stays_within_its_capacity(policy: str, tiny_llama: Path, tmp
     prompts = [tokens(60, 100 + i) for i in range(12)]  # 12 x 15 pages: far more than 40 + 20 + 30
     for p in prompts:
         eng.generate([p, p], GREEDY)  # twice: a hit for write_through_selective
-        eng.kv.tiers.drain()  # type: ignore[union-attr]
+        eng.kv_cache.tiers.drain()  # type: ignore[union-attr]
         eng.check_integrity()
         tiers = eng.stats().tiers
         assert tiers["host"]["used_bytes"] <= tiers["host"]["capacity_bytes"] == 20 * PAGE_BYTES
@@ -243,8 +243,8 @@ def test_every_tier_stays_within_its_capacity(policy: str, tiny_llama: Path, tmp
         assert len(list(kv.glob("*.kv"))) <= 30
     tiers = eng.stats().tiers
     assert tiers["device"]["evicted"] > 0 and tiers["host"]["evicted"] > 0 and tiers["disk"]["evicted"] > 0
-    assert eng.kv.match(_req(eng, prompts[0])) == 0  # the oldest are gone from every tier
-    assert eng.kv.match(_req(eng, prompts[-1])) > 0
+    assert eng.kv_cache.match(_req(eng, prompts[0])) == 0  # the oldest are gone from every tier
+    assert eng.kv_cache.match(_req(eng, prompts[-1])) > 0
     eng.close()
 
 
@@ -285,7 +285,7 @@ def test_a_request_waiting_on_a_load_does_not_hold_up_others(tiny_llama: Path) -
     doc = tokens(100, 9)
     eng.generate([doc + [1]], GREEDY)
     evict_from_device(eng, doc)
-    host = eng.kv.tiers.stores[0]  # type: ignore[union-attr]
+    host = eng.kv_cache.tiers.stores[0]  # type: ignore[union-attr]
     gate = threading.Event()
     real_get = host.get
 
@@ -348,19 +348,20 @@ class FakeLower:
         return tiers
 
 
-def test_tree_keys_demotion_and_lower_match() -> None:
-    lower, demoted, freed = FakeLower(), [], list[int]()
-    tree = RadixCache(2, lower=lower, on_free=freed.extend, on_evict=lambda p, k: demoted.append((p, k)))
+def test_tree_keys_unbacked_eviction_and_lower_match() -> None:
+    lower, freed = FakeLower(), list[int]()
+    tree = RadixCache(2, lower=lower, on_free=freed.extend)
     tree.insert([1, 2, 3, 4, 5, 6], [10, 11, 12])
     k0 = page_key(namespace_key(lower.seed, None), [1, 2])
     keys = [k0, page_key(k0, [3, 4]), page_key(page_key(k0, [3, 4]), [5, 6])]
     assert tree.match_prefix([1, 2, 3, 4, 9, 9]).node.hashes == keys[:2]  # split keeps the chain
     tree.check_integrity()
-    assert tree.evict(2) == 2 and demoted == [([12, 11], [keys[2], keys[1]])]  # no copy below: demote
+    # No copy below: the tree reports the freed pages with their keys (for write-back to copy).
+    assert tree.evict(2) == EvictResult(2, [12, 11], [keys[2], keys[1]])
     lower.held.update({keys[1]: 0, keys[2]: 1})
     m = tree.match_prefix([1, 2, 3, 4, 5, 6, 7])
     assert (m.pages, m.lower_keys, m.lower_tiers) == ([10], (keys[1], keys[2]), (0, 1))
     assert tree.prefix_len([1, 2, 3, 4, 5, 6, 7], lower=True) == 6 and tree.prefix_len([1, 2, 3, 4]) == 2
     tree.match_prefix([1, 2]).node.backed_up = True
-    tree.evict(1)
-    assert len(demoted) == 1 and freed == [12, 11, 10]  # a backed-up page just leaves the device
+    assert tree.evict(1) == EvictResult(1, [], [])  # a backed-up page just leaves the device
+    assert freed == [12, 11, 10]

@@ -20,9 +20,10 @@ Only unlocked leaves are evicted, so whatever a locked node's path covers stays 
 With ``lower`` tiers (host RAM, disk; see ``cache/tiers.py``) every node also carries the chain key of
 each of its pages (``hashes[i]`` is ``page_key`` of the key before it), so ``hashes`` always has one
 entry per page and the chain runs unbroken from the namespace's seed. ``backed_up`` records that the
-node's pages were copied to the lower tiers; pages evicted from the device without that copy go to
-``on_evict`` first (write-back). ``match_prefix`` reports the pages beyond the device match that the
-lower tiers hold, and which tier holds each.
+node's pages have a copy in the lower tiers; ``evict`` reports the pages it frees without one, with
+their keys, and leaves what to do with them to its caller (the tier controller's write policy).
+``match_prefix`` reports the pages beyond the device match that the lower tiers hold, and which tier
+holds each. The tree records where pages live; it never copies one.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ _EVICTION_POLICIES = ("lru", "lfu", "priority")
 
 
 class LowerTiers(Protocol):
-    """What the tree needs of the stores beneath it (``TieredStore`` is one)."""
+    """What the tree needs of the stores beneath it (``TierController`` is one)."""
 
     seed: bytes  # the model fingerprint: the root of every key chain
 
@@ -104,6 +105,14 @@ class InsertResult(NamedTuple):
     node: TreeNode  # node that ends the inserted key
 
 
+class EvictResult(NamedTuple):
+    num_pages: int  # pages freed (through ``on_free``)
+    # Of those, the pages with no copy in the lower tiers (never ``backed_up``) and their chain keys,
+    # for write-back. They are already on the free list, so copy them before anything allocates.
+    unbacked_pages: list[int]
+    unbacked_keys: list[bytes]
+
+
 class RadixCache:
     """Prefix cache over KV pages. ``on_free`` receives pages the tree lets go of (usually ``allocator.free``)."""
 
@@ -113,7 +122,6 @@ class RadixCache:
         eviction_policy: str = "lru",
         on_free: Callable[[list[int]], None] | None = None,
         lower: LowerTiers | None = None,
-        on_evict: Callable[[list[int], list[bytes]], None] | None = None,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -123,7 +131,6 @@ class RadixCache:
         self.eviction_policy = eviction_policy
         self.on_free = on_free
         self.lower = lower
-        self.on_evict = on_evict  # gets pages about to be freed that have no lower copy, with their keys
         self._clock = 0
         self._evictable = 0
         self._protected = 0
@@ -242,22 +249,23 @@ class RadixCache:
 
     # ---- eviction ----
 
-    def evict(self, num_pages: int) -> int:
-        """Free up to ``num_pages`` pages from unlocked leaves, least valuable first; returns pages freed.
+    def evict(self, num_pages: int) -> EvictResult:
+        """Free up to ``num_pages`` pages from unlocked leaves, least valuable first.
 
         A leaf larger than what is still needed loses only its last pages, so this frees exactly
-        ``min(num_pages, evictable_pages)``.
+        ``min(num_pages, evictable_pages)``. With lower tiers, the result also lists the freed pages
+        that had no copy below.
         """
         heap = [(self._eviction_key(n), id(n), n) for n in self._nodes() if self._is_evictable_leaf(n)]
         heapq.heapify(heap)
         freed: list[int] = []
-        demote: tuple[list[int], list[bytes]] = ([], [])
+        unbacked: tuple[list[int], list[bytes]] = ([], [])
         while heap and len(freed) < num_pages:
             _, _, leaf = heapq.heappop(heap)
             need = num_pages - len(freed)
-            if not leaf.backed_up and self.on_evict is not None:
-                demote[0].extend(leaf.pages[-need:])
-                demote[1].extend(leaf.hashes[-need:])
+            if not leaf.backed_up and self.lower is not None:
+                unbacked[0].extend(leaf.pages[-need:])
+                unbacked[1].extend(leaf.hashes[-need:])
             if len(leaf.pages) > need:
                 freed += leaf.pages[-need:]
                 del leaf.pages[-need:]
@@ -274,11 +282,9 @@ class RadixCache:
             elif parent.is_root and not parent.children and parent.namespace is not None:
                 del self._roots[parent.namespace]  # salts come and go; don't keep their empty roots
         self._evictable -= len(freed)
-        if demote[0] and self.on_evict is not None:
-            self.on_evict(*demote)
         if freed and self.on_free is not None:
             self.on_free(freed)
-        return len(freed)
+        return EvictResult(len(freed), *unbacked)
 
     def reset(self) -> None:
         """Drop the whole tree (for /flush_cache). Raises if any node is locked."""

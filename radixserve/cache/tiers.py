@@ -15,8 +15,8 @@ Invariants:
 - A store's methods may be called from any thread (each store has its own lock); ``get`` returns a
   tensor that stays valid whatever the store does next.
 
-``TieredStore`` chains the stores (host first, then disk), applies the write policy between them and
-runs disk writes and loads on two background threads.
+``TierController`` (``cache/tier_controller.py``) chains the stores (host first, then disk), owns the
+write policy and the loads, and runs disk writes and loads on two background threads.
 """
 
 from __future__ import annotations
@@ -26,20 +26,15 @@ import math
 import os
 import struct
 import threading
-import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Hashable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
-from radixserve.cache.page_pool import KVPool
-
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 KEY_BYTES = 16
 
 
@@ -324,147 +319,3 @@ class DiskStore:
         for _, key in sorted(entries):  # oldest first: the LRU order of the last run, as near as we know it
             self._index[key] = self.file_bytes
         self._evict_to(self.stats.capacity_bytes)
-
-
-class TieredStore:
-    """The stores beneath the device pool, fastest first, with the write policy and the copy threads.
-
-    ``backup`` puts pages into the first store now; with ``write_through*`` it also queues them for the
-    stores below, and with ``write_back`` a store's LRU victims are queued for the next store down. Writes
-    below the first store and all loads run on background threads, so the stepping thread does no file
-    I/O. A backlog over ``max_pending`` pages drops further writes (a cache may forget; it may not stall).
-    """
-
-    def __init__(self, stores: Sequence[KVStore], seed: bytes, write_policy: str = "write_through",
-                 write_through_threshold: int = 2, max_pending: int = 4096) -> None:  # fmt: skip
-        if write_policy not in WRITE_POLICIES:
-            raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
-        if not stores:
-            raise ValueError("a TieredStore needs at least one store")
-        self.stores = list(stores)
-        self.seed = seed  # the model fingerprint, mixed into every key
-        self.write_policy = write_policy
-        self.write_through_threshold = write_through_threshold
-        self.max_pending = max_pending
-        self.dropped_writes = 0
-        self._pending = 0
-        self._pending_lock = threading.Lock()
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-write")
-        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-load")
-
-    def lookup(self, keys: Iterable[bytes]) -> list[int]:
-        """For the leading keys found in some store, the index of the fastest store holding each."""
-        tiers = []
-        for key in keys:
-            tier = next((i for i, s in enumerate(self.stores) if s.contains(key)), None)
-            if tier is None:
-                break
-            tiers.append(tier)
-        return tiers
-
-    def backup(self, keys: Sequence[bytes], pages: torch.Tensor) -> None:
-        """Copy ``pages`` (``[n, *page_shape]``, any device) into the tiers under ``keys``."""
-        pages = pages.to("cpu")
-        for key, page in zip(keys, pages):
-            self._store(0, key, page)
-
-    def load(
-        self, keys: Sequence[bytes], tiers: Sequence[int], sink: Callable[[torch.Tensor], None]
-    ) -> Future[bool]:
-        """Read the pages on the loader thread and hand them, stacked, to ``sink``; all or nothing.
-
-        The future's result is False (and ``sink`` is not called) if any page has gone or is unreadable.
-        """
-        return self._loader.submit(self._load, list(keys), list(tiers), sink)
-
-    def drain(self) -> None:
-        """Wait for every queued write (tests, shutdown)."""
-        self._writer.submit(lambda: None).result()
-
-    def close(self) -> None:
-        self._loader.shutdown(wait=True)
-        self._writer.shutdown(wait=True)
-
-    def clear(self) -> None:
-        self.drain()
-        for store in self.stores:
-            store.clear()
-
-    def stats(self) -> dict[str, dict[str, float]]:
-        out = {s.name: s.stats.as_dict() for s in self.stores}
-        out[self.stores[-1].name]["dropped_writes"] = float(self.dropped_writes)
-        return out
-
-    def check_integrity(self) -> None:
-        for store in self.stores:
-            store.check_integrity()
-
-    def _load(self, keys: list[bytes], tiers: list[int], sink: Callable[[torch.Tensor], None]) -> bool:
-        pages = []
-        for key, tier in zip(keys, tiers):
-            for store in self.stores[tier:]:  # evicted meanwhile or found corrupt: a slower tier may have it
-                start = time.perf_counter()
-                page = store.get(key)
-                store.stats.load_s += time.perf_counter() - start
-                if page is not None:
-                    break
-            if page is None:
-                return False
-            store.stats.hits += 1
-            store.stats.bytes_out += page.numel() * page.element_size()
-            pages.append(page)
-        sink(torch.stack(pages))
-        return True
-
-    def _store(self, tier: int, key: bytes, page: torch.Tensor) -> None:
-        """Put now into an in-memory store; queue the put for the writer thread otherwise."""
-        if self.stores[tier].in_memory:
-            self._put(tier, key, page)
-            return
-        with self._pending_lock:
-            if self._pending >= self.max_pending:
-                self.dropped_writes += 1
-                return
-            self._pending += 1
-        self._writer.submit(self._put_queued, tier, key, page)
-
-    def _put_queued(self, tier: int, key: bytes, page: torch.Tensor) -> None:
-        try:
-            self._put(tier, key, page)
-        finally:
-            with self._pending_lock:
-                self._pending -= 1
-
-    def _put(self, tier: int, key: bytes, page: torch.Tensor) -> None:
-        store = self.stores[tier]
-        start = time.perf_counter()
-        evicted = store.put(key, page)
-        store.stats.backup_s += time.perf_counter() - start
-        below = tier + 1
-        if below == len(self.stores):
-            return
-        if self.write_policy == "write_back":
-            for k, p in evicted:
-                self._store(below, k, p)
-        elif not self.stores[below].contains(key):
-            self._store(below, key, page)
-
-
-def make_tiers(
-    pool: KVPool, model: torch.nn.Module, model_config: object, host_bytes: int, disk_bytes: int,
-    disk_dir: str | None, write_policy: str, write_through_threshold: int,
-) -> TieredStore | None:  # fmt: skip
-    """The stores a config asks for beneath ``pool`` (host, then disk), or None when both sizes are zero."""
-    if host_bytes <= 0 and disk_bytes <= 0:
-        return None
-    dtype = pool.k_buffer.dtype
-    page_shape = (2, *pool.k_buffer.shape[:1], *pool.k_buffer.shape[2:])
-    fingerprint = model_fingerprint(model, model_config, dtype, pool.page_size)
-    stores: list[KVStore] = []
-    if host_bytes > 0:
-        stores.append(HostStore(host_bytes, page_shape, dtype, pin=pool.k_buffer.is_cuda))
-    if disk_bytes > 0:
-        if not disk_dir:
-            raise ValueError("a disk tier needs disk_cache_dir")
-        stores.append(DiskStore(disk_dir, disk_bytes, fingerprint, page_shape, dtype))
-    return TieredStore(stores, fingerprint, write_policy, write_through_threshold)

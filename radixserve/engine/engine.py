@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from radixserve.cache.page_pool import KVPool
-from radixserve.cache.tiers import make_tiers
+from radixserve.cache.tier_controller import make_tiers
 from radixserve.config import EngineConfig, context_within_pool
 from radixserve.engine.kv_manager import KVCacheManager
 from radixserve.engine.output import OutputAssembler, StepOutput, add_text
@@ -65,7 +65,7 @@ class Engine:
         num_pages = cfg.num_pages or max(1, int(cfg.kv_cache_gb * 2**30) // page_bytes)
         self.max_model_len = context_within_pool(self.max_model_len, cfg.max_model_len is not None, num_pages,
                                                  cfg.page_size)  # fmt: skip
-        self.kv_pool = KVPool(
+        self.pool = KVPool(
             mcfg.num_layers,
             num_pages,
             cfg.page_size,
@@ -74,18 +74,30 @@ class Engine:
             self.dtype,
             self.device,
         )
-        tiers = make_tiers(self.kv_pool, self.model, mcfg, int(cfg.host_cache_gb * 2**30), int(cfg.disk_cache_gb * 2**30),
-                           cfg.disk_cache_dir, cfg.write_policy, cfg.write_through_threshold) if cfg.prefix_cache else None  # fmt: skip
-        self.kv = KVCacheManager(
-            num_pages, cfg.page_size, cfg.prefix_cache, cfg.eviction_policy, self.kv_pool, tiers
+        # One backend for the whole engine: attention in the runner, page copies for the tiers.
+        backend = select_backend(cfg.attention_backend, self.device)
+        tiers = None
+        if cfg.prefix_cache:
+            tiers = make_tiers(
+                self.pool,
+                backend,
+                self.model,
+                mcfg,
+                host_bytes=int(cfg.host_cache_gb * 2**30),
+                disk_bytes=int(cfg.disk_cache_gb * 2**30),
+                disk_dir=cfg.disk_cache_dir,
+                write_policy=cfg.write_policy,
+                write_through_threshold=cfg.write_through_threshold,
+            )
+        self.kv_cache = KVCacheManager(
+            num_pages, cfg.page_size, cfg.prefix_cache, cfg.eviction_policy, tiers, page_bytes
         )
         self.max_batched_tokens = cfg.max_batched_tokens or (8192 if self.device.type == "cuda" else 512)
         self.scheduler = Scheduler(
-            self.kv, cfg.max_running_requests, self.max_batched_tokens, cfg.schedule_policy, cfg.aging_s
+            self.kv_cache, cfg.max_running_requests, self.max_batched_tokens, cfg.schedule_policy, cfg.aging_s
         )
-        backend = select_backend(cfg.attention_backend, self.device)
         capture = not cfg.enforce_eager and getattr(backend, "CAPTURABLE", False)
-        self.runner = ModelRunner(self.model, self.kv_pool, backend, self.device, capture)
+        self.runner = ModelRunner(self.model, self.pool, backend, self.device, capture)
         self.runner.warmup()
         self.sampler = Sampler()
         self._grammar: GrammarCompiler | None = None  # built on the first constrained request
@@ -203,7 +215,7 @@ class Engine:
         return self.generate([self.apply_chat_template(m) for m in messages], sampling_params)  # type: ignore[arg-type]
 
     def stats(self) -> EngineStats:
-        kv = self.kv
+        kv = self.kv_cache
         return EngineStats(
             len(self.scheduler.waiting), len(self.scheduler.running), kv.num_pages, kv.num_free, kv.num_cached,
             kv.num_in_use, kv.num_evictable, kv.query_tokens, kv.hit_tokens, kv.evicted_pages,
@@ -212,14 +224,14 @@ class Engine:
         )  # fmt: skip
 
     def check_integrity(self) -> None:
-        self.kv.check_integrity(self.scheduler.running)
+        self.kv_cache.check_integrity(self.scheduler.running)
 
     def flush_cache(self) -> bool:
-        return self.kv.flush()
+        return self.kv_cache.flush()
 
     def close(self) -> None:
         """Finish queued writes to the disk tier and stop the copy threads (the engine is done)."""
-        self.kv.close()
+        self.kv_cache.close()
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
@@ -260,7 +272,7 @@ class Engine:
             r.num_computed_tokens += n
             self.prompt_tokens += n if r.num_computed_tokens <= r.num_prompt_tokens else 0
             if n > 1:  # a finished prefill chunk is shared at once with requests that arrive meanwhile
-                self.kv.cache_computed(r)
+                self.kv_cache.cache_computed(r)
         if not rows:
             return []
         reqs = [batch.requests[i] for i in rows]
@@ -315,9 +327,10 @@ class Engine:
         return list(tokens), None
 
     def _matcher(self, req: Request) -> Matcher | None:
-        if req.grammar is not None and not isinstance(req.grammar, Matcher):
-            req.grammar = req.grammar.result()  # scheduled only once compiled, so this never waits
-        return req.grammar
+        if req.grammar_compile is not None:
+            req.matcher = req.grammar_compile.result()  # scheduled only once compiled, so this never waits
+            req.grammar_compile = None
+        return req.matcher
 
     # -- helpers ------------------------------------------------------------------------------------
     def _new_request(
@@ -332,7 +345,7 @@ class Engine:
         if self.config.detokenize:
             req.text = TextStream(self.tokenizer, params, token_ids)
         if params.constrained:
-            req.grammar = self.grammar_compiler.submit(params)
+            req.grammar_compile = self.grammar_compiler.submit(params)
         return req
 
     def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
@@ -349,9 +362,9 @@ class Engine:
                 "max_tokens", "context_length_exceeded",
             )  # fmt: skip
         pages = -(-total // self.config.page_size)
-        if pages > self.kv.num_pages:
+        if pages > self.kv_cache.num_pages:
             raise InvalidRequestError(
-                f"the request needs {pages} KV pages but the pool has only {self.kv.num_pages}"
+                f"the request needs {pages} KV pages but the pool has only {self.kv_cache.num_pages}"
             )
 
     def _drain_inbox(self) -> list[StepOutput]:

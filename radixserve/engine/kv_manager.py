@@ -5,11 +5,13 @@ tree (they stay valid because the request holds a lock on ``cache_node``), the r
 Pages are handed to the tree only whole and already computed, so a shared page is never written;
 a match ending inside a page is recomputed from the page boundary.
 
-With lower tiers (host RAM, disk: ``cache/tiers.py``), a waiting request whose prefix continues in
-them first gets a *load*: device pages are allocated for those pages, the path above them is locked,
-and the loader thread fills them; when it is done the pages join the tree (all of them, or none if a
-page had gone) and the load's lock is kept until the request is admitted, so nothing evicts them in
-between. Such a request is skipped by admission meanwhile (``prefetch``); others go ahead.
+With lower tiers (host RAM, disk: ``cache/tier_controller.py``), a waiting request whose prefix
+continues in them first gets a *load*: device pages are allocated for those pages, the path above them
+is locked, and the controller's loader thread fills them; when it is done the pages join the tree (all
+of them, or none if a page had gone) and the load's lock is kept until the request is admitted, so
+nothing evicts them in between. Such a request is skipped by admission meanwhile (``prefetch``); others
+go ahead. What gets copied down, and when, is the controller's write policy: this class only tells it
+what happened (``on_cached``, ``on_hit``, ``on_evicted``).
 
 Accounting invariant: free + cached (tree) + in-use (private, and pages being loaded) == total pages.
 """
@@ -17,64 +19,36 @@ Accounting invariant: free + cached (tree) + in-use (private, and pages being lo
 from __future__ import annotations
 
 from collections.abc import Iterable
-from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass
-from functools import partial
 
-import torch
-
-from radixserve.cache.page_pool import KVPool, PageAllocator
-from radixserve.cache.radix import RadixCache, TreeNode
-from radixserve.cache.tiers import TieredStore
+from radixserve.cache.page_pool import PageAllocator
+from radixserve.cache.radix import RadixCache
+from radixserve.cache.tier_controller import Load, TierController
 from radixserve.engine.request import Request
-from radixserve.kernels.reference import gather_pages, scatter_pages
-
-
-@dataclass(eq=False)
-class _Load:
-    """Pages of one request's prefix coming back from the lower tiers into ``pages``."""
-
-    req: Request | None  # None once the request has gone (aborted)
-    tokens: list[int]  # the prefix that ends with the loaded pages
-    namespace: str | None
-    node: TreeNode  # locked by the load: the device match above the pages, then the node that ends them
-    prefix_pages: list[int]  # the tree's pages before the loaded ones
-    pages: list[int]  # device pages being filled; the tree's once ready
-    future: Future[bool]
-    ready: bool = False
 
 
 class KVCacheManager:
     def __init__(
-        self, num_pages: int, page_size: int, prefix_cache: bool, eviction_policy: str = "lru",
-        pool: KVPool | None = None, tiers: TieredStore | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        num_pages: int,
+        page_size: int,
+        prefix_cache: bool,
+        eviction_policy: str = "lru",
+        tiers: TierController | None = None,
+        page_bytes: int = 0,
+    ) -> None:
         self.page_size = page_size
+        self.page_bytes = page_bytes  # bytes of one device page (K and V, all layers), for tier_stats
         self.allocator = PageAllocator(num_pages)
-        self.pool = pool
-        self.tiers = tiers if prefix_cache and pool is not None else None
-        write_back = self.tiers is not None and self.tiers.write_policy == "write_back"
-        self.tree = (
-            RadixCache(
-                page_size,
-                eviction_policy,
-                self.allocator.free,
-                self.tiers,
-                self._demote if write_back else None,
-            )
-            if prefix_cache
-            else None
-        )
+        self.tiers = tiers if prefix_cache else None
+        self.tree = None
+        if prefix_cache:
+            self.tree = RadixCache(page_size, eviction_policy, self.allocator.free, self.tiers)
         self._tree_pages: dict[Request, int] = {}
         self._private = 0  # pages held privately by requests
-        self._loads: list[_Load] = []
-        self._loading = 0  # pages held by loads in flight
         self.query_tokens = 0
         self.hit_tokens = 0
         self.evicted_pages = 0
         self.device_hit_pages = 0
-        self.num_loads = 0
-        self.failed_loads = 0
 
     # -- sizes --------------------------------------------------------------------------------
     @property
@@ -94,12 +68,12 @@ class KVCacheManager:
         return self._private + self._loading
 
     @property
+    def _loading(self) -> int:
+        return self.tiers.loading_pages if self.tiers is not None else 0
+
+    @property
     def num_evictable(self) -> int:
         return self.tree.evictable_pages if self.tree else 0
-
-    def available(self) -> int:
-        """Pages that could be had now: free ones plus evictable cached ones."""
-        return self.num_free + self.num_evictable
 
     # -- admission ------------------------------------------------------------------------------
     def match(self, req: Request) -> int:
@@ -134,10 +108,8 @@ class KVCacheManager:
             result = self.tree.match_prefix(req.token_ids[:cached], req.cache_salt)
             node, pages = result.node, list(result.pages)
             self.tree.lock(node)
-            if self.tiers is not None and self.tiers.write_policy == "write_through_selective":
-                for n in self.tree.path(node):
-                    if n.hit_count >= self.tiers.write_through_threshold:
-                        self._backup(n)
+            if self.tiers is not None:
+                self.tiers.on_hit(self.tree.path(node))
         loaded = len(req.kv_load.pages) if req.kv_load is not None else 0
         self.forget_load(req)  # the request's own lock covers the loaded pages from now on
         req.page_table = pages
@@ -167,7 +139,10 @@ class KVCacheManager:
 
     def _make_room(self, need: int) -> bool:
         if not self.allocator.can_allocate(need) and self.tree is not None:
-            self.evicted_pages += self.tree.evict(need - self.allocator.num_free)
+            evicted = self.tree.evict(need - self.allocator.num_free)
+            self.evicted_pages += evicted.num_pages
+            if self.tiers is not None:  # before the caller allocates, and so may overwrite, those pages
+                self.tiers.on_evicted(evicted)
         return self.allocator.can_allocate(need)
 
     # -- loads from the lower tiers -----------------------------------------------------------------
@@ -180,7 +155,7 @@ class KVCacheManager:
         if req.kv_load is not None:
             return not req.kv_load.ready
         usable = self._usable(req)
-        if self.tiers is None or self.tree is None or self.pool is None or not usable:
+        if self.tiers is None or self.tree is None or not usable:
             return False
         tokens = req.token_ids[:usable]
         if self.tree.prefix_len(tokens, req.cache_salt, lower=True) == self.tree.prefix_len(
@@ -197,44 +172,33 @@ class KVCacheManager:
         if not self._make_room(n):
             self.tree.unlock(m.node)
             return False
-        pages = self.allocator.allocate(n)
-        self._loading += n
-        self.num_loads += 1
-        future = self.tiers.load(m.lower_keys, m.lower_tiers, partial(self._scatter, pages))
         end = m.num_tokens + n * self.page_size
-        req.kv_load = _Load(req, tokens[:end], req.cache_salt, m.node, list(m.pages), pages, future)
-        self._loads.append(req.kv_load)
+        req.kv_load = self.tiers.start_load(m, tokens[:end], req.cache_salt, self.allocator.allocate(n))
         return True
 
     def poll_loads(self) -> None:
         """Put the pages of finished loads into the tree (or free them, if a load failed)."""
-        for load in [x for x in self._loads if not x.ready and x.future.done()]:
-            self._land(load)
+        if self.tiers is not None:
+            for load in self.tiers.finished_loads():
+                self._land(load)
 
     def wait_for_loads(self, timeout: float) -> None:
         """Block until a load in flight finishes or ``timeout`` passes (when there is nothing else to do)."""
-        pending = [x.future for x in self._loads if not x.ready]
-        if pending:
-            wait(pending, timeout, return_when=FIRST_COMPLETED)
+        if self.tiers is not None:
+            self.tiers.wait_for_loads(timeout)
 
     def forget_load(self, req: Request) -> None:
         """``req`` is admitted or gone: drop its load's lock (now, or when the load lands)."""
         load, req.kv_load = req.kv_load, None
         if load is None:
             return
-        load.req = None
+        load.abandoned = True
         if load.ready:
             self._release(load)
 
-    def _land(self, load: _Load) -> None:
-        assert self.tree is not None
-        self._loading -= len(load.pages)
-        load.ready = True
-        try:
-            ok = load.future.result()
-        except Exception:  # a broken store must cost a recompute, never the engine
-            ok = False
-        if ok:
+    def _land(self, load: Load) -> None:
+        assert self.tree is not None and self.tiers is not None
+        if self.tiers.land(load):
             r = self.tree.insert(load.tokens, load.prefix_pages + load.pages, load.namespace)
             if r.num_existing < len(load.tokens):
                 r.node.backed_up = True  # its pages came from the lower tiers
@@ -245,41 +209,15 @@ class KVCacheManager:
             first = len(load.prefix_pages)
             self.allocator.free([p for p, t in zip(load.pages, m.pages[first:]) if p != t])
         else:
-            self.failed_loads += 1
             self.allocator.free(load.pages)
             load.pages = []
-        if load.req is None:
+        if load.abandoned:
             self._release(load)
 
-    def _release(self, load: _Load) -> None:
-        assert self.tree is not None
+    def _release(self, load: Load) -> None:
+        assert self.tree is not None and self.tiers is not None
         self.tree.unlock(load.node)
-        self._loads.remove(load)
-
-    def _scatter(self, pages: list[int], data: torch.Tensor) -> None:
-        """Loader thread: write pages ``[n, 2, layers, page_size, heads, dim]`` into device ``pages``."""
-        assert self.pool is not None
-        idx = torch.tensor(pages, device=self.pool.k_buffer.device)
-        data = data.to(self.pool.k_buffer.device)
-        scatter_pages(self.pool.k_buffer, idx, data[:, 0].transpose(0, 1))
-        scatter_pages(self.pool.v_buffer, idx, data[:, 1].transpose(0, 1))
-
-    # -- copies to the lower tiers --------------------------------------------------------------------
-    def _gather(self, pages: list[int]) -> torch.Tensor:
-        assert self.pool is not None
-        idx = torch.tensor(pages, device=self.pool.k_buffer.device)
-        kv = torch.stack((gather_pages(self.pool.k_buffer, idx), gather_pages(self.pool.v_buffer, idx)))
-        return kv.permute(2, 0, 1, 3, 4, 5)  # [n, 2, layers, page_size, heads, dim]
-
-    def _backup(self, node: TreeNode) -> None:
-        if not node.backed_up and self.tiers is not None:
-            self.tiers.backup(node.hashes, self._gather(node.pages))
-            node.backed_up = True
-
-    def _demote(self, pages: list[int], keys: list[bytes]) -> None:
-        """Write-back: pages leaving the device without a lower copy get one now."""
-        if self.tiers is not None:
-            self.tiers.backup(keys, self._gather(pages))
+        self.tiers.loads.remove(load)
 
     # -- handing pages to the tree ----------------------------------------------------------------
     def cache_computed(self, req: Request) -> None:
@@ -296,12 +234,8 @@ class KVCacheManager:
             return
         key = req.token_ids[: num_full * self.page_size]
         inserted = self.tree.insert(key, req.page_table[:num_full], req.cache_salt, req.priority)
-        if (
-            self.tiers is not None
-            and self.tiers.write_policy == "write_through"
-            and inserted.num_existing < len(key)
-        ):
-            self._backup(inserted.node)
+        if self.tiers is not None:
+            self.tiers.on_cached(inserted.node, added_pages=inserted.num_existing < len(key))
         result = self.tree.match_prefix(key, req.cache_salt)
         self.tree.lock(result.node)
         if req.cache_node is not None:
@@ -334,7 +268,7 @@ class KVCacheManager:
         """Drop every cached page; refused (False) while any request holds tree pages."""
         if self.tree is None:
             return True
-        if self.tree.protected_pages or self._loads:
+        if self.tree.protected_pages or (self.tiers is not None and self.tiers.loads):
             return False
         self.tree.reset()
         if self.tiers is not None:
@@ -343,16 +277,17 @@ class KVCacheManager:
 
     def tier_stats(self) -> dict[str, dict[str, float]]:
         """Per tier: hits, pages and bytes moved, load/backup seconds, occupancy (see TierStats)."""
-        page_bytes = 0
-        if self.pool is not None:
-            page_bytes = 2 * self.pool.k_buffer[:, 0].numel() * self.pool.k_buffer.element_size()
+        tiers = self.tiers
         device = {
-            "hits": float(self.device_hit_pages), "evicted": float(self.evicted_pages),
-            "used_bytes": float((self.num_cached + self.num_in_use) * page_bytes),
-            "capacity_bytes": float(self.num_pages * page_bytes), "loads": float(self.num_loads),
-            "failed_loads": float(self.failed_loads), "loading_pages": float(self._loading),
-        }  # fmt: skip
-        return {"device": device, **(self.tiers.stats() if self.tiers is not None else {})}
+            "hits": float(self.device_hit_pages),
+            "evicted": float(self.evicted_pages),
+            "used_bytes": float((self.num_cached + self.num_in_use) * self.page_bytes),
+            "capacity_bytes": float(self.num_pages * self.page_bytes),
+            "loads": float(tiers.num_loads if tiers else 0),
+            "failed_loads": float(tiers.failed_loads if tiers else 0),
+            "loading_pages": float(self._loading),
+        }
+        return {"device": device, **(tiers.stats() if tiers is not None else {})}
 
     def close(self) -> None:
         """Finish queued disk writes and stop the copy threads."""
@@ -362,12 +297,12 @@ class KVCacheManager:
     def check_integrity(self, running: Iterable[Request]) -> None:
         private = [p for r in running for p in r.page_table[self._tree_pages.get(r, 0) :]]
         assert len(private) == self._private, f"private page count {self._private} != {len(private)} held"
-        loading = [p for x in self._loads if not x.ready for p in x.pages]
-        assert len(loading) == self._loading, f"loading page count {self._loading} != {len(loading)} held"
+        loads = self.tiers.loads if self.tiers is not None else []
+        loading = [p for x in loads if not x.ready for p in x.pages]
         total = self.num_free + self.num_cached + self.num_in_use
         assert total == self.num_pages, f"free+cached+in-use = {total} != {self.num_pages} pages"
         if self.tree is not None:
-            assert all(x.node.lock_ref > 0 for x in self._loads), "a load's path is not locked"
+            assert all(x.node.lock_ref > 0 for x in loads), "a load's path is not locked"
             self.tree.check_integrity(self.allocator.free_pages(), private + loading, self.num_pages)
             if self.tiers is not None:
                 self.tiers.check_integrity()

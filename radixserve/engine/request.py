@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import enum
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
+from radixserve.cache.radix import TreeNode
+from radixserve.cache.tier_controller import Load
 from radixserve.outputs import TokenLogprob
 from radixserve.sampling.detokenizer import TextStream
+from radixserve.sampling.grammar import Matcher
 from radixserve.sampling.params import SamplingParams
 
 
@@ -45,10 +48,13 @@ class Request:
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
-    cache_node: Any = None  # the locked radix node covering the shared prefix, if any
-    kv_load: Any = None  # while waiting: its prefix coming back from host/disk (KVCacheManager.prefetch)
+    cache_node: TreeNode | None = None  # the locked radix node covering the shared prefix, if any
+    kv_load: Load | None = None  # while waiting: its prefix coming back from host/disk (``prefetch``)
     text: TextStream | None = None  # detokenizes and checks stop strings, where the engine makes the text
-    grammar: Any = None  # a Future of the constraint's Matcher while compiling, then the Matcher
+    # A constrained request's matcher compiles on a worker thread: ``grammar_compile`` is pending until
+    # the request is first sampled, then ``matcher`` holds the result (``Engine._matcher``).
+    grammar_compile: Future[Matcher] | None = None
+    matcher: Matcher | None = None
     first_token_time: float | None = None
     finish_reason: str | None = None
 
@@ -71,7 +77,7 @@ class Request:
     @property
     def grammar_ready(self) -> bool:
         """False while the request's constraint still compiles: it must not be scheduled yet."""
-        return self.grammar is None or not hasattr(self.grammar, "done") or self.grammar.done()
+        return self.grammar_compile is None or self.grammar_compile.done()
 
     @property
     def num_pending_tokens(self) -> int:

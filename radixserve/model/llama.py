@@ -95,13 +95,13 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
-        kv: KVPool,
+        pool: KVPool,
         backend: ModuleType,
     ) -> torch.Tensor:
-        """Flat new tokens ``[T]`` -> final hidden states ``[T, hidden]``, writing their K/V into ``kv``."""
+        """Flat new tokens ``[T]`` -> final hidden states ``[T, hidden]``, writing their K/V into ``pool``."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary.table(positions)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv.layers):
+        for layer, (k_cache, v_cache) in zip(self.layers, pool.layers):
             x = layer(x, rope, meta, k_cache, v_cache, backend)
         return self.norm(x)
 

@@ -86,7 +86,7 @@ class EngineLoop:
         engine = self.engine
         cfg = engine.config
         self._send(Ready(os.getpid(), str(engine.model_path), engine.max_model_len, engine.model.config.vocab_size,
-                         engine.eos_token_ids, cfg.page_size, engine.kv.num_pages, engine.max_batched_tokens,
+                         engine.eos_token_ids, cfg.page_size, engine.kv_cache.num_pages, engine.max_batched_tokens,
                          engine.stats()))  # fmt: skip
         progressed = True
         while True:
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
                 return
             built.append(engine)
             logger.info("engine process %d ready: %s, %d threads, %d KV pages", os.getpid(), engine.model_path,
-                        torch.get_num_threads(), engine.kv.num_pages)  # fmt: skip
+                        torch.get_num_threads(), engine.kv_cache.num_pages)  # fmt: skip
             EngineLoop(engine, inbox, outbox, stop).run()
         except BaseException as exc:
             logger.exception("the engine failed")

@@ -7,7 +7,7 @@ import logging
 import os
 from pathlib import Path
 
-from radixserve.cache.tiers import WRITE_POLICIES
+from radixserve.cache.tier_controller import WRITE_POLICIES
 from radixserve.config import EngineConfig
 from radixserve.model.default_model import DEFAULT_MODEL_NAME
 from radixserve.server.app import DEFAULT_MAX_BODY_BYTES, serve
@@ -43,9 +43,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--disk-cache-gb",
         type=float,
         default=0.0,
-        help="disk KV tier (needs --disk-cache-dir; survives restarts)",
+        help="disk KV tier size (0 with --disk-cache-dir: 10%% of the free space there, at most 64 GiB)",
     )
-    a("--disk-cache-dir", default=None)
+    a("--disk-cache-dir", default=None, help="disk KV tier directory (survives restarts)")
     a("--write-policy", default="write_through", choices=WRITE_POLICIES,
       help="when pages are copied down a tier: on insert, after k hits, or on eviction")  # fmt: skip
     a("--write-through-threshold", type=int, default=2, help="k for write_through_selective")

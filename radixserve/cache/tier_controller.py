@@ -1,0 +1,325 @@
+"""TierController: the one owner of the tiers beneath the device pool (host RAM, disk).
+
+It owns the write policy (``WritePolicy``) and the write-through threshold, so it alone decides when
+a device page gets a copy below (backups); it copies pages between the device pool and the stores
+through the attention backend's ``gather_pages``/``scatter_pages``; it keeps the loads in flight; and
+it runs disk writes and loads on two background threads, so the stepping thread does no file I/O.
+
+The radix tree only records where each page lives (``TreeNode.backed_up`` and the chain keys the stores
+are addressed by) and reports what eviction freed without a copy. ``KVCacheManager`` decides which
+pages to load and puts landed loads into the tree; it tells the controller what happened (a chunk was
+cached, a path was hit, pages were evicted) and the policy decides what to copy.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import shutil
+import threading
+import time
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from radixserve.cache.page_pool import KVPool
+from radixserve.cache.radix import EvictResult, MatchResult, TreeNode
+from radixserve.cache.tiers import DiskStore, HostStore, KVStore, model_fingerprint
+
+logger = logging.getLogger(__name__)
+
+
+class WritePolicy(enum.Enum):
+    """When a device page gets a copy in the stores below (docs/cache.md has the table)."""
+
+    WRITE_THROUGH = "write_through"  # when a computed chunk enters the tree
+    WRITE_THROUGH_SELECTIVE = "write_through_selective"  # once a node has ``threshold`` hits
+    WRITE_BACK = "write_back"  # when the device evicts it; host LRU victims then go to disk
+
+
+WRITE_POLICIES = tuple(p.value for p in WritePolicy)
+
+# The disk tier's size when only its directory is given: a tenth of the free space on that
+# filesystem, so a cache never fills a disk by default, and at most 64 GiB, past which a prefix cache
+# of one model rarely gets hits that pay for the space.
+DISK_DEFAULT_FRACTION = 0.10
+DISK_DEFAULT_MAX_BYTES = 64 * 2**30
+
+
+@dataclass(eq=False)
+class Load:
+    """Pages of one request's prefix coming back from the stores into device ``pages``."""
+
+    tokens: list[int]  # the prefix that ends with the loaded pages
+    namespace: Hashable
+    node: TreeNode  # locked by the load: the device match above the pages, then the node that ends them
+    prefix_pages: list[int]  # the tree's pages before the loaded ones
+    pages: list[int]  # device pages being filled; the tree's once landed
+    future: Future[bool]
+    ready: bool = False  # landed: its pages are in the tree, or freed if it failed
+    abandoned: bool = False  # its request was admitted or has gone: unlock as soon as it lands
+
+
+class TierController:
+    """The stores beneath ``pool``, fastest first, with the write policy, the loads and the copy threads.
+
+    ``backup`` puts pages into the first store now; under the write-through policies it also queues
+    them for the stores below, and under write-back a store's LRU victims are queued for the next store
+    down. A backlog over ``max_pending`` pages drops further writes (a cache may forget; it may not stall).
+    """
+
+    def __init__(
+        self,
+        stores: Sequence[KVStore],
+        seed: bytes,
+        pool: KVPool,
+        backend: ModuleType,
+        policy: WritePolicy = WritePolicy.WRITE_THROUGH,
+        write_through_threshold: int = 2,
+        max_pending: int = 4096,
+    ) -> None:
+        if not stores:
+            raise ValueError("a TierController needs at least one store")
+        self.stores = list(stores)
+        self.seed = seed  # the model fingerprint, mixed into every key
+        self.pool = pool
+        self.backend = backend  # the engine's attention backend: its gather/scatter move the pages
+        self.policy = policy
+        self.write_through_threshold = write_through_threshold
+        self.max_pending = max_pending
+        self.dropped_writes = 0
+        self.loads: list[Load] = []  # in flight, or landed and still locked for their request
+        self.loading_pages = 0  # device pages held by loads in flight
+        self.num_loads = 0
+        self.failed_loads = 0
+        self._pending = 0
+        self._pending_lock = threading.Lock()
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-write")
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-load")
+
+    # -- what the tree asks (the LowerTiers protocol) -------------------------------------------
+    def lookup(self, keys: Iterable[bytes]) -> list[int]:
+        """For the leading keys found in some store, the index of the fastest store holding each."""
+        tiers = []
+        for key in keys:
+            tier = next((i for i, s in enumerate(self.stores) if s.contains(key)), None)
+            if tier is None:
+                break
+            tiers.append(tier)
+        return tiers
+
+    # -- the write policy -------------------------------------------------------------------------
+    def on_cached(self, node: TreeNode, added_pages: bool) -> None:
+        """A computed chunk entered the tree, ending at ``node``; write-through copies it down now."""
+        if self.policy is WritePolicy.WRITE_THROUGH and added_pages:
+            self._backup(node)
+
+    def on_hit(self, path: Iterable[TreeNode]) -> None:
+        """A request was admitted on ``path``; selective write-through copies the nodes hit often enough."""
+        if self.policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
+            for node in path:
+                if node.hit_count >= self.write_through_threshold:
+                    self._backup(node)
+
+    def on_evicted(self, evicted: EvictResult) -> None:
+        """Write-back: pages that left the device without a copy below get one now.
+
+        Called on the stepping thread right after the eviction, before anything can allocate (and
+        overwrite) the freed pages. Under the write-through policies such pages are simply dropped.
+        """
+        if self.policy is WritePolicy.WRITE_BACK and evicted.unbacked_pages:
+            self.backup(evicted.unbacked_keys, self._gather(evicted.unbacked_pages))
+
+    def _backup(self, node: TreeNode) -> None:
+        if not node.backed_up:
+            self.backup(node.hashes, self._gather(node.pages))
+            node.backed_up = True
+
+    # -- loads -----------------------------------------------------------------------------------
+    def start_load(
+        self, match: MatchResult, tokens: list[int], namespace: Hashable, pages: list[int]
+    ) -> Load:
+        """Fill device ``pages`` with ``match.lower_keys`` on the loader thread. The caller has locked
+        ``match.node`` and allocated ``pages``; ``tokens`` ends with the loaded pages."""
+        future = self._loader.submit(
+            self._load, list(match.lower_keys), list(match.lower_tiers), partial(self._scatter, pages)
+        )
+        load = Load(tokens, namespace, match.node, list(match.pages), pages, future)
+        self.loads.append(load)
+        self.loading_pages += len(pages)
+        self.num_loads += 1
+        return load
+
+    def finished_loads(self) -> list[Load]:
+        """Loads whose pages have all arrived (or that failed) and have not landed yet."""
+        return [x for x in self.loads if not x.ready and x.future.done()]
+
+    def in_flight(self) -> list[Load]:
+        return [x for x in self.loads if not x.ready]
+
+    def land(self, load: Load) -> bool:
+        """Mark ``load`` landed; True if every page arrived. The caller then puts them in the tree."""
+        self.loading_pages -= len(load.pages)
+        load.ready = True
+        try:
+            ok = load.future.result()
+        except Exception:  # a broken store must cost a recompute, never the engine
+            ok = False
+        if not ok:
+            self.failed_loads += 1
+        return ok
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Block until a load in flight finishes or ``timeout`` passes."""
+        pending = [x.future for x in self.in_flight()]
+        if pending:
+            wait(pending, timeout, return_when=FIRST_COMPLETED)
+
+    # -- pages in and out of the device pool --------------------------------------------------------
+    def _gather(self, pages: list[int]) -> torch.Tensor:
+        idx = torch.tensor(pages, device=self.pool.k_buffer.device)
+        k = self.backend.gather_pages(self.pool.k_buffer, idx)
+        v = self.backend.gather_pages(self.pool.v_buffer, idx)
+        return torch.stack((k, v)).permute(2, 0, 1, 3, 4, 5)  # [n, 2, layers, page_size, heads, dim]
+
+    def _scatter(self, pages: list[int], data: torch.Tensor) -> None:
+        """Loader thread: write pages ``[n, 2, layers, page_size, heads, dim]`` into device ``pages``."""
+        idx = torch.tensor(pages, device=self.pool.k_buffer.device)
+        data = data.to(self.pool.k_buffer.device)
+        self.backend.scatter_pages(self.pool.k_buffer, idx, data[:, 0].transpose(0, 1))
+        self.backend.scatter_pages(self.pool.v_buffer, idx, data[:, 1].transpose(0, 1))
+
+    # -- the stores -----------------------------------------------------------------------------------
+    def backup(self, keys: Sequence[bytes], pages: torch.Tensor) -> None:
+        """Copy ``pages`` (``[n, *page_shape]``, any device) into the stores under ``keys``."""
+        pages = pages.to("cpu")
+        for key, page in zip(keys, pages):
+            self._store(0, key, page)
+
+    def drain(self) -> None:
+        """Wait for every queued write (tests, shutdown)."""
+        self._writer.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self._loader.shutdown(wait=True)
+        self._writer.shutdown(wait=True)
+
+    def clear(self) -> None:
+        self.drain()
+        for store in self.stores:
+            store.clear()
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        out = {s.name: s.stats.as_dict() for s in self.stores}
+        out[self.stores[-1].name]["dropped_writes"] = float(self.dropped_writes)
+        return out
+
+    def check_integrity(self) -> None:
+        loading = sum(len(x.pages) for x in self.in_flight())
+        assert loading == self.loading_pages, f"loading page count {self.loading_pages} != {loading} held"
+        for store in self.stores:
+            store.check_integrity()
+
+    def _load(self, keys: list[bytes], tiers: list[int], sink: Callable[[torch.Tensor], None]) -> bool:
+        """Loader thread: read every page and hand them, stacked, to ``sink``; all or nothing."""
+        pages = []
+        for key, tier in zip(keys, tiers):
+            for store in self.stores[tier:]:  # evicted meanwhile or found corrupt: a slower tier may have it
+                start = time.perf_counter()
+                page = store.get(key)
+                store.stats.load_s += time.perf_counter() - start
+                if page is not None:
+                    break
+            if page is None:
+                return False
+            store.stats.hits += 1
+            store.stats.bytes_out += page.numel() * page.element_size()
+            pages.append(page)
+        sink(torch.stack(pages))
+        return True
+
+    def _store(self, tier: int, key: bytes, page: torch.Tensor) -> None:
+        """Put now into an in-memory store; queue the put for the writer thread otherwise."""
+        if self.stores[tier].in_memory:
+            self._put(tier, key, page)
+            return
+        with self._pending_lock:
+            if self._pending >= self.max_pending:
+                self.dropped_writes += 1
+                return
+            self._pending += 1
+        self._writer.submit(self._put_queued, tier, key, page)
+
+    def _put_queued(self, tier: int, key: bytes, page: torch.Tensor) -> None:
+        try:
+            self._put(tier, key, page)
+        finally:
+            with self._pending_lock:
+                self._pending -= 1
+
+    def _put(self, tier: int, key: bytes, page: torch.Tensor) -> None:
+        store = self.stores[tier]
+        start = time.perf_counter()
+        evicted = store.put(key, page)
+        store.stats.backup_s += time.perf_counter() - start
+        below = tier + 1
+        if below == len(self.stores):
+            return
+        if self.policy is WritePolicy.WRITE_BACK:
+            for k, p in evicted:
+                self._store(below, k, p)
+        elif not self.stores[below].contains(key):
+            self._store(below, key, page)
+
+
+def default_disk_bytes(directory: str | Path) -> int:
+    """The disk tier's size when only its directory is given (``DISK_DEFAULT_FRACTION`` of the free
+    space on its filesystem, at most ``DISK_DEFAULT_MAX_BYTES``)."""
+    path = Path(directory).absolute()
+    while not path.exists():  # made later by DiskStore: measure the filesystem it will be on
+        path = path.parent
+    return min(int(shutil.disk_usage(path).free * DISK_DEFAULT_FRACTION), DISK_DEFAULT_MAX_BYTES)
+
+
+def make_tiers(
+    pool: KVPool,
+    backend: ModuleType,
+    model: torch.nn.Module,
+    model_config: object,
+    *,
+    host_bytes: int,
+    disk_bytes: int,
+    disk_dir: str | None,
+    write_policy: str,
+    write_through_threshold: int,
+) -> TierController | None:
+    """The stores a config asks for beneath ``pool`` (host, then disk), or None when it asks for none.
+
+    A disk directory without a size gets ``default_disk_bytes`` of it.
+    """
+    if disk_dir and disk_bytes <= 0:
+        disk_bytes = default_disk_bytes(disk_dir)
+        logger.info(
+            "disk KV cache in %s: %.1f GiB (the default share of its free space)",
+            disk_dir,
+            disk_bytes / 2**30,
+        )
+    if host_bytes <= 0 and disk_bytes <= 0:
+        return None
+    dtype = pool.k_buffer.dtype
+    page_shape = (2, *pool.k_buffer.shape[:1], *pool.k_buffer.shape[2:])
+    fingerprint = model_fingerprint(model, model_config, dtype, pool.page_size)
+    stores: list[KVStore] = []
+    if host_bytes > 0:
+        stores.append(HostStore(host_bytes, page_shape, dtype, pin=pool.k_buffer.is_cuda))
+    if disk_bytes > 0:
+        if not disk_dir:
+            raise ValueError("a disk tier needs disk_cache_dir")
+        stores.append(DiskStore(disk_dir, disk_bytes, fingerprint, page_shape, dtype))
+    policy = WritePolicy(write_policy)
+    return TierController(stores, fingerprint, pool, backend, policy, write_through_threshold)
