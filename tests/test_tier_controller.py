@@ -1,0 +1,169 @@
+"""The tier controller: each write policy copies pages on its own event only, page copies go through the
+engine's attention backend, and a disk directory given alone gets a default size."""
+
+from __future__ import annotations
+
+import shutil
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from radixserve import Engine, SamplingParams
+from radixserve.cache import tier_controller
+from radixserve.cache.page_pool import KVPool
+from radixserve.cache.radix import RadixCache
+from radixserve.cache.tier_controller import (
+    DISK_DEFAULT_MAX_BYTES,
+    TierController,
+    WritePolicy,
+    default_disk_bytes,
+)
+from radixserve.cache.tiers import DiskStore, HostStore
+from radixserve.config import EngineConfig
+from radixserve.kernels import reference
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+PAGE = 2
+
+
+def _controller(policy: WritePolicy, threshold: int = 2) -> TierController:
+    pool = KVPool(2, 16, PAGE, 1, 4, torch.float32)
+    pool.k_buffer.normal_()
+    pool.v_buffer.normal_()
+    page_shape = (2, 2, PAGE, 1, 4)
+    host = HostStore(64 * 2 * 2 * PAGE * 4 * 4, page_shape, torch.float32)
+    return TierController([host], b"s" * 16, pool, reference, policy, threshold)
+
+
+def _held(ctl: TierController, pages: list[int], keys: list[bytes]) -> bool:
+    """Every key is in the host store, holding exactly the device page's K and V."""
+    host = ctl.stores[0]
+    for page, key in zip(pages, keys):
+        got = host.get(key)
+        if got is None:
+            return False
+        want = torch.stack((ctl.pool.k_buffer[:, page], ctl.pool.v_buffer[:, page]))
+        assert torch.equal(got, want), "a copied page differs from the device page"
+    return True
+
+
+@pytest.mark.parametrize("policy", list(WritePolicy))
+def test_each_policy_copies_on_its_own_event_only(policy: WritePolicy) -> None:
+    """Each policy sees the same three events; only its own makes a copy below."""
+    copied_on = []
+    # A computed chunk enters the tree (write_through's event).
+    ctl = _controller(policy)
+    tree = RadixCache(PAGE, on_free=lambda pages: None, lower=ctl)
+    node = tree.insert([1, 2, 3, 4], [5, 6]).node
+    keys, pages = list(node.hashes), list(node.pages)
+    ctl.on_cached(node, added_pages=True)
+    if _held(ctl, pages, keys):
+        copied_on.append("cached")
+        assert node.backed_up
+    # A path is hit, once and then twice (write_through_selective's, with threshold 2).
+    ctl = _controller(policy)
+    tree = RadixCache(PAGE, on_free=lambda pages: None, lower=ctl)
+    tree.insert([1, 2, 3, 4], [5, 6])
+    m = tree.match_prefix([1, 2, 3, 4])
+    ctl.on_hit(tree.path(m.node))
+    assert not _held(ctl, m.pages, m.node.hashes), "copied below the threshold"
+    m = tree.match_prefix([1, 2, 3, 4])
+    ctl.on_hit(tree.path(m.node))
+    if _held(ctl, m.pages, m.node.hashes):
+        copied_on.append("hit")
+    # The device evicts pages that have no copy below (write_back's).
+    ctl = _controller(policy)
+    tree = RadixCache(PAGE, on_free=lambda pages: None, lower=ctl)
+    node = tree.insert([1, 2, 3, 4], [5, 6]).node
+    keys = list(node.hashes)
+    evicted = tree.evict(2)
+    assert evicted.unbacked_pages == [5, 6] and evicted.unbacked_keys == keys
+    ctl.on_evicted(evicted)
+    if _held(ctl, [5, 6], keys):
+        copied_on.append("evicted")
+    expected = {
+        WritePolicy.WRITE_THROUGH: ["cached"],
+        WritePolicy.WRITE_THROUGH_SELECTIVE: ["hit"],
+        WritePolicy.WRITE_BACK: ["evicted"],
+    }
+    assert copied_on == expected[policy]
+    ctl.close()
+
+
+def _spy_backend(calls: list[str]) -> types.ModuleType:
+    """The torch reference backend, with its page copies counted."""
+    spy = types.ModuleType("spy_backend")
+    spy.__dict__.update({k: v for k, v in vars(reference).items() if not k.startswith("__")})
+
+    def gather_pages(buffer: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+        calls.append("gather")
+        return reference.gather_pages(buffer, pages)
+
+    def scatter_pages(buffer: torch.Tensor, pages: torch.Tensor, src: torch.Tensor) -> None:
+        calls.append("scatter")
+        reference.scatter_pages(buffer, pages, src)
+
+    spy.gather_pages = gather_pages  # type: ignore[attr-defined]
+    spy.scatter_pages = scatter_pages  # type: ignore[attr-defined]
+    return spy
+
+
+def test_tier_page_copies_go_through_the_selected_backend(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[str] = []
+    spy = _spy_backend(calls)
+    monkeypatch.setattr("radixserve.engine.engine.select_backend", lambda name, device: spy)
+    eng = Engine(str(tiny_llama), page_size=4, num_pages=40, host_cache_gb=200 * 1024 / 2**30)
+    tiers = eng.kv_cache.tiers
+    assert tiers is not None and tiers.backend is spy and eng.runner.backend is spy
+    prompt = list(range(10, 90)) + [5]
+    first = eng.generate([prompt], GREEDY)[0]
+    assert "gather" in calls and "scatter" not in calls  # write-through copied the prefix down
+    tree = eng.kv_cache.tree
+    assert tree is not None
+    seed = 0
+    while tree.prefix_len(prompt):  # push the prefix off the device
+        eng.generate([[100 + (seed * 7 + i) % 180 for i in range(60)]], GREEDY)
+        seed += 1
+    again = eng.generate([prompt], GREEDY)[0]
+    assert "scatter" in calls  # the load wrote the pages back through the backend
+    assert again.cached_tokens == 80 and again.token_ids == first.token_ids
+    eng.check_integrity()
+    eng.close()
+
+
+def _free_space(monkeypatch: pytest.MonkeyPatch, free: int) -> None:
+    usage = shutil._ntuple_diskusage(10 * free, 9 * free, free)  # type: ignore[attr-defined]
+    monkeypatch.setattr(tier_controller.shutil, "disk_usage", lambda path: usage)
+
+
+def test_disk_dir_alone_gets_a_share_of_the_free_space(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    EngineConfig(disk_cache_dir=str(tmp_path))  # not a start-up error
+    with pytest.raises(ValueError, match="needs disk_cache_dir"):
+        EngineConfig(disk_cache_gb=1.0)
+    _free_space(monkeypatch, 50 * 2**20)
+    assert default_disk_bytes(tmp_path / "not" / "made" / "yet") == 5 * 2**20  # a tenth of the free space
+    _free_space(monkeypatch, 2**40)
+    assert default_disk_bytes(tmp_path) == DISK_DEFAULT_MAX_BYTES == 64 * 2**30  # capped
+    _free_space(monkeypatch, 50 * 2**20)
+    eng = Engine(str(tiny_llama), page_size=4, num_pages=40, disk_cache_dir=str(tmp_path / "kv"))
+    tiers = eng.kv_cache.tiers
+    assert tiers is not None
+    (disk,) = tiers.stores
+    assert isinstance(disk, DiskStore) and disk.stats.capacity_bytes == 5 * 2**20
+    out = eng.generate([list(range(10, 50))], GREEDY)[0]
+    tiers.drain()
+    # 40 prompt + 3 computed output tokens: 10 whole pages, each written to disk
+    assert out.finish_reason == "length" and len(list((tmp_path / "kv").glob("*.kv"))) == 10
+    eng.close()
+
+
+def test_unknown_write_policy_is_refused() -> None:
+    with pytest.raises(ValueError, match="write_policy must be one of"):
+        EngineConfig(write_policy="write_sometimes")
+    assert [p.value for p in WritePolicy] == list(tier_controller.WRITE_POLICIES)
