@@ -186,3 +186,18 @@ def test_a_pool_too_small_for_the_context_lowers_it_or_is_refused(
         ValueError, match=r"raise --kv-cache-gb or --num-pages, or lower --max-model-len to at most 64"
     ):
         Engine(str(tiny_llama), page_size=4, num_pages=16, max_model_len=128)
+
+
+def test_jump_forward_gives_the_same_output_in_fewer_steps(tiny_llama: Path) -> None:
+    """Forced runs of the grammar are appended at once (``jump_forward``) instead of decoded one token a
+    step. The forced text here ("QXZ#%&;") has one tokenization (no merges), so the ids must match too."""
+    params = SamplingParams(max_tokens=30, temperature=0, regex=r"[0-9]QXZ#%&;[0-9]{2}")
+    outs, steps = {}, {}
+    for jump in (False, True):
+        engine = Engine(str(tiny_llama), page_size=4, num_pages=64, jump_forward=jump)
+        outs[jump] = engine.generate(["hello"], params)[0]
+        steps[jump] = engine.num_steps
+        engine.check_integrity()
+    assert outs[True].token_ids == outs[False].token_ids and outs[True].text == outs[False].text
+    assert outs[True].text is not None and outs[True].text[1:8] == "QXZ#%&;"
+    assert steps[True] < steps[False] - 5  # seven forced tokens took one step instead of seven

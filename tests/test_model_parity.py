@@ -3,6 +3,8 @@ the torch reference attention and with the default CPU backend (the C++ kernels 
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -102,6 +104,28 @@ def test_mixed_extend_and_decode_in_one_step(tiny_llama: Path, backend: str) -> 
         ref_b = hf(torch.tensor([b2])).logits[0, -1]
     torch.testing.assert_close(out.logits[1], ref_a, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out.logits[0], ref_b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("style", ["rope_scaling", "rope_parameters"])
+def test_linear_rope_scaling_matches_hf(tiny_llama: Path, tmp_path: Path, style: str) -> None:
+    """Linear RoPE scaling (positions divided by ``factor``), written the legacy way
+    (``rope_scaling: {"type": "linear"}``) or the transformers-5 way (``rope_parameters``)."""
+    path = tmp_path / "tiny-llama-linear"
+    shutil.copytree(tiny_llama, path)
+    cfg = json.loads((path / "config.json").read_text())
+    if style == "rope_scaling":
+        cfg.pop("rope_parameters", None)
+        cfg.update(rope_theta=10000.0, rope_scaling={"type": "linear", "factor": 4.0})
+    else:
+        cfg["rope_parameters"] = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
+    (path / "config.json").write_text(json.dumps(cfg))
+    prompt = list(range(3, 70))
+    out = _runner(path, 4, "torch").run([SeqChunk(prompt, 0, len(prompt), _pages(len(prompt), 4, 1), True)])
+    with torch.no_grad():
+        ref = _hf(path)(torch.tensor([prompt])).logits[0]
+        unscaled = _hf(tiny_llama)(torch.tensor([prompt])).logits[0]
+    assert (ref - unscaled).abs().max() > 0.1  # the scaling is live: a model ignoring it would fail below
+    torch.testing.assert_close(out.all_logits[0], ref, atol=1e-4, rtol=1e-4)
 
 
 def test_prepacked_linears_match_the_plain_product() -> None:

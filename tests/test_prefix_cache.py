@@ -159,6 +159,23 @@ def test_aging_lets_old_low_priority_requests_through() -> None:
         assert order_waiting(new + [old], policy, lambda r: 0, aging_s=1e6)[0] is not old
 
 
+def test_dfs_weight_runs_the_most_shared_prefix_first_and_keeps_groups_together() -> None:
+    now = time.monotonic()
+    doc_a, doc_b, doc_c = ([d] * 64 for d in (1, 2, 3))  # one 64-token block each: the trie's unit
+
+    def req(name: str, doc: list[int], priority: int = 1) -> Request:
+        tokens = doc + [10 + len(name), ord(name[-1])]
+        return Request(name, name, 0, tokens, len(tokens), SamplingParams(), priority, arrival_time=now)
+
+    names = {"b1": doc_b, "a1": doc_a, "c1": doc_c, "a2": doc_a, "b2": doc_b, "a3": doc_a}
+    arrivals = [req(name, doc) for name, doc in names.items()]  # interleaved documents
+    order = order_waiting(arrivals, "dfs-weight", lambda r: 0, aging_s=1e6)
+    assert [r.request_id for r in order] == ["a1", "a2", "a3", "b1", "b2", "c1"]
+    arrivals[2].priority = 0  # priority still comes first; the groups keep their order after it
+    order = order_waiting(arrivals, "dfs-weight", lambda r: 0, aging_s=1e6)
+    assert [r.request_id for r in order] == ["c1", "a1", "a2", "a3", "b1", "b2"]
+
+
 def _run(engine: Engine, prompt: list[int], priority: str) -> int:
     """Run one request to completion alone; the number of prompt tokens it found in the cache."""
     rid = engine.add_request(
