@@ -29,6 +29,14 @@ def _compute(kv: KVCacheManager, req: Request, n: int) -> None:
     kv.cache_computed(req)
 
 
+def _run_alone(kv: KVCacheManager, tokens: list[int], name: str = "done") -> None:
+    """A request that computes its whole prompt and finishes, leaving its pages cached."""
+    r = _req(tokens, name)
+    assert kv.admit(r, len(tokens))
+    _compute(kv, r, len(tokens))
+    kv.release(r)
+
+
 def test_admit_allocates_private_pages_and_release_hands_whole_pages_to_the_tree() -> None:
     kv = KVCacheManager(16, PAGE, prefix_cache=True)
     r = _req(list(range(10)))
@@ -46,10 +54,7 @@ def test_admit_allocates_private_pages_and_release_hands_whole_pages_to_the_tree
 
 def test_match_is_page_aligned_and_never_takes_the_last_token() -> None:
     kv = KVCacheManager(16, PAGE, prefix_cache=True)
-    a = _req(list(range(12)), "a")
-    kv.admit(a, 12)
-    _compute(kv, a, 12)
-    kv.release(a)
+    _run_alone(kv, list(range(12)))
     assert kv.match(_req(list(range(12)) + [99], "b")) == 12
     assert kv.match(_req(list(range(12)), "c")) == 8  # its last token must be computed for logits
     assert kv.match(_req(list(range(6)) + [99] * 6, "d")) == 4  # diverges inside page 2
@@ -75,10 +80,7 @@ def test_a_duplicate_page_is_freed_for_the_trees_copy() -> None:
 
 def test_grow_evicts_unlocked_cached_pages_but_never_locked_ones() -> None:
     kv = KVCacheManager(8, PAGE, prefix_cache=True)
-    a = _req(list(range(16)), "a")
-    kv.admit(a, 16)
-    _compute(kv, a, 16)
-    kv.release(a)
+    _run_alone(kv, list(range(16)))
     assert kv.num_cached == 4 and kv.num_evictable == 4
     holder = _req(list(range(8)) + [50], "holder")
     assert kv.admit(holder, 1)  # locks the first two cached pages

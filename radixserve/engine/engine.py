@@ -65,15 +65,8 @@ class Engine:
         num_pages = cfg.num_pages or max(1, int(cfg.kv_cache_gb * 2**30) // page_bytes)
         self.max_model_len = context_within_pool(self.max_model_len, cfg.max_model_len is not None, num_pages,
                                                  cfg.page_size)  # fmt: skip
-        self.pool = KVPool(
-            mcfg.num_layers,
-            num_pages,
-            cfg.page_size,
-            mcfg.num_kv_heads,
-            mcfg.head_dim,
-            self.dtype,
-            self.device,
-        )
+        shape = (mcfg.num_layers, num_pages, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim)
+        self.pool = KVPool(*shape, self.dtype, self.device)
         # One backend for the whole engine: attention in the runner, page copies for the tiers.
         backend = select_backend(cfg.attention_backend, self.device)
         tiers = None
