@@ -127,9 +127,9 @@ def test_n_samples_and_stream(tiny_llama: Path) -> None:
     [
         ("", SamplingParams(), "prompt is empty"),
         ([], SamplingParams(), "prompt is empty"),
-        ("hi", SamplingParams(max_tokens=0), "max_tokens must be a positive integer"),
-        ("hi", SamplingParams(max_tokens=-3), "max_tokens must be a positive integer"),
-        ("hi", SamplingParams(temperature=-0.1), "temperature must be >= 0"),
+        ("hi", SamplingParams(max_tokens=0), "max_tokens must be an integer >= 1"),
+        ("hi", SamplingParams(max_tokens=-3), "max_tokens must be an integer >= 1"),
+        ("hi", SamplingParams(temperature=-0.1), r"temperature must be in \[0, 100\]"),
         ("hi", SamplingParams(top_p=0.0), r"top_p must be in \(0, 1\]"),
         ("hi", SamplingParams(top_p=1.5), r"top_p must be in \(0, 1\]"),
         ("hi", SamplingParams(max_tokens=600), "exceeds the maximum context length of 512 tokens"),
