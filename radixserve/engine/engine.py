@@ -18,8 +18,8 @@ import torch
 from radixserve.cache.page_pool import KVPool
 from radixserve.cache.tiers import make_tiers
 from radixserve.config import EngineConfig, context_within_pool
+from radixserve.engine.deltas import OutputAssembler, StepOutput, add_text
 from radixserve.engine.kv_manager import KVCacheManager
-from radixserve.engine.output import OutputAssembler, StepOutput, add_text
 from radixserve.engine.policy import PRIORITY_NAMES
 from radixserve.engine.prompt import Prompt, apply_chat_template, tokenize
 from radixserve.engine.request import Request, Status

@@ -46,10 +46,11 @@ from radixserve.errors import InvalidRequestError
 from radixserve.server import protocol as p
 from radixserve.server import protocol_chat as c
 from radixserve.server.api import ApiContext
-from radixserve.server.async_engine import AsyncEngine, EngineUnavailableError, RequestRecord
+from radixserve.server.async_engine import AsyncEngine
 from radixserve.server.chat import chat
 from radixserve.server.chat_render import render_chat
 from radixserve.server.completions import completions
+from radixserve.server.engine_api import EngineUnavailableError, RequestRecord
 from radixserve.server.generate import generate
 from radixserve.server.http_util import ApiError, error_response, json_response
 from radixserve.server.metrics import ServerMetrics
@@ -69,7 +70,7 @@ class _SmallRoutes:
 
     def card(self) -> p.ModelCard:
         return p.ModelCard(
-            id=self.ctx.model_name, created=self.created, max_model_len=self.engine.max_model_len
+            id=self.ctx.model_name, created=self.created, max_model_len=self.engine.limits().max_model_len
         )
 
     async def models(self, request: Request) -> Response:
@@ -81,15 +82,15 @@ class _SmallRoutes:
 
     async def model_info(self, request: Request) -> Response:
         """What a client-side program needs to render prompts the way the engine would (the DSL uses it)."""
-        tok = self.engine.tokenizer
-        return json_response(p.ModelInfo(self.ctx.model_name, str(self.engine.model_path), tok.chat_template,
-                                         tok.bos_token, tok.eos_token, self.engine.max_model_len))  # fmt: skip
+        tok = self.ctx.tokenizer
+        return json_response(p.ModelInfo(self.ctx.model_name, str(self.engine.model.path), tok.chat_template,
+                                         tok.bos_token, tok.eos_token, self.engine.limits().max_model_len))  # fmt: skip
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's /tokenize: a prompt, or chat messages rendered as /v1/chat/completions renders them."""
         req = await self.ctx.decode(request, c.TokenizeRequest)
         self.ctx.check_model(req.model)
-        tok = self.engine.tokenizer
+        tok = self.ctx.tokenizer
         if req.messages is not None and req.prompt is None:
             text = render_chat(tok, req.messages, req.tools, self.ctx.tool_format, req.add_generation_prompt,
                                req.continue_final_message, req.chat_template_kwargs)  # fmt: skip
@@ -99,12 +100,14 @@ class _SmallRoutes:
         else:
             raise ApiError(400, "give exactly one of prompt and messages", "prompt")
         strs = list(tok.convert_ids_to_tokens(ids)) if req.return_token_strs else None
-        return json_response(p.TokenizeResponse(len(ids), self.engine.max_model_len, list(ids), strs))
+        return json_response(
+            p.TokenizeResponse(len(ids), self.engine.limits().max_model_len, list(ids), strs)
+        )
 
     async def detokenize(self, request: Request) -> Response:
         req = await self.ctx.decode(request, p.DetokenizeRequest)
         self.ctx.check_model(req.model)
-        tok = self.engine.tokenizer
+        tok = self.ctx.tokenizer
         if any(t >= len(tok) for t in req.tokens):
             raise ApiError(400, f"token ids must be in [0, {len(tok)})", "tokens")
         return json_response(p.DetokenizeResponse(str(tok.decode(req.tokens))))
@@ -260,7 +263,7 @@ def serve(
         import torch
 
         torch.set_num_threads(1)
-    name = model_name or engine.model_path.name
+    name = model_name or engine.model.path.name
     app = build_app(engine, name, api_key, salt_per_key, max_body_bytes, drain_timeout, **app_options)
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=math.ceil(drain_timeout)
