@@ -44,8 +44,14 @@ def test_generate_api_shapes(tiny_llama: Path) -> None:
         engine.generate("hello world", SamplingParams(max_tokens=5, temperature=0))[0].token_ids
         == outs[0].token_ids
     )
-    chat = engine.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3, temperature=0))
-    assert chat.prompt_token_ids == engine.apply_chat_template([{"role": "user", "content": "hi"}])
+    hi, bye = [{"role": "user", "content": "hi"}], [{"role": "user", "content": "bye"}]
+    params = SamplingParams(max_tokens=3, temperature=0)
+    # A list either way, as vLLM's LLM.chat: one conversation gives a list of one.
+    [chat] = engine.chat(hi, params)
+    assert chat.prompt_token_ids == engine.apply_chat_template(hi)
+    both = engine.chat([hi, bye], params)
+    assert [o.prompt_token_ids for o in both] == [engine.apply_chat_template(m) for m in (hi, bye)]
+    assert both[0].token_ids == chat.token_ids
 
 
 def test_one_params_per_prompt(tiny_llama: Path) -> None:
