@@ -28,7 +28,12 @@ from radixserve.server import protocol as p
 from radixserve.server import protocol_chat as c
 from radixserve.server.async_engine import AsyncEngine
 from radixserve.server.chat_render import template_source
-from radixserve.server.engine_api import EngineUnavailableError, QueueFullError, RequestStream
+from radixserve.server.engine_api import (
+    EngineFailedError,
+    EngineUnavailableError,
+    QueueFullError,
+    RequestStream,
+)
 from radixserve.server.http_util import ApiError
 from radixserve.server.openai_fields import Refused, check_fields
 from radixserve.server.reasoning import REASONING_PARSERS
@@ -177,6 +182,8 @@ class ApiContext:
             raise ApiError(429, f"server busy: {exc}", headers={"Retry-After": "1"}) from None
         except EngineUnavailableError as exc:
             raise ApiError(503, str(exc)) from None
+        except EngineFailedError as exc:
+            raise ApiError(500, str(exc)) from None
         return first, stream
 
     async def submit_all(

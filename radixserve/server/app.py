@@ -8,7 +8,7 @@ Invariants:
   protocol types (the engine checks the rest and refuses with InvalidRequestError); every failure
   before the first byte of a response is an OpenAI-style error body (``ErrorResponse``) with the
   status code of its cause (400 bad input, 401 auth, 404 route or model, 405 method, 409 refused,
-  413 body too large, 429 queue full, 503 shutting down or engine process down, 500 bug).
+  413 body too large, 429 queue full, 503 shutting down or engine process down, 500 bug: in the front-end, or an engine that raised).
 - Streaming responses wait for the request's first output before sending headers, so bad input and
   back-pressure are still answered with a status code; errors after that end the stream with an
   ``error`` event.
@@ -50,7 +50,7 @@ from radixserve.server.async_engine import AsyncEngine
 from radixserve.server.chat import chat
 from radixserve.server.chat_render import render_chat
 from radixserve.server.completions import completions
-from radixserve.server.engine_api import EngineUnavailableError, RequestRecord
+from radixserve.server.engine_api import EngineFailedError, EngineUnavailableError, RequestRecord
 from radixserve.server.generate import generate
 from radixserve.server.http_util import ApiError, error_response, json_response
 from radixserve.server.metrics import ServerMetrics
@@ -209,6 +209,9 @@ def build_app(
     async def on_unavailable(request: Request, exc: Exception) -> Response:
         return error_response(503, str(exc))
 
+    async def on_engine_failed(request: Request, exc: Exception) -> Response:
+        return error_response(500, str(exc))
+
     async def on_bug(request: Request, exc: Exception) -> Response:
         logger.exception("unhandled error", exc_info=exc)
         return error_response(500, f"internal error: {type(exc).__name__}")
@@ -231,7 +234,8 @@ def build_app(
         ApiError: on_api_error,
         InvalidRequestError: on_invalid,
         HTTPException: on_http_error,
-        EngineUnavailableError: on_unavailable,  # e.g. the engine process died under a request
+        EngineUnavailableError: on_unavailable,  # e.g. the engine process was killed under a request
+        EngineFailedError: on_engine_failed,  # the engine raised under a request
         Exception: on_bug,
     }
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)

@@ -14,9 +14,9 @@ Invariants:
 - A consumer that stops before its request finished (client disconnect, cancellation, aclose)
   aborts the request; a sample that a stop string ended is aborted alone. Either way the engine
   frees its pages at its next step.
-- When the engine process dies, every open request fails at once with EngineUnavailableError, new
-  requests get EngineUnavailableError, and a new process is started; ``healthy`` is True again when
-  it is ready.
+- When the engine process dies, every open request fails at once (EngineFailedError where the
+  engine raised, i.e. exit code 1; EngineUnavailableError where it was killed), new requests get
+  EngineUnavailableError, and a new process is started; ``healthy`` is True again when it is ready.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from radixserve.outputs import RequestOutput
 from radixserve.sampling.detokenizer import TextStream
 from radixserve.sampling.params import SamplingParams
 from radixserve.server.engine_api import (
+    EngineFailedError,
     EngineUnavailableError,
     Limits,
     ModelInfo,
@@ -277,7 +278,9 @@ class AsyncEngine:
         how = f"{'exited' if code == 0 else 'died'} ({describe_exit(code)})"  # 0: it drained after a signal
         logger.error("engine process %s %s; failing %d open request(s) and restarting it",
                      pid, how, len(self._requests))  # fmt: skip
-        self._fail_all(EngineUnavailableError(f"the engine process {how}; it is being restarted"))
+        message = f"the engine process {how}; it is being restarted"
+        # Exit code 1: the engine raised (engine_process.py), a bug; anything else came from outside.
+        self._fail_all(EngineFailedError(message) if code == 1 else EngineUnavailableError(message))
         lived = time.monotonic() - self._started_at
         self._quick_deaths = 0 if lived >= STABLE_S else self._quick_deaths + 1
         self._restarter = asyncio.create_task(self._restart())

@@ -10,7 +10,7 @@ through these members and nothing else:
 - ``generate()`` (a ``RequestStream`` of deltas, whose ``result`` is the whole output so far),
   ``tokenize()``, ``flush_cache()``, ``stats()``, ``healthy``, ``on_finish`` (a ``RequestRecord``
   per finished request), ``start()`` and ``shutdown()``;
-- the errors below, and ``InvalidRequestError`` (radixserve/errors.py) for a refused request.
+- the errors below (EngineFailedError is raised only by a request's stream), and ``InvalidRequestError`` (radixserve/errors.py) for a refused request.
 
 ``check_integrity()`` and ``engine_pid`` exist for tests and operators; no route uses them.
 """
@@ -31,7 +31,12 @@ class QueueFullError(RuntimeError):
 
 
 class EngineUnavailableError(RuntimeError):
-    """The server is shutting down, or the engine process died and is being restarted."""
+    """The server is shutting down, or the engine process died and is being restarted (503: retry)."""
+
+
+class EngineFailedError(RuntimeError):
+    """The engine raised while it held this request (its process exits 1 and is restarted): a bug,
+    answered 500, where a process killed from outside (OOM, SIGKILL) is EngineUnavailableError."""
 
 
 @dataclass(frozen=True)
