@@ -34,7 +34,7 @@ from benchmarks.serve_bench import RunConfig, run_benchmark
 from benchmarks.servers import free_port, serving
 from benchmarks.workloads import Corpus, Workload, WorkloadSpec, build_workload, load_tokenizer
 from radixserve import Engine, SamplingParams
-from radixserve.engine.output import OutputAssembler
+from radixserve.engine.deltas import OutputAssembler
 
 
 def workload(args: argparse.Namespace, tokenizer: Any, corpus: Corpus) -> Workload:

@@ -17,7 +17,7 @@ from radixserve.frontend.backends import (
     BackendError,
     ChatTemplate,
     Completion,
-    Engine,
+    LocalEngine,
     RuntimeEndpoint,
 )
 from radixserve.frontend.primitives import assistant, gen, select, system, user
@@ -36,9 +36,9 @@ __all__ = [
     "BackendError",
     "ChatTemplate",
     "Completion",
-    "Engine",
     "ForkList",
     "Function",
+    "LocalEngine",
     "ProgramError",
     "ProgramState",
     "RuntimeEndpoint",

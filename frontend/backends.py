@@ -1,4 +1,4 @@
-"""Where programs run: a remote server (``RuntimeEndpoint``, over POST /generate) or a local ``Engine``.
+"""Where programs run: a remote server (``RuntimeEndpoint``, over POST /generate) or a ``LocalEngine``.
 
 Invariants:
 - A backend is called from many threads at once (one per program state): every method is thread-safe,
@@ -204,9 +204,10 @@ def _completion(res: dict[str, Any]) -> Completion:
                       meta.get("finish_reason"))  # fmt: skip
 
 
-class Engine(Backend):
-    """A local engine: an ``AsyncEngine`` and the engine process it starts, driven from a background
-    event loop so concurrent calls share batches.
+class LocalEngine(Backend):
+    """A local engine with no HTTP server: an ``AsyncEngine`` and the engine process it starts, driven
+    from a background event loop so concurrent calls share batches. Sampling params go through the
+    same conversion as POST /generate's (``GenerateSamplingParams``), so both backends accept the same.
 
     ``model`` is a model folder (None: the embedded default); ``options`` are the engine's options
     (page_size, num_pages, ...).
@@ -225,7 +226,7 @@ class Engine(Backend):
         except BaseException:
             self._stop_loop()
             raise
-        tok = self.engine.tokenizer
+        tok = self.engine.model.tokenizer
         self._template = ChatTemplate(
             getattr(tok, "chat_template", None), tok.bos_token or "", tok.eos_token or ""
         )
@@ -236,13 +237,21 @@ class Engine(Backend):
 
     def generate(self, prompt: str, sampling_params: dict[str, Any],
                  on_text: Callable[[str], None] | None = None) -> Completion:  # fmt: skip
-        return self._call(self._generate(prompt, _to_params(sampling_params), on_text))
+        import msgspec
+
+        from radixserve.server.protocol import GenerateSamplingParams
+
+        try:
+            params = msgspec.convert(sampling_params, GenerateSamplingParams).engine_params()
+        except msgspec.ValidationError as exc:
+            raise BackendError(f"the engine rejected the request: {exc}") from None
+        return self._call(self._generate(prompt, params, on_text))
 
     def prompt_logprobs(self, prompt: str) -> list[tuple[int, float | None]]:
         from radixserve.sampling.params import SamplingParams
 
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-        done = self._call(self._collect(prompt, params))
+        done = self._call(self._run(prompt, params, None))
         lps = done.prompt_logprobs or []
         return [
             (t, None if lp is None else lp.logprob) for t, lp in zip(done.prompt_token_ids, lps, strict=True)
@@ -267,35 +276,15 @@ class Engine(Backend):
             raise BackendError(str(exc)) from None
 
     async def _generate(self, prompt: str, params: Any, on_text: Callable[[str], None] | None) -> Completion:
-        text, last, count = "", None, 0
-        async for delta in self.engine.generate(prompt, params):
-            piece = delta.outputs[0]
-            if on_text is not None and piece.text:
-                on_text(piece.text)
-            text += piece.text
-            count += len(piece.token_ids)
-            last = delta
-        assert last is not None
-        return Completion(
-            text, len(last.prompt_token_ids), last.cached_tokens, count, last.outputs[0].finish_reason
-        )
+        done = await self._run(prompt, params, on_text)
+        out = done.outputs[0]
+        return Completion(out.text, len(done.prompt_token_ids), done.cached_tokens, len(out.token_ids),
+                          out.finish_reason)  # fmt: skip
 
-    async def _collect(self, prompt: str, params: Any) -> Any:
-        first = None
-        async for delta in self.engine.generate(prompt, params):
-            first = first or delta
-            if delta.prompt_logprobs is not None:
-                first = delta
-        return first
-
-
-def _to_params(sp: dict[str, Any]) -> Any:
-    from radixserve.sampling.params import SamplingParams
-
-    sp = dict(sp)
-    sp["max_tokens"] = sp.pop("max_new_tokens", 128)
-    if isinstance(sp.get("stop"), str):
-        sp["stop"] = [sp["stop"]]
-    if sp.get("stop") is None:
-        sp.pop("stop", None)
-    return SamplingParams(**sp)
+    async def _run(self, prompt: str, params: Any, on_text: Callable[[str], None] | None) -> Any:
+        """Run one request to its end (``on_text`` gets each piece of text); its whole RequestOutput."""
+        stream = self.engine.generate(prompt, params)
+        async for delta in stream:
+            if on_text is not None and delta.outputs[0].text:
+                on_text(delta.outputs[0].text)
+        return stream.result

@@ -5,7 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from radixserve.config import EngineConfig
+from radixserve.knobs import add_arguments, values
 from radixserve.sampling.params import SamplingParams
+
+GENERATE_ENGINE_FLAGS = ("model", "kv_cache_gb")
+GENERATE_SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed")
 
 
 def _prepare_model(args: argparse.Namespace) -> None:
@@ -17,10 +22,8 @@ def _prepare_model(args: argparse.Namespace) -> None:
 def _generate(args: argparse.Namespace) -> None:
     from radixserve import Engine
 
-    engine = Engine(model=args.model, kv_cache_gb=args.kv_cache_gb)
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
-    )
+    engine = Engine(**values(EngineConfig, args))
+    params = SamplingParams(**values(SamplingParams, args))
     prompt = (
         engine.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     )
@@ -47,14 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="stream one completion to the terminal")
     p.add_argument("prompt")
-    p.add_argument(
-        "--model", default=None, help="local HF folder (default: the embedded SmolLM2-135M-Instruct)"
+    # The knobs' own declarations (config.py, sampling/params.py), with defaults for a terminal.
+    add_arguments(p, EngineConfig, only=GENERATE_ENGINE_FLAGS, defaults={"kv_cache_gb": 0.5})
+    add_arguments(
+        p, SamplingParams, only=GENERATE_SAMPLING_FLAGS, defaults={"max_tokens": 128, "temperature": 0.0}
     )
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--kv-cache-gb", type=float, default=0.5)
     p.add_argument(
         "--no-chat", dest="chat", action="store_false", help="send the prompt raw, without the chat template"
     )

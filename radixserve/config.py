@@ -1,4 +1,4 @@
-"""EngineConfig: every knob of the engine, validated once."""
+"""EngineConfig: every knob of the engine, declared (help, choices, range) and validated once."""
 
 from __future__ import annotations
 
@@ -8,78 +8,74 @@ from typing import Any
 
 from radixserve.cache.tier_controller import WRITE_POLICIES
 from radixserve.engine.policy import POLICIES
+from radixserve.knobs import knob, problems
 from radixserve.model.attention import BACKENDS
 
 EVICTION_POLICIES = ("lru", "lfu", "priority")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 logger = logging.getLogger("radixserve.engine")
 
 
 @dataclass
 class EngineConfig:
-    model: str | None = None  # a local HF folder; None serves the embedded default (SmolLM2-135M-Instruct)
-    device: str = "auto"  # "auto": cuda when available, else cpu
-    dtype: str = "auto"  # "auto": float32 on CPU (no bf16 instructions here), bfloat16 on CUDA
-    page_size: int = 16
-    kv_cache_gb: float = 1.0
-    num_pages: int | None = None  # overrides kv_cache_gb (tests use tiny pools)
-    max_running_requests: int = 64
+    """Each field's help, choices and range (``knob``) also make its ``radixserve serve`` flag
+    (``--page-size`` for ``page_size``; knobs.py), so the flag, its help and its check cannot drift apart."""
+
+    model: str | None = knob(None, "local HF model folder (default: the embedded SmolLM2-135M-Instruct)")
+    device: str = knob("auto", "auto: cuda when available, else cpu")
+    # float32 on CPU: this CPU has no bf16 instructions.
+    dtype: str = knob("auto", "auto: float32 on CPU, bfloat16 on CUDA", choices=DTYPES)
+    page_size: int = knob(16, "tokens per KV page", ge=1, le=64, integer=True)
+    kv_cache_gb: float = knob(1.0, "KV cache size in GiB", gt=0)
+    num_pages: int | None = knob(None, "KV pages (overrides --kv-cache-gb)", ge=1, integer=True)
+    max_running_requests: int = knob(64, "requests decoded together at most", ge=1, integer=True)
     # Per-step token budget; longer prefills are chunked. None: 512 on CPU, where a step's time grows
     # with its tokens and a 512-token chunk already runs the matmuls at full speed, so running decodes
     # stall for at most one such chunk; 8192 on CUDA.
-    max_batched_tokens: int | None = None
-    max_model_len: int | None = None  # default: the model's context length
-    max_waiting_requests: int = 1024
-    prefix_cache: bool = True
-    schedule_policy: str = "lpm"
-    eviction_policy: str = "lru"
-    attention_backend: str = "auto"
+    max_batched_tokens: int | None = knob(
+        None,
+        "tokens per step; longer prefills are chunked (default: 512 on CPU, 8192 on CUDA)",
+        ge=1,
+        integer=True,
+    )
+    max_model_len: int | None = knob(None, "context length (default: the model's)", ge=1, integer=True)
+    max_waiting_requests: int = knob(1024, "beyond this, new requests get 429", ge=1, integer=True)
+    prefix_cache: bool = knob(True, "disable prefix caching")  # the flag is --no-prefix-cache
+    schedule_policy: str = knob("lpm", "admission order of waiting requests", choices=POLICIES)
+    eviction_policy: str = knob("lru", "which cached prefixes go first", choices=EVICTION_POLICIES)
+    attention_backend: str = knob("auto", "attention kernels", choices=BACKENDS)
     # Run the model step eagerly instead of as a compiled graph (model/capture.py), which is used
     # where the attention backend allows it (the C++ CPU kernels) and a C++ compiler is found.
-    enforce_eager: bool = False
-    aging_s: float = 30.0  # waiting this long is worth one priority level
-    jump_forward: bool = False  # append grammar-forced tokens without a decode step each (may change outputs)
-    debug_checks: bool = False  # check every cache invariant whenever the engine goes idle
+    enforce_eager: bool = knob(False, "run the model step eagerly, not as a compiled graph")
+    aging_s: float = knob(30.0, "seconds of waiting worth one priority level", gt=0)
+    # May change outputs: the forced tokens are appended without the model seeing each one first.
+    jump_forward: bool = knob(False, "append grammar-forced tokens without a decode step each")
+    debug_checks: bool = knob(False, "check every cache invariant whenever the engine goes idle (slow)")
     # False: outputs carry token ids only (text None) and stop strings are left to the caller, who
     # detokenizes; the server's engine process runs so, its front-end makes the text.
-    detokenize: bool = True
+    detokenize: bool = knob(True, "make the outputs' text", cli=False)
     # Tiers beneath the device pool (docs/cache.md); 0 GB means no such tier.
-    host_cache_gb: float = 0.0
+    host_cache_gb: float = knob(0.0, "host-RAM KV tier beneath the device pool (0: off)", ge=0)
     # 0 with a disk_cache_dir: 10% of the free space on its filesystem, at most 64 GiB (docs/cache.md)
-    disk_cache_gb: float = 0.0
-    disk_cache_dir: str | None = None  # survives restarts; entries of another model are deleted
-    write_policy: str = "write_through"  # write_through | write_through_selective | write_back
-    write_through_threshold: int = 2  # hits before write_through_selective copies a node down
+    disk_cache_gb: float = knob(
+        0.0,
+        "disk KV tier, survives restarts (0 with --disk-cache-dir: 10%% of its free space, <= 64 GiB)",
+        ge=0,
+    )
+    disk_cache_dir: str | None = knob(None, "folder of the disk tier; entries of another model are deleted")
+    write_policy: str = knob(
+        "write_through", "when pages are copied down a tier: on insert, after k hits, or on eviction",
+        choices=WRITE_POLICIES,
+    )  # fmt: skip
+    write_through_threshold: int = knob(2, "k for write_through_selective", ge=1, integer=True)
 
     def __post_init__(self) -> None:
-        if not 1 <= self.page_size <= 64:
-            raise ValueError(f"page_size must be in [1, 64], got {self.page_size}")
-        if self.kv_cache_gb <= 0:
-            raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
-        if self.num_pages is not None and self.num_pages < 1:
-            raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
-        if self.max_running_requests < 1:
-            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
-        if self.max_batched_tokens is not None and self.max_batched_tokens < 1:
-            raise ValueError(f"max_batched_tokens must be >= 1, got {self.max_batched_tokens}")
-        if self.schedule_policy not in POLICIES:
-            raise ValueError(f"schedule_policy must be one of {POLICIES}, got {self.schedule_policy!r}")
-        if self.eviction_policy not in EVICTION_POLICIES:
-            raise ValueError(
-                f"eviction_policy must be one of {EVICTION_POLICIES}, got {self.eviction_policy!r}"
-            )
-        if self.attention_backend not in BACKENDS:
-            raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
-        if self.host_cache_gb < 0 or self.disk_cache_gb < 0:
-            raise ValueError("host_cache_gb and disk_cache_gb must be >= 0")
+        for name, why in problems(self):
+            raise ValueError(f"{name} {why}")
+        # Rules between fields, which no single field's spec can say:
         if self.disk_cache_gb > 0 and not self.disk_cache_dir:
             raise ValueError("a disk tier (disk_cache_gb > 0) needs disk_cache_dir")
-        if self.write_policy not in WRITE_POLICIES:
-            raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
-        if self.write_through_threshold < 1:
-            raise ValueError(f"write_through_threshold must be >= 1, got {self.write_through_threshold}")
-        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
-            raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -1,4 +1,6 @@
-"""What the engine hands back: one RequestOutput per prompt, one CompletionOutput per sample."""
+"""What the engine hands back: one RequestOutput per prompt, one CompletionOutput per sample.
+
+The public result types (``radixserve.RequestOutput``, ...); engine/deltas.py makes them from step deltas."""
 
 from __future__ import annotations
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -153,3 +156,48 @@ def test_serve_refuses_a_pool_too_small_for_the_context_and_names_the_flags(tiny
 def test_serve_says_when_the_chat_template_file_cannot_be_read(tmp_path: Path) -> None:
     out = _cli("serve", "--chat-template", str(tmp_path / "missing.jinja"))
     assert out.returncode != 0 and "--chat-template: cannot read" in out.stderr
+
+
+def test_sigterm_during_live_streams_drains_them_then_aborts_at_the_drain_timeout(tmp_path: Path) -> None:
+    """SIGTERM to ``radixserve serve`` with two live streams: the short one runs to its end, the long
+    one (far more tokens than fit in the drain timeout) is cut off at the timeout, and the server exits."""
+    model = make_tiny_model(tmp_path, "llama", context=8192)
+    drain = 3.0
+    flags = ("--model", str(model), "--served-model-name", "tiny", "--page-size", "16", "--num-pages", "1024",
+             "--drain-timeout", str(drain))  # fmt: skip
+    body = {"model": "tiny", "prompt": "go", "temperature": 0, "ignore_eos": True, "stream": True}
+    with serve_cli(tmp_path / "serve.log", *flags) as (proc, c), ThreadPoolExecutor(2) as pool:
+        started = [threading.Event(), threading.Event()]
+
+        def stream(i: int, max_tokens: int) -> tuple[list[str], float]:
+            events: list[str] = []
+            try:
+                with c.stream("POST", "/v1/completions", json={**body, "max_tokens": max_tokens}) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: "):
+                            events.append(line[len("data: ") :])
+                            started[i].set()
+            except httpx.HTTPError as exc:  # a stream cut off without its last event
+                events.append(f"cut: {type(exc).__name__}")
+            return events, time.monotonic()
+
+        long = pool.submit(stream, 0, 8000)
+        assert started[0].wait(60), "the long stream did not start"
+        short = pool.submit(stream, 1, 50)
+        assert started[1].wait(60), "the short stream did not start"
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        short_events, _ = short.result(timeout=60)
+        long_events, long_end = long.result(timeout=60)
+        proc.wait(timeout=60)
+    # The short stream drained: every token, a normal ending, [DONE].
+    assert short_events[-1] == "[DONE]", short_events[-3:]
+    assert json.loads(short_events[-2])["choices"][0]["finish_reason"] == "length"
+    # The long one ran on through the drain timeout, then was ended without its 8000 tokens.
+    assert long_end - signalled >= drain - 0.5, long_end - signalled
+    last = long_events[-1] if long_events[-1] != "[DONE]" else long_events[-2]
+    assert last.startswith("cut: ") or json.loads(last)["choices"][0]["finish_reason"] == "abort", (
+        long_events[-3:]
+    )
+    assert len(long_events) < 8000
+    assert proc.returncode in (0, -signal.SIGTERM)

@@ -44,8 +44,14 @@ def test_generate_api_shapes(tiny_llama: Path) -> None:
         engine.generate("hello world", SamplingParams(max_tokens=5, temperature=0))[0].token_ids
         == outs[0].token_ids
     )
-    chat = engine.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3, temperature=0))
-    assert chat.prompt_token_ids == engine.apply_chat_template([{"role": "user", "content": "hi"}])
+    hi, bye = [{"role": "user", "content": "hi"}], [{"role": "user", "content": "bye"}]
+    params = SamplingParams(max_tokens=3, temperature=0)
+    # A list either way, as vLLM's LLM.chat: one conversation gives a list of one.
+    [chat] = engine.chat(hi, params)
+    assert chat.prompt_token_ids == engine.apply_chat_template(hi)
+    both = engine.chat([hi, bye], params)
+    assert [o.prompt_token_ids for o in both] == [engine.apply_chat_template(m) for m in (hi, bye)]
+    assert both[0].token_ids == chat.token_ids
 
 
 def test_one_params_per_prompt(tiny_llama: Path) -> None:
@@ -127,9 +133,9 @@ def test_n_samples_and_stream(tiny_llama: Path) -> None:
     [
         ("", SamplingParams(), "prompt is empty"),
         ([], SamplingParams(), "prompt is empty"),
-        ("hi", SamplingParams(max_tokens=0), "max_tokens must be a positive integer"),
-        ("hi", SamplingParams(max_tokens=-3), "max_tokens must be a positive integer"),
-        ("hi", SamplingParams(temperature=-0.1), "temperature must be >= 0"),
+        ("hi", SamplingParams(max_tokens=0), "max_tokens must be an integer >= 1"),
+        ("hi", SamplingParams(max_tokens=-3), "max_tokens must be an integer >= 1"),
+        ("hi", SamplingParams(temperature=-0.1), r"temperature must be in \[0, 100\]"),
         ("hi", SamplingParams(top_p=0.0), r"top_p must be in \(0, 1\]"),
         ("hi", SamplingParams(top_p=1.5), r"top_p must be in \(0, 1\]"),
         ("hi", SamplingParams(max_tokens=600), "exceeds the maximum context length of 512 tokens"),

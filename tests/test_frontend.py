@@ -179,13 +179,13 @@ def test_chat_template_open_role_is_a_prefix_of_the_closed_message() -> None:
 
 # -- on the tiny model, in process ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def engine(tiny_llama: Path) -> Iterator[rf.Engine]:
-    be = rf.Engine(str(tiny_llama), num_pages=512, page_size=PAGE)
+def engine(tiny_llama: Path) -> Iterator[rf.LocalEngine]:
+    be = rf.LocalEngine(str(tiny_llama), num_pages=512, page_size=PAGE)
     yield be
     be.close()
 
 
-def test_answer_program_on_the_engine(engine: rf.Engine) -> None:
+def test_answer_program_on_the_engine(engine: rf.LocalEngine) -> None:
     questions = ["What is it?", "Who wrote it?", "When?"]
     doc = "The quick brown fox jumps over the lazy dog. " * 6
     state = answer.run(doc=doc, questions=questions, backend=engine)
@@ -199,7 +199,7 @@ def test_answer_program_on_the_engine(engine: rf.Engine) -> None:
     assert all(p > len(shared) for p in state["prompt_tokens"])
 
 
-def test_select_matches_direct_logprobs(engine: rf.Engine) -> None:
+def test_select_matches_direct_logprobs(engine: rf.LocalEngine) -> None:
     @rf.function
     def pick(s: rf.ProgramState, method: Any) -> None:
         s += rf.user("Pick a colour.") + rf.assistant(
@@ -218,7 +218,7 @@ def test_select_matches_direct_logprobs(engine: rf.Engine) -> None:
         assert state.get_meta_info("c")["scores"] == pytest.approx(direct)
 
 
-def test_streaming_on_the_engine(engine: rf.Engine) -> None:
+def test_streaming_on_the_engine(engine: rf.LocalEngine) -> None:
     @rf.function
     def chat(s: rf.ProgramState) -> None:
         s += rf.user("Say something.") + rf.assistant(rf.gen("a", max_tokens=12, temperature=0))
@@ -228,7 +228,7 @@ def test_streaming_on_the_engine(engine: rf.Engine) -> None:
     assert state.get_meta_info("a")["completion_tokens"] >= 1
 
 
-def test_engine_error_names_the_step(engine: rf.Engine) -> None:
+def test_engine_error_names_the_step(engine: rf.LocalEngine) -> None:
     @rf.function
     def too_long(s: rf.ProgramState) -> None:
         s += rf.user("x") + rf.assistant(rf.gen("a", max_tokens=100_000))

@@ -52,7 +52,7 @@ def test_greedy_matches_hf_generate(engine: Engine, smollm_dir: Path) -> None:
 def test_default_engine_loads_embedded_model() -> None:
     engine = Engine(kv_cache_gb=0.1)
     assert engine.model.config.num_layers == 30 and engine.model.config.vocab_size == 49152
-    out = engine.chat(
+    [out] = engine.chat(
         [{"role": "user", "content": "Say hello."}], SamplingParams(max_tokens=8, temperature=0)
     )
     assert out.text and out.finish_reason in ("stop", "length")

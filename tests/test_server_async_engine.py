@@ -113,7 +113,10 @@ def test_closing_a_stream_aborts_its_request(config: EngineConfig) -> None:
 
 
 def test_cancelling_the_consumer_aborts_its_request(config: EngineConfig) -> None:
-    async def body(ae: AsyncEngine) -> None:
+    records: list[RequestRecord] = []
+
+    async def body(ae: AsyncEngine) -> int:
+        ae.on_finish = records.append
         first = asyncio.Event()
 
         async def consume() -> None:
@@ -126,8 +129,13 @@ def test_cancelling_the_consumer_aborts_its_request(config: EngineConfig) -> Non
         with pytest.raises(asyncio.CancelledError):
             await task
         await _wait_idle(ae)
+        return ae.stats().generation_tokens
 
-    run(config, body)
+    generated = run(config, body)
+    # Aborted in the engine, not run to its end unread: going idle alone would not tell the two apart.
+    assert generated < 400, generated
+    [record] = records
+    assert record.finish_reason == "abort" and record.output_tokens < 400, record
 
 
 def test_shutdown_drains_short_requests_and_aborts_the_rest(config: EngineConfig) -> None:

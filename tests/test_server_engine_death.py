@@ -1,5 +1,5 @@
-"""The engine process dies mid-stream (SIGKILL): every open request fails at once, /health turns 503,
-and the front-end starts a new engine process and serves again."""
+"""The engine process dies mid-stream: every open request fails at once (503 when it was killed, 500
+when the engine raised), /health turns 503, and the front-end starts a new engine process and serves again."""
 
 from __future__ import annotations
 
@@ -116,3 +116,49 @@ def test_sigterm_to_the_engine_process_drains_it_then_it_is_restarted(served: Se
             assert time.monotonic() < deadline, "the engine process was not restarted"
             time.sleep(0.1)
         assert c.post("/v1/completions", json={**LONG, "max_tokens": 2}).status_code == 200
+
+
+# Loaded by every Python process started with this folder on PYTHONPATH: in the engine process it
+# makes Engine.step raise once a request asks for FAIL_AT tokens, as a bug in the engine would.
+FAIL_AT = 377
+SITECUSTOMIZE = f"""
+import radixserve.engine.engine as engine_module
+
+_step = engine_module.Engine.step
+
+
+def step(self):
+    if any(r.params.max_tokens == {FAIL_AT} for reqs in self._groups.values() for r in reqs):
+        raise RuntimeError("an injected engine bug")
+    return _step(self)
+
+
+engine_module.Engine.step = step
+"""
+
+
+def test_an_exception_in_the_engine_is_a_500_then_it_serves_again(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine raises under a request: that request gets a 500 (not a 503 to retry), /health is 503
+    while the engine process is replaced, then the server serves again."""
+    (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    with serving(EngineConfig(str(tiny_llama), page_size=4, num_pages=1024)) as s:
+        pid = s.engine.engine_pid
+        with httpx.Client(base_url=s.url, timeout=60) as c:
+            assert c.post("/v1/completions", json={**LONG, "max_tokens": 2}).status_code == 200
+            r = c.post("/v1/completions", json={**LONG, "max_tokens": FAIL_AT})
+            assert r.status_code == 500, r.text
+            error = _error(r)
+            assert error["type"] == "server_error" and "exit code 1" in error["message"], error
+            health = [c.get("/health").status_code]
+            deadline = time.monotonic() + 60
+            while health[-1] != 200:
+                assert time.monotonic() < deadline, "the engine process was not restarted"
+                time.sleep(0.05)
+                health.append(c.get("/health").status_code)
+            assert health[0] == 503, health  # the process is replaced, which takes seconds
+            assert s.engine.engine_pid not in (None, pid)
+            r = c.post("/v1/completions", json={**LONG, "max_tokens": 3})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3

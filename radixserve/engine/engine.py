@@ -18,8 +18,8 @@ import torch
 from radixserve.cache.page_pool import KVPool
 from radixserve.cache.tier_controller import make_tiers
 from radixserve.config import EngineConfig, context_within_pool
+from radixserve.engine.deltas import OutputAssembler, StepOutput, add_text
 from radixserve.engine.kv_manager import KVCacheManager
-from radixserve.engine.output import OutputAssembler, StepOutput, add_text
 from radixserve.engine.policy import PRIORITY_NAMES
 from radixserve.engine.prompt import Prompt, apply_chat_template, tokenize
 from radixserve.engine.request import Request, Status
@@ -201,11 +201,12 @@ class Engine:
         self,
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
         sampling_params: SamplingParams | None = None,
-    ) -> Any:
-        """Apply the chat template and generate: one RequestOutput, or a list for a list of conversations."""
-        if messages and isinstance(messages[0], dict):
-            return self.generate([self.apply_chat_template(messages)], sampling_params)[0]  # type: ignore[arg-type]
-        return self.generate([self.apply_chat_template(m) for m in messages], sampling_params)  # type: ignore[arg-type]
+    ) -> list[RequestOutput]:
+        """Apply the chat template and generate. Always a list, one RequestOutput per conversation in
+        order, as vLLM's ``LLM.chat``: one conversation (a list of messages) gives a list of one."""
+        one = bool(messages) and isinstance(messages[0], dict)
+        conversations: list[list[dict[str, str]]] = [messages] if one else messages  # type: ignore[list-item,assignment]
+        return self.generate([self.apply_chat_template(m) for m in conversations], sampling_params)
 
     def stats(self) -> EngineStats:
         kv = self.kv_cache

@@ -2,43 +2,74 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
+from typing import Any
 
 from radixserve.errors import InvalidRequestError
+from radixserve.knobs import knob, problems
 
 
 @dataclass
 class SamplingParams:
-    """What to sample and when to stop. Field names follow vLLM and the OpenAI API."""
+    """What to sample and when to stop. Field names follow vLLM and the OpenAI API.
 
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1 or 0: disabled
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    n: int = 1
-    logprobs: int | None = None  # number of top logprobs per output token (0: only the sampled one)
-    prompt_logprobs: int | None = None  # number of top logprobs per prompt token (0: only the actual one)
-    skip_special_tokens: bool = True
-    logit_bias: dict[int, float] | None = None  # added to these tokens' logits before anything else
-    min_tokens: int = 0  # EOS, stop token ids and stop strings cannot end a sample before this many tokens
-    include_stop_str_in_output: bool = False  # keep the stop string that ended a sample in its text
+    Each field's range is declared here once (``knob``): ``validate`` checks it, the HTTP types of
+    server/protocol.py take their constraints from it, and ``radixserve generate`` its flags.
+    """
+
+    max_tokens: int = knob(16, "tokens to generate at most", ge=1, integer=True)
+    temperature: float = knob(1.0, "0: greedy", ge=0.0, le=100.0)
+    top_p: float = knob(
+        1.0, "nucleus sampling: the smallest set of tokens with this much probability", gt=0.0, le=1.0
+    )
+    top_k: int = knob(-1, "-1 or 0: disabled", ge=-1, integer=True)  # <= the vocabulary too (validate)
+    min_p: float = knob(0.0, "drop tokens less likely than this times the most likely one", ge=0.0, le=1.0)
+    repetition_penalty: float = knob(1.0, "divides the logits of tokens seen so far", gt=0.0, le=10.0)
+    presence_penalty: float = knob(
+        0.0, "subtracted once from the logits of tokens generated", ge=-2.0, le=2.0
+    )
+    frequency_penalty: float = knob(0.0, "subtracted per occurrence of a generated token", ge=-2.0, le=2.0)
+    seed: int | None = knob(None, "makes sampling reproducible", ge=0, integer=True)
+    stop: list[str] = knob(factory=list, help="strings that end a sample")
+    stop_token_ids: list[int] = knob(factory=list, help="token ids that end a sample")
+    ignore_eos: bool = knob(False, "go on past EOS")
+    n: int = knob(1, "samples per prompt", ge=1, le=128, integer=True)
+    # number of top logprobs per output token (0: only the sampled one)
+    logprobs: int | None = knob(None, "top logprobs per output token", ge=0, le=20, integer=True)
+    # number of top logprobs per prompt token (0: only the actual one)
+    prompt_logprobs: int | None = knob(None, "top logprobs per prompt token", ge=0, le=20, integer=True)
+    skip_special_tokens: bool = knob(True, "leave special tokens out of the text")
+    # added to these tokens' logits before anything else
+    logit_bias: dict[int, float] | None = knob(None, "token id -> bias", ge=-100.0, le=100.0, each=True)
+    # EOS, stop token ids and stop strings cannot end a sample before this many tokens (<= max_tokens too)
+    min_tokens: int = knob(0, "tokens before anything but max_tokens may end a sample", ge=0, integer=True)
+    # keep the stop string that ended a sample in its text
+    include_stop_str_in_output: bool = knob(False, "keep the stop string in the text")
     # Constrained decoding (at most one of these).
-    regex: str | None = None
-    json_schema: str | dict | None = None
-    grammar: str | None = None
-    choices: list[str] | None = None
+    regex: str | None = knob(None, "the output matches this regular expression")
+    json_schema: str | dict | None = knob(None, "the output is JSON that follows this schema")
+    grammar: str | None = knob(None, "the output follows this Lark grammar")
+    choices: list[str] | None = knob(None, "the output is one of these strings")
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        # None means "none": the HTTP types send None for a list the client left out.
+        if self.stop is None:
+            self.stop = []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+
+    @classmethod
+    def pick(cls, source: object, **overrides: Any) -> SamplingParams:
+        """The params from the same-named attributes of ``source`` (an HTTP request type), then ``overrides``.
+
+        Only names ``source`` declares are read, so a request type shares the field list instead of
+        repeating it; a name with another meaning there (chat's boolean ``logprobs``) must be overridden.
+        """
+        names = getattr(source, "__struct_fields__", None) or [f.name for f in fields(source)]  # type: ignore[arg-type]
+        known = {f.name for f in fields(cls)}
+        return cls(**{name: getattr(source, name) for name in names if name in known} | overrides)
 
     @property
     def greedy(self) -> bool:
@@ -50,44 +81,23 @@ class SamplingParams:
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidRequestError naming the first bad field."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise InvalidRequestError(
-                f"max_tokens must be a positive integer, got {self.max_tokens!r}", "max_tokens"
-            )
-        if self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}", "temperature")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
-        if self.top_k < -1 or (vocab_size is not None and self.top_k > vocab_size):
+        for name, why in problems(self):
+            raise InvalidRequestError(f"{name} {why}", name)
+        if vocab_size is not None and self.top_k > vocab_size:
             raise InvalidRequestError(
                 f"top_k must be -1 (disabled) or in [1, vocab_size], got {self.top_k}", "top_k"
             )
-        if not 0.0 <= self.min_p <= 1.0:
-            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
-        if self.repetition_penalty <= 0:
-            raise InvalidRequestError(
-                f"repetition_penalty must be > 0, got {self.repetition_penalty}", "repetition_penalty"
-            )
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not -2.0 <= value <= 2.0:
-                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}", name)
-        if not isinstance(self.n, int) or not 1 <= self.n <= 128:
-            raise InvalidRequestError(f"n must be an integer in [1, 128], got {self.n!r}", "n")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value <= 20:
-                raise InvalidRequestError(f"{name} must be in [0, 20], got {value}", name)
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+        if self.min_tokens > self.max_tokens:
             raise InvalidRequestError(
                 f"min_tokens must be in [0, max_tokens = {self.max_tokens}], got {self.min_tokens!r}",
                 "min_tokens",
             )
-        if self.logit_bias:
-            if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.logit_bias):
-                raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab_size})", "logit_bias")
-            if any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
-                raise InvalidRequestError("logit_bias values must be in [-100, 100]", "logit_bias")
+        if (
+            self.logit_bias
+            and vocab_size is not None
+            and any(not 0 <= t < vocab_size for t in self.logit_bias)
+        ):
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab_size})", "logit_bias")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty", "stop")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):

@@ -14,27 +14,33 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import re
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 import msgspec
 from starlette.requests import Request
 
 from radixserve.engine.prompt import Prompt
-from radixserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from radixserve.outputs import RequestOutput, TokenLogprob
 from radixserve.sampling.grammar import strict_schema
 from radixserve.sampling.params import SamplingParams
 from radixserve.server import protocol as p
 from radixserve.server import protocol_chat as c
-from radixserve.server.async_engine import AsyncEngine, EngineUnavailableError, QueueFullError
+from radixserve.server.async_engine import AsyncEngine
 from radixserve.server.chat_render import template_source
+from radixserve.server.engine_api import (
+    EngineFailedError,
+    EngineUnavailableError,
+    QueueFullError,
+    RequestStream,
+)
 from radixserve.server.http_util import ApiError
 from radixserve.server.openai_fields import Refused, check_fields
 from radixserve.server.reasoning import REASONING_PARSERS
 from radixserve.server.tools import TOOL_CALL_PARSERS, choose_format
 
 S = TypeVar("S")
-Submitted = tuple[RequestOutput, AsyncGenerator[RequestOutput, None]]  # the first delta, and the rest
+Submitted = tuple[RequestOutput, RequestStream]  # the first delta, and the rest
 
 
 class TokenText:
@@ -74,27 +80,6 @@ class TokenText:
         return out
 
 
-def merge_deltas(deltas: Sequence[RequestOutput], n: int) -> RequestOutput:
-    """Fold the stream of one request back into its whole result."""
-    last = deltas[-1]
-    outs = [CompletionOutput(i) for i in range(n)]
-    result = RequestOutput(
-        last.request_id, last.prompt, last.prompt_token_ids, outs, last.finished, last.cached_tokens
-    )
-    for d in deltas:
-        o = outs[d.outputs[0].index]
-        out = d.outputs[0]
-        o.text += out.text
-        o.token_ids.extend(out.token_ids)
-        if out.logprobs is not None:
-            o.logprobs = (o.logprobs or []) + out.logprobs
-        if out.finish_reason is not None:
-            o.finish_reason, o.stop_reason = out.finish_reason, out.stop_reason
-        if d.prompt_logprobs is not None:
-            result.prompt_logprobs = d.prompt_logprobs
-    return result
-
-
 class ApiContext:
     """``tool_call_parser`` (tools.py) and ``reasoning_parser`` (reasoning.py; None: off) shape chat replies."""
 
@@ -108,8 +93,9 @@ class ApiContext:
         self.model_name = model_name
         self.salt_per_key = salt_per_key
         self.max_body_bytes = max_body_bytes
-        self.tokens = TokenText(engine.tokenizer)
-        self.tool_format = choose_format(tool_call_parser, template_source(engine.tokenizer))
+        self.tokenizer = engine.model.tokenizer
+        self.tokens = TokenText(self.tokenizer)
+        self.tool_format = choose_format(tool_call_parser, template_source(self.tokenizer))
         self.reasoning = reasoning_parser is not None
 
     # -- bodies -----------------------------------------------------------------------------------
@@ -160,10 +146,11 @@ class ApiContext:
         leaves; the engine process guarantees that one ``max_model_len`` request fits in its KV pool."""
         if requested is not None:
             return requested
-        room = self.engine.max_model_len - prompt_tokens
+        max_model_len = self.engine.limits().max_model_len
+        room = max_model_len - prompt_tokens
         if room <= 0:
             raise ApiError(400, f"the prompt ({prompt_tokens} tokens) leaves no room for output within the maximum "
-                                f"context length of {self.engine.max_model_len} tokens",
+                                f"context length of {max_model_len} tokens",
                            param, "context_length_exceeded")  # fmt: skip
         return room if default is None else min(default, room)
 
@@ -178,16 +165,8 @@ class ApiContext:
             json_schema = (fmt.json_schema.schema if fmt.json_schema else None) or {"type": "object"}
             if fmt.json_schema is not None and fmt.json_schema.strict:
                 json_schema = strict_schema(json_schema)  # llguidance would otherwise allow extra keys
-        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        return SamplingParams(
-            max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-            repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty, seed=req.seed, stop=stop,
-            stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos, n=req.n, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens, regex=req.regex,
-            json_schema=json_schema, choices=req.choices, logit_bias=req.logit_bias, min_tokens=req.min_tokens,
-            include_stop_str_in_output=req.include_stop_str_in_output,
-        )  # fmt: skip
+        return SamplingParams.pick(req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                   json_schema=json_schema)  # fmt: skip
 
     # -- running requests -------------------------------------------------------------------------
     async def submit(
@@ -203,6 +182,8 @@ class ApiContext:
             raise ApiError(429, f"server busy: {exc}", headers={"Retry-After": "1"}) from None
         except EngineUnavailableError as exc:
             raise ApiError(503, str(exc)) from None
+        except EngineFailedError as exc:
+            raise ApiError(500, str(exc)) from None
         return first, stream
 
     async def submit_all(
@@ -225,13 +206,14 @@ class ApiContext:
             raise errors[0]
         return started
 
-    async def collect(self, request: Request, submitted: Sequence[Submitted], n: int) -> list[RequestOutput]:
-        """Run requests to their end, aborting them all if the client goes away meanwhile."""
+    async def collect(self, request: Request, submitted: Sequence[Submitted]) -> list[RequestOutput]:
+        """Run requests to their end, aborting them all if the client goes away meanwhile; returns each
+        one's whole output (its stream's ``result``: the deltas as the engine's assembler folded them)."""
 
-        async def drain(
-            first: RequestOutput, stream: AsyncGenerator[RequestOutput, None]
-        ) -> list[RequestOutput]:
-            return [first] + [d async for d in stream]
+        async def drain(first: RequestOutput, stream: RequestStream) -> RequestOutput:
+            async for _ in stream:
+                pass
+            return stream.result
 
         async def disconnected() -> None:
             while (await request.receive())["type"] != "http.disconnect":
@@ -256,7 +238,7 @@ class ApiContext:
                 await stream.aclose()
         if not all(task.done() and not task.cancelled() for task in work):
             raise ApiError(400, "client disconnected")
-        return [merge_deltas(task.result(), n) for task in work]
+        return [task.result() for task in work]
 
 
 def _decode(body: bytes, type_: type[S]) -> S:

@@ -8,7 +8,7 @@ Invariants:
   protocol types (the engine checks the rest and refuses with InvalidRequestError); every failure
   before the first byte of a response is an OpenAI-style error body (``ErrorResponse``) with the
   status code of its cause (400 bad input, 401 auth, 404 route or model, 405 method, 409 refused,
-  413 body too large, 429 queue full, 503 shutting down or engine process down, 500 bug).
+  413 body too large, 429 queue full, 503 shutting down or engine process down, 500 bug: in the front-end, or an engine that raised).
 - Streaming responses wait for the request's first output before sending headers, so bad input and
   back-pressure are still answered with a status code; errors after that end the stream with an
   ``error`` event.
@@ -46,10 +46,11 @@ from radixserve.errors import InvalidRequestError
 from radixserve.server import protocol as p
 from radixserve.server import protocol_chat as c
 from radixserve.server.api import ApiContext
-from radixserve.server.async_engine import AsyncEngine, EngineUnavailableError, RequestRecord
+from radixserve.server.async_engine import AsyncEngine
 from radixserve.server.chat import chat
 from radixserve.server.chat_render import render_chat
 from radixserve.server.completions import completions
+from radixserve.server.engine_api import EngineFailedError, EngineUnavailableError, RequestRecord
 from radixserve.server.generate import generate
 from radixserve.server.http_util import ApiError, error_response, json_response
 from radixserve.server.metrics import ServerMetrics
@@ -69,7 +70,7 @@ class _SmallRoutes:
 
     def card(self) -> p.ModelCard:
         return p.ModelCard(
-            id=self.ctx.model_name, created=self.created, max_model_len=self.engine.max_model_len
+            id=self.ctx.model_name, created=self.created, max_model_len=self.engine.limits().max_model_len
         )
 
     async def models(self, request: Request) -> Response:
@@ -81,15 +82,15 @@ class _SmallRoutes:
 
     async def model_info(self, request: Request) -> Response:
         """What a client-side program needs to render prompts the way the engine would (the DSL uses it)."""
-        tok = self.engine.tokenizer
-        return json_response(p.ModelInfo(self.ctx.model_name, str(self.engine.model_path), tok.chat_template,
-                                         tok.bos_token, tok.eos_token, self.engine.max_model_len))  # fmt: skip
+        tok = self.ctx.tokenizer
+        return json_response(p.ModelInfo(self.ctx.model_name, str(self.engine.model.path), tok.chat_template,
+                                         tok.bos_token, tok.eos_token, self.engine.limits().max_model_len))  # fmt: skip
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's /tokenize: a prompt, or chat messages rendered as /v1/chat/completions renders them."""
         req = await self.ctx.decode(request, c.TokenizeRequest)
         self.ctx.check_model(req.model)
-        tok = self.engine.tokenizer
+        tok = self.ctx.tokenizer
         if req.messages is not None and req.prompt is None:
             text = render_chat(tok, req.messages, req.tools, self.ctx.tool_format, req.add_generation_prompt,
                                req.continue_final_message, req.chat_template_kwargs)  # fmt: skip
@@ -99,12 +100,14 @@ class _SmallRoutes:
         else:
             raise ApiError(400, "give exactly one of prompt and messages", "prompt")
         strs = list(tok.convert_ids_to_tokens(ids)) if req.return_token_strs else None
-        return json_response(p.TokenizeResponse(len(ids), self.engine.max_model_len, list(ids), strs))
+        return json_response(
+            p.TokenizeResponse(len(ids), self.engine.limits().max_model_len, list(ids), strs)
+        )
 
     async def detokenize(self, request: Request) -> Response:
         req = await self.ctx.decode(request, p.DetokenizeRequest)
         self.ctx.check_model(req.model)
-        tok = self.engine.tokenizer
+        tok = self.ctx.tokenizer
         if any(t >= len(tok) for t in req.tokens):
             raise ApiError(400, f"token ids must be in [0, {len(tok)})", "tokens")
         return json_response(p.DetokenizeResponse(str(tok.decode(req.tokens))))
@@ -206,6 +209,9 @@ def build_app(
     async def on_unavailable(request: Request, exc: Exception) -> Response:
         return error_response(503, str(exc))
 
+    async def on_engine_failed(request: Request, exc: Exception) -> Response:
+        return error_response(500, str(exc))
+
     async def on_bug(request: Request, exc: Exception) -> Response:
         logger.exception("unhandled error", exc_info=exc)
         return error_response(500, f"internal error: {type(exc).__name__}")
@@ -228,7 +234,8 @@ def build_app(
         ApiError: on_api_error,
         InvalidRequestError: on_invalid,
         HTTPException: on_http_error,
-        EngineUnavailableError: on_unavailable,  # e.g. the engine process died under a request
+        EngineUnavailableError: on_unavailable,  # e.g. the engine process was killed under a request
+        EngineFailedError: on_engine_failed,  # the engine raised under a request
         Exception: on_bug,
     }
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
@@ -260,7 +267,7 @@ def serve(
         import torch
 
         torch.set_num_threads(1)
-    name = model_name or engine.model_path.name
+    name = model_name or engine.model.path.name
     app = build_app(engine, name, api_key, salt_per_key, max_body_bytes, drain_timeout, **app_options)
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=math.ceil(drain_timeout)

@@ -14,9 +14,9 @@ Invariants:
 - A consumer that stops before its request finished (client disconnect, cancellation, aclose)
   aborts the request; a sample that a stop string ended is aborted alone. Either way the engine
   frees its pages at its next step.
-- When the engine process dies, every open request fails at once with EngineUnavailableError, new
-  requests get EngineUnavailableError, and a new process is started; ``healthy`` is True again when
-  it is ready.
+- When the engine process dies, every open request fails at once (EngineFailedError where the
+  engine raised, i.e. exit code 1; EngineUnavailableError where it was killed), new requests get
+  EngineUnavailableError, and a new process is started; ``healthy`` is True again when it is ready.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from radixserve.config import EngineConfig
-from radixserve.engine.output import OutputAssembler, StepOutput, add_text
+from radixserve.engine.deltas import OutputAssembler, StepOutput, add_text
 from radixserve.engine.prompt import Prompt, apply_chat_template, tokenize
 from radixserve.engine.stats import EngineStats
 from radixserve.errors import InvalidRequestError
@@ -39,6 +39,15 @@ from radixserve.model.loader import load_tokenizer, resolve_model_path
 from radixserve.outputs import RequestOutput
 from radixserve.sampling.detokenizer import TextStream
 from radixserve.sampling.params import SamplingParams
+from radixserve.server.engine_api import (
+    EngineFailedError,
+    EngineUnavailableError,
+    Limits,
+    ModelInfo,
+    QueueFullError,
+    RequestRecord,
+    RequestStream,
+)  # fmt: skip
 from radixserve.server.engine_client import EngineClient, describe_exit
 from radixserve.server.messages import (
     Abort,
@@ -56,38 +65,6 @@ logger = logging.getLogger("radixserve.server")
 
 MAX_RESTART_DELAY_S = 30.0
 STABLE_S = 60.0  # an engine process that served this long resets the restart back-off
-
-
-class QueueFullError(RuntimeError):
-    """Too many requests are waiting to be scheduled; the client should retry later."""
-
-
-class EngineUnavailableError(RuntimeError):
-    """The server is shutting down, or the engine process died and is being restarted."""
-
-
-@dataclass
-class RequestRecord:
-    """Timings and token counts of one finished request, for metrics and the request log."""
-
-    request_id: str
-    prompt_tokens: int
-    cached_tokens: int
-    output_tokens: int  # summed over the request's samples
-    finish_reason: str  # of the first sample
-    arrival_time: float
-    scheduled_time: float | None
-    first_token_time: float | None
-    finish_time: float
-    token_gaps: list[float]  # seconds between consecutive tokens of the first sample
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def queue_time(self) -> float | None:
-        return None if self.scheduled_time is None else self.scheduled_time - self.arrival_time
 
 
 @dataclass
@@ -121,11 +98,13 @@ class AsyncEngine:
         log_level: str = "info",
         chat_template: str | None = None,
     ) -> None:
-        self.model_path = resolve_model_path(config.model)
-        self.tokenizer = load_tokenizer(self.model_path)
+        path = resolve_model_path(config.model)
+        tokenizer = load_tokenizer(path)
         if chat_template is not None:
-            self.tokenizer.chat_template = chat_template
-        self.config = dataclasses.replace(config, model=str(self.model_path), detokenize=False)
+            tokenizer.chat_template = chat_template
+        self.model = ModelInfo(path, tokenizer)
+        self._tokenizer = tokenizer
+        self._config = dataclasses.replace(config, model=str(path), detokenize=False)
         self.max_waiting_requests = max_waiting_requests or config.max_waiting_requests
         self.on_finish = on_finish
         self._process_options = (engine_threads, engine_cpus, log_level)
@@ -182,19 +161,21 @@ class AsyncEngine:
         """The engine process's id while one is ready."""
         return None if self._client is None else self._client.pid
 
-    # -- what the front-end knows -----------------------------------------------------------------
-    @property
-    def max_model_len(self) -> int:
-        """From the engine process's Ready report (the model's limit, or the configured one)."""
-        if self._ready is None:
+    # -- what the front-end knows (engine_api.py) -------------------------------------------------
+    def limits(self) -> Limits:
+        """What the engine process reported in its Ready message (the model's context length, or the
+        configured one, lowered to what the pool holds); EngineUnavailableError before the first."""
+        ready = self._ready
+        if ready is None:
             raise EngineUnavailableError("the engine process has not started")
-        return self._ready.max_model_len
+        return Limits(ready.max_model_len, ready.vocab_size, ready.page_size, ready.num_pages,
+                      ready.max_batched_tokens, self.max_waiting_requests)  # fmt: skip
 
     def tokenize(self, prompt: Prompt) -> list[int]:
-        return tokenize(self.tokenizer, prompt)
+        return tokenize(self._tokenizer, prompt)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        return apply_chat_template(self.tokenizer, messages)
+        return apply_chat_template(self._tokenizer, messages)
 
     def stats(self) -> EngineStats:
         """The engine's counters as of its latest step (or call); all zero before the first report."""
@@ -205,18 +186,26 @@ class AsyncEngine:
         return len(self._unscheduled)
 
     # -- requests ---------------------------------------------------------------------------------
-    async def generate(
+    def generate(
         self,
         prompt: Prompt,
         params: SamplingParams,
         request_id: str | None = None,
         cache_salt: str | None = None,
         priority: int | str = 0,
-    ) -> AsyncGenerator[RequestOutput, None]:
-        """Submit one request and yield its deltas (one sample each) until every sample finished.
+    ) -> RequestStream:
+        """Submit one request and yield its deltas (one sample each) until every sample finished;
+        the stream's ``result`` folds them into the whole output.
 
         Raises InvalidRequestError (bad input, found by the engine), QueueFullError or
         EngineUnavailableError before yielding; EngineUnavailableError after, if the engine dies."""
+        stream = RequestStream()
+        return stream.bind(self._generate(prompt, params, request_id, cache_salt, priority, stream))
+
+    async def _generate(
+        self, prompt: Prompt, params: SamplingParams, request_id: str | None, cache_salt: str | None,
+        priority: int | str, stream: RequestStream,
+    ) -> AsyncGenerator[RequestOutput, None]:  # fmt: skip
         if not self.healthy:
             raise EngineUnavailableError(
                 "the server is shutting down" if not self._accepting else "the engine process is restarting"
@@ -241,7 +230,7 @@ class AsyncEngine:
             self._forget(rid)
             raise EngineUnavailableError("the engine process is not reachable")
         text = prompt if isinstance(prompt, str) else None
-        assembler = OutputAssembler(rid, text, token_ids, params.n, req.arrival_time)
+        assembler = stream.assembler = OutputAssembler(rid, text, token_ids, params.n, req.arrival_time)
         try:
             while not assembler.finished:
                 item = await req.queue.get()
@@ -269,7 +258,7 @@ class AsyncEngine:
     # -- the engine process -----------------------------------------------------------------------
     async def _launch(self) -> None:
         threads, cpus, log_level = self._process_options
-        client = EngineClient(self.config, threads, cpus, log_level)
+        client = EngineClient(self._config, threads, cpus, log_level)
         try:
             ready = await client.start(self._on_message, self._on_exit)
         except BaseException:
@@ -289,7 +278,9 @@ class AsyncEngine:
         how = f"{'exited' if code == 0 else 'died'} ({describe_exit(code)})"  # 0: it drained after a signal
         logger.error("engine process %s %s; failing %d open request(s) and restarting it",
                      pid, how, len(self._requests))  # fmt: skip
-        self._fail_all(EngineUnavailableError(f"the engine process {how}; it is being restarted"))
+        message = f"the engine process {how}; it is being restarted"
+        # Exit code 1: the engine raised (engine_process.py), a bug; anything else came from outside.
+        self._fail_all(EngineFailedError(message) if code == 1 else EngineUnavailableError(message))
         lived = time.monotonic() - self._started_at
         self._quick_deaths = 0 if lived >= STABLE_S else self._quick_deaths + 1
         self._restarter = asyncio.create_task(self._restart())
@@ -356,7 +347,7 @@ class AsyncEngine:
                 continue
             text = req.texts.get(out.index)
             if text is None:
-                text = req.texts[out.index] = TextStream(self.tokenizer, req.params, req.prompt_token_ids)
+                text = req.texts[out.index] = TextStream(self._tokenizer, req.params, req.prompt_token_ids)
             step = add_text(text, out)
             if step.finish_reason is not None:
                 req.ended.add(out.index)

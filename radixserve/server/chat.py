@@ -121,7 +121,7 @@ async def chat(ctx: ApiContext, request: Request) -> Response:
     ctx.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-    tokenizer = ctx.engine.tokenizer
+    tokenizer = ctx.tokenizer
     plan = plan_tools(req, ctx.tool_format, tokenizer)
     prompt = render_chat(tokenizer, req.messages, req.tools, ctx.tool_format, req.add_generation_prompt,
                          req.continue_final_message, req.chat_template_kwargs)  # fmt: skip
@@ -148,7 +148,7 @@ async def chat(ctx: ApiContext, request: Request) -> Response:
 
     if req.stream:
         return event_stream(_events(ctx, req, rid, first, stream, parser), [stream])
-    [res] = await ctx.collect(request, [(first, stream)], req.n)
+    [res] = await ctx.collect(request, [(first, stream)])
     choices = [_choice(ctx, o, parser()) for o in res.outputs]
     usage_ = usage(len(token_ids), sum(len(o.token_ids) for o in res.outputs), res.cached_tokens)
     return json_response(c.ChatCompletionResponse(id=rid, created=int(time.time()), model=ctx.model_name,

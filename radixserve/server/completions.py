@@ -77,12 +77,12 @@ async def completions(ctx: ApiContext, request: Request) -> Response:
     rid = f"cmpl-{uuid.uuid4().hex}"
     salt = ctx.salt(request, req.cache_salt)
     submitted = await ctx.submit_all(prompts, params, rid, salt, req.priority)
-    texts = [prompt if isinstance(prompt, str) else str(ctx.engine.tokenizer.decode(ids))
+    texts = [prompt if isinstance(prompt, str) else str(ctx.tokenizer.decode(ids))
              for prompt, ids in zip(given, prompts)]  # fmt: skip
     choices = _Choices(ctx, req, texts, score_only)
     if req.stream:
         return event_stream(choices.events(rid, submitted), [stream for _, stream in submitted])
-    results = await ctx.collect(request, submitted, req.n)
+    results = await ctx.collect(request, submitted)
     out = [choices.choice(i, o, res) for i, res in enumerate(results) for o in res.outputs]
     completion_tokens = 0 if score_only else sum(len(o.token_ids) for r in results for o in r.outputs)
     usage_ = usage(sum(map(len, prompts)), completion_tokens, sum(r.cached_tokens for r in results))

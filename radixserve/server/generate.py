@@ -10,12 +10,9 @@ from starlette.responses import Response
 
 from radixserve.engine.prompt import Prompt
 from radixserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from radixserve.sampling.params import SamplingParams
 from radixserve.server import protocol as p
 from radixserve.server.api import ApiContext
 from radixserve.server.http_util import DONE, ApiError, chain, event_stream, json_response, sse
-
-DEFAULT_MAX_NEW_TOKENS = 128
 
 
 async def generate(ctx: ApiContext, request: Request) -> Response:
@@ -26,20 +23,12 @@ async def generate(ctx: ApiContext, request: Request) -> Response:
     sp = req.sampling_params
     logprobs = req.top_logprobs_num if req.return_logprob else None
     prompt_logprobs = req.top_logprobs_num if req.return_logprob and req.logprob_start_len >= 0 else None
-    stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
-    params = SamplingParams(
-        max_tokens=sp.max_new_tokens or sp.max_tokens or DEFAULT_MAX_NEW_TOKENS, temperature=sp.temperature,
-        top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p, repetition_penalty=sp.repetition_penalty,
-        presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty, stop=stop,
-        stop_token_ids=list(sp.stop_token_ids or []), ignore_eos=sp.ignore_eos, n=sp.n, seed=sp.seed,
-        logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=sp.skip_special_tokens,
-        regex=sp.regex, json_schema=sp.json_schema, grammar=sp.grammar, choices=sp.choices,
-    )  # fmt: skip
+    params = sp.engine_params(logprobs, prompt_logprobs)
     rid = req.rid or uuid.uuid4().hex
     first, stream = await ctx.submit(prompt, params, rid, ctx.salt(request, req.cache_salt), req.priority)
     if req.stream:
         return event_stream(_events(req, rid, first, stream), [stream])
-    [res] = await ctx.collect(request, [(first, stream)], sp.n)
+    [res] = await ctx.collect(request, [(first, stream)])
     outs = [_response(req, rid, o, res, res.prompt_logprobs) for o in res.outputs]
     return json_response(outs[0] if sp.n == 1 else outs)
 

@@ -7,8 +7,8 @@ import logging
 import os
 from pathlib import Path
 
-from radixserve.cache.tier_controller import WRITE_POLICIES
 from radixserve.config import EngineConfig
+from radixserve.knobs import add_arguments, values
 from radixserve.model.default_model import DEFAULT_MODEL_NAME
 from radixserve.server.app import DEFAULT_MAX_BODY_BYTES, serve
 from radixserve.server.async_engine import AsyncEngine
@@ -18,37 +18,15 @@ from radixserve.server.tools import TOOL_CALL_PARSERS
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``radixserve serve``."""
+    """The flags of ``radixserve serve``: the server's own, then one per EngineConfig knob (generated
+    from its declarations: config.py), then the engine process's and the API's."""
     a = parser.add_argument
-    a("--model", default=None, help="local HF model folder (default: the embedded SmolLM2-135M-Instruct)")
     a("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     a("--port", type=int, default=8000)
     a("--served-model-name", default=None,
       help="the model name clients send (default: the model folder's name; SmolLM2-135M-Instruct for the embedded one)")  # fmt: skip
-    a("--page-size", type=int, default=16, help="tokens per KV page")
-    a("--kv-cache-gb", type=float, default=1.0, help="KV cache size in GiB")
-    a("--num-pages", type=int, default=None, help="KV pages (overrides --kv-cache-gb)")
-    a("--max-running-requests", type=int, default=64)
-    a("--max-batched-tokens", type=int, default=None,
-      help="tokens per step; longer prefills are chunked (default: 512 on CPU, 8192 on CUDA)")  # fmt: skip
-    a("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    a("--max-waiting-requests", type=int, default=1024, help="beyond this, new requests get 429")
-    a("--schedule-policy", default="lpm", choices=["fcfs", "lpm", "dfs-weight"])
-    a("--eviction-policy", default="lru", choices=["lru", "lfu", "priority"])
-    a("--no-prefix-cache", dest="prefix_cache", action="store_false", help="disable prefix caching")
-    a("--attention-backend", default="auto")
-    a("--jump-forward", action="store_true", help="append grammar-forced tokens without a decode step each")
-    a("--host-cache-gb", type=float, default=0.0, help="host-RAM KV tier beneath the device pool (0: off)")
-    a(
-        "--disk-cache-gb",
-        type=float,
-        default=0.0,
-        help="disk KV tier size (0 with --disk-cache-dir: 10%% of the free space there, at most 64 GiB)",
-    )
-    a("--disk-cache-dir", default=None, help="disk KV tier directory (survives restarts)")
-    a("--write-policy", default="write_through", choices=WRITE_POLICIES,
-      help="when pages are copied down a tier: on insert, after k hits, or on eviction")  # fmt: skip
-    a("--write-through-threshold", type=int, default=2, help="k for write_through_selective")
+    engine = parser.add_argument_group("engine", "the EngineConfig knobs")
+    add_arguments(engine, EngineConfig)
     a("--engine-threads", type=int, default=None,
       help="torch threads of the engine process (default: one per core it may run on)")  # fmt: skip
     a("--engine-cpus", type=parse_cpus, default=None,
@@ -70,15 +48,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model, page_size=args.page_size, kv_cache_gb=args.kv_cache_gb, num_pages=args.num_pages,
-        max_running_requests=args.max_running_requests, max_batched_tokens=args.max_batched_tokens,
-        max_model_len=args.max_model_len, max_waiting_requests=args.max_waiting_requests,
-        prefix_cache=args.prefix_cache, schedule_policy=args.schedule_policy, eviction_policy=args.eviction_policy,
-        attention_backend=args.attention_backend, jump_forward=args.jump_forward,
-        host_cache_gb=args.host_cache_gb, disk_cache_gb=args.disk_cache_gb, disk_cache_dir=args.disk_cache_dir,
-        write_policy=args.write_policy, write_through_threshold=args.write_through_threshold,
-    )  # fmt: skip
+    return EngineConfig(**values(EngineConfig, args))
 
 
 def run_from_args(args: argparse.Namespace) -> None:
@@ -97,9 +67,8 @@ def run_from_args(args: argparse.Namespace) -> None:
     origins = (
         [o.strip() for o in args.allowed_origins.split(",") if o.strip()] if args.allowed_origins else None
     )
-    engine = AsyncEngine(engine_config_from_args(args), args.max_waiting_requests,
-                         engine_threads=args.engine_threads, engine_cpus=args.engine_cpus, log_level=args.log_level,
-                         chat_template=template)  # fmt: skip
+    engine = AsyncEngine(engine_config_from_args(args), engine_threads=args.engine_threads,
+                         engine_cpus=args.engine_cpus, log_level=args.log_level, chat_template=template)  # fmt: skip
     name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else None)
     serve(engine, args.host, args.port, name, keys, args.salt_per_key, args.max_body_bytes, args.drain_timeout,
           args.log_level, tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,

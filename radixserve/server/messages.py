@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import msgspec
 
-from radixserve.engine.output import StepOutput
+from radixserve.engine.deltas import StepOutput
 from radixserve.engine.stats import EngineStats
 from radixserve.sampling.params import SamplingParams
 

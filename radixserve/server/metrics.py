@@ -14,7 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from radixserve.server.async_engine import AsyncEngine, RequestRecord
+from radixserve.server.async_engine import AsyncEngine
+from radixserve.server.engine_api import RequestRecord
 
 PREFIX = "radixserve:"
 _LATENCY_BUCKETS = (

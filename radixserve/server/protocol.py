@@ -5,7 +5,8 @@ The chat types are in protocol_chat.py, the OpenAPI document generated from both
 Invariants:
 - Every request body is decoded with ``msgspec.json.decode(body, type=...)`` into one of the request
   Structs below; range constraints live in the types (``Meta``), so the OpenAPI schema and the
-  validation that answers 400 are the same rules.
+  validation that answers 400 are the same rules. The sampling fields' ranges are SamplingParams'
+  own (``_sampling``), so the server and the engine cannot disagree on them.
 - The OpenAI routes check a body's top-level keys against openai_fields.py before decoding it: a
   field that is neither a Struct field here nor known to have no effect on the output is a 400.
   Nested objects (messages, tools, stream options) ignore keys they do not know.
@@ -21,18 +22,34 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from radixserve.knobs import range_meta
+from radixserve.sampling.params import SamplingParams
+
 # Integers that reach the engine travel as msgpack int64s to its process; larger ones are a 400 here.
 INT64_MAX = 2**63 - 1
+
+
+def _sampling(name: str, upper: float | None = None) -> Meta:
+    """SamplingParams' own range for field ``name`` (sampling/params.py declares each once)."""
+    return Meta(**range_meta(SamplingParams, name, upper))
+
+
 NonNegInt = Annotated[int, Meta(ge=0, le=INT64_MAX)]
 TokenId = Annotated[int, Meta(ge=0, le=INT64_MAX)]
 PositiveInt = Annotated[int, Meta(ge=1, le=INT64_MAX)]
-TopK = Annotated[int, Meta(ge=-1, le=INT64_MAX)]
-Seed = Annotated[int, Meta(ge=0, le=INT64_MAX)]
-Temperature = Annotated[float, Meta(ge=0.0, le=100.0)]
-TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
-Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
-TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
-N = Annotated[int, Meta(ge=1, le=128)]
+MaxTokens = Annotated[int, _sampling("max_tokens", INT64_MAX)]
+TopK = Annotated[int, _sampling("top_k", INT64_MAX)]
+Seed = Annotated[int, _sampling("seed", INT64_MAX)]
+Temperature = Annotated[float, _sampling("temperature")]
+TopP = Annotated[float, _sampling("top_p")]
+MinP = Annotated[float, _sampling("min_p")]
+RepetitionPenalty = Annotated[float, _sampling("repetition_penalty")]
+PresencePenalty = Annotated[float, _sampling("presence_penalty")]
+FrequencyPenalty = Annotated[float, _sampling("frequency_penalty")]
+LogitBias = dict[TokenId, Annotated[float, _sampling("logit_bias")]]
+TopLogprobs = Annotated[int, _sampling("logprobs")]
+MinTokens = Annotated[int, _sampling("min_tokens", INT64_MAX)]
+N = Annotated[int, _sampling("n")]
 Priority = Annotated[int, Meta(ge=-INT64_MAX - 1, le=INT64_MAX)] | Literal["interactive", "batch"]
 Stop = str | list[str] | None
 
@@ -84,14 +101,14 @@ class SamplingFields(Struct, kw_only=True):
     n: N = 1
     stop: Stop = None
     seed: Seed | None = None
-    presence_penalty: Penalty = 0.0
-    frequency_penalty: Penalty = 0.0
+    presence_penalty: PresencePenalty = 0.0
+    frequency_penalty: FrequencyPenalty = 0.0
     stream: bool = False
     stream_options: StreamOptions | None = None
     # extras
     top_k: TopK = -1
-    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
-    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] = 1.0
+    min_p: MinP = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
     ignore_eos: bool = False
     stop_token_ids: list[NonNegInt] | None = None
     skip_special_tokens: bool = True
@@ -100,8 +117,8 @@ class SamplingFields(Struct, kw_only=True):
     regex: str | None = None
     choices: list[str] | None = None
     response_format: ResponseFormat | None = None
-    logit_bias: dict[TokenId, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
-    min_tokens: NonNegInt = 0
+    logit_bias: LogitBias | None = None
+    min_tokens: MinTokens = 0
     include_stop_str_in_output: bool = False
 
 
@@ -167,16 +184,19 @@ class ModelList(Struct, kw_only=True):
 
 
 # -- /generate (native) ---------------------------------------------------------------------------
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
 class GenerateSamplingParams(Struct, kw_only=True, forbid_unknown_fields=True):
-    max_new_tokens: PositiveInt | None = None
-    max_tokens: PositiveInt | None = None  # alias of max_new_tokens
+    max_new_tokens: MaxTokens | None = None
+    max_tokens: MaxTokens | None = None  # alias of max_new_tokens
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
     top_k: TopK = -1
-    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
-    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] = 1.0
-    presence_penalty: Penalty = 0.0
-    frequency_penalty: Penalty = 0.0
+    min_p: MinP = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    presence_penalty: PresencePenalty = 0.0
+    frequency_penalty: FrequencyPenalty = 0.0
     stop: Stop = None
     stop_token_ids: list[NonNegInt] | None = None
     ignore_eos: bool = False
@@ -187,6 +207,15 @@ class GenerateSamplingParams(Struct, kw_only=True, forbid_unknown_fields=True):
     json_schema: str | dict[str, Any] | None = None
     grammar: str | None = None
     choices: list[str] | None = None
+
+    def engine_params(
+        self, logprobs: int | None = None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
+        """The engine's params for these (also what the DSL's in-process backend sends)."""
+        max_tokens = self.max_new_tokens or self.max_tokens or DEFAULT_MAX_NEW_TOKENS
+        return SamplingParams.pick(
+            self, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+        )
 
 
 class GenerateRequest(Struct, kw_only=True):

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct
 
-from radixserve.server.protocol import PositiveInt, SamplingFields, TopLogprobs, Usage
+from radixserve.server.protocol import MaxTokens, SamplingFields, TopLogprobs, Usage
 
 
 # -- requests -------------------------------------------------------------------------------------
@@ -66,8 +66,8 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
-    max_tokens: PositiveInt | None = None
-    max_completion_tokens: PositiveInt | None = None
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
     tools: list[Tool] | None = None

@@ -1,4 +1,9 @@
-"""From per-sample step deltas to RequestOutputs, for whole results or for streams."""
+"""Step deltas: what one engine step made for one sample (``StepOutput``), its text (``add_text``), and
+the one fold of deltas into a request's result (``OutputAssembler``), for whole results and streams.
+
+The result types themselves (``RequestOutput``, ``CompletionOutput``, ``TokenLogprob``) are the public
+ones of radixserve/outputs.py; this module is how the engine and the server's front-end make them.
+"""
 
 from __future__ import annotations
 

@@ -1,0 +1,118 @@
+"""What the HTTP routes know of the engine: the types of AsyncEngine's interface (docs/architecture.md).
+
+The routes (app.py, api.py, chat.py, completions.py, generate.py, metrics.py) use an ``AsyncEngine``
+through these members and nothing else:
+
+- ``model`` (``ModelInfo``): the served model's folder and the front-end's tokenizer, known from
+  construction on (the routes render chat templates, count and decode tokens with it);
+- ``limits()`` (``Limits``): what the engine process reported when it became ready (its ``Ready``
+  message): the context length, the vocabulary, the pool; EngineUnavailableError before that;
+- ``generate()`` (a ``RequestStream`` of deltas, whose ``result`` is the whole output so far),
+  ``tokenize()``, ``flush_cache()``, ``stats()``, ``healthy``, ``on_finish`` (a ``RequestRecord``
+  per finished request), ``start()`` and ``shutdown()``;
+- the errors below (EngineFailedError is raised only by a request's stream), and ``InvalidRequestError`` (radixserve/errors.py) for a refused request.
+
+``check_integrity()`` and ``engine_pid`` exist for tests and operators; no route uses them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from radixserve.engine.deltas import OutputAssembler
+from radixserve.outputs import RequestOutput
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are waiting to be scheduled; the client should retry later."""
+
+
+class EngineUnavailableError(RuntimeError):
+    """The server is shutting down, or the engine process died and is being restarted (503: retry)."""
+
+
+class EngineFailedError(RuntimeError):
+    """The engine raised while it held this request (its process exits 1 and is restarted): a bug,
+    answered 500, where a process killed from outside (OOM, SIGKILL) is EngineUnavailableError."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The served model as the front-end knows it before (and without) any engine process."""
+
+    path: Path  # the model folder (for the embedded default: where it was converted to)
+    tokenizer: Any  # a transformers tokenizer; its chat_template is --chat-template's where one was given
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Facts the engine process reports once it is ready (messages.Ready), fixed for its lifetime."""
+
+    max_model_len: int  # prompt + output tokens of one request; one such request always fits in the pool
+    vocab_size: int
+    page_size: int
+    num_pages: int
+    max_batched_tokens: int
+    max_waiting_requests: int  # beyond this many unscheduled requests, generate raises QueueFullError
+
+
+@dataclass
+class RequestRecord:
+    """Timings and token counts of one finished request, for metrics and the request log."""
+
+    request_id: str
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int  # summed over the request's samples
+    finish_reason: str  # of the first sample
+    arrival_time: float
+    scheduled_time: float | None
+    first_token_time: float | None
+    finish_time: float
+    token_gaps: list[float]  # seconds between consecutive tokens of the first sample
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.scheduled_time is None else self.scheduled_time - self.arrival_time
+
+
+class RequestStream(AsyncGenerator[RequestOutput, None]):
+    """The deltas of one request (one sample's new tokens each), as ``AsyncEngine.generate`` yields them.
+
+    ``result`` is every delta so far folded into one RequestOutput by the request's OutputAssembler,
+    the one fold of deltas (engine/deltas.py), so a caller that wants the whole output drains the
+    stream and reads it instead of folding the deltas again. Closing the stream early aborts the request.
+    """
+
+    def __init__(self) -> None:
+        self._gen: AsyncGenerator[RequestOutput, None] | None = None
+        self.assembler: OutputAssembler | None = None  # set when the request is accepted
+
+    def bind(self, gen: AsyncGenerator[RequestOutput, None]) -> RequestStream:
+        self._gen = gen
+        return self
+
+    @property
+    def result(self) -> RequestOutput:
+        if self.assembler is None:
+            raise RuntimeError("the request has not started")
+        return self.assembler.result
+
+    async def asend(self, value: None) -> RequestOutput:
+        assert self._gen is not None
+        return await self._gen.asend(value)
+
+    async def athrow(self, typ: Any, val: Any = None, tb: Any = None) -> RequestOutput:  # type: ignore[override]
+        assert self._gen is not None
+        return await self._gen.athrow(typ, val, tb)
+
+    async def aclose(self) -> None:
+        if self._gen is not None:
+            await self._gen.aclose()

@@ -1,0 +1,174 @@
+"""The server's side of the engine boundary: the routes use only AsyncEngine's documented interface
+(server/engine_api.py), refusals keep their parameter and code whatever their wording, and two paths
+end to end over HTTP: ``response_format`` and a non-streaming client that goes away."""
+
+from __future__ import annotations
+
+import ast
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import jsonschema
+import msgspec
+import pytest
+from server_util import MODEL_NAME, Served, scrape, serving
+
+import radixserve.server
+from radixserve.config import EngineConfig
+from radixserve.server.async_engine import AsyncEngine
+from radixserve.server.http_util import ApiError
+from radixserve.server.messages import FromEngine, RequestError
+
+# What a route may use of an AsyncEngine: the interface engine_api.py documents.
+INTERFACE = {"model", "limits", "generate", "tokenize", "flush_cache", "stats", "healthy", "on_finish",
+             "start", "shutdown"}  # fmt: skip
+ROUTE_MODULES = ("app.py", "api.py", "chat.py", "completions.py", "generate.py", "metrics.py")
+REWORDED = "a message worded in a way no parser has seen"
+
+
+def test_routes_use_only_the_documented_engine_interface() -> None:
+    """Every ``engine.X`` / ``ctx.engine.X`` / ``self.engine.X`` / ``self._engine.X`` in the route modules
+    names a member of the documented interface: no reach into the tokenizer, config or scheduler."""
+    root = Path(radixserve.server.__file__).parent
+    used: dict[str, set[str]] = {}
+    for name in ROUTE_MODULES:
+        for node in ast.walk(ast.parse((root / name).read_text())):
+            if isinstance(node, ast.Attribute):
+                owner = node.value
+                is_engine = (isinstance(owner, ast.Name) and owner.id == "engine") or (
+                    isinstance(owner, ast.Attribute) and owner.attr in ("engine", "_engine")
+                )
+                if is_engine:
+                    used.setdefault(node.attr, set()).add(name)
+    assert used, "the scan found no engine use: it is looking in the wrong place"
+    outside = {attr: sorted(files) for attr, files in used.items() if attr not in INTERFACE}
+    assert not outside, outside
+
+
+def test_a_plain_value_error_gets_no_parameter_from_its_words() -> None:
+    """Only a typed InvalidRequestError names a parameter or code; a message that happens to start with
+    a field's name or mention the context length is not parsed for one."""
+    error = ApiError.invalid(ValueError("max_tokens exceeds the maximum context length of 512 tokens"))
+    assert (error.status, error.param, error.code) == (400, None, None)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama: Path) -> Iterator[Served]:
+    """A server whose front-end rewords every refusal the engine process sends, before anything reads it."""
+    original = AsyncEngine._on_message
+
+    def reworded(self: AsyncEngine, msg: FromEngine) -> None:
+        if isinstance(msg, RequestError):
+            msg = msgspec.structs.replace(msg, message=REWORDED)
+        original(self, msg)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(AsyncEngine, "_on_message", reworded)
+        with serving(EngineConfig(str(tiny_llama), page_size=4, num_pages=1024)) as s:
+            yield s
+
+
+@pytest.fixture(scope="module")
+def client(served: Served) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=served.url, timeout=60) as c:
+        yield c
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "code"),
+    [
+        ({"prompt": [1, 2, 3], "max_tokens": 600}, "max_tokens", "context_length_exceeded"),
+        ({"prompt": "x", "max_tokens": 2, "regex": "[0-9"}, "regex", None),
+        ({"prompt": "x", "max_tokens": 2, "min_tokens": 3}, "min_tokens", None),
+    ],
+)
+def test_rewording_an_engine_refusal_keeps_its_param_and_code(
+    client: httpx.Client, body: dict[str, object], param: str, code: str | None
+) -> None:
+    r = client.post("/v1/completions", json={"model": MODEL_NAME, **body})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["message"] == REWORDED, r.text  # the engine refused it
+    assert (error["param"], error["code"]) == (param, code)
+
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "maximum": 99}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_response_format_json_schema_output_validates(client: httpx.Client, route: str) -> None:
+    """A random model under response_format json_schema (strict): every sample parses and validates."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    ask = (
+        {"prompt": "A person:"}
+        if route == "/v1/completions"
+        else {"messages": [{"role": "user", "content": "?"}]}
+    )
+    body = {
+        "model": MODEL_NAME,
+        **ask,
+        "max_tokens": 120,
+        "temperature": 1.0,
+        "seed": 3,
+        "n": 4,
+        "response_format": fmt,
+    }
+    r = client.post(route, json=body)
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        text = choice["text"] if route == "/v1/completions" else choice["message"]["content"]
+        assert choice["finish_reason"] == "stop", choice  # the grammar ended it, not max_tokens
+        jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_response_format_json_object_is_an_object(client: httpx.Client) -> None:
+    body = {"model": MODEL_NAME, "prompt": "{", "max_tokens": 120, "temperature": 0.7, "seed": 1,
+            "response_format": {"type": "json_object"}}  # fmt: skip
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    [choice] = r.json()["choices"]
+    if choice["finish_reason"] == "stop":  # a random model may ramble to max_tokens inside the object
+        assert isinstance(json.loads(choice["text"]), dict)
+    else:
+        assert choice["text"].lstrip().startswith("{")
+
+
+def test_non_streaming_client_disconnect_aborts_and_frees_its_pages(
+    served: Served, client: httpx.Client
+) -> None:
+    before = scrape(client)
+    aborted = "radixserve:request_success_total{finished_reason=abort}"
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "a long answer",
+        "max_tokens": 400,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+        httpx.post(f"{served.url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.3))
+    deadline = time.monotonic() + 30
+    while scrape(client).get(aborted, 0) == before.get(aborted, 0):
+        assert time.monotonic() < deadline, "the request was not aborted"
+        time.sleep(0.05)
+    after = scrape(client)
+    assert (
+        after["radixserve:generation_tokens_total"] - before.get("radixserve:generation_tokens_total", 0)
+        < 400
+    )
+    # Its pages are back: nothing in use, free + cached == total, and the engine's own page-by-page check.
+    s = served.engine.stats()
+    deadline = time.monotonic() + 30
+    while s.in_use_pages or s.num_running:
+        assert time.monotonic() < deadline, s
+        time.sleep(0.05)
+        s = served.engine.stats()
+    assert s.free_pages + s.cached_pages == s.num_pages, s
+    # serving() checks the engine's integrity page by page when the module's server stops.
