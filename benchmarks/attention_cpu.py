@@ -152,8 +152,14 @@ def run(
                     got[name] = (min(got[name][0], one), min(got[name][1], many))
         ref_one, ref_many = got["torch"]
         for name, (one, many) in got.items():
-            row = {"case": case.name, "backend": name, "ms_layer": one, f"ms_{layers}_layers": many,
-                   "speedup_layer": ref_one / one, f"speedup_{layers}_layers": ref_many / many}  # fmt: skip
+            row = {
+                "case": case.name,
+                "backend": name,
+                "ms_layer": one,
+                f"ms_{layers}_layers": many,
+                "speedup_layer": ref_one / one,
+                f"speedup_{layers}_layers": ref_many / many,
+            }
             rows.append(row)
             cells = [
                 case.name,
@@ -191,9 +197,20 @@ def main() -> None:
         "vs torch (layer)",
         f"vs torch ({args.layers})",
     ]
-    payload = {"shapes": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "page_size": PAGE,
-                          "dtype": "float32", "layers": args.layers, "repeats": args.repeats, "rounds": args.rounds},
-               "load_average_after": os.getloadavg(), "rows": rows}  # fmt: skip
+    payload = {
+        "shapes": {
+            "q_heads": Q_HEADS,
+            "kv_heads": KV_HEADS,
+            "head_dim": HEAD_DIM,
+            "page_size": PAGE,
+            "dtype": "float32",
+            "layers": args.layers,
+            "repeats": args.repeats,
+            "rounds": args.rounds,
+        },
+        "load_average_after": os.getloadavg(),
+        "rows": rows,
+    }
     print(machine())
     name = f"attention_cpu_t{args.threads}" if args.threads else "attention_cpu"
     title = f"CPU attention: torch reference vs C++ in-place kernels ({torch.get_num_threads()} threads)"

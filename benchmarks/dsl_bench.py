@@ -38,10 +38,14 @@ DOC = (
 ) * 6
 SCHEMA = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 32}, "score": {"type": "integer", "minimum": 0, "maximum": 100},
-                   "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4}},
-    "required": ["name", "score", "tags"], "additionalProperties": False,
-}  # fmt: skip
+    "properties": {
+        "name": {"type": "string", "maxLength": 32},
+        "score": {"type": "integer", "minimum": 0, "maximum": 100},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
+    },
+    "required": ["name", "score", "tags"],
+    "additionalProperties": False,
+}
 
 
 @rf.function
@@ -73,8 +77,14 @@ def bench_rag(
             httpx.post(f"{url}/flush_cache", timeout=30)
         backend.close()
         assert state is not None
-        return {"prefix_cache": prefix_cache, "questions": questions, "seconds": min(times), "all_seconds": times,
-                "mean_cached_tokens": sum(state["cached"]) / questions, "prompt_tokens": state["prompt"][0]}  # fmt: skip
+        return {
+            "prefix_cache": prefix_cache,
+            "questions": questions,
+            "seconds": min(times),
+            "all_seconds": times,
+            "mean_cached_tokens": sum(state["cached"]) / questions,
+            "prompt_tokens": state["prompt"][0],
+        }
 
 
 def bench_constraints(model: str | None, batch: int, max_tokens: int) -> dict[str, Any]:
@@ -96,8 +106,12 @@ def bench_constraints(model: str | None, batch: int, max_tokens: int) -> dict[st
         res = engine.generate(prompts, params)
         dt = time.perf_counter() - t0
         tokens = sum(len(r.token_ids) for r in res)
-        out[name] = {"tokens_per_s": tokens / dt, "steps": engine.num_steps - steps0, "seconds": dt,
-                     "ms_per_step": dt * 1000 / max(1, engine.num_steps - steps0)}  # fmt: skip
+        out[name] = {
+            "tokens_per_s": tokens / dt,
+            "steps": engine.num_steps - steps0,
+            "seconds": dt,
+            "ms_per_step": dt * 1000 / max(1, engine.num_steps - steps0),
+        }
     # The grammar's share of a step, measured alone: mask 16 matchers, apply it, accept a token each.
     compiler = GrammarCompiler(engine.tokenizer, engine.model.config.vocab_size)
     matchers = [compiler.matcher(SamplingParams(json_schema=SCHEMA)) for _ in range(batch)]
@@ -124,18 +138,30 @@ def bench_constraints(model: str | None, batch: int, max_tokens: int) -> dict[st
 def write(results: dict[str, Any], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "dsl_bench.json").write_text(json.dumps(results, indent=2))
-    lines = ["# DSL benchmark", "", f"model: {results['model']}", "", "## RAG program (1 document, fork into questions)", "",
-             "| prefix cache | questions | seconds | mean cached tokens / branch | prompt tokens / branch |",
-             "|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "# DSL benchmark",
+        "",
+        f"model: {results['model']}",
+        "",
+        "## RAG program (1 document, fork into questions)",
+        "",
+        "| prefix cache | questions | seconds | mean cached tokens / branch | prompt tokens / branch |",
+        "|---|---|---|---|---|",
+    ]
     for r in results["rag"]:
-        lines.append(f"| {'on' if r['prefix_cache'] else 'off'} | {r['questions']} | {r['seconds']:.2f} | "
-                     f"{r['mean_cached_tokens']:.0f} | {r['prompt_tokens']} |")  # fmt: skip
+        lines.append(
+            f"| {'on' if r['prefix_cache'] else 'off'} | {r['questions']} | {r['seconds']:.2f} | "
+            f"{r['mean_cached_tokens']:.0f} | {r['prompt_tokens']} |"
+        )
     c = results["constraints"]
     lines += ["", f"## Decode at batch {c['batch']}", "", "| run | tokens/s | ms/step |", "|---|---|---|"]
     for name in ("unconstrained", "json_schema"):
         lines.append(f"| {name} | {c[name]['tokens_per_s']:.1f} | {c[name]['ms_per_step']:.1f} |")
-    lines += ["", f"Grammar cost per step (mask + apply + accept, 16 JSON matchers): {c['mask_ms_per_step']:.2f} ms "
-              f"= {c['mask_overhead_pct']:.1f}% of an unconstrained decode step (target <= 5%)."]  # fmt: skip
+    lines += [
+        "",
+        f"Grammar cost per step (mask + apply + accept, 16 JSON matchers): {c['mask_ms_per_step']:.2f} ms "
+        f"= {c['mask_overhead_pct']:.1f}% of an unconstrained decode step (target <= 5%).",
+    ]
     (out / "dsl_bench.md").write_text("\n".join(lines) + "\n")
 
 

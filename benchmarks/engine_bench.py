@@ -37,8 +37,14 @@ def bare_loop(engine: Engine, prompts: list[list[int]], new_tokens: int) -> None
 def hf_generate(hf: Any, prompts: list[list[int]], new_tokens: int) -> None:
     ids = torch.tensor(prompts)  # equal lengths: no padding needed
     with torch.no_grad():
-        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                    do_sample=False, pad_token_id=0)  # fmt: skip
+        hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
 
 
 def main() -> None:
@@ -108,10 +114,12 @@ def main() -> None:
         ]
     )
     write_results(
-        "engine_bench", {"args": vars(args), "results": results}, rows,
+        "engine_bench",
+        {"args": vars(args), "results": results},
+        rows,
         ["workload", "engine tok/s", "bare loop tok/s", "HF tok/s", "engine/bare", "engine/HF"],
         "Engine throughput vs a bare forward loop and HF generate (SmolLM2-135M, fp32, CPU)",
-    )  # fmt: skip
+    )
 
 
 if __name__ == "__main__":

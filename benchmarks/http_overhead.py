@@ -38,22 +38,52 @@ from radixserve.engine.deltas import OutputAssembler
 
 
 def workload(args: argparse.Namespace, tokenizer: Any, corpus: Corpus) -> Workload:
-    spec = WorkloadSpec("multiturn", seed=args.seed, output_tokens=args.output_tokens,
-                        num_sessions=args.sessions, turns=args.turns, turn_tokens=args.turn_tokens)  # fmt: skip
+    spec = WorkloadSpec(
+        "multiturn",
+        seed=args.seed,
+        output_tokens=args.output_tokens,
+        num_sessions=args.sessions,
+        turns=args.turns,
+        turn_tokens=args.turn_tokens,
+    )
     return build_workload(spec, tokenizer, corpus)
 
 
 def run_http(args: argparse.Namespace, trace: Workload, tokenizer: Any) -> dict[str, Any]:
     port = free_port()
-    cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(port), "--served-model-name", "bench",
-           "--log-level", "warning", "--kv-cache-gb", str(args.kv_cache_gb), *args.server_args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "radixserve.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--served-model-name",
+        "bench",
+        "--log-level",
+        "warning",
+        "--kv-cache-gb",
+        str(args.kv_cache_gb),
+        *args.server_args,
+    ]
     with serving("radixserve", cmd, port, RESULTS / "logs") as url:
-        cfg = RunConfig(url, request_rate=None, concurrency=args.sessions, max_requests=trace.num_turns,
-                        max_duration_s=args.max_duration, label="http")  # fmt: skip
+        cfg = RunConfig(
+            url,
+            request_rate=None,
+            concurrency=args.sessions,
+            max_requests=trace.num_turns,
+            max_duration_s=args.max_duration,
+            label="http",
+        )
         doc = run_benchmark(cfg, trace, tokenizer, progress=False)
     s = doc["summary"]
-    return {"output_tokens": s["output_tokens"], "wall_s": s["duration_s"], "tokens_per_s": s["output_throughput"],
-            "ttft_p50_ms": s["ttft"]["p50_ms"], "errors": s["errors"]}  # fmt: skip
+    return {
+        "output_tokens": s["output_tokens"],
+        "wall_s": s["duration_s"],
+        "tokens_per_s": s["output_throughput"],
+        "ttft_p50_ms": s["ttft"]["p50_ms"],
+        "errors": s["errors"],
+    }
 
 
 def run_offline(args: argparse.Namespace, trace: Workload) -> dict[str, Any]:
@@ -105,8 +135,12 @@ def replay(engine: Engine, trace: Workload) -> dict[str, Any]:
             if turn + 1 < len(trace.sessions[session].turns):
                 add(session, turn + 1)
     wall = time.perf_counter() - start
-    return {"output_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-            "ttft_p50_ms": sorted(ttfts)[len(ttfts) // 2] * 1e3}  # fmt: skip
+    return {
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "ttft_p50_ms": sorted(ttfts)[len(ttfts) // 2] * 1e3,
+    }
 
 
 def main() -> None:
@@ -129,8 +163,14 @@ def main() -> None:
     http = run_http(args, workload(args, tokenizer, corpus), tokenizer)
     offline = run_offline(args, workload(args, tokenizer, corpus))
     ratio = http["tokens_per_s"] / offline["tokens_per_s"]
-    result = {"machine": machine(), "args": vars(args), "http": http, "offline": offline,
-              "http_over_offline": ratio, "overhead_pct": (1 - ratio) * 100}  # fmt: skip
+    result = {
+        "machine": machine(),
+        "args": vars(args),
+        "http": http,
+        "offline": offline,
+        "http_over_offline": ratio,
+        "overhead_pct": (1 - ratio) * 100,
+    }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "http_overhead.json").write_text(json.dumps(result, indent=2) + "\n")
     m = result["machine"]
@@ -144,7 +184,7 @@ def main() -> None:
         f"| offline Engine, same trace | {offline['output_tokens']} | {offline['wall_s']:.2f} | "
         f"{offline['tokens_per_s']:.1f} | {offline['ttft_p50_ms']:.0f} |\n\n"
         f"HTTP / offline throughput: {ratio:.3f} (overhead {result['overhead_pct']:.1f}%; target <= 10%)\n"
-    )  # fmt: skip
+    )
     (RESULTS / "http_overhead.md").write_text(md)
     print(md)
 

@@ -167,9 +167,17 @@ def bench_decode(
             workspace, "NHD", use_tensor_cores=q_heads != kv_heads
         )
         wrapper.plan(
-            p["kv_indptr"], p["kv_indices"], p["last_page_len"], q_heads, kv_heads, head_dim, page_size,
-            q_data_type=dtype, kv_data_type=dtype, sm_scale=scale,
-        )  # fmt: skip
+            p["kv_indptr"],
+            p["kv_indices"],
+            p["last_page_len"],
+            q_heads,
+            kv_heads,
+            head_dim,
+            page_size,
+            q_data_type=dtype,
+            kv_data_type=dtype,
+            sm_scale=scale,
+        )
         impls["flashinfer"] = lambda: wrapper.run(q, (p["k_cache"], p["v_cache"]))
     except Exception as exc:
         print(f"flashinfer decode unavailable: {exc}", file=sys.stderr)
@@ -223,9 +231,19 @@ def bench_extend(
         workspace = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
         wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
         wrapper.plan(
-            cu, p["kv_indptr"], p["kv_indices"], p["last_page_len"], q_heads, kv_heads, head_dim, page_size,
-            causal=True, q_data_type=dtype, kv_data_type=dtype, sm_scale=scale,
-        )  # fmt: skip
+            cu,
+            p["kv_indptr"],
+            p["kv_indices"],
+            p["last_page_len"],
+            q_heads,
+            kv_heads,
+            head_dim,
+            page_size,
+            causal=True,
+            q_data_type=dtype,
+            kv_data_type=dtype,
+            sm_scale=scale,
+        )
         impls["flashinfer"] = lambda: wrapper.run(q, (p["k_cache"], p["v_cache"]))
     except Exception as exc:
         print(f"flashinfer prefill unavailable: {exc}", file=sys.stderr)

@@ -95,11 +95,21 @@ def workloads(engine: Engine, args: argparse.Namespace) -> dict[str, list[Job]]:
     tok = engine.tokenizer
     rng = random.Random(args.seed)
     docs = [prose(tok, args.doc_tokens, seed=d) for d in range(args.docs)]
-    asks = ["What is the main topic?", "Give one example from the text.", "Summarise the first paragraph.",
-            "Which keyword matters most?", "Is anything deprecated?", "Who is the audience?",
-            "Name a related concept.", "What would you ask next?"]  # fmt: skip
-    rag = [Job([{"role": "user", "content": f"Document:\n{docs[d]}\n\nQuestion: {asks[q % len(asks)]}"}])
-           for q in range(args.questions) for d in range(args.docs)]  # fmt: skip
+    asks = [
+        "What is the main topic?",
+        "Give one example from the text.",
+        "Summarise the first paragraph.",
+        "Which keyword matters most?",
+        "Is anything deprecated?",
+        "Who is the audience?",
+        "Name a related concept.",
+        "What would you ask next?",
+    ]
+    rag = [
+        Job([{"role": "user", "content": f"Document:\n{docs[d]}\n\nQuestion: {asks[q % len(asks)]}"}])
+        for q in range(args.questions)
+        for d in range(args.docs)
+    ]
     topics = [
         "the sea",
         "compilers",
@@ -114,9 +124,16 @@ def workloads(engine: Engine, args: argparse.Namespace) -> dict[str, list[Job]]:
         "tea",
         "ice",
     ]
-    chat = [Job([{"role": "system", "content": "You are a friendly assistant."},
-                 {"role": "user", "content": f"Tell me about {topics[c % len(topics)]}."}],
-                [f"And more about point {t}?" for t in range(1, args.turns)]) for c in range(args.convs)]  # fmt: skip
+    chat = [
+        Job(
+            [
+                {"role": "system", "content": "You are a friendly assistant."},
+                {"role": "user", "content": f"Tell me about {topics[c % len(topics)]}."},
+            ],
+            [f"And more about point {t}?" for t in range(1, args.turns)],
+        )
+        for c in range(args.convs)
+    ]
     unique = [
         # Each opens with its own system line: the template's default system prompt would be shared.
         Job(
@@ -167,10 +184,14 @@ def main() -> None:
             hit_rate = (after.prefix_hit_tokens - before.prefix_hit_tokens) / q if q else 0.0
             s = per[mode]
             results[f"{name}_{mode}"] = {
-                "seconds": s.seconds, "requests": s.requests, "tok_s": s.tokens / s.seconds,
-                "req_s": s.requests / s.seconds, "ttft_p50": statistics.median(s.ttft),
-                "ttft_p95": statistics.quantiles(s.ttft, n=20)[-1], "hit_rate": hit_rate,
-            }  # fmt: skip
+                "seconds": s.seconds,
+                "requests": s.requests,
+                "tok_s": s.tokens / s.seconds,
+                "req_s": s.requests / s.seconds,
+                "ttft_p50": statistics.median(s.ttft),
+                "ttft_p95": statistics.quantiles(s.ttft, n=20)[-1],
+                "hit_rate": hit_rate,
+            }
             r = results[f"{name}_{mode}"]
             rows.append(
                 [name, mode, s.requests, r["req_s"], r["tok_s"], r["ttft_p50"], r["ttft_p95"], hit_rate]
@@ -180,10 +201,12 @@ def main() -> None:
         results[f"{name}_speedup"] = {"throughput_on_over_off": speedup}
         rows.append([name, "on/off", "", "", speedup, "", "", ""])
     write_results(
-        "prefix_bench", {"args": vars(args), "results": results}, rows,
+        "prefix_bench",
+        {"args": vars(args), "results": results},
+        rows,
         ["workload", "cache", "requests", "req/s", "tok/s", "TTFT p50 s", "TTFT p95 s", "hit rate"],
         "Prefix cache on vs off (SmolLM2-135M, fp32, CPU, in-process)",
-    )  # fmt: skip
+    )
 
 
 if __name__ == "__main__":

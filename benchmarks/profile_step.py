@@ -108,8 +108,13 @@ def main() -> None:
         rows.append(row)
     rows.append(["step (wall)"] + [x for r in results.values() for x in (r["wall"], 100.0)])
     header = ["part"] + [f"{k}: {u}" for k in results for u in ("ms", "%")]
-    write_results("profile_step", {"args": vars(args), "results": results}, rows, header,
-                  "Where one engine step's time goes (torch.profiler, real model, fp32, CPU)")  # fmt: skip
+    write_results(
+        "profile_step",
+        {"args": vars(args), "results": results},
+        rows,
+        header,
+        "Where one engine step's time goes (torch.profiler, real model, fp32, CPU)",
+    )
 
 
 if __name__ == "__main__":

@@ -133,13 +133,21 @@ class _Client:
         self.model = model
         self.tokenizer = tokenizer
         self.http = httpx.AsyncClient(
-            base_url=cfg.base_url, trust_env=False, timeout=httpx.Timeout(cfg.request_timeout_s, connect=10.0),
+            base_url=cfg.base_url,
+            trust_env=False,
+            timeout=httpx.Timeout(cfg.request_timeout_s, connect=10.0),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
-        )  # fmt: skip
+        )
 
     def body(self, messages: list[dict[str, str]], max_tokens: int) -> tuple[str, dict[str, Any]]:
-        common = {"model": self.model, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-                  "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+        common = {
+            "model": self.model,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if self.cfg.endpoint == "chat":
             return "/v1/chat/completions", {**common, "messages": messages}
         # The same tokens as the chat endpoint would see: the model's own template, rendered here.
@@ -324,11 +332,19 @@ def _config_meta(cfg: RunConfig) -> dict[str, Any]:
 def request_row(r: RequestResult, start: float) -> dict[str, Any]:
     ms = lambda v: None if v is None or math.isnan(v) else round(v * 1000, 3)  # noqa: E731
     return {
-        "session": r.session, "turn": r.turn, "kind": r.kind, "sent_ms": ms(r.sent - start),
-        "ttft_ms": ms(r.ttft), "e2e_ms": ms(r.e2e), "tpot_ms": ms(r.tpot), "itl_ms": [ms(g) for g in r.itls],
-        "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens, "cached_tokens": r.cached_tokens,
+        "session": r.session,
+        "turn": r.turn,
+        "kind": r.kind,
+        "sent_ms": ms(r.sent - start),
+        "ttft_ms": ms(r.ttft),
+        "e2e_ms": ms(r.e2e),
+        "tpot_ms": ms(r.tpot),
+        "itl_ms": [ms(g) for g in r.itls],
+        "prompt_tokens": r.prompt_tokens,
+        "output_tokens": r.output_tokens,
+        "cached_tokens": r.cached_tokens,
         "error": r.error,
-    }  # fmt: skip
+    }
 
 
 def run_benchmark(
@@ -346,9 +362,13 @@ def machine_info() -> dict[str, Any]:
                 cpu = line.split(":", 1)[1].strip()
                 break
     return {
-        "cpu": cpu, "cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "load_avg_1m": os.getloadavg()[0],
-    }  # fmt: skip
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "load_avg_1m": os.getloadavg()[0],
+    }
 
 
 # -- reporting ----------------------------------------------------------------------------------------
@@ -386,8 +406,10 @@ def write_results(doc: dict[str, Any], out_dir: Path, stem: str) -> tuple[Path, 
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
     json_path.write_text(json.dumps(doc, indent=1) + "\n")
-    rows = [table_row(r["meta"]["label"] or r["meta"]["workload"]["spec"]["name"], r["meta"], r["summary"])
-            for r in doc["runs"]]  # fmt: skip
+    rows = [
+        table_row(r["meta"]["label"] or r["meta"]["workload"]["spec"]["name"], r["meta"], r["summary"])
+        for r in doc["runs"]
+    ]
     m = doc["machine"]
     md_path.write_text(
         f"# {stem}\n\n{m['date']} on {m['cpu']} ({m['cpus']} CPUs), target {doc['runs'][0]['meta']['base_url']}\n\n"
@@ -424,8 +446,20 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-duration", type=float, default=600.0, help="seconds per run")
     a("--seed", type=int, default=0)
     a("--output-tokens", type=int, default=64)
-    for f in ("num_docs", "questions_per_doc", "doc_tokens", "num_sessions", "turns", "turn_tokens", "num_examples",
-              "example_tokens", "num_requests", "prompt_tokens", "short_tokens", "long_tokens"):  # fmt: skip
+    for f in (
+        "num_docs",
+        "questions_per_doc",
+        "doc_tokens",
+        "num_sessions",
+        "turns",
+        "turn_tokens",
+        "num_examples",
+        "example_tokens",
+        "num_requests",
+        "prompt_tokens",
+        "short_tokens",
+        "long_tokens",
+    ):
         a("--" + f.replace("_", "-"), type=int, default=getattr(WorkloadSpec, f))
     a("--long-fraction", type=float, default=WorkloadSpec.long_fraction)
     a("--warmup", type=int, default=1)
@@ -455,11 +489,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     corpus = Corpus(tokenizer)
     spec = spec_from_args(args)
     base = RunConfig(
-        base_url=args.base_url, endpoint=args.endpoint, model=args.model, concurrency=args.concurrency,
-        scenario="burst" if args.scenario == "burst" else "steady", burst_start_s=args.burst_start,
-        burst_duration_s=args.burst_duration, burst_factor=args.burst_factor, max_requests=args.max_requests,
-        max_duration_s=args.max_duration, warmup_requests=args.warmup, arrival_seed=args.seed,
-    )  # fmt: skip
+        base_url=args.base_url,
+        endpoint=args.endpoint,
+        model=args.model,
+        concurrency=args.concurrency,
+        scenario="burst" if args.scenario == "burst" else "steady",
+        burst_start_s=args.burst_start,
+        burst_duration_s=args.burst_duration,
+        burst_factor=args.burst_factor,
+        max_requests=args.max_requests,
+        max_duration_s=args.max_duration,
+        warmup_requests=args.warmup,
+        arrival_seed=args.seed,
+    )
     rates: list[float | None] = list(args.request_rate) if args.request_rate else [None]
     runs = []
     print(TABLE_HEADER)

@@ -62,8 +62,11 @@ class Model:
     def __init__(self, engine: Engine) -> None:
         cfg = engine.model.config
         self.layers, self.kv_heads, self.q_heads, self.head_dim = (
-            cfg.num_layers, cfg.num_kv_heads, cfg.num_heads, cfg.head_dim,
-        )  # fmt: skip
+            cfg.num_layers,
+            cfg.num_kv_heads,
+            cfg.num_heads,
+            cfg.head_dim,
+        )
         linears = [m for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
         self.linear_params = sum(m.weight.numel() for m in linears)
         self.body_params = self.linear_params - engine.model.lm_head.weight.numel()
@@ -172,8 +175,12 @@ def main() -> None:
         for b in batches:
             t = steps.decode(b, args.context, args.repeats)
             limit = limits.seconds(*model.decode(b, args.context))
-            res[f"decode_b{b}"] = {"ms": t * 1e3, "limit_ms": limit * 1e3, "pct_of_limit": 100 * limit / t,
-                                   "tok_s": b / t}  # fmt: skip
+            res[f"decode_b{b}"] = {
+                "ms": t * 1e3,
+                "limit_ms": limit * 1e3,
+                "pct_of_limit": 100 * limit / t,
+                "tok_s": b / t,
+            }
             rows.append([name, f"decode {b} x {args.context}", t * 1e3, limit * 1e3, 100 * limit / t, b / t])
             print(rows[-1], flush=True)
         for new, cached in [(args.prefill, 0), *extends, *((n, 0) for n, c in extends if c)]:
@@ -199,11 +206,13 @@ def main() -> None:
         results["configs"][name] = res
         del engine, steps
     write_results(
-        "step_bench", {"args": vars(args), **results}, rows,
+        "step_bench",
+        {"args": vars(args), **results},
+        rows,
         ["config", "step", "ms", "limit ms", "% of limit", "tok/s"],
         f"One engine step vs its physical limit (SmolLM2-135M, fp32; read bandwidth "
         f"{limits.bandwidth_gb_s:.1f} GB/s, fp32 peak {limits.peak_gflop_s:.0f} GFLOP/s, measured in this run)",
-    )  # fmt: skip
+    )
 
 
 if __name__ == "__main__":

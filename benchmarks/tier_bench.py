@@ -91,8 +91,12 @@ def rag(args: argparse.Namespace, disk_dir: Path, tiers: bool) -> dict[str, Any]
     engine = Engine(**opts)
     tok = engine.tokenizer
     docs = [prose(tok, args.doc_tokens, seed=10 + d) for d in range(args.docs)]
-    asks = ["What is the main topic?", "Give one example from the text.", "Who is the audience?",
-            "Is anything deprecated?"]  # fmt: skip
+    asks = [
+        "What is the main topic?",
+        "Give one example from the text.",
+        "Who is the audience?",
+        "Is anything deprecated?",
+    ]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     tokens = 0
     start = time.perf_counter()
@@ -105,10 +109,14 @@ def rag(args: argparse.Namespace, disk_dir: Path, tiers: bool) -> dict[str, Any]
     stats = engine.stats()
     engine.close()
     return {
-        "seconds": seconds, "requests": args.docs * args.questions, "tok_s": tokens / seconds,
-        "req_s": args.docs * args.questions / seconds, "hit_rate": stats.prefix_hit_rate,
-        "docs_over_pool": total_pages / num_pages, "tiers": stats.tiers,
-    }  # fmt: skip
+        "seconds": seconds,
+        "requests": args.docs * args.questions,
+        "tok_s": tokens / seconds,
+        "req_s": args.docs * args.questions / seconds,
+        "hit_rate": stats.prefix_hit_rate,
+        "docs_over_pool": total_pages / num_pages,
+        "tiers": stats.tiers,
+    }
 
 
 def main() -> None:
@@ -142,18 +150,41 @@ def main() -> None:
         ["TTFT recompute", f"{args.prefix_tokens}-token prefix", t["recompute"], 1.0, ""],
         ["TTFT device hit", f"cached {t['device_cached']}", t["device"], t["device_over_recompute"], ""],
         ["TTFT host hit", f"cached {t['host_cached']}", t["host"], t["host_over_recompute"], "<= 0.15"],
-        ["TTFT disk hit (restart)", f"cached {t['disk_cached']}", t["disk"], t["disk_over_recompute"], "<= 0.30"],
-        ["RAG device only", f"{with_tiers['docs_over_pool']:.1f}x pool", without["seconds"], without["tok_s"],
-         f"hit rate {without['hit_rate']:.2f}"],
-        ["RAG with tiers", "host + disk", with_tiers["seconds"], with_tiers["tok_s"],
-         f"hit rate {with_tiers['hit_rate']:.2f}, {speedup:.2f}x"],
-    ]  # fmt: skip
+        [
+            "TTFT disk hit (restart)",
+            f"cached {t['disk_cached']}",
+            t["disk"],
+            t["disk_over_recompute"],
+            "<= 0.30",
+        ],
+        [
+            "RAG device only",
+            f"{with_tiers['docs_over_pool']:.1f}x pool",
+            without["seconds"],
+            without["tok_s"],
+            f"hit rate {without['hit_rate']:.2f}",
+        ],
+        [
+            "RAG with tiers",
+            "host + disk",
+            with_tiers["seconds"],
+            with_tiers["tok_s"],
+            f"hit rate {with_tiers['hit_rate']:.2f}, {speedup:.2f}x",
+        ],
+    ]
     write_results(
-        "tier_bench", {"args": vars(args), "ttft": t, "rag_tiers": with_tiers, "rag_device_only": without,
-                       "rag_speedup": speedup}, rows,
+        "tier_bench",
+        {
+            "args": vars(args),
+            "ttft": t,
+            "rag_tiers": with_tiers,
+            "rag_device_only": without,
+            "rag_speedup": speedup,
+        },
+        rows,
         ["case", "detail", "seconds", "ratio (TTFT) / tok/s (RAG)", "target / note"],
         "Tiered KV cache (SmolLM2-135M, fp32, CPU, in-process)",
-    )  # fmt: skip
+    )
 
 
 if __name__ == "__main__":

@@ -229,8 +229,11 @@ def _mixed(spec: WorkloadSpec, corpus: Corpus, rng: random.Random) -> list[Sessi
     sessions = []
     for p in corpus.distinct_paragraphs(rng, spec.num_requests):
         if rng.random() < spec.long_fraction:
-            turn = Turn(f"Document:\n{corpus.text(p, spec.long_tokens)}\n\nSummarize the document above.",
-                        spec.output_tokens, "long")  # fmt: skip
+            turn = Turn(
+                f"Document:\n{corpus.text(p, spec.long_tokens)}\n\nSummarize the document above.",
+                spec.output_tokens,
+                "long",
+            )
         else:
             turn = Turn(
                 f"{corpus.text(p, spec.short_tokens)}\n\nWhat is this about?", spec.output_tokens, "short"

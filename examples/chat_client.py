@@ -38,9 +38,13 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\n[user] {question}\n[assistant] ", end="", flush=True)
         reply, cached, prompt = "", 0, 0
         stream = client.chat.completions.create(
-            model=model, messages=messages, max_tokens=args.max_tokens, temperature=0.7, stream=True,
+            model=model,
+            messages=messages,
+            max_tokens=args.max_tokens,
+            temperature=0.7,
+            stream=True,
             stream_options={"include_usage": True},
-        )  # fmt: skip
+        )
         for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
                 reply += chunk.choices[0].delta.content

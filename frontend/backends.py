@@ -70,8 +70,11 @@ class ChatTemplate:
             return self._template.render(
                 messages=list(messages), add_generation_prompt=False, **self._specials
             )
-        full = self._template.render(messages=[*messages, {"role": open_role, "content": _SENTINEL}],
-                                     add_generation_prompt=False, **self._specials)  # fmt: skip
+        full = self._template.render(
+            messages=[*messages, {"role": open_role, "content": _SENTINEL}],
+            add_generation_prompt=False,
+            **self._specials,
+        )
         return full[: full.index(_SENTINEL)]
 
 
@@ -83,8 +86,9 @@ class Backend(ABC):
     def chat_template(self) -> ChatTemplate: ...
 
     @abstractmethod
-    def generate(self, prompt: str, sampling_params: dict[str, Any],
-                 on_text: Callable[[str], None] | None = None) -> Completion:  # fmt: skip
+    def generate(
+        self, prompt: str, sampling_params: dict[str, Any], on_text: Callable[[str], None] | None = None
+    ) -> Completion:
         """Generate from ``prompt`` (``sampling_params`` as in POST /generate); ``on_text`` gets each delta."""
 
     @abstractmethod
@@ -123,8 +127,9 @@ class Backend(ABC):
 class RuntimeEndpoint(Backend):
     """A radixserve server (``radixserve serve``), over its native POST /generate."""
 
-    def __init__(self, url: str, api_key: str | None = None, chat_template: str | None = None,
-                 timeout: float = 600.0) -> None:  # fmt: skip
+    def __init__(
+        self, url: str, api_key: str | None = None, chat_template: str | None = None, timeout: float = 600.0
+    ) -> None:
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
@@ -143,8 +148,9 @@ class RuntimeEndpoint(Backend):
             info.get("chat_template"), info.get("bos_token") or "", info.get("eos_token") or ""
         )
 
-    def generate(self, prompt: str, sampling_params: dict[str, Any],
-                 on_text: Callable[[str], None] | None = None) -> Completion:  # fmt: skip
+    def generate(
+        self, prompt: str, sampling_params: dict[str, Any], on_text: Callable[[str], None] | None = None
+    ) -> Completion:
         body = {"text": prompt, "sampling_params": sampling_params, "stream": on_text is not None}
         if on_text is None:
             return _completion(self._post(body))
@@ -173,8 +179,14 @@ class RuntimeEndpoint(Backend):
         return done
 
     def prompt_logprobs(self, prompt: str) -> list[tuple[int, float | None]]:
-        res = self._post({"text": prompt, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
-                          "return_logprob": True, "logprob_start_len": 0})  # fmt: skip
+        res = self._post(
+            {
+                "text": prompt,
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+                "return_logprob": True,
+                "logprob_start_len": 0,
+            }
+        )
         return [(int(t), lp) for lp, t in res["meta_info"]["input_token_logprobs"]]
 
     def close(self) -> None:
@@ -200,8 +212,13 @@ def _http_error(r: httpx.Response) -> str:
 
 def _completion(res: dict[str, Any]) -> Completion:
     meta = res["meta_info"]
-    return Completion(res["text"], meta["prompt_tokens"], meta["cached_tokens"], meta["completion_tokens"],
-                      meta.get("finish_reason"))  # fmt: skip
+    return Completion(
+        res["text"],
+        meta["prompt_tokens"],
+        meta["cached_tokens"],
+        meta["completion_tokens"],
+        meta.get("finish_reason"),
+    )
 
 
 class LocalEngine(Backend):
@@ -235,8 +252,9 @@ class LocalEngine(Backend):
     def chat_template(self) -> ChatTemplate:
         return self._template
 
-    def generate(self, prompt: str, sampling_params: dict[str, Any],
-                 on_text: Callable[[str], None] | None = None) -> Completion:  # fmt: skip
+    def generate(
+        self, prompt: str, sampling_params: dict[str, Any], on_text: Callable[[str], None] | None = None
+    ) -> Completion:
         import msgspec
 
         from radixserve.server.protocol import GenerateSamplingParams
@@ -278,8 +296,9 @@ class LocalEngine(Backend):
     async def _generate(self, prompt: str, params: Any, on_text: Callable[[str], None] | None) -> Completion:
         done = await self._run(prompt, params, on_text)
         out = done.outputs[0]
-        return Completion(out.text, len(done.prompt_token_ids), done.cached_tokens, len(out.token_ids),
-                          out.finish_reason)  # fmt: skip
+        return Completion(
+            out.text, len(done.prompt_token_ids), done.cached_tokens, len(out.token_ids), out.finish_reason
+        )
 
     async def _run(self, prompt: str, params: Any, on_text: Callable[[str], None] | None) -> Any:
         """Run one request to its end (``on_text`` gets each piece of text); its whole RequestOutput."""

@@ -154,8 +154,18 @@ def gen(
         raise ValueError("gen takes at most one of regex, json_schema, choices and grammar")
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-    return Gen(name, max_tokens, stop, temperature, top_p, seed, regex, json_schema,
-               None if choices is None else tuple(choices), grammar)  # fmt: skip
+    return Gen(
+        name,
+        max_tokens,
+        stop,
+        temperature,
+        top_p,
+        seed,
+        regex,
+        json_schema,
+        None if choices is None else tuple(choices),
+        grammar,
+    )
 
 
 def select(

@@ -205,8 +205,12 @@ class ProgramState:
         self._append(done.text)
         if g.name is not None:
             self._vars[g.name] = done.text
-            self._meta[g.name] = {"prompt_tokens": done.prompt_tokens, "cached_tokens": done.cached_tokens,
-                                  "completion_tokens": done.completion_tokens, "finish_reason": done.finish_reason}  # fmt: skip
+            self._meta[g.name] = {
+                "prompt_tokens": done.prompt_tokens,
+                "cached_tokens": done.cached_tokens,
+                "completion_tokens": done.completion_tokens,
+                "finish_reason": done.finish_reason,
+            }
 
     def _select(self, sel: Select) -> None:
         scores = self._run.backend.score(self._text(), sel.choices)
@@ -215,8 +219,11 @@ class ProgramState:
         self._append(sel.choices[best])
         if sel.name is not None:
             self._vars[sel.name] = sel.choices[best]
-            self._meta[sel.name] = {"scores": dict(zip(sel.choices, values, strict=True)), "method": sel.method,
-                                    "token_logprobs": dict(zip(sel.choices, scores, strict=True))}  # fmt: skip
+            self._meta[sel.name] = {
+                "scores": dict(zip(sel.choices, values, strict=True)),
+                "method": sel.method,
+                "token_logprobs": dict(zip(sel.choices, scores, strict=True)),
+            }
 
     def _append(self, text: str) -> None:
         if self._open is not None:
@@ -296,8 +303,13 @@ class Function:
         threading.Thread(target=target, name="rf-stream", daemon=True).start()
         return state
 
-    def run_batch(self, batch_kwargs: Sequence[dict[str, Any]], backend: Backend | None = None,
-                  num_threads: int | str = "auto", progress_bar: bool = False) -> list[ProgramState]:  # fmt: skip
+    def run_batch(
+        self,
+        batch_kwargs: Sequence[dict[str, Any]],
+        backend: Backend | None = None,
+        num_threads: int | str = "auto",
+        progress_bar: bool = False,
+    ) -> list[ProgramState]:
         """Run the program once per argument dict, ``num_threads`` at a time; states come back in order.
 
         A failing run raises its ProgramError, prefixed with the index of its arguments.

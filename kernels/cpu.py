@@ -180,6 +180,16 @@ def attention(
 CAPTURABLE = True  # every op above traces under torch.compile (real torch ops with fake kernels)
 
 __all__ = [
-    "CAPTURABLE", "Plan", "StepPlan", "attention", "plan_step", "decode_attention", "extend_attention", "gather_pages", "plan_decode", "plan_extend",
-    "scatter_pages", "store_kv",
-]  # fmt: skip
+    "CAPTURABLE",
+    "Plan",
+    "StepPlan",
+    "attention",
+    "plan_step",
+    "decode_attention",
+    "extend_attention",
+    "gather_pages",
+    "plan_decode",
+    "plan_extend",
+    "scatter_pages",
+    "store_kv",
+]

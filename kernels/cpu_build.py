@@ -130,8 +130,11 @@ def build_and_load(
             )
         except Exception as exc:  # a compiler error, a missing header, a link or load failure
             (directory / "build.log").write_text(str(exc))
-            return LoadState(False, "failed", f"building the C++ kernels failed ({_first_error(str(exc))}; "
-                             f"see {directory / 'build.log'})")  # fmt: skip
+            return LoadState(
+                False,
+                "failed",
+                f"building the C++ kernels failed ({_first_error(str(exc))}; see {directory / 'build.log'})",
+            )
         tmp = directory / "ready.tmp"
         tmp.write_text(name + "\n")
         tmp.replace(ready)
@@ -187,10 +190,17 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("radixserve_cpu::paged_attention")
     def _attention(
-        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-        items: torch.Tensor, rows: torch.Tensor, merge_rows: torch.Tensor, merge_offsets: torch.Tensor,
-        merge_slots: torch.Tensor, scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        page_table: torch.Tensor,
+        items: torch.Tensor,
+        rows: torch.Tensor,
+        merge_rows: torch.Tensor,
+        merge_offsets: torch.Tensor,
+        merge_slots: torch.Tensor,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return q.new_empty(q.shape), q.new_empty(q.shape[:2])
 
     @torch.library.register_fake("radixserve_cpu::store_kv")
@@ -211,9 +221,13 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("radixserve_cpu::plan")
     def _plan(
-        page_table: torch.Tensor, cu_q_lens: torch.Tensor, kv_lens: torch.Tensor, page_size: int,
-        num_threads: int, cascade_min_tokens: int,
-    ) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        page_table: torch.Tensor,
+        cu_q_lens: torch.Tensor,
+        kv_lens: torch.Tensor,
+        page_size: int,
+        num_threads: int,
+        cascade_min_tokens: int,
+    ) -> tuple[torch.Tensor, ...]:
         ctx = torch.library.get_ctx()
         items, rows, merged, slots = (ctx.new_dynamic_size() for _ in range(4))
         new = lambda *shape: page_table.new_empty(shape, dtype=torch.int32)  # noqa: E731

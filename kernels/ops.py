@@ -49,6 +49,13 @@ def attention(
 
 
 __all__ = [
-    "attention", "decode_attention", "extend_attention", "gather_pages", "plan_decode", "plan_extend",
-    "plan_step", "scatter_pages", "store_kv",
-]  # fmt: skip
+    "attention",
+    "decode_attention",
+    "extend_attention",
+    "gather_pages",
+    "plan_decode",
+    "plan_extend",
+    "plan_step",
+    "scatter_pages",
+    "store_kv",
+]

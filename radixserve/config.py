@@ -65,9 +65,10 @@ class EngineConfig:
     )
     disk_cache_dir: str | None = knob(None, "folder of the disk tier; entries of another model are deleted")
     write_policy: str = knob(
-        "write_through", "when pages are copied down a tier: on insert, after k hits, or on eviction",
+        "write_through",
+        "when pages are copied down a tier: on insert, after k hits, or on eviction",
         choices=WRITE_POLICIES,
-    )  # fmt: skip
+    )
     write_through_threshold: int = knob(2, "k for write_through_selective", ge=1, integer=True)
 
     def __post_init__(self) -> None:
@@ -98,10 +99,13 @@ def context_within_pool(max_model_len: int, configured: bool, num_pages: int, pa
             f"max_model_len {max_model_len} (--max-model-len) needs {-(-max_model_len // page_size)} KV pages of "
             f"{page_size} tokens, but the pool has {num_pages}: raise --kv-cache-gb or --num-pages, or lower "
             f"--max-model-len to at most {pool_tokens}"
-        )  # fmt: skip
+        )
     logger.warning(
         "the KV pool (%d pages of %d tokens) holds fewer tokens than the model's context of %d: max_model_len "
         "lowered to %d (raise --kv-cache-gb or --num-pages to serve the whole context)",
-        num_pages, page_size, max_model_len, pool_tokens,
-    )  # fmt: skip
+        num_pages,
+        page_size,
+        max_model_len,
+        pool_tokens,
+    )
     return pool_tokens

@@ -104,8 +104,12 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_arguments(parser: argparse.ArgumentParser | Any, cls: Any, only: Iterable[str] | None = None,
-                  defaults: Mapping[str, Any] | None = None) -> None:  # fmt: skip
+def add_arguments(
+    parser: argparse.ArgumentParser | Any,
+    cls: Any,
+    only: Iterable[str] | None = None,
+    defaults: Mapping[str, Any] | None = None,
+) -> None:
     """One flag per field of ``cls`` that has ``cli`` set (or per name in ``only``), named after it
     (``max_model_len`` -> ``--max-model-len``; a bool that defaults to True -> ``--no-NAME``). The value
     is checked at parse time against the field's spec, so the error names the flag."""
@@ -127,8 +131,14 @@ def add_arguments(parser: argparse.ArgumentParser | Any, cls: Any, only: Iterabl
                 if default is None or "default" in rule.help
                 else f"{rule.help} (default: {default})"
             )
-            parser.add_argument(flag(f.name), dest=f.name, default=default, type=_checked(kind, rule),
-                                choices=rule.choices, help=text)  # fmt: skip
+            parser.add_argument(
+                flag(f.name),
+                dest=f.name,
+                default=default,
+                type=_checked(kind, rule),
+                choices=rule.choices,
+                help=text,
+            )
 
 
 def values(cls: Any, args: argparse.Namespace) -> dict[str, Any]:

@@ -24,9 +24,21 @@ def test_under_pytest() -> None:
 
 def test_built_wheel_layout_and_imports(tmp_path: Path) -> None:
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), str(ROOT)],
-        check=True, capture_output=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path / "dist"),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+    )
     wheel = next((tmp_path / "dist").glob("radixserve-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "radixserve/kernels/reference.py" in names and "radixserve/frontend/__init__.py" in names
@@ -35,8 +47,11 @@ def test_built_wheel_layout_and_imports(tmp_path: Path) -> None:
     assert "radixserve/kernels/cpu_build.py" in names and sources <= set(names)
     assert not [n for n in names if n.startswith(("kernels/", "frontend/"))]  # never top-level packages
     target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
-                   check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+        check=True,
+        capture_output=True,
+    )
     env = {**os.environ, "PYTHONPATH": str(target)}
     out = subprocess.run(
         [sys.executable, "-c", IMPORTS], cwd=tmp_path, env=env, check=True, capture_output=True, text=True

@@ -186,9 +186,13 @@ class DiskStore:
     in_memory = False
 
     def __init__(
-        self, directory: str | os.PathLike[str], capacity_bytes: int, fingerprint: bytes,
-        page_shape: Sequence[int], dtype: torch.dtype,
-    ) -> None:  # fmt: skip
+        self,
+        directory: str | os.PathLike[str],
+        capacity_bytes: int,
+        fingerprint: bytes,
+        page_shape: Sequence[int],
+        dtype: torch.dtype,
+    ) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.fingerprint = fingerprint

@@ -55,8 +55,13 @@ def add_text(stream: TextStream, step: StepOutput) -> StepOutput:
         delta, reason, stop_reason = stream.append(token_id, stop)
         text += delta
         if reason is not None:
-            return msgspec.structs.replace(step, token_ids=step.token_ids[: i + 1], text=text,
-                                           finish_reason=reason, stop_reason=stop_reason)  # fmt: skip
+            return msgspec.structs.replace(
+                step,
+                token_ids=step.token_ids[: i + 1],
+                text=text,
+                finish_reason=reason,
+                stop_reason=stop_reason,
+            )
     return msgspec.structs.replace(step, text=text)
 
 
@@ -106,6 +111,14 @@ class OutputAssembler:
             step.index, step.text or "", step.token_ids, step.finish_reason, step.stop_reason, step.logprobs
         )
         return RequestOutput(
-            res.request_id, res.prompt, res.prompt_token_ids, [delta], res.finished, res.cached_tokens,
-            step.prompt_logprobs, res.arrival_time, res.first_token_time, res.finish_time,
-        )  # fmt: skip
+            res.request_id,
+            res.prompt,
+            res.prompt_token_ids,
+            [delta],
+            res.finished,
+            res.cached_tokens,
+            step.prompt_logprobs,
+            res.arrival_time,
+            res.first_token_time,
+            res.finish_time,
+        )

@@ -40,8 +40,11 @@ from radixserve.sampling.stop import GRAMMAR_COMPLETE, TokenStop, token_stop
 class Engine:
     def __init__(self, model: str | None = None, **options: Any) -> None:
         self.config = cfg = EngineConfig.from_kwargs(model=model, **options)
-        self.device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
-                                   ("cpu" if cfg.device == "auto" else cfg.device))  # fmt: skip
+        self.device = torch.device(
+            "cuda"
+            if cfg.device == "auto" and torch.cuda.is_available()
+            else ("cpu" if cfg.device == "auto" else cfg.device)
+        )
         dtype_name = (
             cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
         )
@@ -63,8 +66,9 @@ class Engine:
             mcfg.num_layers, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim, self.dtype
         )
         num_pages = cfg.num_pages or max(1, int(cfg.kv_cache_gb * 2**30) // page_bytes)
-        self.max_model_len = context_within_pool(self.max_model_len, cfg.max_model_len is not None, num_pages,
-                                                 cfg.page_size)  # fmt: skip
+        self.max_model_len = context_within_pool(
+            self.max_model_len, cfg.max_model_len is not None, num_pages, cfg.page_size
+        )
         shape = (mcfg.num_layers, num_pages, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim)
         self.pool = KVPool(*shape, self.dtype, self.device)
         # One backend for the whole engine: attention in the runner, page copies for the tiers.
@@ -211,11 +215,22 @@ class Engine:
     def stats(self) -> EngineStats:
         kv = self.kv_cache
         return EngineStats(
-            len(self.scheduler.waiting), len(self.scheduler.running), kv.num_pages, kv.num_free, kv.num_cached,
-            kv.num_in_use, kv.num_evictable, kv.query_tokens, kv.hit_tokens, kv.evicted_pages,
-            self.scheduler.num_preemptions, self.num_steps, self.prompt_tokens, self.generation_tokens,
+            len(self.scheduler.waiting),
+            len(self.scheduler.running),
+            kv.num_pages,
+            kv.num_free,
+            kv.num_cached,
+            kv.num_in_use,
+            kv.num_evictable,
+            kv.query_tokens,
+            kv.hit_tokens,
+            kv.evicted_pages,
+            self.scheduler.num_preemptions,
+            self.num_steps,
+            self.prompt_tokens,
+            self.generation_tokens,
             kv.tier_stats(),
-        )  # fmt: skip
+        )
 
     def check_integrity(self) -> None:
         self.kv_cache.check_integrity(self.scheduler.running)
@@ -258,8 +273,11 @@ class Engine:
     def _postprocess(
         self, batch: ScheduledBatch, logits: torch.Tensor, all_logits: dict[int, torch.Tensor]
     ) -> list[StepOutput]:
-        rows = [i for i, (r, n) in enumerate(zip(batch.requests, batch.num_new_tokens))
-                if r.num_computed_tokens + n == r.num_tokens]  # fmt: skip
+        rows = [
+            i
+            for i, (r, n) in enumerate(zip(batch.requests, batch.num_new_tokens))
+            if r.num_computed_tokens + n == r.num_tokens
+        ]
         for i, logits_i in all_logits.items():
             self._add_prompt_logprobs(batch.requests[i], batch.num_new_tokens[i], logits_i)
         for r, n in zip(batch.requests, batch.num_new_tokens):
@@ -271,9 +289,13 @@ class Engine:
             return []
         reqs = [batch.requests[i] for i in rows]
         sb = SamplingBatch.build(
-            [r.params for r in reqs], [r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs],
-            [r.generator for r in reqs], self.device, self._eos,
-        )  # fmt: skip
+            [r.params for r in reqs],
+            [r.prompt_token_ids for r in reqs],
+            [r.output_token_ids for r in reqs],
+            [r.generator for r in reqs],
+            self.device,
+            self._eos,
+        )
         matchers = [self._matcher(r) for r in reqs]
         mask = batch_mask(matchers, logits.shape[-1], logits.device)
         sampled = self.sampler(logits[rows], sb, mask)
@@ -296,8 +318,19 @@ class Engine:
             if stop is None and matcher is not None and matcher.is_terminated():
                 stop = GRAMMAR_COMPLETE
             finish, stop_reason, hidden = stop if stop is not None else (None, None, False)
-            out = StepOutput(r.group_id, r.index, appended, None, None if lp is None else [lp], finish, stop_reason,
-                             r.num_cached_tokens, now, r.prompt_logprobs if first else None, hidden)  # fmt: skip
+            out = StepOutput(
+                r.group_id,
+                r.index,
+                appended,
+                None,
+                None if lp is None else [lp],
+                finish,
+                stop_reason,
+                r.num_cached_tokens,
+                now,
+                r.prompt_logprobs if first else None,
+                hidden,
+            )
             if r.text is not None:
                 out = add_text(r.text, out)
                 cut = len(appended) - len(out.token_ids)  # tokens after a stop string are dropped
@@ -328,14 +361,30 @@ class Engine:
 
     # -- helpers ------------------------------------------------------------------------------------
     def _new_request(
-        self, group_id: str, index: int, token_ids: list[int], params: SamplingParams, priority: int,
-        cache_salt: str | None, now: float,
-    ) -> Request:  # fmt: skip
+        self,
+        group_id: str,
+        index: int,
+        token_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        cache_salt: str | None,
+        now: float,
+    ) -> Request:
         gen = None
         if params.seed is not None and not params.greedy:
             gen = torch.Generator(self.device).manual_seed(params.seed + index)
-        req = Request(f"{group_id}#{index}", group_id, index, list(token_ids), len(token_ids), params,
-                      priority, cache_salt, now, generator=gen)  # fmt: skip
+        req = Request(
+            f"{group_id}#{index}",
+            group_id,
+            index,
+            list(token_ids),
+            len(token_ids),
+            params,
+            priority,
+            cache_salt,
+            now,
+            generator=gen,
+        )
         if self.config.detokenize:
             req.text = TextStream(self.tokenizer, params, token_ids)
         if params.constrained:
@@ -353,8 +402,9 @@ class Engine:
             raise InvalidRequestError(
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
                 f"exceeds the maximum context length of {self.max_model_len} tokens",
-                "max_tokens", "context_length_exceeded",
-            )  # fmt: skip
+                "max_tokens",
+                "context_length_exceeded",
+            )
         pages = -(-total // self.config.page_size)
         if pages > self.kv_cache.num_pages:
             raise InvalidRequestError(
@@ -376,8 +426,19 @@ class Engine:
                 for req in self._groups[group_id]:
                     if req.status != Status.FINISHED and index in (None, req.index):
                         text = None if req.text is None else ""
-                        outputs.append(StepOutput(req.group_id, req.index, [], text, None, "abort", None,
-                                                  req.num_cached_tokens, now))  # fmt: skip
+                        outputs.append(
+                            StepOutput(
+                                req.group_id,
+                                req.index,
+                                [],
+                                text,
+                                None,
+                                "abort",
+                                None,
+                                req.num_cached_tokens,
+                                now,
+                            )
+                        )
                         self._finish(req, "abort")
         return outputs
 

@@ -96,8 +96,10 @@ class ModelRunner:
     def run(self, chunks: list[SeqChunk]) -> RunnerOutput:
         if not self._warned_thread and threading.get_ident() != self._thread:
             self._warned_thread = True
-            logger.warning("the model runs on a thread other than the one that built the engine: on CPU "
-                           "every step is slower (two OpenMP teams); build and step it on one thread")  # fmt: skip
+            logger.warning(
+                "the model runs on a thread other than the one that built the engine: on CPU "
+                "every step is slower (two OpenMP teams); build and step it on one thread"
+            )
         order = sorted(range(len(chunks)), key=lambda i: chunks[i].num_new == 1)
         ordered = [chunks[i] for i in order]
         inputs = self.prepare(ordered)

@@ -36,8 +36,19 @@ from radixserve.sampling.params import SamplingParams
 JSON_DEFAULTS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else", "additionalProperties",
-               "propertyNames", "unevaluatedProperties", "unevaluatedItems")  # fmt: skip
+_SCHEMA_ONE = (
+    "items",
+    "additionalItems",
+    "contains",
+    "not",
+    "if",
+    "then",
+    "else",
+    "additionalProperties",
+    "propertyNames",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+)
 _SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf", "items")
 _BITS = torch.arange(32, dtype=torch.int32)
 

@@ -108,9 +108,11 @@ class SamplingBatch:
 
 
 def _bias(
-    params: Sequence[SamplingParams], outputs: list[list[int]], eos_token_ids: Collection[int],
+    params: Sequence[SamplingParams],
+    outputs: list[list[int]],
+    eos_token_ids: Collection[int],
     device: torch.device | str,
-) -> tuple[Tensor, Tensor, Tensor] | None:  # fmt: skip
+) -> tuple[Tensor, Tensor, Tensor] | None:
     rows: list[int] = []
     cols: list[int] = []
     values: list[float] = []
@@ -127,8 +129,11 @@ def _bias(
             values += [float("-inf")] * len(banned)
     if not rows:
         return None
-    return (torch.tensor(rows, dtype=torch.int64, device=device), torch.tensor(cols, dtype=torch.int64, device=device),
-            torch.tensor(values, dtype=torch.float32, device=device))  # fmt: skip
+    return (
+        torch.tensor(rows, dtype=torch.int64, device=device),
+        torch.tensor(cols, dtype=torch.int64, device=device),
+        torch.tensor(values, dtype=torch.float32, device=device),
+    )
 
 
 def _pad(rows: list[list[int]], device: torch.device | str) -> Tensor:

@@ -66,8 +66,9 @@ class TokenText:
             content.append(c.ChatTokenLogprob(tok, lp.logprob, list(tok.encode()), top))
         return c.ChatLogprobs(content)
 
-    def completion_logprobs(self, lps: Sequence[TokenLogprob | None], token_ids: Sequence[int],
-                            offset: int) -> p.CompletionLogprobs:  # fmt: skip
+    def completion_logprobs(
+        self, lps: Sequence[TokenLogprob | None], token_ids: Sequence[int], offset: int
+    ) -> p.CompletionLogprobs:
         """OpenAI's legacy layout; a None entry (the first prompt token) has no logprob."""
         out = p.CompletionLogprobs([], [], [], [])
         for lp, tid in zip(lps, token_ids, strict=True):
@@ -83,8 +84,15 @@ class TokenText:
 class ApiContext:
     """``tool_call_parser`` (tools.py) and ``reasoning_parser`` (reasoning.py; None: off) shape chat replies."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, salt_per_key: bool, max_body_bytes: int,
-                 tool_call_parser: str = "auto", reasoning_parser: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        model_name: str,
+        salt_per_key: bool,
+        max_body_bytes: int,
+        tool_call_parser: str = "auto",
+        reasoning_parser: str | None = None,
+    ) -> None:
         if tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {tool_call_parser!r}")
         if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
@@ -131,8 +139,12 @@ class ApiContext:
     def check_model(self, model: str | None) -> None:
         """A model other than the served one is a 404 ``model_not_found``, as OpenAI and vLLM answer."""
         if model is not None and model != self.model_name:
-            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                           "model", "model_not_found")  # fmt: skip
+            raise ApiError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                "model",
+                "model_not_found",
+            )
 
     def salt(self, request: Request, salt: str | None) -> str | None:
         key = request.scope.get("radixserve.api_key")
@@ -149,14 +161,19 @@ class ApiContext:
         max_model_len = self.engine.limits().max_model_len
         room = max_model_len - prompt_tokens
         if room <= 0:
-            raise ApiError(400, f"the prompt ({prompt_tokens} tokens) leaves no room for output within the maximum "
-                                f"context length of {max_model_len} tokens",
-                           param, "context_length_exceeded")  # fmt: skip
+            raise ApiError(
+                400,
+                f"the prompt ({prompt_tokens} tokens) leaves no room for output within the maximum "
+                f"context length of {max_model_len} tokens",
+                param,
+                "context_length_exceeded",
+            )
         return room if default is None else min(default, room)
 
     @staticmethod
-    def sampling(req: p.SamplingFields, max_tokens: int, logprobs: int | None,
-                 prompt_logprobs: int | None = None) -> SamplingParams:  # fmt: skip
+    def sampling(
+        req: p.SamplingFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         fmt = req.response_format
         json_schema: str | dict | None = None
         if fmt is not None and fmt.type == "json_object":
@@ -165,13 +182,23 @@ class ApiContext:
             json_schema = (fmt.json_schema.schema if fmt.json_schema else None) or {"type": "object"}
             if fmt.json_schema is not None and fmt.json_schema.strict:
                 json_schema = strict_schema(json_schema)  # llguidance would otherwise allow extra keys
-        return SamplingParams.pick(req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                                   json_schema=json_schema)  # fmt: skip
+        return SamplingParams.pick(
+            req,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            json_schema=json_schema,
+        )
 
     # -- running requests -------------------------------------------------------------------------
     async def submit(
-        self, prompt: Prompt, params: SamplingParams, rid: str, salt: str | None, priority: int | str,
-    ) -> Submitted:  # fmt: skip
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        rid: str,
+        salt: str | None,
+        priority: int | str,
+    ) -> Submitted:
         """Start a request; returns its first delta and the stream of the rest."""
         stream = self.engine.generate(prompt, params, rid, salt, priority)
         try:
@@ -187,17 +214,23 @@ class ApiContext:
         return first, stream
 
     async def submit_all(
-        self, prompts: Sequence[Prompt], params: Sequence[SamplingParams], rid: str, salt: str | None,
+        self,
+        prompts: Sequence[Prompt],
+        params: Sequence[SamplingParams],
+        rid: str,
+        salt: str | None,
         priority: int | str,
-    ) -> list[Submitted]:  # fmt: skip
+    ) -> list[Submitted]:
         """Start one request per prompt, all at once; if one is refused, abort the rest and raise."""
         if len(prompts) == 1:
             return [await self.submit(prompts[0], params[0], rid, salt, priority)]
         results = await asyncio.gather(
-            *(self.submit(prompt, sp, f"{rid}-{i}", salt, priority)
-              for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True))),
+            *(
+                self.submit(prompt, sp, f"{rid}-{i}", salt, priority)
+                for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True))
+            ),
             return_exceptions=True,
-        )  # fmt: skip
+        )
         started = [r for r in results if not isinstance(r, BaseException)]
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:

@@ -83,8 +83,16 @@ class _SmallRoutes:
     async def model_info(self, request: Request) -> Response:
         """What a client-side program needs to render prompts the way the engine would (the DSL uses it)."""
         tok = self.ctx.tokenizer
-        return json_response(p.ModelInfo(self.ctx.model_name, str(self.engine.model.path), tok.chat_template,
-                                         tok.bos_token, tok.eos_token, self.engine.limits().max_model_len))  # fmt: skip
+        return json_response(
+            p.ModelInfo(
+                self.ctx.model_name,
+                str(self.engine.model.path),
+                tok.chat_template,
+                tok.bos_token,
+                tok.eos_token,
+                self.engine.limits().max_model_len,
+            )
+        )
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's /tokenize: a prompt, or chat messages rendered as /v1/chat/completions renders them."""
@@ -92,8 +100,15 @@ class _SmallRoutes:
         self.ctx.check_model(req.model)
         tok = self.ctx.tokenizer
         if req.messages is not None and req.prompt is None:
-            text = render_chat(tok, req.messages, req.tools, self.ctx.tool_format, req.add_generation_prompt,
-                               req.continue_final_message, req.chat_template_kwargs)  # fmt: skip
+            text = render_chat(
+                tok,
+                req.messages,
+                req.tools,
+                self.ctx.tool_format,
+                req.add_generation_prompt,
+                req.continue_final_message,
+                req.chat_template_kwargs,
+            )
             ids = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
         elif req.prompt is not None and req.messages is None:
             ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
@@ -141,8 +156,9 @@ class _BearerAuth:
             token = token.strip()
             if scheme.lower() != b"bearer" or not any(hmac.compare_digest(token, k) for k in self.keys):
                 msg = "missing API key" if not header else "invalid API key"
-                await error_response(401, msg, code="invalid_api_key",
-                                     headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)  # fmt: skip
+                await error_response(
+                    401, msg, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
+                )(scope, receive, send)
                 return
             scope["radixserve.api_key"] = token.decode(errors="replace")
         await self.app(scope, receive, send)
@@ -152,9 +168,14 @@ def log_request(rec: RequestRecord) -> None:
     ttft = "-" if rec.ttft is None else f"{rec.ttft * 1000:.1f}"
     logger.info(
         "request id=%s prompt_tokens=%d cached_tokens=%d ttft_ms=%s output_tokens=%d finish_reason=%s e2e_ms=%.1f",
-        rec.request_id, rec.prompt_tokens, rec.cached_tokens, ttft, rec.output_tokens, rec.finish_reason,
+        rec.request_id,
+        rec.prompt_tokens,
+        rec.cached_tokens,
+        ttft,
+        rec.output_tokens,
+        rec.finish_reason,
         (rec.finish_time - rec.arrival_time) * 1000,
-    )  # fmt: skip
+    )
 
 
 def build_app(
@@ -243,8 +264,9 @@ def build_app(
     if keys:
         app.add_middleware(_BearerAuth, keys=keys)
     if allowed_origins:  # added last: the outermost layer, so preflights and 401s get CORS headers too
-        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
-                           allow_headers=["*"])  # fmt: skip
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"]
+        )
     return app
 
 

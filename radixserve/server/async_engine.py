@@ -47,7 +47,7 @@ from radixserve.server.engine_api import (
     QueueFullError,
     RequestRecord,
     RequestStream,
-)  # fmt: skip
+)
 from radixserve.server.engine_client import EngineClient, describe_exit
 from radixserve.server.messages import (
     Abort,
@@ -59,7 +59,7 @@ from radixserve.server.messages import (
     RequestError,
     StepOutputs,
     ToEngine,
-)  # fmt: skip
+)
 
 logger = logging.getLogger("radixserve.server")
 
@@ -168,8 +168,14 @@ class AsyncEngine:
         ready = self._ready
         if ready is None:
             raise EngineUnavailableError("the engine process has not started")
-        return Limits(ready.max_model_len, ready.vocab_size, ready.page_size, ready.num_pages,
-                      ready.max_batched_tokens, self.max_waiting_requests)  # fmt: skip
+        return Limits(
+            ready.max_model_len,
+            ready.vocab_size,
+            ready.page_size,
+            ready.num_pages,
+            ready.max_batched_tokens,
+            self.max_waiting_requests,
+        )
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         return tokenize(self._tokenizer, prompt)
@@ -203,9 +209,14 @@ class AsyncEngine:
         return stream.bind(self._generate(prompt, params, request_id, cache_salt, priority, stream))
 
     async def _generate(
-        self, prompt: Prompt, params: SamplingParams, request_id: str | None, cache_salt: str | None,
-        priority: int | str, stream: RequestStream,
-    ) -> AsyncGenerator[RequestOutput, None]:  # fmt: skip
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str | None,
+        cache_salt: str | None,
+        priority: int | str,
+        stream: RequestStream,
+    ) -> AsyncGenerator[RequestOutput, None]:
         if not self.healthy:
             raise EngineUnavailableError(
                 "the server is shutting down" if not self._accepting else "the engine process is restarting"
@@ -276,8 +287,12 @@ class AsyncEngine:
         if not self._accepting:
             return
         how = f"{'exited' if code == 0 else 'died'} ({describe_exit(code)})"  # 0: it drained after a signal
-        logger.error("engine process %s %s; failing %d open request(s) and restarting it",
-                     pid, how, len(self._requests))  # fmt: skip
+        logger.error(
+            "engine process %s %s; failing %d open request(s) and restarting it",
+            pid,
+            how,
+            len(self._requests),
+        )
         message = f"the engine process {how}; it is being restarted"
         # Exit code 1: the engine raised (engine_process.py), a bug; anything else came from outside.
         self._fail_all(EngineFailedError(message) if code == 1 else EngineUnavailableError(message))
@@ -299,8 +314,11 @@ class AsyncEngine:
                 self._quick_deaths += 1
                 continue
             assert self._client is not None
-            logger.info("engine process %s restarted: serving again after %.1f s", self._client.pid,
-                        time.monotonic() - t0)  # fmt: skip
+            logger.info(
+                "engine process %s restarted: serving again after %.1f s",
+                self._client.pid,
+                time.monotonic() - t0,
+            )
             return
 
     def _send(self, msg: ToEngine) -> bool:
@@ -377,8 +395,15 @@ class AsyncEngine:
         times = req.token_times
         first = result.outputs[0]
         record = RequestRecord(
-            rid, len(result.prompt_token_ids), result.cached_tokens, sum(len(o.token_ids) for o in result.outputs),
-            first.finish_reason or "abort", req.arrival_time, req.scheduled_time, result.first_token_time,
-            result.finish_time or time.monotonic(), [b - a for a, b in itertools.pairwise(times)],
-        )  # fmt: skip
+            rid,
+            len(result.prompt_token_ids),
+            result.cached_tokens,
+            sum(len(o.token_ids) for o in result.outputs),
+            first.finish_reason or "abort",
+            req.arrival_time,
+            req.scheduled_time,
+            result.first_token_time,
+            result.finish_time or time.monotonic(),
+            [b - a for a, b in itertools.pairwise(times)],
+        )
         self.on_finish(record)

@@ -52,12 +52,18 @@ def plan_tools(req: c.ChatCompletionRequest, fmt: ToolCallFormat, tokenizer: Any
     if isinstance(choice, c.NamedToolChoice):
         chosen = [t for t in tools if t.function.name == choice.function.name]
         if not chosen:
-            raise ApiError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools",
-                           "tool_choice")  # fmt: skip
+            raise ApiError(
+                400,
+                f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                "tool_choice",
+            )
     fmt_other = req.response_format is not None and req.response_format.type != "text"
     if fmt_other or req.regex is not None or req.choices is not None:
-        raise ApiError(400, "a required or named tool_choice cannot be combined with response_format, regex or "
-                            "choices", "tool_choice")  # fmt: skip
+        raise ApiError(
+            400,
+            "a required or named tool_choice cannot be combined with response_format, regex or choices",
+            "tool_choice",
+        )
     parallel = req.parallel_tool_calls and not isinstance(choice, c.NamedToolChoice)
     return ToolPlan(True, fmt.grammar([tool_dict(t) for t in chosen], parallel, _special_id(tokenizer)))
 
@@ -123,8 +129,15 @@ async def chat(ctx: ApiContext, request: Request) -> Response:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     tokenizer = ctx.tokenizer
     plan = plan_tools(req, ctx.tool_format, tokenizer)
-    prompt = render_chat(tokenizer, req.messages, req.tools, ctx.tool_format, req.add_generation_prompt,
-                         req.continue_final_message, req.chat_template_kwargs)  # fmt: skip
+    prompt = render_chat(
+        tokenizer,
+        req.messages,
+        req.tools,
+        ctx.tool_format,
+        req.add_generation_prompt,
+        req.continue_final_message,
+        req.chat_template_kwargs,
+    )
     token_ids = tokenizer.encode(prompt, add_special_tokens=False)
     max_tokens = ctx.max_tokens(len(token_ids), req.max_completion_tokens or req.max_tokens, None, "messages")
     params = ctx.sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
@@ -143,16 +156,21 @@ async def chat(ctx: ApiContext, request: Request) -> Response:
     inside = ctx.reasoning and starts_in_reasoning(prompt)
 
     def parser() -> ReplyParser:
-        return ReplyParser(ReasoningStream(inside) if ctx.reasoning else None,
-                           ToolCallStream(ctx.tool_format) if plan.parse else None)  # fmt: skip
+        return ReplyParser(
+            ReasoningStream(inside) if ctx.reasoning else None,
+            ToolCallStream(ctx.tool_format) if plan.parse else None,
+        )
 
     if req.stream:
         return event_stream(_events(ctx, req, rid, first, stream, parser), [stream])
     [res] = await ctx.collect(request, [(first, stream)])
     choices = [_choice(ctx, o, parser()) for o in res.outputs]
     usage_ = usage(len(token_ids), sum(len(o.token_ids) for o in res.outputs), res.cached_tokens)
-    return json_response(c.ChatCompletionResponse(id=rid, created=int(time.time()), model=ctx.model_name,
-                                                  choices=choices, usage=usage_))  # fmt: skip
+    return json_response(
+        c.ChatCompletionResponse(
+            id=rid, created=int(time.time()), model=ctx.model_name, choices=choices, usage=usage_
+        )
+    )
 
 
 def _choice(ctx: ApiContext, o: CompletionOutput, parser: ReplyParser) -> c.ChatChoice:
@@ -161,12 +179,23 @@ def _choice(ctx: ApiContext, o: CompletionOutput, parser: ReplyParser) -> c.Chat
     reasoning = piece.reasoning or None
     calls = [_tool_call(call) for call in piece.calls] or None
     message = c.ChatResponseMessage("assistant", content, reasoning, calls)
-    return c.ChatChoice(o.index, message, ctx.tokens.chat_logprobs(o.logprobs),
-                        _finish_reason(o.finish_reason, bool(calls)), o.stop_reason)  # fmt: skip
+    return c.ChatChoice(
+        o.index,
+        message,
+        ctx.tokens.chat_logprobs(o.logprobs),
+        _finish_reason(o.finish_reason, bool(calls)),
+        o.stop_reason,
+    )
 
 
-async def _events(ctx: ApiContext, req: c.ChatCompletionRequest, rid: str, first: RequestOutput,
-                  stream: AsyncGenerator[RequestOutput, None], parser: Any) -> AsyncGenerator[bytes, None]:  # fmt: skip
+async def _events(
+    ctx: ApiContext,
+    req: c.ChatCompletionRequest,
+    rid: str,
+    first: RequestOutput,
+    stream: AsyncGenerator[RequestOutput, None],
+    parser: Any,
+) -> AsyncGenerator[bytes, None]:
     created = int(time.time())
     options = req.stream_options
     include_usage = options is not None and options.include_usage
@@ -178,8 +207,11 @@ async def _events(ctx: ApiContext, req: c.ChatCompletionRequest, rid: str, first
     def chunk(choices: list[c.ChatChunkChoice], usage_: p.Usage | None = None) -> bytes:
         if continuous and usage_ is None:
             usage_ = usage(len(first.prompt_token_ids), completion_tokens, last.cached_tokens)
-        return sse(c.ChatCompletionChunk(id=rid, created=created, model=ctx.model_name, choices=choices,
-                                         usage=usage_))  # fmt: skip
+        return sse(
+            c.ChatCompletionChunk(
+                id=rid, created=created, model=ctx.model_name, choices=choices, usage=usage_
+            )
+        )
 
     yield chunk([c.ChatChunkChoice(i, c.DeltaMessage(role="assistant", content="")) for i in range(req.n)])
     async for d in chain(first, stream):

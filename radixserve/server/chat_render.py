@@ -49,9 +49,14 @@ def message_dict(m: c.ChatMessage) -> dict[str, Any]:
     if m.name is not None:
         d["name"] = m.name
     if m.tool_calls:
-        d["tool_calls"] = [{"id": tc.id, "type": "function",
-                            "function": {"name": tc.function.name, "arguments": _arguments(tc.function.arguments)}}
-                           for tc in m.tool_calls]  # fmt: skip
+        d["tool_calls"] = [
+            {
+                "id": tc.id,
+                "type": "function",
+                "function": {"name": tc.function.name, "arguments": _arguments(tc.function.arguments)},
+            }
+            for tc in m.tool_calls
+        ]
     if m.tool_call_id is not None:
         d["tool_call_id"] = m.tool_call_id
     if m.reasoning_content is not None:
@@ -72,8 +77,9 @@ def tool_dict(tool: c.Tool) -> dict[str, Any]:
     return {"type": "function", "function": function}
 
 
-def _without_native_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                          fmt: ToolCallFormat) -> list[dict[str, Any]]:  # fmt: skip
+def _without_native_tools(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, fmt: ToolCallFormat
+) -> list[dict[str, Any]]:
     """The conversation for a template that knows no tools (module docstring)."""
     out: list[dict[str, Any]] = []
     previous_role = None
@@ -103,10 +109,14 @@ def _without_native_tools(messages: list[dict[str, Any]], tools: list[dict[str, 
 
 
 def render_chat(
-    tokenizer: Any, messages: Sequence[c.ChatMessage], tools: Sequence[c.Tool] | None, fmt: ToolCallFormat,
-    add_generation_prompt: bool = True, continue_final_message: bool = False,
+    tokenizer: Any,
+    messages: Sequence[c.ChatMessage],
+    tools: Sequence[c.Tool] | None,
+    fmt: ToolCallFormat,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
     template_kwargs: dict[str, Any] | None = None,
-) -> str:  # fmt: skip
+) -> str:
     """The prompt text of ``messages``; ApiError (400, ``messages``) if the template refuses them."""
     dicts = [message_dict(m) for m in messages]
     tool_dicts = [tool_dict(t) for t in tools] if tools else None
@@ -117,9 +127,13 @@ def render_chat(
         add_generation_prompt = False
     try:
         text = tokenizer.apply_chat_template(
-            dicts, tools=tool_dicts, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, tokenize=False, **(template_kwargs or {}),
-        )  # fmt: skip
+            dicts,
+            tools=tool_dicts,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=False,
+            **(template_kwargs or {}),
+        )
     except Exception as exc:  # templates raise whatever jinja raises, e.g. on role order
         raise ApiError(400, f"cannot apply the chat template: {exc}", "messages") from None
     return str(text)

@@ -48,8 +48,9 @@ def _token_ids(ids: list[Any], param: str) -> list[int]:
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= p.INT64_MAX:
             raise InvalidRequestError(
                 f"{param}[{i}] is {t!r}: a prompt is a string, a list of strings, a list of token ids "
-                "(integers >= 0) or a list of lists of token ids", param,
-            )  # fmt: skip
+                "(integers >= 0) or a list of lists of token ids",
+                param,
+            )
     if not ids:
         raise InvalidRequestError("prompt is empty", param)
     return ids
@@ -59,8 +60,13 @@ async def completions(ctx: ApiContext, request: Request) -> Response:
     req = await ctx.decode_openai(request, p.CompletionRequest, COMPLETION_REFUSED)
     ctx.check_model(req.model)
     if req.best_of is not None and req.best_of != req.n:
-        raise ApiError(400, f"best_of ({req.best_of}) must equal n ({req.n}): choosing the best of several "
-                            "samples is not supported", "best_of", "unsupported_parameter")  # fmt: skip
+        raise ApiError(
+            400,
+            f"best_of ({req.best_of}) must equal n ({req.n}): choosing the best of several "
+            "samples is not supported",
+            "best_of",
+            "unsupported_parameter",
+        )
     try:
         given = parse_prompts(req.prompt)
     except ValueError as exc:
@@ -77,8 +83,10 @@ async def completions(ctx: ApiContext, request: Request) -> Response:
     rid = f"cmpl-{uuid.uuid4().hex}"
     salt = ctx.salt(request, req.cache_salt)
     submitted = await ctx.submit_all(prompts, params, rid, salt, req.priority)
-    texts = [prompt if isinstance(prompt, str) else str(ctx.tokenizer.decode(ids))
-             for prompt, ids in zip(given, prompts)]  # fmt: skip
+    texts = [
+        prompt if isinstance(prompt, str) else str(ctx.tokenizer.decode(ids))
+        for prompt, ids in zip(given, prompts)
+    ]
     choices = _Choices(ctx, req, texts, score_only)
     if req.stream:
         return event_stream(choices.events(rid, submitted), [stream for _, stream in submitted])
@@ -86,8 +94,11 @@ async def completions(ctx: ApiContext, request: Request) -> Response:
     out = [choices.choice(i, o, res) for i, res in enumerate(results) for o in res.outputs]
     completion_tokens = 0 if score_only else sum(len(o.token_ids) for r in results for o in r.outputs)
     usage_ = usage(sum(map(len, prompts)), completion_tokens, sum(r.cached_tokens for r in results))
-    return json_response(p.CompletionResponse(id=rid, created=int(time.time()), model=ctx.model_name,
-                                              choices=out, usage=usage_))  # fmt: skip
+    return json_response(
+        p.CompletionResponse(
+            id=rid, created=int(time.time()), model=ctx.model_name, choices=out, usage=usage_
+        )
+    )
 
 
 class _Choices:
@@ -130,8 +141,11 @@ class _Choices:
         completion_tokens = 0
 
         def chunk(choices: list[p.CompletionChoice], usage_: p.Usage | None = None) -> bytes:
-            return sse(p.CompletionResponse(id=rid, created=created, model=self.ctx.model_name, choices=choices,
-                                            usage=usage_))  # fmt: skip
+            return sse(
+                p.CompletionResponse(
+                    id=rid, created=created, model=self.ctx.model_name, choices=choices, usage=usage_
+                )
+            )
 
         async for i, d in merge([chain(first, stream) for first, stream in submitted]):
             c = d.outputs[0]

@@ -50,9 +50,12 @@ def describe_exit(returncode: int) -> str:
 
 class EngineClient:
     def __init__(
-        self, config: EngineConfig, threads: int | None = None, cpus: Sequence[int] | None = None,
+        self,
+        config: EngineConfig,
+        threads: int | None = None,
+        cpus: Sequence[int] | None = None,
         log_level: str = "info",
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.config = config
         self.threads = threads
         self.cpus = cpus
@@ -80,9 +83,19 @@ class EngineClient:
         """Start the process and wait until it is ready (EngineStartError if it exits first)."""
         loop = asyncio.get_running_loop()
         self._exited = exited = loop.create_future()
-        cmd = [sys.executable, "-m", "radixserve.server.engine_process", "--config",
-               msgspec.json.encode(self.config).decode(), "--input", f"ipc://{self._dir}/input",
-               "--output", f"ipc://{self._dir}/output", "--log-level", self.log_level]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "radixserve.server.engine_process",
+            "--config",
+            msgspec.json.encode(self.config).decode(),
+            "--input",
+            f"ipc://{self._dir}/input",
+            "--output",
+            f"ipc://{self._dir}/output",
+            "--log-level",
+            self.log_level,
+        ]
         cmd += ["--threads", str(self.threads)] if self.threads else []
         cmd += ["--cpus", ",".join(map(str, self.cpus))] if self.cpus else []
         # The child must import the code this process runs (a source tree, a test's sys.path), and

@@ -53,7 +53,7 @@ from radixserve.server.messages import (
     StartFailed,
     StepOutputs,
     ToEngine,
-)  # fmt: skip
+)
 
 if TYPE_CHECKING:
     from radixserve.engine.engine import Engine
@@ -85,9 +85,19 @@ class EngineLoop:
     def run(self) -> None:
         engine = self.engine
         cfg = engine.config
-        self._send(Ready(os.getpid(), str(engine.model_path), engine.max_model_len, engine.model.config.vocab_size,
-                         engine.eos_token_ids, cfg.page_size, engine.kv_cache.num_pages, engine.max_batched_tokens,
-                         engine.stats()))  # fmt: skip
+        self._send(
+            Ready(
+                os.getpid(),
+                str(engine.model_path),
+                engine.max_model_len,
+                engine.model.config.vocab_size,
+                engine.eos_token_ids,
+                cfg.page_size,
+                engine.kv_cache.num_pages,
+                engine.max_batched_tokens,
+                engine.stats(),
+            )
+        )
         progressed = True
         while True:
             busy = engine.has_unfinished()
@@ -213,8 +223,13 @@ def main(argv: list[str] | None = None) -> None:
                 refused.append(str(exc))
                 return
             built.append(engine)
-            logger.info("engine process %d ready: %s, %d threads, %d KV pages", os.getpid(), engine.model_path,
-                        torch.get_num_threads(), engine.kv_cache.num_pages)  # fmt: skip
+            logger.info(
+                "engine process %d ready: %s, %d threads, %d KV pages",
+                os.getpid(),
+                engine.model_path,
+                torch.get_num_threads(),
+                engine.kv_cache.num_pages,
+            )
             EngineLoop(engine, inbox, outbox, stop).run()
         except BaseException as exc:
             logger.exception("the engine failed")

@@ -33,10 +33,21 @@ async def generate(ctx: ApiContext, request: Request) -> Response:
     return json_response(outs[0] if sp.n == 1 else outs)
 
 
-def _response(req: p.GenerateRequest, rid: str, o: CompletionOutput, res: RequestOutput,
-              prompt_logprobs: list[TokenLogprob | None] | None) -> p.GenerateResponse:  # fmt: skip
-    meta = p.GenerateMeta(id=rid, prompt_tokens=len(res.prompt_token_ids), completion_tokens=len(o.token_ids),
-                          cached_tokens=res.cached_tokens, finish_reason=o.finish_reason, stop_reason=o.stop_reason)  # fmt: skip
+def _response(
+    req: p.GenerateRequest,
+    rid: str,
+    o: CompletionOutput,
+    res: RequestOutput,
+    prompt_logprobs: list[TokenLogprob | None] | None,
+) -> p.GenerateResponse:
+    meta = p.GenerateMeta(
+        id=rid,
+        prompt_tokens=len(res.prompt_token_ids),
+        completion_tokens=len(o.token_ids),
+        cached_tokens=res.cached_tokens,
+        finish_reason=o.finish_reason,
+        stop_reason=o.stop_reason,
+    )
     if req.return_logprob:
         lps = o.logprobs or []
         meta.output_token_logprobs = [(lp.logprob, lp.token_id) for lp in lps]
@@ -47,13 +58,15 @@ def _response(req: p.GenerateRequest, rid: str, o: CompletionOutput, res: Reques
             entries = list(zip(prompt_logprobs[start:], res.prompt_token_ids[start:], strict=True))
             meta.input_token_logprobs = [(None if lp is None else lp.logprob, t) for lp, t in entries]
             if req.top_logprobs_num:
-                meta.input_top_logprobs = [None if lp is None else [(v, t) for t, v in lp.top.items()]
-                                           for lp, _ in entries]  # fmt: skip
+                meta.input_top_logprobs = [
+                    None if lp is None else [(v, t) for t, v in lp.top.items()] for lp, _ in entries
+                ]
     return p.GenerateResponse(o.index, o.text, list(o.token_ids), meta)
 
 
-async def _events(req: p.GenerateRequest, rid: str, first: RequestOutput,
-                  stream: AsyncGenerator[RequestOutput, None]) -> AsyncGenerator[bytes, None]:  # fmt: skip
+async def _events(
+    req: p.GenerateRequest, rid: str, first: RequestOutput, stream: AsyncGenerator[RequestOutput, None]
+) -> AsyncGenerator[bytes, None]:
     counts: dict[int, int] = {}
     async for d in chain(first, stream):
         c = d.outputs[0]

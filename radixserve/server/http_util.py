@@ -25,17 +25,28 @@ from radixserve.server import protocol as p
 logger = logging.getLogger("radixserve.server")
 
 T = TypeVar("T")
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
-                429: "rate_limit_error", 503: "service_unavailable_error"}  # fmt: skip
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable_error",
+}
 DONE = b"data: [DONE]\n\n"
 
 
 class ApiError(Exception):
     def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None,
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
         headers: dict[str, str] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
@@ -47,8 +58,13 @@ class ApiError(Exception):
         return cls(400, str(exc))
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> Response:  # fmt: skip
+def error_response(
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> Response:
     err = p.ErrorResponse(p.ErrorInfo(message, _ERROR_TYPES.get(status, "server_error"), param, code))
     return Response(msgspec.json.encode(err), status, headers, media_type="application/json")
 
@@ -126,5 +142,8 @@ def event_stream(
             for request in requests:
                 await request.aclose()
 
-    return StreamingResponse(guarded(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+    return StreamingResponse(
+        guarded(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )

@@ -23,28 +23,56 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     a("--port", type=int, default=8000)
-    a("--served-model-name", default=None,
-      help="the model name clients send (default: the model folder's name; SmolLM2-135M-Instruct for the embedded one)")  # fmt: skip
+    a(
+        "--served-model-name",
+        default=None,
+        help="the model name clients send (default: the model folder's name; SmolLM2-135M-Instruct for the embedded one)",
+    )
     engine = parser.add_argument_group("engine", "the EngineConfig knobs")
     add_arguments(engine, EngineConfig)
-    a("--engine-threads", type=int, default=None,
-      help="torch threads of the engine process (default: one per core it may run on)")  # fmt: skip
-    a("--engine-cpus", type=parse_cpus, default=None,
-      help="pin the engine process to these CPUs, e.g. 0-3,8 (default: no pinning)")  # fmt: skip
-    a("--api-key", default=os.environ.get("RADIXSERVE_API_KEY"),
-      help="bearer key(s), comma-separated, required on every route but /health (default: $RADIXSERVE_API_KEY)")  # fmt: skip
+    a(
+        "--engine-threads",
+        type=int,
+        default=None,
+        help="torch threads of the engine process (default: one per core it may run on)",
+    )
+    a(
+        "--engine-cpus",
+        type=parse_cpus,
+        default=None,
+        help="pin the engine process to these CPUs, e.g. 0-3,8 (default: no pinning)",
+    )
+    a(
+        "--api-key",
+        default=os.environ.get("RADIXSERVE_API_KEY"),
+        help="bearer key(s), comma-separated, required on every route but /health (default: $RADIXSERVE_API_KEY)",
+    )
     a("--salt-per-key", action="store_true", help="give each API key its own prefix-cache namespace")
     a("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger request bodies get 413")
     a("--drain-timeout", type=float, default=30.0, help="seconds to let running requests finish on shutdown")
     a("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    a("--chat-template", default=None,
-      help="a Jinja chat template file that replaces the model's (e.g. one that renders tools)")  # fmt: skip
-    a("--tool-call-parser", default="auto", choices=TOOL_CALL_PARSERS,
-      help="how the model writes tool calls (default auto: from the chat template; hermes where it says nothing)")  # fmt: skip
-    a("--reasoning-parser", default=None, choices=REASONING_PARSERS,
-      help="split <think>...</think> off the reply as reasoning_content (default: off)")  # fmt: skip
-    a("--allowed-origins", default=None,
-      help="turn on CORS for these browser origins, comma-separated, or * (default: off)")  # fmt: skip
+    a(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template file that replaces the model's (e.g. one that renders tools)",
+    )
+    a(
+        "--tool-call-parser",
+        default="auto",
+        choices=TOOL_CALL_PARSERS,
+        help="how the model writes tool calls (default auto: from the chat template; hermes where it says nothing)",
+    )
+    a(
+        "--reasoning-parser",
+        default=None,
+        choices=REASONING_PARSERS,
+        help="split <think>...</think> off the reply as reasoning_content (default: off)",
+    )
+    a(
+        "--allowed-origins",
+        default=None,
+        help="turn on CORS for these browser origins, comma-separated, or * (default: off)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -67,9 +95,25 @@ def run_from_args(args: argparse.Namespace) -> None:
     origins = (
         [o.strip() for o in args.allowed_origins.split(",") if o.strip()] if args.allowed_origins else None
     )
-    engine = AsyncEngine(engine_config_from_args(args), engine_threads=args.engine_threads,
-                         engine_cpus=args.engine_cpus, log_level=args.log_level, chat_template=template)  # fmt: skip
+    engine = AsyncEngine(
+        engine_config_from_args(args),
+        engine_threads=args.engine_threads,
+        engine_cpus=args.engine_cpus,
+        log_level=args.log_level,
+        chat_template=template,
+    )
     name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else None)
-    serve(engine, args.host, args.port, name, keys, args.salt_per_key, args.max_body_bytes, args.drain_timeout,
-          args.log_level, tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-          allowed_origins=origins)  # fmt: skip
+    serve(
+        engine,
+        args.host,
+        args.port,
+        name,
+        keys,
+        args.salt_per_key,
+        args.max_body_bytes,
+        args.drain_timeout,
+        args.log_level,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        allowed_origins=origins,
+    )

@@ -60,17 +60,32 @@ class _EngineCollector(Collector):
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(PREFIX + name, doc, value=value)
-        yield CounterMetricFamily(PREFIX + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                                  value=s.prefix_query_tokens)  # fmt: skip
-        yield CounterMetricFamily(PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache",
-                                  value=s.prefix_hit_tokens)  # fmt: skip
+        yield CounterMetricFamily(
+            PREFIX + "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache",
+            value=s.prefix_query_tokens,
+        )
+        yield CounterMetricFamily(
+            PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache", value=s.prefix_hit_tokens
+        )
         yield CounterMetricFamily(PREFIX + "num_preemptions", "Requests preempted", value=s.num_preemptions)
         yield from _tier_metrics(s.tiers)
 
 
 # Per-tier figures of EngineStats.tiers that only grow (counters); the rest are levels (gauges).
-_TIER_COUNTERS = {"hits", "pages_in", "bytes_in", "bytes_out", "evicted", "rejected", "load_s", "backup_s",
-                  "loads", "failed_loads", "dropped_writes"}  # fmt: skip
+_TIER_COUNTERS = {
+    "hits",
+    "pages_in",
+    "bytes_in",
+    "bytes_out",
+    "evicted",
+    "rejected",
+    "load_s",
+    "backup_s",
+    "loads",
+    "failed_loads",
+    "dropped_writes",
+}
 
 
 def _tier_metrics(tiers: dict[str, dict[str, float]]) -> Iterator[Metric]:
@@ -89,16 +104,36 @@ class ServerMetrics:
     def __init__(self, engine: AsyncEngine) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token",
-                              buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between consecutive output tokens",
-                             buckets=_TOKEN_BUCKETS, registry=r)  # fmt: skip
-        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds", "Mean time per output token after the first",
-                              buckets=_TOKEN_BUCKETS, registry=r)  # fmt: skip
-        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to last token",
-                             buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self.queue = Histogram(PREFIX + "request_queue_time_seconds", "Arrival to first scheduled",
-                               buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Time to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Time between consecutive output tokens",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            PREFIX + "time_per_output_token_seconds",
+            "Mean time per output token after the first",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Arrival to last token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue = Histogram(
+            PREFIX + "request_queue_time_seconds",
+            "Arrival to first scheduled",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             PREFIX + "prompt_tokens", "Prompt tokens of finished requests", registry=r
         )
@@ -106,8 +141,12 @@ class ServerMetrics:
         self.cached_tokens = Counter(
             PREFIX + "cached_tokens", "Prompt tokens served from the prefix cache", registry=r
         )
-        self.success = Counter(PREFIX + "request_success", "Finished requests by finish reason of the first sample",
-                               ["finished_reason"], registry=r)  # fmt: skip
+        self.success = Counter(
+            PREFIX + "request_success",
+            "Finished requests by finish reason of the first sample",
+            ["finished_reason"],
+            registry=r,
+        )
         r.register(_EngineCollector(engine))
 
     def observe(self, rec: RequestRecord) -> None:

@@ -9,7 +9,7 @@ A top-level field of a ``/v1/chat/completions`` or ``/v1/completions`` body is o
 - **unknown**: anything else, a 400 naming it (``code: unknown_parameter``), as OpenAI answers: a
   misspelt field would otherwise change the output silently.
 
-docs/server.md has the table of every field; tests/test_server_api_surface.py checks that it matches.
+docs/server.md has the table of every field; tests/server/test_server_api_surface.py checks that it matches.
 """
 
 from __future__ import annotations
@@ -109,6 +109,7 @@ def check_fields(
             value = raw
         if not any(value == ok and type(value) is type(ok) for ok in rule.noop):
             raise InvalidRequestError(
-                f"{name!r} is not supported by this server ({rule.effect}); leave it out", name,
+                f"{name!r} is not supported by this server ({rule.effect}); leave it out",
+                name,
                 "unsupported_parameter",
-            )  # fmt: skip
+            )

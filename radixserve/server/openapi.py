@@ -12,10 +12,23 @@ from radixserve.server import protocol_chat as c
 OPENAI_ERRORS = (400, 401, 404, 413, 429, 503)  # 404: an unknown model
 
 _SCHEMA_TYPES: tuple[Any, ...] = (
-    p.ErrorResponse, c.ChatCompletionRequest, c.ChatCompletionResponse, c.ChatCompletionChunk, p.CompletionRequest,
-    p.CompletionResponse, p.ModelList, p.ModelCard, p.GenerateRequest, p.GenerateResponse, c.TokenizeRequest,
-    p.TokenizeResponse, p.DetokenizeRequest, p.DetokenizeResponse, p.FlushCacheResponse, p.HealthResponse,
-)  # fmt: skip
+    p.ErrorResponse,
+    c.ChatCompletionRequest,
+    c.ChatCompletionResponse,
+    c.ChatCompletionChunk,
+    p.CompletionRequest,
+    p.CompletionResponse,
+    p.ModelList,
+    p.ModelCard,
+    p.GenerateRequest,
+    p.GenerateResponse,
+    c.TokenizeRequest,
+    p.TokenizeResponse,
+    p.DetokenizeRequest,
+    p.DetokenizeResponse,
+    p.FlushCacheResponse,
+    p.HealthResponse,
+)
 
 
 def _ref(t: type) -> dict[str, str]:
@@ -30,7 +43,13 @@ def _errors(*codes: int) -> dict[str, Any]:
     return {str(c): {"description": "error", "content": _json(_ref(p.ErrorResponse))} for c in codes}
 
 
-def _post(summary: str, body: type, ok: dict[str, Any], streams: bool, errors: tuple[int, ...] = (400, 401, 413, 429, 503)) -> dict[str, Any]:  # fmt: skip
+def _post(
+    summary: str,
+    body: type,
+    ok: dict[str, Any],
+    streams: bool,
+    errors: tuple[int, ...] = (400, 401, 413, 429, 503),
+) -> dict[str, Any]:
     content = _json(ok)
     if streams:
         content["text/event-stream"] = {"schema": {"type": "string"}}
@@ -47,9 +66,15 @@ def _post(summary: str, body: type, ok: dict[str, Any], streams: bool, errors: t
 
 
 def _get(summary: str, ok: dict[str, Any], media_type: str = "application/json") -> dict[str, Any]:
-    return {"get": {"summary": summary,
-                    "responses": {"200": {"description": "OK", "content": {media_type: {"schema": ok}}},
-                                  **_errors(401)}}}  # fmt: skip
+    return {
+        "get": {
+            "summary": summary,
+            "responses": {
+                "200": {"description": "OK", "content": {media_type: {"schema": ok}}},
+                **_errors(401),
+            },
+        }
+    }
 
 
 def openapi_schema(model_name: str, title: str = "radixserve", version: str = "0.1.0") -> dict[str, Any]:
@@ -60,9 +85,15 @@ def openapi_schema(model_name: str, title: str = "radixserve", version: str = "0
     for name in ("TokenizeRequest", "DetokenizeRequest"):
         components[name]["properties"]["model"] = {"enum": [model_name, None]}
     generate_ok = {"oneOf": [_ref(p.GenerateResponse), {"type": "array", "items": _ref(p.GenerateResponse)}]}
-    flush = {"post": {"summary": "Drop every cached prefix page",
-                      "responses": {"200": {"description": "OK", "content": _json(_ref(p.FlushCacheResponse))},
-                                    **_errors(401, 409)}}}  # fmt: skip
+    flush = {
+        "post": {
+            "summary": "Drop every cached prefix page",
+            "responses": {
+                "200": {"description": "OK", "content": _json(_ref(p.FlushCacheResponse))},
+                **_errors(401, 409),
+            },
+        }
+    }
     health = _get("Liveness", _ref(p.HealthResponse))
     model = _get("One served model", _ref(p.ModelCard))
     model["get"]["parameters"] = [

@@ -59,8 +59,9 @@ def _call(obj: Any, keys: Sequence[str]) -> ParsedCall | None:
     return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-def _json_sequence(text: str, pos: int, separators: str, final: bool, keys: Sequence[str],
-                   end: str | None = None) -> list[ParsedCall] | None:  # fmt: skip
+def _json_sequence(
+    text: str, pos: int, separators: str, final: bool, keys: Sequence[str], end: str | None = None
+) -> list[ParsedCall] | None:
     """The calls among JSON objects from ``pos`` on, separated by any of ``separators``, up to ``end``.
 
     None if what is there is not calls; while not ``final`` an object that does not decode is taken
@@ -127,8 +128,14 @@ class ToolCallFormat:
             params = fn.get("parameters") or {"type": "object", "properties": {}}
             if fn.get("strict"):
                 params = strict_schema(params)
-            options.append({"type": "object", "properties": {"name": {"const": fn["name"]}, self.args_key: params},
-                            "required": ["name", self.args_key], "additionalProperties": False})  # fmt: skip
+            options.append(
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": fn["name"]}, self.args_key: params},
+                    "required": ["name", self.args_key],
+                    "additionalProperties": False,
+                }
+            )
         schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
         schema = {**schema, "x-guidance": JSON_DEFAULTS}
         return self.grammar_body("call", parallel, special_id) + f"\ncall: %json {json.dumps(schema)}\n"
@@ -167,11 +174,13 @@ class HermesFormat(ToolCallFormat):
 
     def instructions(self, tools: list[dict[str, Any]]) -> str:
         listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-        return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-                f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{listing}\n"
-                "</tools>\n\nFor each function call, return a json object with function name and arguments within "
-                "<tool_call></tool_call> XML tags:\n<tool_call>\n"
-                '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')  # fmt: skip
+        return (
+            "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{listing}\n"
+            "</tools>\n\nFor each function call, return a json object with function name and arguments within "
+            "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+        )
 
     def render(self, calls: list[dict[str, Any]]) -> str:
         return "\n".join(f"<tool_call>\n{json.dumps(c, ensure_ascii=False)}\n</tool_call>" for c in calls)
@@ -200,13 +209,16 @@ class Llama3JsonFormat(ToolCallFormat):
 
     def instructions(self, tools: list[dict[str, Any]]) -> str:
         listing = "\n\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-        return ("Given the following functions, please respond with a JSON for a function call with its proper "
-                "arguments that best answers the given prompt.\n\nRespond in the format {\"name\": function name, "
-                "\"parameters\": dictionary of argument name and its value}. Do not use variables.\n\n" + listing)  # fmt: skip
+        return (
+            "Given the following functions, please respond with a JSON for a function call with its proper "
+            'arguments that best answers the given prompt.\n\nRespond in the format {"name": function name, '
+            '"parameters": dictionary of argument name and its value}. Do not use variables.\n\n' + listing
+        )
 
     def render(self, calls: list[dict[str, Any]]) -> str:
-        return "; ".join(json.dumps({"name": c["name"], "parameters": c["arguments"]}, ensure_ascii=False)
-                         for c in calls)  # fmt: skip
+        return "; ".join(
+            json.dumps({"name": c["name"], "parameters": c["arguments"]}, ensure_ascii=False) for c in calls
+        )
 
 
 class MistralFormat(ToolCallFormat):
@@ -244,9 +256,11 @@ class MistralFormat(ToolCallFormat):
         return f'start: {start} "[" {call}{more} "]"'
 
     def instructions(self, tools: list[dict[str, Any]]) -> str:
-        return ("You can call functions. To call them, reply with [TOOL_CALLS] followed by a JSON list of "
-                '{"name": <function-name>, "arguments": <args-json-object>} objects. The functions:\n'
-                + json.dumps(tools, ensure_ascii=False))  # fmt: skip
+        return (
+            "You can call functions. To call them, reply with [TOOL_CALLS] followed by a JSON list of "
+            '{"name": <function-name>, "arguments": <args-json-object>} objects. The functions:\n'
+            + json.dumps(tools, ensure_ascii=False)
+        )
 
     def render(self, calls: list[dict[str, Any]]) -> str:
         return self.marker + json.dumps(calls, ensure_ascii=False)

@@ -18,12 +18,38 @@ from benchmarks.workloads import Corpus, WorkloadSpec, build_workload, load_toke
 from radixserve.config import EngineConfig
 
 SUMMARY_KEYS = {
-    "requests", "completed", "errors", "duration_s", "prompt_tokens", "output_tokens", "request_throughput",
-    "output_throughput", "total_token_throughput", "cached_token_fraction", "prefix_hit_rate", "prefix_hit_tokens",
-    "prefix_query_tokens", "error_messages", "arrival_lag_p99_ms", "timed_out", *LATENCIES,
-}  # fmt: skip
-ROW_KEYS = {"session", "turn", "kind", "sent_ms", "ttft_ms", "e2e_ms", "tpot_ms", "itl_ms", "prompt_tokens",
-            "output_tokens", "cached_tokens", "error"}  # fmt: skip
+    "requests",
+    "completed",
+    "errors",
+    "duration_s",
+    "prompt_tokens",
+    "output_tokens",
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    "cached_token_fraction",
+    "prefix_hit_rate",
+    "prefix_hit_tokens",
+    "prefix_query_tokens",
+    "error_messages",
+    "arrival_lag_p99_ms",
+    "timed_out",
+    *LATENCIES,
+}
+ROW_KEYS = {
+    "session",
+    "turn",
+    "kind",
+    "sent_ms",
+    "ttft_ms",
+    "e2e_ms",
+    "tpot_ms",
+    "itl_ms",
+    "prompt_tokens",
+    "output_tokens",
+    "cached_tokens",
+    "error",
+}
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +131,15 @@ def test_open_loop_rag_reports_prefix_hits_and_respects_bounds(
     url: str, tokenizer: Any, corpus: Corpus
 ) -> None:
     spec = WorkloadSpec(name="rag", seed=3, num_docs=2, questions_per_doc=3, doc_tokens=64, output_tokens=4)
-    cfg = RunConfig(base_url=url, endpoint="completions", request_rate=50.0, scenario="burst", burst_start_s=0.0,
-                    max_requests=5, max_duration_s=120)  # fmt: skip
+    cfg = RunConfig(
+        base_url=url,
+        endpoint="completions",
+        request_rate=50.0,
+        scenario="burst",
+        burst_start_s=0.0,
+        max_requests=5,
+        max_duration_s=120,
+    )
     run = run_benchmark(cfg, build_workload(spec, tokenizer, corpus), tokenizer, progress=False)
     _check_complete(run, 5, 4)  # bounded at 5 of the 6 requests
     s = run["summary"]

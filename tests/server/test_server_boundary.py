@@ -23,8 +23,18 @@ from radixserve.server.http_util import ApiError
 from radixserve.server.messages import FromEngine, RequestError
 
 # What a route may use of an AsyncEngine: the interface engine_api.py documents.
-INTERFACE = {"model", "limits", "generate", "tokenize", "flush_cache", "stats", "healthy", "on_finish",
-             "start", "shutdown"}  # fmt: skip
+INTERFACE = {
+    "model",
+    "limits",
+    "generate",
+    "tokenize",
+    "flush_cache",
+    "stats",
+    "healthy",
+    "on_finish",
+    "start",
+    "shutdown",
+}
 ROUTE_MODULES = ("app.py", "api.py", "chat.py", "completions.py", "generate.py", "metrics.py")
 REWORDED = "a message worded in a way no parser has seen"
 
@@ -129,8 +139,14 @@ def test_response_format_json_schema_output_validates(client: httpx.Client, rout
 
 
 def test_response_format_json_object_is_an_object(client: httpx.Client) -> None:
-    body = {"model": MODEL_NAME, "prompt": "{", "max_tokens": 120, "temperature": 0.7, "seed": 1,
-            "response_format": {"type": "json_object"}}  # fmt: skip
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "{",
+        "max_tokens": 120,
+        "temperature": 0.7,
+        "seed": 1,
+        "response_format": {"type": "json_object"},
+    }
     r = client.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     [choice] = r.json()["choices"]

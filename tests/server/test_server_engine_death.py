@@ -19,8 +19,13 @@ from server_util import MODEL_NAME, Served, scrape, serving
 
 from radixserve.config import EngineConfig
 
-LONG: dict[str, Any] = {"model": MODEL_NAME, "prompt": "a story that never ends", "max_tokens": 400,
-                        "temperature": 0, "ignore_eos": True}  # fmt: skip
+LONG: dict[str, Any] = {
+    "model": MODEL_NAME,
+    "prompt": "a story that never ends",
+    "max_tokens": 400,
+    "temperature": 0,
+    "ignore_eos": True,
+}
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +57,10 @@ def test_sigkill_mid_stream_fails_every_request_then_the_server_serves_again(
     with c.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as streaming:
         lines = streaming.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))  # the stream has started
-        threads = [threading.Thread(target=post, args=("whole", LONG)),  # running, not streamed
-                   threading.Thread(target=post, args=("waiting", {**LONG, "stream": True}))]  # fmt: skip
+        threads = [
+            threading.Thread(target=post, args=("whole", LONG)),  # running, not streamed
+            threading.Thread(target=post, args=("waiting", {**LONG, "stream": True})),
+        ]
         threads[0].start()
         deadline = time.monotonic() + 30
         while scrape(c)["radixserve:num_requests_running"] < 2 and time.monotonic() < deadline:

@@ -29,8 +29,9 @@ class Scripted(rf.Backend):
     def chat_template(self) -> ChatTemplate:
         return ChatTemplate()
 
-    def generate(self, prompt: str, sampling_params: dict[str, Any],
-                 on_text: Callable[[str], None] | None = None) -> Completion:  # fmt: skip
+    def generate(
+        self, prompt: str, sampling_params: dict[str, Any], on_text: Callable[[str], None] | None = None
+    ) -> Completion:
         with self.lock:
             self.prompts.append(prompt)
         if on_text is not None:
@@ -141,8 +142,9 @@ def test_nested_roles_are_an_error_naming_the_step() -> None:
 
 def test_failure_in_a_fork_names_the_fork() -> None:
     class Failing(Scripted):
-        def generate(self, prompt: str, sampling_params: dict[str, Any],
-                     on_text: Callable[[str], None] | None = None) -> Completion:  # fmt: skip
+        def generate(
+            self, prompt: str, sampling_params: dict[str, Any], on_text: Callable[[str], None] | None = None
+        ) -> Completion:
             if "q2" in prompt:
                 raise rf.BackendError("boom")
             return super().generate(prompt, sampling_params, on_text)
@@ -193,7 +195,7 @@ def test_answer_program_on_the_engine(engine: rf.LocalEngine) -> None:
     shared = engine.engine.tokenize(
         engine.chat_template.render(
             [{"role": "system", "content": "Answer from the document."}, {"role": "user", "content": doc}]
-        )  # fmt: skip
+        )
     )
     assert all(c >= len(shared) // PAGE * PAGE for c in state["cached"])  # the forks reused the shared prefix
     assert all(p > len(shared) for p in state["prompt_tokens"])

@@ -48,10 +48,21 @@ def chat(client: httpx.Client, **body: Any) -> dict[str, Any]:
 def test_reasoning_is_split_from_the_content(client: httpx.Client) -> None:
     whole = chat(client, choices=[REPLY])
     assert whole["choices"][0]["message"] == {
-        "role": "assistant", "content": "Hello!", "reasoning_content": "\nThe user greets me.\n"
-    }  # fmt: skip
-    r = client.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": ASK, "temperature": 0,
-                                                   "max_tokens": 64, "choices": [REPLY], "stream": True})  # fmt: skip
+        "role": "assistant",
+        "content": "Hello!",
+        "reasoning_content": "\nThe user greets me.\n",
+    }
+    r = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": MODEL_NAME,
+            "messages": ASK,
+            "temperature": 0,
+            "max_tokens": 64,
+            "choices": [REPLY],
+            "stream": True,
+        },
+    )
     deltas = [
         json.loads(x[6:])["choices"][0]["delta"] for x in r.text.split("\n\n") if x.startswith("data: {")
     ]

@@ -145,8 +145,15 @@ def test_select_returns_the_highest_logprob_choice(url: str, client: httpx.Clien
     start = base["meta_info"]["prompt_tokens"]
     direct = {}
     for c in choices:
-        r = client.post("/generate", json={"text": prompt + c, "sampling_params": {"max_new_tokens": 1},
-                                           "return_logprob": True, "logprob_start_len": start})  # fmt: skip
+        r = client.post(
+            "/generate",
+            json={
+                "text": prompt + c,
+                "sampling_params": {"max_new_tokens": 1},
+                "return_logprob": True,
+                "logprob_start_len": start,
+            },
+        )
         direct[c] = [lp for lp, _ in r.json()["meta_info"]["input_token_logprobs"]]
     for method in ("total", "normalized"):
         scores = {c: sum(v) / (len(v) if method == "normalized" else 1) for c, v in direct.items()}

@@ -121,9 +121,24 @@ def test_serve_flags_for_the_chat_template_reasoning_tools_and_cors(tmp_path: Pa
     template = tmp_path / "qwen3.jinja"
     template.write_text(THINK_TEMPLATE)
     origin = "https://app.example"
-    flags = ("--model", str(model), "--served-model-name", "tiny", "--page-size", "4", "--num-pages", "1024",
-             "--chat-template", str(template), "--reasoning-parser", "qwen3", "--tool-call-parser", "auto",
-             "--allowed-origins", origin)  # fmt: skip
+    flags = (
+        "--model",
+        str(model),
+        "--served-model-name",
+        "tiny",
+        "--page-size",
+        "4",
+        "--num-pages",
+        "1024",
+        "--chat-template",
+        str(template),
+        "--reasoning-parser",
+        "qwen3",
+        "--tool-call-parser",
+        "auto",
+        "--allowed-origins",
+        origin,
+    )
     ask = [{"role": "user", "content": "Hi"}]
     tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
     call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
@@ -147,8 +162,19 @@ def test_serve_flags_for_the_chat_template_reasoning_tools_and_cors(tmp_path: Pa
 
 
 def test_serve_refuses_a_pool_too_small_for_the_context_and_names_the_flags(tiny_llama: Path) -> None:
-    out = _cli("serve", "--model", str(tiny_llama), "--page-size", "4", "--num-pages", "8",
-               "--max-model-len", "256", "--port", "0")  # fmt: skip
+    out = _cli(
+        "serve",
+        "--model",
+        str(tiny_llama),
+        "--page-size",
+        "4",
+        "--num-pages",
+        "8",
+        "--max-model-len",
+        "256",
+        "--port",
+        "0",
+    )
     assert out.returncode != 0
     assert "raise --kv-cache-gb or --num-pages, or lower --max-model-len to at most 32" in out.stderr
 
@@ -163,8 +189,18 @@ def test_sigterm_during_live_streams_drains_them_then_aborts_at_the_drain_timeou
     one (far more tokens than fit in the drain timeout) is cut off at the timeout, and the server exits."""
     model = make_tiny_model(tmp_path, "llama", context=8192)
     drain = 3.0
-    flags = ("--model", str(model), "--served-model-name", "tiny", "--page-size", "16", "--num-pages", "1024",
-             "--drain-timeout", str(drain))  # fmt: skip
+    flags = (
+        "--model",
+        str(model),
+        "--served-model-name",
+        "tiny",
+        "--page-size",
+        "16",
+        "--num-pages",
+        "1024",
+        "--drain-timeout",
+        str(drain),
+    )
     body = {"model": "tiny", "prompt": "go", "temperature": 0, "ignore_eos": True, "stream": True}
     with serve_cli(tmp_path / "serve.log", *flags) as (proc, c), ThreadPoolExecutor(2) as pool:
         started = [threading.Event(), threading.Event()]

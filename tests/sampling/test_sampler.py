@@ -285,9 +285,12 @@ def test_logit_bias_and_min_tokens_change_only_their_rows() -> None:
 
 @pytest.mark.parametrize(
     ("params", "field"),
-    [(SamplingParams(logit_bias={10**6: 1.0}), "logit_bias"), (SamplingParams(logit_bias={1: 101.0}), "logit_bias"),
-     (SamplingParams(max_tokens=4, min_tokens=5), "min_tokens")],
-)  # fmt: skip
+    [
+        (SamplingParams(logit_bias={10**6: 1.0}), "logit_bias"),
+        (SamplingParams(logit_bias={1: 101.0}), "logit_bias"),
+        (SamplingParams(max_tokens=4, min_tokens=5), "min_tokens"),
+    ],
+)
 def test_bad_bias_and_min_tokens_name_their_field(params: SamplingParams, field: str) -> None:
     from radixserve.errors import InvalidRequestError
 

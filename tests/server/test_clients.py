@@ -46,8 +46,15 @@ def url(tool_model: Path) -> Iterator[str]:
 @pytest.fixture()
 def chat_model(url: str) -> Any:
     chat_openai = client_package("langchain_openai").ChatOpenAI
-    return chat_openai(model=MODEL_NAME, base_url=f"{url}/v1", api_key=SecretStr("unused"), temperature=0,
-                       max_completion_tokens=120, max_retries=0, timeout=120)  # fmt: skip
+    return chat_openai(
+        model=MODEL_NAME,
+        base_url=f"{url}/v1",
+        api_key=SecretStr("unused"),
+        temperature=0,
+        max_completion_tokens=120,
+        max_retries=0,
+        timeout=120,
+    )
 
 
 def test_langchain_bound_tools_return_calls_that_follow_the_schema(chat_model: Any) -> None:
@@ -80,8 +87,14 @@ def test_langchain_openai_llm_sends_a_batch_of_prompts(url: str) -> None:
         sent.append(json.loads(request.content)["prompt"])
 
     llm = client_package("langchain_openai").OpenAI(
-        model=MODEL_NAME, base_url=f"{url}/v1", api_key=SecretStr("unused"), temperature=0, max_tokens=5,
-        max_retries=0, http_client=httpx.Client(timeout=120, event_hooks={"request": [record]}))  # fmt: skip
+        model=MODEL_NAME,
+        base_url=f"{url}/v1",
+        api_key=SecretStr("unused"),
+        temperature=0,
+        max_tokens=5,
+        max_retries=0,
+        http_client=httpx.Client(timeout=120, event_hooks={"request": [record]}),
+    )
     prompts = ["Once upon a time", "The quick brown fox", "héllo wörld"]
     batch = llm.generate(prompts)
     assert sent == [prompts]  # one request whose prompt is the list
@@ -89,18 +102,26 @@ def test_langchain_openai_llm_sends_a_batch_of_prompts(url: str) -> None:
 
 
 # -- lm-evaluation-harness ------------------------------------------------------------------------
-MC = [{"question": "The capital of France is", "choices": ["Paris", "Rome", "Oslo"], "answer": 0},
-      {"question": "The quick brown", "choices": ["fox", "dog"], "answer": 0},
-      {"question": "héllo", "choices": ["wörld", "again"], "answer": 0}]  # fmt: skip
+MC = [
+    {"question": "The capital of France is", "choices": ["Paris", "Rome", "Oslo"], "answer": 0},
+    {"question": "The quick brown", "choices": ["fox", "dog"], "answer": 0},
+    {"question": "héllo", "choices": ["wörld", "again"], "answer": 0},
+]
 GEN = [{"prompt": "Once upon a time", "target": "x"}, {"prompt": "The quick brown fox", "target": "y"}]
 # task name -> (rows, the task YAML after its data source)
 TASKS: dict[str, tuple[list[dict[str, Any]], str]] = {
-    "radixserve_mc": (MC, 'output_type: multiple_choice\ndoc_to_text: "{{question}}"\n'
-                      'doc_to_choice: "{{choices}}"\ndoc_to_target: answer\nmetric_list:\n  - metric: acc\n'),
-    "radixserve_gen": (GEN, 'output_type: generate_until\ndoc_to_text: "{{prompt}}"\n'
-                       'doc_to_target: "{{target}}"\ngeneration_kwargs:\n  until: ["\\n"]\n  max_gen_toks: 8\n'
-                       "  do_sample: false\nmetric_list:\n  - metric: exact_match\n"),
-}  # fmt: skip
+    "radixserve_mc": (
+        MC,
+        'output_type: multiple_choice\ndoc_to_text: "{{question}}"\n'
+        'doc_to_choice: "{{choices}}"\ndoc_to_target: answer\nmetric_list:\n  - metric: acc\n',
+    ),
+    "radixserve_gen": (
+        GEN,
+        'output_type: generate_until\ndoc_to_text: "{{prompt}}"\n'
+        'doc_to_target: "{{target}}"\ngeneration_kwargs:\n  until: ["\\n"]\n  max_gen_toks: 8\n'
+        "  do_sample: false\nmetric_list:\n  - metric: exact_match\n",
+    ),
+}
 
 
 def write_tasks(folder: Path) -> None:
@@ -123,11 +144,18 @@ def test_lm_eval_local_completions_runs_and_agrees_with_our_logprobs(
     from lm_eval.tasks import TaskManager
 
     write_tasks(tmp_path)
-    lm = LocalCompletionsAPI(base_url=f"{url}/v1/completions", model=MODEL_NAME, tokenizer=str(tool_model),
-                             tokenizer_backend="huggingface", max_length=2048, max_retries=1)  # fmt: skip
+    lm = LocalCompletionsAPI(
+        base_url=f"{url}/v1/completions",
+        model=MODEL_NAME,
+        tokenizer=str(tool_model),
+        tokenizer_backend="huggingface",
+        max_length=2048,
+        max_retries=1,
+    )
     assert lm.tokenized_requests  # the default: prompts go as lists of token lists
-    results = lm_eval.simple_evaluate(model=lm, tasks=list(TASKS), task_manager=TaskManager(include_path=str(tmp_path)),
-                                      log_samples=True)  # fmt: skip
+    results = lm_eval.simple_evaluate(
+        model=lm, tasks=list(TASKS), task_manager=TaskManager(include_path=str(tmp_path)), log_samples=True
+    )
     assert results is not None
     samples = results["samples"]
     assert len(samples["radixserve_mc"]) == len(MC) and len(samples["radixserve_gen"]) == len(GEN)
@@ -148,6 +176,11 @@ def test_lm_eval_local_completions_runs_and_agrees_with_our_logprobs(
                 assert loglik == pytest.approx(sum(ours[len(ctx) :]), abs=1e-5)
         for sample in samples["radixserve_gen"]:
             [(context, kwargs)] = sample["arguments"]
-            body = {"model": MODEL_NAME, "prompt": context, "max_tokens": kwargs["max_gen_toks"], "temperature": 0,
-                    "stop": kwargs["until"]}  # fmt: skip
+            body = {
+                "model": MODEL_NAME,
+                "prompt": context,
+                "max_tokens": kwargs["max_gen_toks"],
+                "temperature": 0,
+                "stop": kwargs["until"],
+            }
             assert sample["resps"] == [[c.post("/v1/completions", json=body).json()["choices"][0]["text"]]]

@@ -25,7 +25,7 @@ from radixserve.server.openai_fields import CHAT_REFUSED, COMPLETION_REFUSED, IG
 ORIGIN = "https://app.example"
 TEXTS = ["Once upon a time", "The quick brown fox", "héllo wörld"]
 HELLO: Any = [{"role": "user", "content": "Hello there"}]
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "server.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "server.md"
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +60,10 @@ def complete(client: httpx.Client, **body: Any) -> dict[str, Any]:
 # -- batched prompts ------------------------------------------------------------------------------
 def test_batched_prompts_in_every_shape_answer_in_openai_order(oai: openai.OpenAI, tok: Any) -> None:
     ids = [tok.encode(t) for t in TEXTS]
-    alone = [oai.completions.create(model=MODEL_NAME, prompt=t, max_tokens=5, temperature=0).choices[0].text
-             for t in TEXTS]  # fmt: skip
+    alone = [
+        oai.completions.create(model=MODEL_NAME, prompt=t, max_tokens=5, temperature=0).choices[0].text
+        for t in TEXTS
+    ]
     assert (
         oai.completions.create(model=MODEL_NAME, prompt=ids[1], max_tokens=5, temperature=0).choices[0].text
         == alone[1]
@@ -94,8 +96,15 @@ def test_max_tokens_zero_with_echo_scores_the_prompt(client: httpx.Client, tok: 
 
 
 def test_streaming_usage_can_come_with_every_chunk(client: httpx.Client) -> None:
-    body = {"model": MODEL_NAME, "messages": HELLO, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    body = {
+        "model": MODEL_NAME,
+        "messages": HELLO,
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
     r = client.post("/v1/chat/completions", json=body)
     chunks = [json.loads(line[6:]) for line in r.text.split("\n\n") if line.startswith("data: {")]
     counts = [c["usage"]["completion_tokens"] for c in chunks]
@@ -111,19 +120,39 @@ COMPLETION: dict[str, Any] = {"model": MODEL_NAME, "prompt": "hi", "max_tokens":
 REFUSED: dict[str, tuple[str, dict[str, Any], str, str | None]] = {
     "suffix": ("/v1/completions", {**COMPLETION, "suffix": " end"}, "suffix", "unsupported_parameter"),
     "best_of": ("/v1/completions", {**COMPLETION, "best_of": 3}, "best_of", "unsupported_parameter"),
-    "beam-search": ("/v1/completions", {**COMPLETION, "use_beam_search": True}, "use_beam_search", "unsupported_parameter"),
-    "functions": ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
+    "beam-search": (
+        "/v1/completions",
+        {**COMPLETION, "use_beam_search": True},
+        "use_beam_search",
+        "unsupported_parameter",
+    ),
+    "functions": (
+        "/v1/chat/completions",
+        {**CHAT, "functions": [{"name": "f"}]},
+        "functions",
+        "unsupported_parameter",
+    ),
     "chat-echo": ("/v1/chat/completions", {**CHAT, "echo": True}, "echo", "unsupported_parameter"),
     "misspelt": ("/v1/chat/completions", {**CHAT, "temprature": 0}, "temprature", "unknown_parameter"),
     "top-logprobs-alone": ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs", None),
     "logit-bias-token": ("/v1/completions", {**COMPLETION, "logit_bias": {"100000": 5}}, "logit_bias", None),
-    "logit-bias-value": ("/v1/completions", {**COMPLETION, "logit_bias": {"5": 101}}, "logit_bias[...]", None),
+    "logit-bias-value": (
+        "/v1/completions",
+        {**COMPLETION, "logit_bias": {"5": 101}},
+        "logit_bias[...]",
+        None,
+    ),
     "min-tokens": ("/v1/completions", {**COMPLETION, "min_tokens": 3}, "min_tokens", None),
     "prompt-mixed": ("/v1/completions", {**COMPLETION, "prompt": [1, "a"]}, "prompt", None),
     "prompt-empty-item": ("/v1/completions", {**COMPLETION, "prompt": [[1, 2], []]}, "prompt[1]", None),
-    "tool-choice-no-tools": ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice", None),
+    "tool-choice-no-tools": (
+        "/v1/chat/completions",
+        {**CHAT, "tool_choice": "required"},
+        "tool_choice",
+        None,
+    ),
     "modalities-audio": ("/v1/chat/completions", {**CHAT, "modalities": ["audio"]}, "modalities[0]", None),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(REFUSED))
@@ -138,8 +167,17 @@ def test_each_unserved_field_is_a_400_naming_it(client: httpx.Client, case: str)
 
 
 def test_values_that_ask_for_nothing_and_fields_without_effect_are_accepted(client: httpx.Client) -> None:
-    quiet = {"suffix": None, "best_of": 1, "use_beam_search": False, "echo": False, "user": "u-1",
-             "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "prompt_cache_key": "k"}  # fmt: skip
+    quiet = {
+        "suffix": None,
+        "best_of": 1,
+        "use_beam_search": False,
+        "echo": False,
+        "user": "u-1",
+        "metadata": {"k": "v"},
+        "store": False,
+        "service_tier": "auto",
+        "prompt_cache_key": "k",
+    }
     base = complete(client, **{k: v for k, v in COMPLETION.items() if k != "model"})
     body = {**COMPLETION, "temperature": 0, **{k: v for k, v in quiet.items() if k != "echo"}}
     assert (
@@ -206,10 +244,15 @@ def test_a_template_without_tools_is_told_about_them(client: httpx.Client, tok: 
     """ChatML knows no tools: they are described in a system message, calls and results written in Hermes's words."""
     tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
     history = HELLO + [
-        {"role": "assistant", "content": None,
-         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+            ],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "12:00"},
-    ]  # fmt: skip
+    ]
     r = client.post("/tokenize", json={"messages": history, "tools": [tool]}).json()
     text = tok.decode(r["tokens"])
     assert text.startswith("<|im_start|>system\n# Tools") and '"name": "get_time"' in text
@@ -238,8 +281,11 @@ def test_omitted_max_tokens_is_clamped_to_the_context(client: httpx.Client) -> N
 
 
 def test_cors_answers_allowed_origins_only(client: httpx.Client) -> None:
-    preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
-                 "Access-Control-Request-Headers": "authorization, content-type"}  # fmt: skip
+    preflight = {
+        "Origin": ORIGIN,
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type",
+    }
     r = client.options("/v1/chat/completions", headers=preflight)
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
     assert (

@@ -18,11 +18,19 @@ from server_util import MODEL_NAME, tool_server
 
 from radixserve.model.loader import load_tokenizer
 
-WEATHER: dict[str, Any] = {"type": "object", "properties": {
-    "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
-    "days": {"type": "integer", "minimum": 1, "maximum": 7}}, "required": ["city", "days"]}  # fmt: skip
-TIME: dict[str, Any] = {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
-                        "required": ["zone"]}  # fmt: skip
+WEATHER: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+}
+TIME: dict[str, Any] = {
+    "type": "object",
+    "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+    "required": ["zone"],
+}
 TOOLS: Any = [
     {
         "type": "function",
@@ -55,18 +63,34 @@ def valid(name: str, arguments: str) -> dict[str, Any]:
 def test_required_tool_choice_forces_a_valid_call_whose_result_gets_an_answer(
     oai: openai.OpenAI, url: str, tool_model: Path
 ) -> None:
-    r = oai.chat.completions.create(model=MODEL_NAME, messages=ASK, tools=TOOLS, tool_choice="required",
-                                    parallel_tool_calls=False, temperature=0, max_tokens=200)  # fmt: skip
+    r = oai.chat.completions.create(
+        model=MODEL_NAME,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=200,
+    )
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     [call] = choice.message.tool_calls or []
     assert call.type == "function" and call.id.startswith("call_")
     valid(call.function.name, call.function.arguments)
     # The loop every agent runs: the assistant's message as it came back, the tool's result, the answer.
-    history: Any = [*ASK, choice.message.model_dump(exclude_none=True),
-                    {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 21}'}]  # fmt: skip
-    final = oai.chat.completions.create(model=MODEL_NAME, messages=history, tools=TOOLS, temperature=0,
-                                        max_tokens=8, extra_body={"ignore_eos": True})  # fmt: skip
+    history: Any = [
+        *ASK,
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 21}'},
+    ]
+    final = oai.chat.completions.create(
+        model=MODEL_NAME,
+        messages=history,
+        tools=TOOLS,
+        temperature=0,
+        max_tokens=8,
+        extra_body={"ignore_eos": True},
+    )
     answer = final.choices[0]
     assert answer.finish_reason == "length" and answer.message.content and not answer.message.tool_calls
     with httpx.Client(base_url=url, timeout=120) as c:
@@ -79,8 +103,15 @@ def test_required_tool_choice_forces_a_valid_call_whose_result_gets_an_answer(
 
 
 def test_streamed_tool_call_deltas_assemble_to_the_same_call(oai: openai.OpenAI) -> None:
-    body: Any = dict(model=MODEL_NAME, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
-                     temperature=0, max_tokens=200)  # fmt: skip
+    body: Any = dict(
+        model=MODEL_NAME,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=200,
+    )
     whole: list[Any] = oai.chat.completions.create(**body).choices[0].message.tool_calls or []
     calls: dict[int, dict[str, str]] = {}
     finish = None
@@ -100,16 +131,28 @@ def test_streamed_tool_call_deltas_assemble_to_the_same_call(oai: openai.OpenAI)
 
 
 def test_a_named_function_is_the_one_called(oai: openai.OpenAI) -> None:
-    r = oai.chat.completions.create(model=MODEL_NAME, messages=ASK, tools=TOOLS, temperature=0, max_tokens=200,
-                                    tool_choice={"type": "function", "function": {"name": "get_time"}})  # fmt: skip
+    r = oai.chat.completions.create(
+        model=MODEL_NAME,
+        messages=ASK,
+        tools=TOOLS,
+        temperature=0,
+        max_tokens=200,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+    )
     [call] = r.choices[0].message.tool_calls or []
     assert call.type == "function" and call.function.name == "get_time"
     valid("get_time", call.function.arguments)
 
 
 def test_calls_in_a_free_reply_are_parsed_unless_tool_choice_is_none(url: str) -> None:
-    body = {"model": MODEL_NAME, "messages": ASK, "tools": TOOLS, "temperature": 0, "max_tokens": 200,
-            "choices": ["Let me check.\n" + CALL_TEXT]}  # the reply, forced: what a trained model would write  # fmt: skip
+    body = {
+        "model": MODEL_NAME,
+        "messages": ASK,
+        "tools": TOOLS,
+        "temperature": 0,
+        "max_tokens": 200,
+        "choices": ["Let me check.\n" + CALL_TEXT],
+    }  # the reply, forced: what a trained model would write
     with httpx.Client(base_url=url, timeout=120) as c:
         auto = c.post("/v1/chat/completions", json=body).json()["choices"][0]
         none = c.post("/v1/chat/completions", json={**body, "tool_choice": "none"}).json()["choices"][0]
@@ -129,10 +172,19 @@ def test_calls_results_and_names_go_back_through_the_template(
 ) -> None:
     history: Any = [
         {"role": "user", "content": "Weather in Oslo?", "name": "ada"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 1}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 1}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": '{"celsius": 4}'},
-    ]  # fmt: skip
+    ]
     with httpx.Client(base_url=url, timeout=120) as c:
         tokens = c.post("/tokenize", json={"messages": history, "tools": TOOLS}).json()["tokens"]
     text = str(load_tokenizer(tool_model).decode(tokens))
@@ -142,8 +194,9 @@ def test_calls_results_and_names_go_back_through_the_template(
     )
     assert '<|im_start|>user\n<tool_response>\n{"celsius": 4}\n</tool_response><|im_end|>' in text
     assert '"name": "get_time"' in text.split("</tools>")[1]  # the tools, rendered by the template itself
-    final = oai.chat.completions.create(model=MODEL_NAME, messages=history, tools=TOOLS, tool_choice="none",
-                                        temperature=0, max_tokens=8)  # fmt: skip
+    final = oai.chat.completions.create(
+        model=MODEL_NAME, messages=history, tools=TOOLS, tool_choice="none", temperature=0, max_tokens=8
+    )
     assert final.choices[0].message.content and final.usage and final.usage.prompt_tokens == len(tokens)
 
 
@@ -151,10 +204,13 @@ def test_bad_tool_requests_name_the_field(url: str) -> None:
     base = {"model": MODEL_NAME, "messages": ASK, "tools": TOOLS, "max_tokens": 4}
     bad = {
         "tool_choice": {**base, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-        "tools": {**base, "tool_choice": "required",
-                  "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]},
+        "tools": {
+            **base,
+            "tool_choice": "required",
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+        },
         "tools[0].function.name": {**base, "tools": [{"type": "function", "function": {"name": ""}}]},
-    }  # fmt: skip
+    }
     with httpx.Client(base_url=url, timeout=120) as c:
         for param, body in bad.items():
             r = c.post("/v1/chat/completions", json=body)

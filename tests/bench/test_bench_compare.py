@@ -47,10 +47,22 @@ def test_quick_comparison_skips_a_missing_peer_and_writes_results(
 ) -> None:
     monkeypatch.setattr(compare, "PEERS_DIR", tmp_path / "no-peers")  # vLLM is not installed here
     out = tmp_path / "results"
-    compare.main([
-        "--quick", "--model", str(tiny_llama), "--engines", "radixserve,vllm-cpu,hf-generate",
-        "--cases", "rag,steady", "--out-dir", str(out), "--log-dir", str(tmp_path / "logs"), "--no-progress",
-    ])  # fmt: skip
+    compare.main(
+        [
+            "--quick",
+            "--model",
+            str(tiny_llama),
+            "--engines",
+            "radixserve,vllm-cpu,hf-generate",
+            "--cases",
+            "rag,steady",
+            "--out-dir",
+            str(out),
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--no-progress",
+        ]
+    )
     doc = json.loads((out / "compare.json").read_text())
     assert any(s.startswith("vllm-cpu: vLLM is not installed") for s in doc["skipped"])
     assert "vllm-cpu" not in doc["results"]["rag"] and "vllm-cpu" not in doc["results"]["steady"]

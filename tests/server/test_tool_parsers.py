@@ -25,10 +25,16 @@ from radixserve.server.tools import (
     choose_format,
 )
 
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                            "unit": {"type": "string", "enum": ["c", "f"]},
-                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-           "required": ["city", "days"], "additionalProperties": False}  # fmt: skip
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"type": "string", "enum": ["c", "f"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
 TOOLS: list[dict[str, Any]] = [
     {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
     {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}, "strict": True}},
@@ -48,21 +54,45 @@ def run(fmt: ToolCallFormat, text: str, pieces: int) -> tuple[str, list[ParsedCa
 
 
 CASES: list[tuple[ToolCallFormat, str, str, list[tuple[str, dict[str, Any]]]]] = [
-    (HermesFormat(), 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n'
-     '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>', "Let me look.\n",
-     [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {})]),
-    (HermesFormat(), 'No tools needed: 2 < 3 and <b>bold</b>.', 'No tools needed: 2 < 3 and <b>bold</b>.', []),
-    (HermesFormat(), '<tool_call>\n{"name": "get_time", "arguments": {}}', "", [("get_time", {})]),  # no end tag
-    (HermesFormat(), '<tool_call>\nnot json\n</tool_call>', '<tool_call>\nnot json\n</tool_call>', []),
-    (Llama3JsonFormat(), '{"name": "get_weather", "parameters": {"city": "Rome", "days": 1}}; '
-     '{"name": "get_time", "parameters": {}}', "", [("get_weather", {"city": "Rome", "days": 1}), ("get_time", {})]),
+    (
+        HermesFormat(),
+        'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n'
+        '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+        "Let me look.\n",
+        [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {})],
+    ),
+    (
+        HermesFormat(),
+        "No tools needed: 2 < 3 and <b>bold</b>.",
+        "No tools needed: 2 < 3 and <b>bold</b>.",
+        [],
+    ),
+    (
+        HermesFormat(),
+        '<tool_call>\n{"name": "get_time", "arguments": {}}',
+        "",
+        [("get_time", {})],
+    ),  # no end tag
+    (HermesFormat(), "<tool_call>\nnot json\n</tool_call>", "<tool_call>\nnot json\n</tool_call>", []),
+    (
+        Llama3JsonFormat(),
+        '{"name": "get_weather", "parameters": {"city": "Rome", "days": 1}}; '
+        '{"name": "get_time", "parameters": {}}',
+        "",
+        [("get_weather", {"city": "Rome", "days": 1}), ("get_time", {})],
+    ),
     (Llama3JsonFormat(), '<|python_tag|>{"name": "get_time", "arguments": "{}"}', "", [("get_time", {})]),
     (Llama3JsonFormat(), '{"answer": 42}', '{"answer": 42}', []),
     (Llama3JsonFormat(), 'The answer is {"name": "x"}', 'The answer is {"name": "x"}', []),
-    (MistralFormat(), 'Sure. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}, '
-     '{"name": "get_time", "arguments": {}}]', "Sure. ", [("get_weather", {"city": "Oslo", "days": 3}), ("get_time", {})]),
-    (MistralFormat(), '[TOOL_CALLS]get_time[ARGS]{}', "", [("get_time", {})]),
-]  # fmt: skip
+    (
+        MistralFormat(),
+        'Sure. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}, '
+        '{"name": "get_time", "arguments": {}}]',
+        "Sure. ",
+        [("get_weather", {"city": "Oslo", "days": 3}), ("get_time", {})],
+    ),
+    (MistralFormat(), "[TOOL_CALLS]get_time[ARGS]{}", "", [("get_time", {})]),
+]
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
@@ -91,9 +121,14 @@ def test_mistral_ids_are_nine_alphanumerics() -> None:
 
 @pytest.mark.parametrize(
     ("template", "name"),
-    [("{{ '[AVAILABLE_TOOLS]' }}[TOOL_CALLS]", "mistral"), ("<tool_call>{{ tool }}</tool_call>", "hermes"),
-     ("{{ '<|python_tag|>' }}{% if tools %}ipython{% endif %}", "llama3_json"), ("{{ messages }}", "hermes"), ("", "hermes")],
-)  # fmt: skip
+    [
+        ("{{ '[AVAILABLE_TOOLS]' }}[TOOL_CALLS]", "mistral"),
+        ("<tool_call>{{ tool }}</tool_call>", "hermes"),
+        ("{{ '<|python_tag|>' }}{% if tools %}ipython{% endif %}", "llama3_json"),
+        ("{{ messages }}", "hermes"),
+        ("", "hermes"),
+    ],
+)
 def test_auto_picks_the_format_the_template_mentions(template: str, name: str) -> None:
     assert choose_format("auto", template).name == name
     assert choose_format("mistral", template).name == "mistral"

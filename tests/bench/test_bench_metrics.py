@@ -28,10 +28,28 @@ def test_per_request_latencies() -> None:
 
 
 def _results() -> list[RequestResult]:
-    a = RequestResult(0, 0, "x", sent=0.0, finished=2.0, chunk_times=[1.0, 1.5, 2.0], output_tokens=3,
-                      prompt_tokens=100, cached_tokens=40)  # fmt: skip
-    b = RequestResult(1, 0, "x", sent=1.0, finished=5.0, chunk_times=[2.0, 3.0, 4.0, 5.0], output_tokens=4,
-                      prompt_tokens=100, cached_tokens=60)  # fmt: skip
+    a = RequestResult(
+        0,
+        0,
+        "x",
+        sent=0.0,
+        finished=2.0,
+        chunk_times=[1.0, 1.5, 2.0],
+        output_tokens=3,
+        prompt_tokens=100,
+        cached_tokens=40,
+    )
+    b = RequestResult(
+        1,
+        0,
+        "x",
+        sent=1.0,
+        finished=5.0,
+        chunk_times=[2.0, 3.0, 4.0, 5.0],
+        output_tokens=4,
+        prompt_tokens=100,
+        cached_tokens=60,
+    )
     failed = RequestResult(2, 0, "x", sent=0.5, finished=6.0, error="HTTP 500: boom")
     return [a, b, failed]
 

@@ -77,10 +77,12 @@ def long_llama(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Pa
 TIER_SETUPS: dict[str, dict[str, Any]] = {
     "host": dict(host_cache_gb=gb(400)),
     "host-write-back": dict(host_cache_gb=gb(400), write_policy="write_back"),
-    "host-selective": dict(host_cache_gb=gb(400), write_policy="write_through_selective", write_through_threshold=1),
+    "host-selective": dict(
+        host_cache_gb=gb(400), write_policy="write_through_selective", write_through_threshold=1
+    ),
     "disk": dict(disk_cache_gb=gb(400)),
     "host-spills-to-disk": dict(host_cache_gb=gb(8), disk_cache_gb=gb(400), write_policy="write_back"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("setup", sorted(TIER_SETUPS))
@@ -229,8 +231,15 @@ def test_another_model_fingerprint_is_never_served(tiny_llama: Path, tmp_path: P
 @pytest.mark.parametrize("policy", ["write_through", "write_back", "write_through_selective"])
 def test_every_tier_stays_within_its_capacity(policy: str, tiny_llama: Path, tmp_path: Path) -> None:
     kv = tmp_path / "kv"
-    eng = engine(tiny_llama, 40, host_cache_gb=gb(20), disk_cache_gb=gb(30), disk_cache_dir=str(kv),
-                 write_policy=policy, write_through_threshold=1)  # fmt: skip
+    eng = engine(
+        tiny_llama,
+        40,
+        host_cache_gb=gb(20),
+        disk_cache_gb=gb(30),
+        disk_cache_dir=str(kv),
+        write_policy=policy,
+        write_through_threshold=1,
+    )
     prompts = [tokens(60, 100 + i) for i in range(12)]  # 12 x 15 pages: far more than 40 + 20 + 30
     for p in prompts:
         eng.generate([p, p], GREEDY)  # twice: a hit for write_through_selective
@@ -257,8 +266,15 @@ def test_churn_keeps_every_tier_consistent(tiny_llama: Path, tmp_path: Path) -> 
     docs = [tokens(rng.randrange(20, 90), 200 + i) for i in range(6)]
     prompts = [rng.choice(docs) + tokens(rng.randrange(1, 12), 300 + i) for i in range(40)]
     refs = dict(zip(map(tuple, prompts[:8]), reference(tiny_llama, prompts[:8])))
-    eng = engine(tiny_llama, 48, host_cache_gb=gb(24), disk_cache_gb=gb(40), disk_cache_dir=str(tmp_path / "kv"),
-                 write_policy="write_back", max_batched_tokens=64)  # fmt: skip
+    eng = engine(
+        tiny_llama,
+        48,
+        host_cache_gb=gb(24),
+        disk_cache_gb=gb(40),
+        disk_cache_dir=str(tmp_path / "kv"),
+        write_policy="write_back",
+        max_batched_tokens=64,
+    )
     outs: dict[str, list[int]] = {}
     ids: dict[str, list[int]] = {}
     pending = list(prompts)

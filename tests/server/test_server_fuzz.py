@@ -29,9 +29,11 @@ def fuzz_url(tiny_llama: Path) -> Iterator[str]:
 
 POSITIVE, NEGATIVE = schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE
 WITH_BODY = ["/v1/chat/completions", "/v1/completions", "/generate"]
-CASES = ([("POST", path, mode) for path in WITH_BODY for mode in (POSITIVE, NEGATIVE)]
-         + [("GET", path, POSITIVE) for path in ("/v1/models", "/health", "/metrics")]
-         + [("POST", "/flush_cache", POSITIVE)])  # fmt: skip
+CASES = (
+    [("POST", path, mode) for path in WITH_BODY for mode in (POSITIVE, NEGATIVE)]
+    + [("GET", path, POSITIVE) for path in ("/v1/models", "/health", "/metrics")]
+    + [("POST", "/flush_cache", POSITIVE)]
+)
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +61,12 @@ def test_no_server_errors(api_schema: Any, method: str, path: str, mode: schemat
     operation = api_schema[path][method]
     headers = {"Authorization": f"Bearer {KEY}"}
 
-    @settings(max_examples=25 if path in WITH_BODY else 3, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @settings(
+        max_examples=25 if path in WITH_BODY else 3,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(case=operation.as_strategy(mode))
     def check(case: Any) -> None:
         _clamp(case.body)

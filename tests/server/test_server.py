@@ -69,8 +69,16 @@ def test_openai_chat_streaming_and_not(oai: openai.OpenAI) -> None:
     assert whole.choices[0].message.role == "assistant"
     assert whole.choices[0].finish_reason in ("stop", "length")
     assert whole.usage is not None and whole.usage.completion_tokens >= 1
-    chunks = list(oai.chat.completions.create(model=MODEL_NAME, messages=HELLO, max_tokens=8, temperature=0,
-                                              stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        oai.chat.completions.create(
+            model=MODEL_NAME,
+            messages=HELLO,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
     assert (
@@ -85,8 +93,9 @@ def test_openai_completions_streaming_and_not(oai: openai.OpenAI) -> None:
         model=MODEL_NAME, prompt="Once upon a time", max_tokens=6, temperature=0, stream=True
     )
     assert "".join(c.choices[0].text for c in stream) == whole.choices[0].text
-    echoed = oai.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=2, temperature=0,
-                                    echo=True, logprobs=2)  # fmt: skip
+    echoed = oai.completions.create(
+        model=MODEL_NAME, prompt="Once upon a time", max_tokens=2, temperature=0, echo=True, logprobs=2
+    )
     lp = echoed.choices[0].logprobs
     assert echoed.choices[0].text.startswith("Once upon a time")
     assert (
@@ -97,8 +106,10 @@ def test_openai_completions_streaming_and_not(oai: openai.OpenAI) -> None:
 
 def test_second_turn_reports_cached_tokens(oai: openai.OpenAI) -> None:
     first = oai.chat.completions.create(model=MODEL_NAME, messages=HELLO, max_tokens=4, temperature=0)
-    turn2: Any = HELLO + [{"role": "assistant", "content": first.choices[0].message.content or ""},
-                     {"role": "user", "content": "And tomorrow?"}]  # fmt: skip
+    turn2: Any = HELLO + [
+        {"role": "assistant", "content": first.choices[0].message.content or ""},
+        {"role": "user", "content": "And tomorrow?"},
+    ]
     second = oai.chat.completions.create(model=MODEL_NAME, messages=turn2, max_tokens=4, temperature=0)
     details = second.usage.prompt_tokens_details if second.usage else None
     assert details is not None and details.cached_tokens is not None and details.cached_tokens > 0
@@ -144,8 +155,13 @@ def test_raw_sse_deltas_join_to_greedy_text(client: httpx.Client, route: str) ->
 
 def test_generate_with_token_ids_and_logprobs(client: httpx.Client, tiny_llama: Path) -> None:
     ids = load_tokenizer(tiny_llama).encode("The quick brown fox")
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 3, "temperature": 0, "n": 2},
-            "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2}  # fmt: skip
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0, "n": 2},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": 2,
+    }
     out = client.post("/generate", json=body).json()
     assert isinstance(out, list) and [o["index"] for o in out] == [0, 1]
     meta = out[0]["meta_info"]
@@ -163,8 +179,14 @@ def test_32_concurrent_streams_while_health_answers(url: str) -> None:
     async def stream(c: httpx.AsyncClient, i: int) -> tuple[str | None, str]:
         nonlocal in_flight
         # 64 tokens each: with the engine in its own process, 16 were over before /health was asked.
-        body = {"model": MODEL_NAME, "prompt": f"request number {i}:", "max_tokens": 64, "temperature": 0,
-                "ignore_eos": True, "stream": True}  # fmt: skip
+        body = {
+            "model": MODEL_NAME,
+            "prompt": f"request number {i}:",
+            "max_tokens": 64,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         in_flight += 1
         try:
             async with c.stream("POST", "/v1/completions", json=body) as r:
@@ -185,8 +207,10 @@ def test_32_concurrent_streams_while_health_answers(url: str) -> None:
 
     async def main() -> list[tuple[str | None, str]]:
         limits = httpx.Limits(max_connections=64)
-        async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=120, limits=limits) as c, \
-                httpx.AsyncClient(base_url=url, timeout=10) as h:  # fmt: skip
+        async with (
+            httpx.AsyncClient(base_url=url, headers=AUTH, timeout=120, limits=limits) as c,
+            httpx.AsyncClient(base_url=url, timeout=10) as h,
+        ):
             results = asyncio.gather(*(stream(c, i) for i in range(32)))
             _, out = await asyncio.gather(poll_health(h), results)
             return out
@@ -200,11 +224,19 @@ def test_32_concurrent_streams_while_health_answers(url: str) -> None:
 # -- 4. disconnects --------------------------------------------------------------------------------
 def test_disconnected_streams_release_their_pages(url: str, client: httpx.Client) -> None:
     aborted_before = scrape(client).get("radixserve:request_success_total{finished_reason=abort}", 0.0)
-    body = {"model": MODEL_NAME, "prompt": "a long story about disconnects", "max_tokens": 400, "temperature": 0,
-            "ignore_eos": True, "stream": True}  # fmt: skip
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "a long story about disconnects",
+        "max_tokens": 400,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     clients = [httpx.Client(base_url=url, headers=AUTH, timeout=60) for _ in range(10)]
-    streams = [c.stream("POST", "/v1/completions", json={**body, "prompt": f"{body['prompt']} {i}"})
-               for i, c in enumerate(clients)]  # fmt: skip
+    streams = [
+        c.stream("POST", "/v1/completions", json={**body, "prompt": f"{body['prompt']} {i}"})
+        for i, c in enumerate(clients)
+    ]
     readers = [s.__enter__().iter_lines() for s in streams]  # kept alive: a dropped reader closes its stream
     for lines in readers:
         assert first_event(lines)
@@ -215,8 +247,12 @@ def test_disconnected_streams_release_their_pages(url: str, client: httpx.Client
     deadline = time.monotonic() + 20
     while True:
         m = scrape(client)
-        idle = (m["radixserve:num_requests_running"] == 0 and m["radixserve:kv_pages_used"] == 0
-                and m["radixserve:kv_pages_free"] + m["radixserve:kv_pages_cached"] == m["radixserve:kv_pages_total"])  # fmt: skip
+        idle = (
+            m["radixserve:num_requests_running"] == 0
+            and m["radixserve:kv_pages_used"] == 0
+            and m["radixserve:kv_pages_free"] + m["radixserve:kv_pages_cached"]
+            == m["radixserve:kv_pages_total"]
+        )
         aborted = m.get("radixserve:request_success_total{finished_reason=abort}", 0.0) - aborted_before
         if (idle and aborted == 10) or time.monotonic() > deadline:
             break
@@ -278,8 +314,14 @@ def test_chunked_body_over_limit_is_413(client: httpx.Client) -> None:
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}])
 def test_auth_required_except_health(url: str, headers: dict[str, str]) -> None:
     with httpx.Client(base_url=url, timeout=30) as c:
-        for method, route in [("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/metrics"),
-                              ("POST", "/flush_cache"), ("POST", "/generate"), ("GET", "/openapi.json")]:  # fmt: skip
+        for method, route in [
+            ("POST", "/v1/chat/completions"),
+            ("GET", "/v1/models"),
+            ("GET", "/metrics"),
+            ("POST", "/flush_cache"),
+            ("POST", "/generate"),
+            ("GET", "/openapi.json"),
+        ]:
             r = c.request(method, route, json=CHAT, headers=headers)
             assert r.status_code == 401, route
             assert r.json()["error"]["code"] == "invalid_api_key"
@@ -330,11 +372,23 @@ def test_queue_full_is_429_with_retry_after(tiny_llama: Path) -> None:
 def test_metrics_parse_and_hold_the_documented_families(client: httpx.Client) -> None:
     client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "metrics please", "max_tokens": 3})
     m = scrape(client)
-    for hist in ("time_to_first_token_seconds", "inter_token_latency_seconds", "time_per_output_token_seconds",
-                 "e2e_request_latency_seconds", "request_queue_time_seconds"):  # fmt: skip
+    for hist in (
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "time_per_output_token_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+    ):
         assert m[f"radixserve:{hist}_count"] > 0, hist
-    for gauge in ("num_requests_waiting", "num_requests_running", "kv_pages_used", "kv_pages_cached",
-                  "kv_pages_free", "kv_pages_total", "prefix_cache_hit_rate"):  # fmt: skip
+    for gauge in (
+        "num_requests_waiting",
+        "num_requests_running",
+        "kv_pages_used",
+        "kv_pages_cached",
+        "kv_pages_free",
+        "kv_pages_total",
+        "prefix_cache_hit_rate",
+    ):
         assert f"radixserve:{gauge}" in m, gauge
     assert m["radixserve:kv_pages_total"] == 2048
     assert 0.0 <= m["radixserve:prefix_cache_hit_rate"] <= 1.0

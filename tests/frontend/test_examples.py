@@ -16,7 +16,7 @@ from server_util import running_server
 
 from radixserve.config import EngineConfig
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 ARGS = {
     "chat_client.py": ["--turns", "2", "--max-tokens", "8"],
     "rag_pipeline.py": ["--num-questions", "4", "--max-tokens", "6"],
@@ -42,7 +42,12 @@ def test_example_runs(url: str, name: str) -> None:
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(EXAMPLES.parent), os.environ.get("PYTHONPATH")])),
     }
-    proc = subprocess.run([sys.executable, str(EXAMPLES / name), "--url", url, *ARGS[name]],
-                          capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / name), "--url", url, *ARGS[name]],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip()

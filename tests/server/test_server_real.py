@@ -48,13 +48,26 @@ def test_chat_answers_and_second_turn_hits_the_cache(oai: openai.OpenAI) -> None
 def test_required_tool_choice_makes_the_135m_model_call_a_tool_validly(oai: openai.OpenAI) -> None:
     """The model was not trained on these tools (its template knows none): the grammar alone makes it
     answer with a call whose arguments follow the schema."""
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                               "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-              "required": ["city", "unit"], "additionalProperties": False}  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        },
+        "required": ["city", "unit"],
+        "additionalProperties": False,
+    }
     tools: Any = [{"type": "function", "function": {"name": "get_weather", "parameters": schema}}]
     ask: Any = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
-    r = oai.chat.completions.create(model=NAME, messages=ask, tools=tools, tool_choice="required",
-                                    parallel_tool_calls=False, temperature=0, max_tokens=100)  # fmt: skip
+    r = oai.chat.completions.create(
+        model=NAME,
+        messages=ask,
+        tools=tools,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=100,
+    )
     assert r.choices[0].finish_reason == "tool_calls"
     [call] = r.choices[0].message.tool_calls or []
     assert call.type == "function" and call.function.name == "get_weather"
