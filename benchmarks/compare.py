@@ -310,8 +310,10 @@ def render_markdown(doc: dict[str, Any]) -> str:
     lines = [
         "# radixserve vs peers",
         "",
-        f"{m['date']} on {m['cpu']} ({m['cpus']} CPUs, {m['platform']}); model {doc['model']}, fp32 for every engine "
-        f"except {LLAMA_NOTE}. Output length fixed at {doc['sizes']['output_tokens']} tokens (EOS ignored), greedy.",
+        f"{m['date']} on {m['cpu']} ({m['cpus']} CPUs, {m['platform']}); model {doc['model']}, fp32 for "
+        "every engine "
+        f"except {LLAMA_NOTE}. Output length fixed at {doc['sizes']['output_tokens']} tokens (EOS ignored), "
+        "greedy.",
         "",
     ]
     for note in doc["skipped"]:
@@ -321,7 +323,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
         lines += [table_row(display_name(e), r["meta"], r["summary"]) for e, r in by_engine.items()]
     lines += [
         "",
-        "## radixserve ratios (throughput: ours/theirs, higher is better; TTFT p50: ours/theirs, lower is better)",
+        "## radixserve ratios (throughput: ours/theirs, higher is better; TTFT p50: ours/theirs, lower is "
+        "better)",
         "",
         "| case | versus | throughput ratio | TTFT p50 ratio |",
         "|---|---|---|---|",
@@ -329,7 +332,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
     fmt = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
     for r in doc["ratios"]:
         lines.append(
-            f"| {r['case']} | {display_name(r['versus'])} | {fmt(r['throughput_ratio'])} | {fmt(r['ttft_p50_ratio'])} |"
+            f"| {r['case']} | {display_name(r['versus'])} | {fmt(r['throughput_ratio'])} | "
+            f"{fmt(r['ttft_p50_ratio'])} |"
         )
     lines += [
         "",
@@ -342,7 +346,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
         sign = ">=" if g["metric"] == "throughput_ratio" else "<="
         met = "not run" if g["met"] is None else ("yes" if g["met"] else "no")
         lines.append(
-            f"| {g['level']} | {g['case']} | {display_name(g['versus'])} | {g['metric']} | {sign} {g['goal']}x "
+            f"| {g['level']} | {g['case']} | {display_name(g['versus'])} | {g['metric']} | {sign} "
+            f"{g['goal']}x "
             f"| {fmt(g['value'])} | {met} |"
         )
     if doc["plots"]:

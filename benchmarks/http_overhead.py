@@ -10,7 +10,8 @@ cache.
   streaming client (``serve_bench``, /v1/chat/completions, closed loop with one worker per
   conversation).
 - Offline: the ``Engine`` in this process, built and stepped on one worker thread (as the engine
-  process does; see model/runner.py for why one thread), replaying the same conversations: a conversation's next turn is added when its previous answer finished.
+  process does; see model/runner.py for why one thread), replaying the same conversations: a conversation's
+  next turn is added when its previous answer finished.
 
 The offline run happens after the server has exited, so the two never compete for the CPU.
 Throughput is output tokens over wall time; the overhead is 1 - HTTP / offline.
@@ -179,7 +180,8 @@ def main() -> None:
         f"{args.turn_tokens} tokens, {args.output_tokens}-token answers, greedy)\n\n"
         f"Machine: {m['cpu']} ({m['cores']} cores), torch {m['torch']}, {m['date']}\n\n"
         "| path | output tokens | wall (s) | tokens/s | TTFT p50 (ms) |\n|---|---:|---:|---:|---:|\n"
-        f"| HTTP /v1/chat/completions (SSE), engine process | {http['output_tokens']} | {http['wall_s']:.2f} | "
+        f"| HTTP /v1/chat/completions (SSE), engine process | {http['output_tokens']} | {http['wall_s']:.2f} "
+        "| "
         f"{http['tokens_per_s']:.1f} | {http['ttft_p50_ms']:.0f} |\n"
         f"| offline Engine, same trace | {offline['output_tokens']} | {offline['wall_s']:.2f} | "
         f"{offline['tokens_per_s']:.1f} | {offline['ttft_p50_ms']:.0f} |\n\n"

@@ -247,7 +247,10 @@ def bench_extend(
         impls["flashinfer"] = lambda: wrapper.run(q, (p["k_cache"], p["v_cache"]))
     except Exception as exc:
         print(f"flashinfer prefill unavailable: {exc}", file=sys.stderr)
-    config = f"B={batch} prefix={prefix} new={new} h={q_heads}/{kv_heads} d={head_dim} page={page_size} {str(dtype)[6:]}"
+    config = (
+        f"B={batch} prefix={prefix} new={new} h={q_heads}/{kv_heads} d={head_dim} page={page_size} "
+        f"{str(dtype)[6:]}"
+    )
     bench.measure("extend", config, impls, nbytes, flops=flops)
 
 
@@ -305,7 +308,8 @@ def write_results(bench: Bench, device: str) -> None:
     lines = [
         f"# Triton kernel benchmark on {device}",
         "",
-        f"Peak HBM bandwidth used: {bench.peak} GB/s. `vs triton` = impl time / Triton time (>1: Triton faster).",
+        f"Peak HBM bandwidth used: {bench.peak} GB/s. `vs triton` = impl time / Triton time (>1: Triton "
+        "faster).",
         "",
         "| kernel | config | impl | ms | GB/s | % peak | TFLOP/s | vs triton | note |",
         "|---|---|---|---|---|---|---|---|---|",

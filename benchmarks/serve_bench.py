@@ -396,7 +396,8 @@ def table_row(name: str, meta: dict[str, Any], s: dict[str, Any], note: str = ""
     return (
         f"| {name}{note} | {load} | {s['completed']}/{s['errors']} | {_fmt(s['request_throughput'], 2)} "
         f"| {_fmt(s['output_throughput'])} | {_fmt(t['p50_ms'])}/{_fmt(t['p95_ms'])}/{_fmt(t['p99_ms'])} "
-        f"| {_fmt(i['p50_ms'])}/{_fmt(i['p95_ms'])} | {_fmt(p['p50_ms'])} | {_fmt(e['p50_ms'])}/{_fmt(e['p99_ms'])} "
+        f"| {_fmt(i['p50_ms'])}/{_fmt(i['p95_ms'])} | {_fmt(p['p50_ms'])} | "
+        f"{_fmt(e['p50_ms'])}/{_fmt(e['p99_ms'])} "
         f"| {'-' if hit is None else f'{hit:.0%}'} |"
     )
 
@@ -412,7 +413,8 @@ def write_results(doc: dict[str, Any], out_dir: Path, stem: str) -> tuple[Path, 
     ]
     m = doc["machine"]
     md_path.write_text(
-        f"# {stem}\n\n{m['date']} on {m['cpu']} ({m['cpus']} CPUs), target {doc['runs'][0]['meta']['base_url']}\n\n"
+        f"# {stem}\n\n{m['date']} on {m['cpu']} ({m['cpus']} CPUs), target "
+        f"{doc['runs'][0]['meta']['base_url']}\n\n"
         f"{TABLE_HEADER}\n" + "\n".join(rows) + "\n"
     )
     return json_path, md_path

@@ -211,7 +211,8 @@ def main() -> None:
         rows,
         ["config", "step", "ms", "limit ms", "% of limit", "tok/s"],
         f"One engine step vs its physical limit (SmolLM2-135M, fp32; read bandwidth "
-        f"{limits.bandwidth_gb_s:.1f} GB/s, fp32 peak {limits.peak_gflop_s:.0f} GFLOP/s, measured in this run)",
+        f"{limits.bandwidth_gb_s:.1f} GB/s, fp32 peak {limits.peak_gflop_s:.0f} GFLOP/s, measured in this "
+        "run)",
     )
 
 

@@ -1,4 +1,5 @@
-"""Multi-turn chat with SSE streaming through the ``openai`` client; prints the cached prompt tokens each turn.
+"""Multi-turn chat with SSE streaming through the ``openai`` client; prints the cached prompt tokens each
+turn.
 
     radixserve serve &
     python examples/chat_client.py --url http://127.0.0.1:8000

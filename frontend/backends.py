@@ -26,7 +26,8 @@ from typing import Any
 import httpx
 
 CHATML = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 _SENTINEL = "\x00RADIXSERVE-CONTENT\x00"
@@ -89,7 +90,8 @@ class Backend(ABC):
     def generate(
         self, prompt: str, sampling_params: dict[str, Any], on_text: Callable[[str], None] | None = None
     ) -> Completion:
-        """Generate from ``prompt`` (``sampling_params`` as in POST /generate); ``on_text`` gets each delta."""
+        """Generate from ``prompt`` (``sampling_params`` as in POST /generate); ``on_text`` gets each
+        delta."""
 
     @abstractmethod
     def prompt_logprobs(self, prompt: str) -> list[tuple[int, float | None]]:

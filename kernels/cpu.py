@@ -70,7 +70,8 @@ def plan_extend(
 def store_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Write new K/V ``[T, kv_heads, head_dim]`` into the slots ``slot_mapping[T]``; negative slots are skipped."""
+    """Write new K/V ``[T, kv_heads, head_dim]`` into the slots ``slot_mapping[T]``; negative slots are
+    skipped."""
     _ops.store_kv(k_cache, v_cache, k.to(k_cache.dtype), v.to(v_cache.dtype), slot_mapping)
 
 
@@ -120,7 +121,8 @@ def extend_attention(
     *,
     plan: Plan | None = None,
 ) -> torch.Tensor:
-    """Ragged new tokens ``q [T, q_heads, head_dim]``, causal over each sequence's cached prefix and new tokens."""
+    """Ragged new tokens ``q [T, q_heads, head_dim]``, causal over each sequence's cached prefix and new
+    tokens."""
     if not _supported(q, k_cache):
         ext_plan = None
         if plan is not None:

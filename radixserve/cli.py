@@ -1,4 +1,5 @@
-"""The ``radixserve`` command: serve, generate, prepare-model (benchmarks: ``python -m benchmarks.serve_bench``)."""
+"""The ``radixserve`` command: serve, generate, prepare-model (benchmarks: ``python -m
+benchmarks.serve_bench``)."""
 
 from __future__ import annotations
 

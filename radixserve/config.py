@@ -96,12 +96,14 @@ def context_within_pool(max_model_len: int, configured: bool, num_pages: int, pa
         return max_model_len
     if configured:
         raise ValueError(
-            f"max_model_len {max_model_len} (--max-model-len) needs {-(-max_model_len // page_size)} KV pages of "
+            f"max_model_len {max_model_len} (--max-model-len) needs {-(-max_model_len // page_size)} KV "
+            "pages of "
             f"{page_size} tokens, but the pool has {num_pages}: raise --kv-cache-gb or --num-pages, or lower "
             f"--max-model-len to at most {pool_tokens}"
         )
     logger.warning(
-        "the KV pool (%d pages of %d tokens) holds fewer tokens than the model's context of %d: max_model_len "
+        "the KV pool (%d pages of %d tokens) holds fewer tokens than the model's context of %d: "
+        "max_model_len "
         "lowered to %d (raise --kv-cache-gb or --num-pages to serve the whole context)",
         num_pages,
         page_size,

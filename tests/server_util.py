@@ -86,7 +86,8 @@ def serving(
 
 
 def tool_server(model: Path, **app_options: Any) -> AbstractContextManager[str]:
-    """``running_server`` for tool calling: Qwen2.5's template (Hermes tool calls), a pool for long prompts."""
+    """``running_server`` for tool calling: Qwen2.5's template (Hermes tool calls), a pool for long
+    prompts."""
     config = EngineConfig(str(model), page_size=4, num_pages=2048)
     return running_server(config, chat_template=HERMES_TEMPLATE, **app_options)
 

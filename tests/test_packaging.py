@@ -12,7 +12,10 @@ from pathlib import Path
 from radixserve.kernels import cpu_build
 
 ROOT = Path(__file__).resolve().parent.parent
-IMPORTS = "import radixserve.kernels.reference, radixserve.frontend, radixserve; print(radixserve.kernels.reference.__file__)"
+IMPORTS = (
+    "import radixserve.kernels.reference, radixserve.frontend, radixserve; "
+    "print(radixserve.kernels.reference.__file__)"
+)
 
 
 def test_under_pytest() -> None:

@@ -17,18 +17,22 @@ CHAT_TEMPLATE = (
 # Qwen2.5's tool-calling template, shortened (Hermes format); it also shows a message's name.
 HERMES_TEMPLATE = (
     "{% if tools %}<|im_start|>system\n"
-    "{% if messages[0].role == 'system' %}{{ messages[0].content }}{% else %}You are a helpful assistant.{% endif %}"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}{% else %}You are a helpful "
+    "assistant.{% endif %}"
     "{{ '\\n' }}\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
     "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\n"
     "For each function call, return a json object with function name and arguments within "
     "<tool_call></tool_call> XML tags:\n<tool_call>\n"
     '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
-    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
+    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
+    "{% endif %}"
     "{% for m in messages %}"
-    "{% if m.role == 'user' or (m.role == 'system' and not loop.first) or (m.role == 'assistant' and not m.tool_calls) %}"
+    "{% if m.role == 'user' or (m.role == 'system' and not loop.first) "
+    "or (m.role == 'assistant' and not m.tool_calls) %}"
     "<|im_start|>{{ m.role }}{% if m.name %} ({{ m.name }}){% endif %}{{ '\\n' }}{{ m.content }}<|im_end|>\n"
-    "{% elif m.role == 'assistant' %}<|im_start|>assistant{% if m.content %}{{ '\\n' }}{{ m.content }}{% endif %}"
+    "{% elif m.role == 'assistant' %}<|im_start|>assistant{% if m.content %}{{ '\\n' }}{{ m.content }}"
+    "{% endif %}"
     "{% for tc in m.tool_calls %}{{ '\\n' }}<tool_call>\n"
     '{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}\n</tool_call>'
     "{% endfor %}<|im_end|>\n"
@@ -44,7 +48,8 @@ HERMES_TEMPLATE = (
 # enable_thinking=false puts an empty think block in the prompt.
 THINK_TEMPLATE = (
     "{% set ns = namespace(last_user=0) %}"
-    "{% for m in messages %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}"
+    "{% endfor %}"
     "{% for m in messages %}"
     "{% if m.role == 'assistant' %}"
     "{% set content = m.content %}{% set reasoning = '' %}"

@@ -114,7 +114,8 @@ class EvictResult(NamedTuple):
 
 
 class RadixCache:
-    """Prefix cache over KV pages. ``on_free`` receives pages the tree lets go of (usually ``allocator.free``)."""
+    """Prefix cache over KV pages. ``on_free`` receives pages the tree lets go of (usually
+    ``allocator.free``)."""
 
     def __init__(
         self,
@@ -190,7 +191,8 @@ class RadixCache:
     def insert(
         self, tokens: Sequence[int], pages: Sequence[int], namespace: Hashable = None, priority: int = 0
     ) -> InsertResult:
-        """Cache ``tokens`` (truncated to whole pages) with their ``pages``, one page per whole page of tokens.
+        """Cache ``tokens`` (truncated to whole pages) with their ``pages``, one page per whole page of
+        tokens.
 
         The tree takes ownership only of the pages past ``num_existing``; the caller frees its pages in
         ``pages[:num_existing // page_size]`` that are not the tree's. ``priority`` follows requests:

@@ -38,7 +38,8 @@ class ModelConfig:
                 f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         num_heads = cfg["num_attention_heads"]
-        # transformers 5 keeps RoPE settings in `rope_parameters`; older configs use rope_theta + rope_scaling.
+        # transformers 5 keeps RoPE settings in `rope_parameters`; older configs use rope_theta +
+        # rope_scaling.
         rope = dict(cfg.get("rope_parameters") or {})
         scaling = rope if rope.get("rope_type", "default") != "default" else cfg.get("rope_scaling")
         if scaling is not None:

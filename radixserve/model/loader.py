@@ -24,7 +24,8 @@ def resolve_model_path(model: str | None) -> Path:
     if not (path / "config.json").is_file():
         raise ValueError(
             f"model path {model!r} is not a local HF model folder (no config.json there); "
-            "radixserve never downloads weights: pass a local folder, or omit model= to use the embedded default"
+            "radixserve never downloads weights: pass a local folder, or omit model= to use the embedded "
+            "default"
         )
     if not list(path.glob("*.safetensors")):
         raise ValueError(f"model folder {model!r} holds no *.safetensors weights")

@@ -180,7 +180,8 @@ class GrammarCompiler:
         self.cache_misses = 0
 
     def validate(self, params: SamplingParams) -> None:
-        """Raise InvalidRequestError naming the field and the problem if the request's constraint is invalid."""
+        """Raise InvalidRequestError naming the field and the problem if the request's constraint is
+        invalid."""
         key = constraint_of(params)
         if key is None:
             return
@@ -285,7 +286,8 @@ def batch_mask(
 
 
 def unpack_bits(packed: torch.Tensor) -> torch.Tensor:
-    """Bool [R, 32 * W] from int32 [R, W] llguidance masks, with torch ops (bit i of word w = token 32w + i)."""
+    """Bool [R, 32 * W] from int32 [R, W] llguidance masks, with torch ops (bit i of word w = token 32w +
+    i)."""
     return ((packed.unsqueeze(-1) >> _BITS.to(packed.device)) & 1).view(packed.shape[0], -1).bool()
 
 

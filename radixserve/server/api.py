@@ -82,7 +82,8 @@ class TokenText:
 
 
 class ApiContext:
-    """``tool_call_parser`` (tools.py) and ``reasoning_parser`` (reasoning.py; None: off) shape chat replies."""
+    """``tool_call_parser`` (tools.py) and ``reasoning_parser`` (reasoning.py; None: off) shape chat
+    replies."""
 
     def __init__(
         self,

@@ -8,7 +8,8 @@ Invariants:
   protocol types (the engine checks the rest and refuses with InvalidRequestError); every failure
   before the first byte of a response is an OpenAI-style error body (``ErrorResponse``) with the
   status code of its cause (400 bad input, 401 auth, 404 route or model, 405 method, 409 refused,
-  413 body too large, 429 queue full, 503 shutting down or engine process down, 500 bug: in the front-end, or an engine that raised).
+  413 body too large, 429 queue full, 503 shutting down or engine process down, 500 bug: in the front-end, or
+  an engine that raised).
 - Streaming responses wait for the request's first output before sending headers, so bad input and
   back-pressure are still answered with a status code; errors after that end the stream with an
   ``error`` event.
@@ -167,7 +168,8 @@ class _BearerAuth:
 def log_request(rec: RequestRecord) -> None:
     ttft = "-" if rec.ttft is None else f"{rec.ttft * 1000:.1f}"
     logger.info(
-        "request id=%s prompt_tokens=%d cached_tokens=%d ttft_ms=%s output_tokens=%d finish_reason=%s e2e_ms=%.1f",
+        "request id=%s prompt_tokens=%d cached_tokens=%d ttft_ms=%s output_tokens=%d finish_reason=%s "
+        "e2e_ms=%.1f",
         rec.request_id,
         rec.prompt_tokens,
         rec.cached_tokens,

@@ -112,7 +112,8 @@ class _Choices:
     def choice(
         self, i: int, o: CompletionOutput, res: RequestOutput, with_prompt: bool = True
     ) -> p.CompletionChoice:
-        """Sample ``o`` of prompt ``i`` (or a streamed piece of it); the echoed prompt first when ``with_prompt``."""
+        """Sample ``o`` of prompt ``i`` (or a streamed piece of it); the echoed prompt first when
+        ``with_prompt``."""
         req = self.req
         text, token_ids, lps = o.text, list(o.token_ids), list(o.logprobs or [])
         finish, stop_reason = o.finish_reason, o.stop_reason

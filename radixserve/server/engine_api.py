@@ -10,7 +10,8 @@ through these members and nothing else:
 - ``generate()`` (a ``RequestStream`` of deltas, whose ``result`` is the whole output so far),
   ``tokenize()``, ``flush_cache()``, ``stats()``, ``healthy``, ``on_finish`` (a ``RequestRecord``
   per finished request), ``start()`` and ``shutdown()``;
-- the errors below (EngineFailedError is raised only by a request's stream), and ``InvalidRequestError`` (radixserve/errors.py) for a refused request.
+- the errors below (EngineFailedError is raised only by a request's stream), and ``InvalidRequestError``
+  (radixserve/errors.py) for a refused request.
 
 ``check_integrity()`` and ``engine_pid`` exist for tests and operators; no route uses them.
 """

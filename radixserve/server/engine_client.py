@@ -140,7 +140,8 @@ class EngineClient:
         return True
 
     async def stop(self, timeout: float) -> int | None:
-        """Ask the process to finish and close, wait up to ``timeout`` s, then kill it. Returns its exit status."""
+        """Ask the process to finish and close, wait up to ``timeout`` s, then kill it. Returns its exit
+        status."""
         self._stopping = True
         code = None
         if self._proc is not None and self._exited is not None:

@@ -9,7 +9,8 @@ Invariants:
 - Only one thread of this process, the loop's, touches the engine: it builds it and steps it. Model
   code run from a second thread would start a second OpenMP team, and libgomp then throttles every
   team's spin-wait (more managed threads than CPUs): each of the step's ~1,000 parallel regions ends
-  in a futex sleep/wake, ~40% slower per step on 2 cores (see ``Engine.step``). The process owns the compute threads (``--threads``, default: every core it may run on; ``--cpus``
+  in a futex sleep/wake, ~40% slower per step on 2 cores (see model/runner.py). The process owns the compute
+  threads (``--threads``, default: every core it may run on; ``--cpus``
   pins it). The front-end runs no model code.
 - The loop blocks on the socket only while the engine has nothing unfinished. Between two steps it
   takes every message that has arrived, so aborts and new requests wait at most one step.

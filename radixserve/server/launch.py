@@ -26,7 +26,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a(
         "--served-model-name",
         default=None,
-        help="the model name clients send (default: the model folder's name; SmolLM2-135M-Instruct for the embedded one)",
+        help=(
+            "the model name clients send (default: the model folder's name; SmolLM2-135M-Instruct for the "
+            "embedded one)"
+        ),
     )
     engine = parser.add_argument_group("engine", "the EngineConfig knobs")
     add_arguments(engine, EngineConfig)
@@ -45,7 +48,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a(
         "--api-key",
         default=os.environ.get("RADIXSERVE_API_KEY"),
-        help="bearer key(s), comma-separated, required on every route but /health (default: $RADIXSERVE_API_KEY)",
+        help=(
+            "bearer key(s), comma-separated, required on every route but /health (default: "
+            "$RADIXSERVE_API_KEY)"
+        ),
     )
     a("--salt-per-key", action="store_true", help="give each API key its own prefix-cache namespace")
     a("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger request bodies get 413")
@@ -60,7 +66,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--tool-call-parser",
         default="auto",
         choices=TOOL_CALL_PARSERS,
-        help="how the model writes tool calls (default auto: from the chat template; hermes where it says nothing)",
+        help=(
+            "how the model writes tool calls (default auto: from the chat template; hermes where it says "
+            "nothing)"
+        ),
     )
     a(
         "--reasoning-parser",

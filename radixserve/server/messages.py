@@ -1,7 +1,8 @@
 """The messages between the server's front-end and its engine process: msgpack-encoded msgspec Structs.
 
 One PUSH/PULL socket each way. Front-end -> engine: ``AddRequest``, ``Abort``, ``Call``, ``Shutdown``.
-Engine -> front-end: ``Ready`` (once, first; or ``StartFailed`` instead), ``StepOutputs`` (after every step that did something),
+Engine -> front-end: ``Ready`` (once, first; or ``StartFailed`` instead), ``StepOutputs`` (after every step
+that did something),
 ``RequestError`` and ``CallResult``. A message is one frame; the tag (the class name) says its type.
 
 Invariants:

@@ -1,4 +1,5 @@
-"""Reasoning models: a reply's ``<think>…</think>`` part becomes ``reasoning_content``, apart from ``content``.
+"""Reasoning models: a reply's ``<think>…</think>`` part becomes ``reasoning_content``, apart from
+``content``.
 
 ``--reasoning-parser qwen3`` or ``deepseek_r1`` (vLLM's names; both write ``<think>…</think>``) turns it on.
 Whether a reply starts inside the reasoning is read from the rendered prompt, not guessed from the

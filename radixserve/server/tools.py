@@ -2,7 +2,8 @@
 make a model write one.
 
 A ``ToolCallFormat`` knows one family's way of writing calls:
-- ``hermes``: Hermes and Qwen, ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, one per call;
+- ``hermes``: Hermes and Qwen, ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``,
+  one per call;
 - ``llama3_json``: Llama 3.1-3.3, ``{"name": ..., "parameters": {...}}`` at the start of the reply
   (after ``<|python_tag|>`` where the model writes it), calls separated by ``;``;
 - ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (the marker is a special token).
@@ -176,8 +177,10 @@ class HermesFormat(ToolCallFormat):
         listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
         return (
             "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-            f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{listing}\n"
-            "</tools>\n\nFor each function call, return a json object with function name and arguments within "
+            "You are provided with function signatures within <tools></tools> XML "
+            f"tags:\n<tools>\n{listing}\n"
+            "</tools>\n\nFor each function call, return a json object with function name and arguments "
+            "within "
             "<tool_call></tool_call> XML tags:\n<tool_call>\n"
             '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
         )

@@ -134,7 +134,8 @@ def test_restart_serves_a_long_prefix_from_disk(long_llama: Path, tmp_path: Path
 WRITER = """
 import random, sys
 from radixserve import Engine, SamplingParams
-e = Engine(sys.argv[1], page_size=4, num_pages=128, disk_cache_gb=float(sys.argv[3]), disk_cache_dir=sys.argv[2])
+e = Engine(sys.argv[1], page_size=4, num_pages=128, disk_cache_gb=float(sys.argv[3]),
+           disk_cache_dir=sys.argv[2])
 i = 0
 while True:
     rng = random.Random(i)
@@ -173,7 +174,8 @@ def _write_doc_to_disk(model: Path, kv: Path, prompt: list[int]) -> None:
 
 
 def _page_file(model: Path, kv: Path, doc: list[int], page: int) -> Path:
-    """The disk file of page ``page`` of ``doc`` (keys from a throwaway engine's tree: same model, same chain)."""
+    """The disk file of page ``page`` of ``doc`` (keys from a throwaway engine's tree: same model, same
+    chain)."""
     tree = engine(model, 8, host_cache_gb=gb(1)).kv_cache.tree
     assert tree is not None
     keys = list(tree._chain(tree._last_key(tree._root(None)), doc, 0, len(doc)))

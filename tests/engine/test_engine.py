@@ -182,7 +182,8 @@ def _shared_engine(path: Path) -> Engine:
 def test_a_pool_too_small_for_the_context_lowers_it_or_is_refused(
     tiny_llama: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """One max_model_len request must fit in the KV pool: the model's length is lowered, a configured one refused."""
+    """One max_model_len request must fit in the KV pool: the model's length is lowered, a configured one
+    refused."""
     with caplog.at_level("WARNING", logger="radixserve.engine"):
         small = Engine(str(tiny_llama), page_size=4, num_pages=16)  # 64 tokens, the model's context is 512
     assert small.max_model_len == 64 and "max_model_len lowered to 64" in caplog.text

@@ -34,7 +34,8 @@ def _cu(q_lens: list[int]) -> torch.Tensor:
 
 
 def _share_prefix(table: torch.Tensor, rows: list[int], num_pages: int) -> None:
-    """Make ``rows`` of ``table`` start with the first ``num_pages`` pages of ``rows[0]`` (a radix-tree prefix)."""
+    """Make ``rows`` of ``table`` start with the first ``num_pages`` pages of ``rows[0]`` (a radix-tree
+    prefix)."""
     for r in rows[1:]:
         table[r, :num_pages] = table[rows[0], :num_pages]
 

@@ -45,7 +45,8 @@ def test_no_compiler_falls_back_to_the_reference_with_one_warning(tmp_path: Path
     assert out.stdout.split() == ["radixserve.kernels.reference", "radixserve.kernels.reference", "failed"]
     lines = [line for line in out.stderr.splitlines() if "radixserve" in line]
     assert lines == [
-        f"radixserve: no C++ compiler ({tmp_path / 'no-such-c++'}) found; CPU attention falls back to the torch "
+        f"radixserve: no C++ compiler ({tmp_path / 'no-such-c++'}) found; CPU attention falls back to the "
+        "torch "
         "reference kernels (slower)"
     ]
 
@@ -162,7 +163,10 @@ def test_a_build_killed_midway_leaves_nothing_that_blocks_the_next(tmp_path: Pat
 
 @needs_cxx
 def test_a_failed_build_is_reported_by_its_first_compiler_error(tmp_path: Path) -> None:
-    log = "Error building extension 'x': [1/2] c++ -c a.cpp\na.cpp:3:1: error: expected ';'\nninja: build stopped"
+    log = (
+        "Error building extension 'x': [1/2] c++ -c a.cpp\n"
+        "a.cpp:3:1: error: expected ';'\nninja: build stopped"
+    )
     assert cpu_build._first_error(log) == "a.cpp:3:1: error: expected ';'"
     src = tmp_path / "broken.cpp"
     src.write_text("int broken( {\n")

@@ -1,4 +1,5 @@
-"""End to end: the engine with the Triton backend forced on (the interpreter on CPU) matches the torch backend."""
+"""End to end: the engine with the Triton backend forced on (the interpreter on CPU) matches the torch
+backend."""
 
 from __future__ import annotations
 

@@ -97,7 +97,8 @@ def serve_cli(log_path: Path, *flags: str) -> Iterator[tuple[subprocess.Popen[by
 
 @pytest.mark.real_model
 def test_serve_with_no_arguments_serves_the_embedded_model_and_drains_on_sigterm(tmp_path: Path) -> None:
-    """`radixserve serve` alone: the embedded model under its own name on loopback; SIGTERM ends it cleanly."""
+    """`radixserve serve` alone: the embedded model under its own name on loopback; SIGTERM ends it
+    cleanly."""
     with serve_cli(tmp_path / "serve.log", "--kv-cache-gb", "0.1") as (proc, c):
         assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["SmolLM2-135M-Instruct"]
         body = {

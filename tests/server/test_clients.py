@@ -129,7 +129,10 @@ def write_tasks(folder: Path) -> None:
     for name, (rows, rest) in TASKS.items():
         data = folder / f"{name}.jsonl"
         data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-        head = f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+        head = (
+            f"task: {name}\ndataset_path: json\ndataset_kwargs:\n"
+            f"  data_files:\n    test: {data}\ntest_split: test\n"
+        )
         (folder / f"{name}.yaml").write_text(head + rest)
 
 

@@ -405,7 +405,8 @@ def test_metrics_parse_and_hold_the_documented_families(client: httpx.Client) ->
 
 
 def test_tier_metrics_are_exported(tiny_llama: Path) -> None:
-    """With a host tier, /metrics carries per-tier figures labelled device/host, and hits count after reuse."""
+    """With a host tier, /metrics carries per-tier figures labelled device/host, and hits count after
+    reuse."""
     config = EngineConfig(str(tiny_llama), page_size=4, num_pages=16, host_cache_gb=0.01)
     with running_server(config) as url, httpx.Client(base_url=url, timeout=60) as c:
         doc = list(range(3, 43))

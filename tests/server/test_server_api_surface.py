@@ -241,7 +241,8 @@ def test_tokenize_and_detokenize_in_vllms_shapes(client: httpx.Client, tok: Any)
 
 
 def test_a_template_without_tools_is_told_about_them(client: httpx.Client, tok: Any) -> None:
-    """ChatML knows no tools: they are described in a system message, calls and results written in Hermes's words."""
+    """ChatML knows no tools: they are described in a system message, calls and results written in Hermes's
+    words."""
     tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
     history = HELLO + [
         {

@@ -1,7 +1,9 @@
-"""A reasoning model behind --reasoning-parser qwen3: reasoning_content apart from content, whole and streamed;
+"""A reasoning model behind --reasoning-parser qwen3: reasoning_content apart from content, whole and
+streamed;
 chat_template_kwargs (enable_thinking=false) reach the template; and the second turn reuses the first's
 prompt from the prefix cache although the template drops the first reply's reasoning from the history.
-A tiny Qwen3 with Qwen3's template (shortened); ``choices`` makes its random weights write a reasoning reply."""
+A tiny Qwen3 with Qwen3's template (shortened); ``choices`` makes its random weights write a reasoning
+reply."""
 
 from __future__ import annotations
 
