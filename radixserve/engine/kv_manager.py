@@ -137,6 +137,16 @@ class KVCacheManager:
         self._private += need
         return True
 
+    def shrink(self, req: Request) -> None:
+        """Free the private pages past those ``req.token_ids`` needs: after a verification that
+        rejected drafts, their slots go back (a rejected draft's KV is never read again)."""
+        keep = max(-(-req.num_tokens // self.page_size), self._tree_pages.get(req, 0))
+        extra = req.page_table[keep:]
+        if extra:
+            del req.page_table[keep:]
+            self.allocator.free(extra)
+            self._private -= len(extra)
+
     def _make_room(self, need: int) -> bool:
         if not self.allocator.can_allocate(need) and self.tree is not None:
             evicted = self.tree.evict(need - self.allocator.num_free)

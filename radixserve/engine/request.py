@@ -11,6 +11,7 @@ import torch
 
 from radixserve.cache.radix import TreeNode
 from radixserve.cache.tier_controller import Load
+from radixserve.engine.drafter import DraftState
 from radixserve.outputs import TokenLogprob
 from radixserve.sampling.detokenizer import TextStream
 from radixserve.sampling.grammar import Matcher
@@ -55,6 +56,12 @@ class Request:
     # the request is first sampled, then ``matcher`` holds the result (``Engine._matcher``).
     grammar_compile: Future[Matcher] | None = None
     matcher: Matcher | None = None
+    # Speculative decoding (engine/drafter.py): the tokens drafted for this step, where they came from,
+    # and the request's adaptive state. Drafts are never part of ``token_ids``: they are verified in
+    # the step that computes them and only the accepted ones are appended.
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_source: str = "prompt"
+    draft_state: DraftState | None = None
     first_token_time: float | None = None
     finish_reason: str | None = None
 

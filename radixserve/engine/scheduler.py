@@ -63,7 +63,8 @@ class Scheduler:
         queue = list(self.running)
         while queue and budget > 0:
             req = queue.pop(0)
-            n = min(req.num_pending_tokens, budget)
+            n = min(req.num_pending_tokens + len(req.draft_token_ids), budget)
+            del req.draft_token_ids[max(0, n - req.num_pending_tokens) :]  # the drafts the budget allows
             while not self.kv_cache.grow(req, req.num_computed_tokens + n):
                 victim = queue.pop() if queue else req
                 self._preempt(victim)
@@ -138,6 +139,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        req.draft_token_ids = []
         self.kv_cache.release(req)
         req.num_preemptions += 1
         self.num_preemptions += 1

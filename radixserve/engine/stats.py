@@ -24,6 +24,16 @@ class EngineStats(msgspec.Struct, array_like=True):
     prompt_tokens: int = 0
     generation_tokens: int = 0
     tiers: dict[str, dict[str, float]] = msgspec.field(default_factory=dict)  # per tier (device/host/disk)
+    # Speculative decoding, by draft source ("tree", "prompt"): tokens drafted and accepted.
+    spec_drafted: dict[str, int] = msgspec.field(default_factory=dict)
+    spec_accepted: dict[str, int] = msgspec.field(default_factory=dict)
+    spec_verify_steps: int = 0  # request-steps that verified drafts
+    spec_emitted: int = 0  # tokens those steps produced: the accepted drafts plus one each
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens per verifying request-step (1 + accepted drafts; 1.0 means speculation gained nothing)."""
+        return self.spec_emitted / self.spec_verify_steps if self.spec_verify_steps else 0.0
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -79,12 +79,19 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """The logits after each chunk's last token, and every position's for the chunks in ``want_all``."""
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.pool, self.backend)
-        all_logits = {
-            i: self.model.compute_logits(hidden[start:end])
-            for i, (want, (start, end)) in enumerate(zip(want_all, inputs.spans))
-            if want
-        }
-        return self.model.compute_logits(hidden.index_select(0, inputs.last_rows)), all_logits
+        spans = [
+            (i, start, end) for i, (want, (start, end)) in enumerate(zip(want_all, inputs.spans)) if want
+        ]
+        if not spans:
+            return self.model.compute_logits(hidden.index_select(0, inputs.last_rows)), {}
+        # One product with the LM head for every row wanted (verifying drafts wants a few per request).
+        rows = torch.cat([torch.arange(s, e, device=hidden.device) for _, s, e in spans] + [inputs.last_rows])
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        all_logits, offset = {}, 0
+        for i, start, end in spans:
+            all_logits[i] = logits[offset : offset + end - start]
+            offset += end - start
+        return logits[offset:], all_logits
 
     def warmup(self) -> None:
         """Compile before serving: a two-token and a one-token step (the graphs every step uses)

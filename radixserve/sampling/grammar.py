@@ -16,6 +16,7 @@ Invariants:
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import json
 import threading
 from collections import OrderedDict
@@ -136,6 +137,22 @@ class Matcher:
         assert mask is not None
         return mask[0]
 
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` the grammar would accept in a row from here (nothing is consumed)."""
+        if self._ll.is_error() or self._ll.is_stopped():
+            return 0
+        return int(self._ll.validate_tokens(list(tokens)))
+
+    def fill_draft_bitmasks(self, draft: Sequence[int], rows: torch.Tensor) -> None:
+        """Row j of ``rows`` ([len(draft) + 1, words]): the mask after ``draft[:j]``, for verifying drafts
+        in one step. The drafts must be a ``valid_prefix``; the state is rolled back after."""
+        for j, token in enumerate(draft):
+            self.fill_bitmask(rows[j])
+            self._ll.consume_token(token)
+        self.fill_bitmask(rows[len(draft)])
+        if draft:
+            self._ll.rollback(len(draft))
+
     def accept(self, token_id: int) -> bool:
         """Advance past ``token_id``; False (and terminated from now on) if the grammar rejects it."""
         return self._ll.consume_token(token_id)
@@ -251,34 +268,48 @@ def _remember(cache: OrderedDict[Any, Any], key: Any, value: Any, size: int) -> 
 
 
 def batch_mask(
-    matchers: Sequence[Matcher | None], vocab_size: int, device: torch.device | str | None = None
+    matchers: Sequence[Matcher | None],
+    vocab_size: int,
+    device: torch.device | str | None = None,
+    drafts: Sequence[Sequence[int]] | None = None,
 ) -> torch.Tensor | None:
-    """Bool [B, vocab_size] of allowed tokens, rows without a matcher all True; None if no row is constrained.
+    """Bool [rows, vocab_size] of allowed tokens, rows without a matcher all True; None if no row is
+    constrained. Each matcher has one row, or ``len(drafts[i]) + 1`` rows with drafts (one per
+    position being verified, ``Matcher.fill_draft_bitmasks``).
 
     Only constrained rows cost anything: an unconstrained batch returns None before allocating. The
     packed masks are unpacked on ``device``: on a GPU with torch bit ops (the packed transfer is 32x
     smaller), on the CPU with numpy (torch's bit ops measured ~60x slower there, on 2 busy cores).
     """
-    rows = [(i, m) for i, m in enumerate(matchers) if m is not None]
-    if not rows:
+    if all(m is None for m in matchers):
         return None
+    counts = [1] * len(matchers) if drafts is None else [len(d) + 1 for d in drafts]
+    starts = [0, *itertools.accumulate(counts)]
+    index = [r for i, m in enumerate(matchers) if m is not None for r in range(starts[i], starts[i + 1])]
     device = torch.device(device or "cpu")
-    words = max(m.words for _, m in rows)
-    packed = torch.zeros((len(rows), words), dtype=torch.int32)
-    for j, (_, m) in enumerate(rows):
-        m.fill_bitmask(packed[j, : m.words])
+    words = max(m.words for m in matchers if m is not None)
+    packed = torch.zeros((len(index), words), dtype=torch.int32)
+    j = 0
+    for i, m in enumerate(matchers):
+        if m is None:
+            continue
+        if drafts is None:
+            m.fill_bitmask(packed[j, : m.words])
+        else:
+            m.fill_draft_bitmasks(drafts[i], packed[j : j + counts[i], : m.words])
+        j += counts[i]
     width = min(vocab_size, words * 32)
-    index = [i for i, _ in rows]
+    num_rows = starts[-1]
     if device.type == "cpu":  # numpy: single-threaded, so no torch thread-pool wake-ups on a busy host
         bits = np.unpackbits(packed.numpy().view(np.uint8), axis=1, bitorder="little").view(np.bool_)
-        if len(rows) == len(matchers) and width == vocab_size:
+        if len(index) == num_rows and width == vocab_size:
             return torch.from_numpy(bits[:, :vocab_size])
-        out = np.ones((len(matchers), vocab_size), dtype=np.bool_)
+        out = np.ones((num_rows, vocab_size), dtype=np.bool_)
         out[index, :width] = bits[:, :width]
         out[index, width:] = False
         return torch.from_numpy(out)
     gpu_bits = unpack_bits(packed.to(device))
-    mask = torch.ones(len(matchers), vocab_size, dtype=torch.bool, device=device)
+    mask = torch.ones(num_rows, vocab_size, dtype=torch.bool, device=device)
     rows_t = torch.tensor(index, device=device)
     mask[rows_t, :width] = gpu_bits[:, :width]
     mask[rows_t, width:] = False

@@ -50,6 +50,9 @@ class SamplingParams:
     json_schema: str | dict | None = knob(None, "the output is JSON that follows this schema")
     grammar: str | None = knob(None, "the output follows this Lark grammar")
     choices: list[str] | None = knob(None, "the output is one of these strings")
+    # False: no drafted tokens for this request when the server speculates (--speculative); seeded
+    # sampling never speculates, so that its output depends on its seed alone.
+    speculative: bool = knob(True, "let the server draft and verify tokens for this request")
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

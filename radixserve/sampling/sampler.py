@@ -172,10 +172,21 @@ class SamplerOutput(NamedTuple):
 
 
 class Sampler:
-    """Stateless: all per-request state (including RNG streams) lives in the SamplingBatch."""
+    """Stateless: all per-request state (including RNG streams) lives in the SamplingBatch.
+
+    ``__call__`` is ``process`` (bias, mask, penalties), ``choose`` (argmax or a draw) and ``logprobs``;
+    speculative verification (``sampling/rejection.py``) uses ``process`` and ``target_probs``.
+    """
 
     def __call__(self, logits: Tensor, batch: SamplingBatch, mask: Tensor | None = None) -> SamplerOutput:
         """``mask`` ([B, V] bool, True = allowed) is applied before anything else."""
+        processed = self.process(logits, batch, mask)
+        return self.logprobs(processed, self.choose(processed, batch), batch)
+
+    @staticmethod
+    def process(logits: Tensor, batch: SamplingBatch, mask: Tensor | None = None) -> Tensor:
+        """The logits as the request's rules shape them: bias, allowed-token mask, penalties (a new
+        float tensor: the caller's is never modified)."""
         logits = logits.float()
         if batch.bias is not None:  # out of place: the caller's tensor stays as it is
             logits = logits.index_put(batch.bias[:2], batch.bias[2], accumulate=True)
@@ -183,12 +194,30 @@ class Sampler:
             logits = logits.masked_fill(~mask, float("-inf"))
         if batch.needs_penalties:
             logits = _apply_penalties(logits, batch)
-        tokens = logits.argmax(dim=-1) if batch.all_greedy else _sample(logits, batch)
+        return logits
 
+    @staticmethod
+    def choose(processed: Tensor, batch: SamplingBatch) -> Tensor:
+        """One token per row of ``process``-ed logits: the argmax for greedy rows, else a draw."""
+        return processed.argmax(dim=-1) if batch.all_greedy else _sample(processed, batch)
+
+    @staticmethod
+    def target_probs(processed: Tensor, batch: SamplingBatch) -> Tensor:
+        """The distribution ``choose`` draws each row from: after temperature, top-k, top-p and min-p,
+        normalised; one-hot on the argmax for greedy rows."""
+        greedy = batch.temperatures == 0
+        probs = _filtered_probs(processed, batch)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+        one_hot = torch.zeros_like(probs).scatter_(1, processed.argmax(dim=-1, keepdim=True), 1.0)
+        return torch.where(greedy[:, None], one_hot, probs)
+
+    @staticmethod
+    def logprobs(processed: Tensor, tokens: Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """``tokens`` with the logprobs their rows asked for, from ``process``-ed logits."""
         requested = [k for k in batch.logprobs if k is not None]
         if not requested:
             return SamplerOutput(tokens, None, None, None)
-        logprobs = torch.log_softmax(logits, dim=-1)
+        logprobs = torch.log_softmax(processed, dim=-1)
         chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
         k = max(requested)
         if k == 0:
@@ -226,7 +255,9 @@ def _dummy_column(ids: Tensor, vocab: int) -> Tensor:
     return torch.where(ids == _PAD, vocab, ids)
 
 
-def _sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
+def _filtered_probs(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """Probabilities after temperature, top-k, top-p and min-p; filtered tokens are 0, and the rows are
+    not renormalised (the exponential race needs no normalisation). Greedy rows use temperature 1."""
     greedy = batch.temperatures == 0
     temperatures = torch.where(greedy, 1.0, batch.temperatures)
     scaled = logits / temperatures[:, None]
@@ -236,10 +267,22 @@ def _sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
     if batch.needs_min_p:
         threshold = batch.min_ps[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs
+
+
+def _sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    greedy = batch.temperatures == 0
+    probs = _filtered_probs(logits, batch)
     # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i / sum(p),
     # so the probabilities need no renormalisation after filtering.
-    sampled = (probs / _exponential_noise(probs, batch.generators)).argmax(dim=-1)
+    sampled = race(probs, batch.generators)
     return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+
+def race(probs: Tensor, generators: Sequence[torch.Generator | None]) -> Tensor:
+    """One draw per row of unnormalised ``probs`` (the exponential race), each row from its own generator
+    where it has one, else from the global RNG."""
+    return (probs / _exponential_noise(probs, generators)).argmax(dim=-1)
 
 
 def _top_k_top_p(logits: Tensor, top_ks: Tensor, top_ps: Tensor) -> Tensor:

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from radixserve.engine.stats import EngineStats
 from radixserve.server.async_engine import AsyncEngine
 from radixserve.server.engine_api import RequestRecord
 
@@ -70,6 +71,27 @@ class _EngineCollector(Collector):
         )
         yield CounterMetricFamily(PREFIX + "num_preemptions", "Requests preempted", value=s.num_preemptions)
         yield from _tier_metrics(s.tiers)
+        yield from _spec_metrics(s)
+
+
+def _spec_metrics(s: EngineStats) -> Iterator[Metric]:
+    """Speculative decoding: drafted and accepted tokens by draft source, and the mean accepted length."""
+    for name, doc, values in (
+        ("spec_draft_tokens", "Tokens drafted for speculative decoding", s.spec_drafted),
+        ("spec_accepted_tokens", "Drafted tokens the model accepted", s.spec_accepted),
+    ):
+        family = CounterMetricFamily(PREFIX + name, doc, labels=["source"])
+        for source, value in sorted(values.items()):
+            family.add_metric([source], value)
+        yield family
+    yield CounterMetricFamily(
+        PREFIX + "spec_verifications", "Request-steps that verified drafts", value=s.spec_verify_steps
+    )
+    yield GaugeMetricFamily(
+        PREFIX + "spec_mean_accepted_length",
+        "Tokens per verifying request-step: 1 + accepted drafts (0 before any)",
+        value=s.spec_mean_accepted_length,
+    )
 
 
 # Per-tier figures of EngineStats.tiers that only grow (counters); the rest are levels (gauges).

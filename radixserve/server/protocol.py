@@ -120,6 +120,7 @@ class SamplingFields(Struct, kw_only=True):
     logit_bias: LogitBias | None = None
     min_tokens: MinTokens = 0
     include_stop_str_in_output: bool = False
+    speculative: bool = True
 
 
 class PromptTokensDetails(Struct):
@@ -207,6 +208,7 @@ class GenerateSamplingParams(Struct, kw_only=True, forbid_unknown_fields=True):
     json_schema: str | dict[str, Any] | None = None
     grammar: str | None = None
     choices: list[str] | None = None
+    speculative: bool = True
 
     def engine_params(
         self, logprobs: int | None = None, prompt_logprobs: int | None = None

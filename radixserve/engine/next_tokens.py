@@ -1,0 +1,88 @@
+"""From a step's logits to each request's next tokens.
+
+A request without drafts gets one token from its one row of logits. A request with drafts
+(speculative decoding, ``engine/drafter.py``) has one row per drafted position plus one; each row is
+sampled under the rules its position would have seen in plain decoding (penalties and ``min_tokens``
+count the drafts before it, the grammar mask has consumed them), and the verification
+(``sampling/rejection.py``) returns the accepted drafts plus one token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+from torch import Tensor
+
+from radixserve.engine.request import Request
+from radixserve.outputs import TokenLogprob
+from radixserve.sampling.grammar import Matcher, batch_mask
+from radixserve.sampling.rejection import verify_greedy, verify_sampled
+from radixserve.sampling.sampler import Sampler, SamplingBatch, race
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class Picked:
+    """One request's new tokens (the accepted drafts, then one more) and, if asked for, their logprobs."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+def pick_tokens(
+    sampler: Sampler,
+    reqs: Sequence[Request],
+    matchers: Sequence[Matcher | None],
+    logits: Tensor,
+    eos_token_ids: Collection[int],
+) -> list[Picked]:
+    """``logits`` holds each request's rows in order: ``len(req.draft_token_ids) + 1`` of them."""
+    drafts = [r.draft_token_ids for r in reqs]
+    counts = [len(d) + 1 for d in drafts]
+    outputs = [r.output_token_ids + d[:j] for r, d in zip(reqs, drafts) for j in range(len(d) + 1)]
+    batch = SamplingBatch.build(
+        _repeat([r.params for r in reqs], counts),
+        _repeat([r.prompt_token_ids for r in reqs], counts),
+        outputs,
+        _repeat([r.generator for r in reqs], counts),
+        logits.device,
+        eos_token_ids,
+    )
+    mask = batch_mask(matchers, logits.shape[-1], logits.device, drafts if any(drafts) else None)
+    processed = sampler.process(logits, batch, mask)
+    if not any(drafts):  # plain decoding: one row each, sampled as one batch
+        out = sampler.logprobs(processed, sampler.choose(processed, batch), batch)
+        lps = out.token_logprobs([r.params.logprobs for r in reqs])
+        return [Picked([t], [lp]) for t, lp in zip(out.tokens.tolist(), lps)]
+
+    argmax = processed.argmax(dim=-1)
+    targets = argmax.tolist()
+    probs = None if batch.all_greedy else sampler.target_probs(processed, batch)
+    chosen = argmax.clone()
+    picked: list[list[int]] = []
+    start = 0
+    for r, d, c in zip(reqs, drafts, counts):
+        if r.params.greedy:
+            tokens = verify_greedy(d, targets[start : start + c])
+        else:
+            assert probs is not None
+            rows = probs[start : start + c]
+            tokens = verify_sampled(d, rows, r.generator) if d else [int(race(rows, [r.generator])[0])]
+        chosen[start : start + len(tokens)] = torch.tensor(tokens, device=chosen.device)
+        picked.append(tokens)
+        start += c
+    out = sampler.logprobs(processed, chosen, batch)
+    lps = out.token_logprobs(_repeat([r.params.logprobs for r in reqs], counts))
+    result, start = [], 0
+    for tokens, c in zip(picked, counts):
+        result.append(Picked(tokens, lps[start : start + len(tokens)]))
+        start += c
+    return result
+
+
+def _repeat(values: Sequence[T], counts: Sequence[int]) -> list[T]:
+    return [v for v, c in zip(values, counts) for _ in range(c)]
