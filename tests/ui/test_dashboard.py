@@ -137,11 +137,3 @@ def test_tree_route_needs_the_key_and_refuses_bad_input(url: str) -> None:
         shallow = client.get("/v1/cache/tree?depth=1", headers=auth(KEY_A)).json()
         [ns] = shallow["namespaces"]
         assert all(not c["children"] and c["hidden_children"] for c in ns["children"])
-
-
-def test_no_dashboard_turns_the_pages_off(tiny_llama: Path) -> None:
-    config = EngineConfig(str(tiny_llama), page_size=PAGE_SIZE, num_pages=64, enforce_eager=True)
-    with running_server(config, dashboard=False) as url, httpx.Client(base_url=url, timeout=30) as client:
-        for route in ["/", "/dashboard", "/ui/ui.css", "/v1/cache/tree", "/v1/server/timeseries"]:
-            assert client.get(route).status_code == 404, route
-        assert client.get("/health").status_code == 200
