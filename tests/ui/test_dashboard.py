@@ -35,7 +35,10 @@ def auth(key: str) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def url(tiny_llama: Path) -> Iterator[str]:
     """One server; key A runs a RAG workload (one document, several questions), key B its own document."""
-    config = EngineConfig(str(tiny_llama), page_size=PAGE_SIZE, num_pages=512, enforce_eager=True)
+    # A host tier under write-through: every cached node also has a copy in host RAM.
+    config = EngineConfig(
+        str(tiny_llama), page_size=PAGE_SIZE, num_pages=512, enforce_eager=True, host_cache_gb=0.01
+    )
     with running_server(config, api_key=[KEY_A, KEY_B], salt_per_key=True) as url:
         with httpx.Client(base_url=url, timeout=60) as client:
             for key, doc in [(KEY_A, DOC_A), (KEY_B, DOC_B)]:
@@ -80,7 +83,9 @@ def test_the_shared_document_is_one_node_with_several_hits(browser: Browser, url
     assert doc["tokens"] >= doc_tokens // PAGE_SIZE * PAGE_SIZE - PAGE_SIZE  # the document, in one node
     assert doc["hits"] >= len(QUESTIONS) - 1  # each later question matched through it
     assert doc["children"] >= 2  # the questions branch off below it
-    assert doc["tiers"] == "device"
+    assert doc["tiers"] == "device,host"  # written through to the host tier
+    tiers = page.eval_on_selector_all("[data-tier]", "rows => rows.map(r => r.dataset.tier)")
+    assert tiers == ["device", "host"]
     assert fits_width(page)
     tab_to(page, "depth")  # the controls are reachable by keyboard
     screenshot(page, "dashboard.png")

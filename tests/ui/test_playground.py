@@ -136,3 +136,17 @@ def test_regenerate_replaces_the_last_answer(page: Page) -> None:
         page.click("#regenerate")
     wait_finished(page, 1)
     assert page.locator("#messages li").count() == 2  # the question and one answer, not two
+
+
+def test_a_regex_constraint_shapes_the_answer_and_a_bad_one_is_reported(page: Page) -> None:
+    page.select_option("#constraint", "regex")
+    page.fill("#constraint-text", "(yes|no)")
+    page.fill("#max-tokens", "4")
+    send(page, "Is Paris in France? Answer yes or no.")
+    wait_finished(page, 1)
+    assert answers(page)[-1] in ("yes", "no")
+    page.select_option("#constraint", "json_schema")
+    page.fill("#constraint-text", '{"type": "object"')  # not JSON: the page says so and sends nothing
+    send(page, "Again?")
+    page.wait_for_function("document.getElementById('status').textContent.startsWith('Error')")
+    assert len(answers(page)) == 1

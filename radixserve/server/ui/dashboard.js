@@ -52,6 +52,10 @@ function chart(spec, samples) {
   values.forEach((series, i) => {
     let points = [];
     const flush = () => {
+      if (points.length === 1) { // a lone sample: a short dash, since a one-point line draws nothing
+        const [x, y] = points[0].split(",").map(Number);
+        points = [(x - 3).toFixed(1) + "," + y, (x + 3).toFixed(1) + "," + y];
+      }
       if (points.length) plot.append(svg("polyline", { points: points.join(" "), fill: "none", stroke: COLORS[i], "stroke-width": 2, "vector-effect": "non-scaling-stroke" }));
       points = [];
     };

@@ -112,6 +112,11 @@ async function generate() {
     badge.dataset.promptTokens = t.usage.prompt_tokens;
   }
   badge.dataset.done = t.stopped ? "stopped" : "finished";
+  if (!answer && !t.stopped && !t.usage) { // refused (the error is shown): nothing to keep
+    item.remove();
+    setBusy(false);
+    return;
+  }
   conversation.push({ role: "assistant", content: answer });
   setBusy(false);
   if (t.usage) showPrompt(messages, t.usage.prompt_tokens_details.cached_tokens).catch((e) => {
