@@ -14,15 +14,24 @@ from __future__ import annotations
 
 import time
 from collections.abc import Hashable, Sequence
+from typing import Protocol
 
 import msgspec
 
 from radixserve.cache.radix import RadixCache, TreeNode
-from radixserve.cache.tiers import KVStore
 
 MAX_CHILDREN = 16  # children shown per node; the rest are summed into hidden_children/hidden_tokens
 HEAD_TOKENS = 24  # tokens of a node's own key sent to show the start of its text
 MAX_DEPTH = 64  # the deepest ``depth`` a caller may ask for
+
+
+class Tier(Protocol):
+    """What the snapshot asks of a lower tier (a ``KVStore``): its name, and whether it holds a page."""
+
+    @property
+    def name(self) -> str: ...
+
+    def contains(self, key: bytes) -> bool: ...
 
 
 class CacheNode(msgspec.Struct, array_like=True):
@@ -62,7 +71,7 @@ def in_scope(namespace: Hashable, prefix: str | None) -> bool:
 
 def snapshot(
     tree: RadixCache | None,
-    stores: Sequence[KVStore],
+    stores: Sequence[Tier],
     namespace_prefix: str | None,
     depth: int,
     min_tokens: int,
@@ -103,7 +112,7 @@ def _sum_subtrees(root: TreeNode, totals: dict[int, tuple[int, int]]) -> None:
 def _view(
     node: TreeNode,
     totals: dict[int, tuple[int, int]],
-    stores: Sequence[KVStore],
+    stores: Sequence[Tier],
     now: float,
     depth: int,
     min_tokens: int,
@@ -133,7 +142,7 @@ def _view(
     )
 
 
-def _copies(node: TreeNode, stores: Sequence[KVStore]) -> list[str]:
+def _copies(node: TreeNode, stores: Sequence[Tier]) -> list[str]:
     """The lower tiers holding the node's first and last pages (a store may have dropped some since
     the node was backed up, so ``backed_up`` alone is not enough)."""
     if not node.backed_up or not node.hashes:
