@@ -91,6 +91,7 @@ def test_the_shared_document_is_one_node_with_several_hits(browser: Browser, url
     screenshot(page, "dashboard.png")
     page.set_viewport_size(PHONE)
     assert fits_width(page), "the dashboard scrolls sideways at phone width"
+    screenshot(page, "dashboard-phone.png")
     page.close()
 
 

@@ -99,6 +99,7 @@ def test_two_turns_stream_and_the_second_is_served_from_the_cache(page: Page) ->
     screenshot(page, "playground.png")
     page.set_viewport_size(PHONE)
     assert fits_width(page), "the playground scrolls sideways at phone width"
+    screenshot(page, "playground-phone.png")
 
 
 def test_stop_aborts_the_request_and_its_pages_return(page: Page, url: str) -> None:
