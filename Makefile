@@ -32,10 +32,11 @@ lint: install
 # package as installed; tests/test_packaging.py checks the built wheel's layout.
 typecheck: install
 	$(BIN)/mypy -p radixserve -p benchmarks
-	# Test folders have no __init__.py (pytest imports them by path); the kernels' conftest.py would
-	# clash with the top-level one, so that folder is checked on its own.
+	# Test folders have no __init__.py (pytest imports them by path); the conftest.py of kernels and ui
+	# would clash with the top-level one, so those folders are checked on their own.
 	MYPYPATH=tests $(BIN)/mypy tests/*.py tests/bench tests/cache tests/engine tests/frontend tests/model tests/sampling tests/server examples
 	MYPYPATH=tests $(BIN)/mypy tests/kernels
+	MYPYPATH=tests $(BIN)/mypy tests/ui
 
 unit: model
 	$(BIN)/python -m pytest -q -p no:cacheprovider

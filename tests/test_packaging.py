@@ -10,6 +10,7 @@ import zipfile
 from pathlib import Path
 
 from radixserve.kernels import cpu_build
+from radixserve.server.dashboard import ASSETS, PAGES
 
 ROOT = Path(__file__).resolve().parent.parent
 IMPORTS = (
@@ -49,6 +50,9 @@ def test_built_wheel_layout_and_imports(tmp_path: Path) -> None:
     sources = {f"radixserve/kernels/csrc/{name}" for name in (*cpu_build.SOURCES, *cpu_build.HEADERS)}
     assert "radixserve/kernels/cpu_build.py" in names and sources <= set(names)
     assert not [n for n in names if n.startswith(("kernels/", "frontend/"))]  # never top-level packages
+    # The browser pages ship as plain files beside the routes that serve them (server/dashboard.py).
+    ui = {f"radixserve/server/ui/{name}" for name in (*ASSETS, *PAGES.values())}
+    assert ui <= set(names), ui - set(names)
     target = tmp_path / "site"
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],

@@ -15,7 +15,8 @@ adapter id) has its own root, so two namespaces never share a page. Invariants, 
   ``on_free`` when they are evicted or reset.
 
 Only unlocked leaves are evicted, so whatever a locked node's path covers stays matchable.
-``last_access`` is a counter, not wall time, so eviction order is deterministic.
+``last_access`` is a counter, not wall time, so eviction order is deterministic; ``last_used`` is the
+wall time of the same events, only for people to read (the dashboard), never for a decision.
 
 With ``lower`` tiers (host RAM, disk; see ``cache/tiers.py``) every node also carries the chain key of
 each of its pages (``hashes[i]`` is ``page_key`` of the key before it), so ``hashes`` always has one
@@ -29,6 +30,7 @@ holds each. The tree records where pages live; it never copies one.
 from __future__ import annotations
 
 import heapq
+import time as _time
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import NamedTuple, Protocol
@@ -58,6 +60,7 @@ class TreeNode:
         "children",
         "lock_ref",
         "last_access",
+        "last_used",
         "hit_count",
         "priority",
         "namespace",
@@ -81,6 +84,7 @@ class TreeNode:
         self.children: dict[Hashable, TreeNode] = {}
         self.lock_ref = 1 if is_root else 0
         self.last_access = 0
+        self.last_used = 0.0  # time.monotonic() of the last match or insert, for people (the dashboard)
         self.hit_count = 0
         self.priority = 0
         self.namespace = namespace
@@ -161,9 +165,11 @@ class RadixCache:
         node, num_tokens, key = self._walk(tokens, namespace)
         runs: list[list[int]] = []
         time = self._tick()
+        now = _time.monotonic()
         path = node
         while not path.is_root:
             path.last_access = time
+            path.last_used = now
             path.hit_count += 1
             runs.append(path.pages)
             path = self._parent(path)
@@ -255,8 +261,10 @@ class RadixCache:
             leaf.priority = priority
             node = leaf
         path = node
+        now = _time.monotonic()
         while not path.is_root:
             path.last_access = time
+            path.last_used = now
             path.priority = min(path.priority, priority)
             path = self._parent(path)
         return InsertResult(num_existing, node)
@@ -333,6 +341,10 @@ class RadixCache:
         self._evictable = 0
         if pages and self.on_free is not None:
             self.on_free(pages)
+
+    def roots(self) -> dict[Hashable, TreeNode]:
+        """Each namespace's root, read-only: for views of the tree (cache/tree_view.py), never to edit it."""
+        return dict(self._roots)
 
     def all_pages(self) -> list[int]:
         return [p for node in self._nodes() for p in node.pages]
@@ -463,6 +475,7 @@ class RadixCache:
         upper = TreeNode(node.key[:n], node.pages[: n // self.page_size], parent, node.namespace)
         upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access
+        upper.last_used = node.last_used
         upper.hit_count = node.hit_count
         upper.priority = node.priority
         upper.backed_up = node.backed_up

@@ -17,6 +17,7 @@ import torch
 
 from radixserve.cache.page_pool import KVPool
 from radixserve.cache.tier_controller import make_tiers
+from radixserve.cache.tree_view import CacheTree, snapshot
 from radixserve.config import EngineConfig, context_within_pool
 from radixserve.engine.deltas import OutputAssembler, StepOutput, add_text
 from radixserve.engine.drafter import Drafter
@@ -249,6 +250,15 @@ class Engine:
 
     def flush_cache(self) -> bool:
         return self.kv_cache.flush()
+
+    def cache_tree(
+        self, namespace_prefix: str | None = None, depth: int = 8, min_tokens: int = 0
+    ) -> CacheTree:
+        """A read-only snapshot of the prefix cache (cache/tree_view.py): the namespaces whose salt is
+        ``namespace_prefix`` or starts with it and a "/" (None: all), ``depth`` levels deep."""
+        kv = self.kv_cache
+        stores = kv.tiers.stores if kv.tiers is not None else []
+        return snapshot(kv.tree, stores, namespace_prefix, depth, min_tokens)
 
     def close(self) -> None:
         """Finish queued writes to the disk tier and stop the copy threads (the engine is done)."""

@@ -15,7 +15,8 @@ Invariants:
   ``error`` event.
 - A client that disconnects stops its consumer, which aborts the request (see AsyncEngine.generate),
   for streaming and non-streaming requests alike.
-- With an API key set, every route but ``/health`` needs ``Authorization: Bearer <key>``; with
+- With an API key set, every route but ``/health`` and the static browser pages (server/dashboard.py)
+  needs ``Authorization: Bearer <key>``; with
   ``salt_per_key`` the key's hash prefixes the cache salt, so tenants never share prefix pages.
 - With ``allowed_origins``, CORS wraps everything (auth included), so browsers get their preflight
   answered and see error bodies.
@@ -51,6 +52,7 @@ from radixserve.server.async_engine import AsyncEngine
 from radixserve.server.chat import chat
 from radixserve.server.chat_render import render_chat
 from radixserve.server.completions import completions
+from radixserve.server.dashboard import PUBLIC_PATHS, Dashboard
 from radixserve.server.engine_api import EngineFailedError, EngineUnavailableError, RequestRecord
 from radixserve.server.generate import generate
 from radixserve.server.http_util import ApiError, error_response, json_response
@@ -146,12 +148,13 @@ class _SmallRoutes:
 class _BearerAuth:
     """Pure ASGI (streaming responses pass through untouched); records the key for per-key salts."""
 
-    def __init__(self, app: ASGIApp, keys: Sequence[str]) -> None:
+    def __init__(self, app: ASGIApp, keys: Sequence[str], public: frozenset[str] = frozenset()) -> None:
         self.app = app
         self.keys = [k.encode() for k in keys]
+        self.public = public | {"/health"}  # answered without a key: health, and the static pages
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
+        if scope["type"] == "http" and scope["path"] not in self.public:
             header = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = header.partition(b" ")
             token = token.strip()
@@ -190,12 +193,15 @@ def build_app(
     tool_call_parser: str = "auto",
     reasoning_parser: str | None = None,
     allowed_origins: Sequence[str] | None = None,
+    dashboard: bool = True,
 ) -> Starlette:
     """The ASGI app. Starting it (lifespan) starts the engine process and waits until it is ready;
-    stopping it drains the requests and stops the process."""
+    stopping it drains the requests and stops the process. ``dashboard``: serve the browser pages and
+    their JSON (server/dashboard.py)."""
     ctx = ApiContext(engine, model_name, salt_per_key, max_body_bytes, tool_call_parser, reasoning_parser)
     small = _SmallRoutes(ctx)
     metrics = ServerMetrics(engine)
+    ui = Dashboard(ctx, engine) if dashboard else None
 
     def route(
         handler: Callable[[ApiContext, Request], Awaitable[Response]],
@@ -204,6 +210,8 @@ def build_app(
 
     def on_finish(rec: RequestRecord) -> None:
         metrics.observe(rec)
+        if ui is not None:
+            ui.observe(rec)
         log_request(rec)
 
     engine.on_finish = on_finish
@@ -214,7 +222,8 @@ def build_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await engine.start()
-        yield
+        async with ui.sampler() if ui is not None else contextlib.nullcontext():
+            yield
         await engine.shutdown(drain_timeout)
 
     async def on_api_error(request: Request, exc: Exception) -> Response:
@@ -252,6 +261,7 @@ def build_app(
         Route("/metrics", metrics_route, methods=["GET"]),
         Route("/flush_cache", small.flush_cache, methods=["POST"]),
         Route("/openapi.json", small.openapi_json, methods=["GET"]),
+        *(ui.routes() if ui is not None else []),
     ]
     handlers: dict[Any, Callable[..., Any]] = {
         ApiError: on_api_error,
@@ -264,7 +274,7 @@ def build_app(
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     if keys:
-        app.add_middleware(_BearerAuth, keys=keys)
+        app.add_middleware(_BearerAuth, keys=keys, public=PUBLIC_PATHS if ui is not None else frozenset())
     if allowed_origins:  # added last: the outermost layer, so preflights and 401s get CORS headers too
         app.add_middleware(
             CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"]

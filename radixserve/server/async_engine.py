@@ -30,6 +30,7 @@ import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 
+from radixserve.cache.tree_view import CacheTree
 from radixserve.config import EngineConfig
 from radixserve.engine.deltas import OutputAssembler, StepOutput, add_text
 from radixserve.engine.prompt import Prompt, apply_chat_template, tokenize
@@ -59,6 +60,7 @@ from radixserve.server.messages import (
     RequestError,
     StepOutputs,
     ToEngine,
+    TreeQuery,
 )
 
 logger = logging.getLogger("radixserve.server")
@@ -110,7 +112,7 @@ class AsyncEngine:
         self._process_options = (engine_threads, engine_cpus, log_level)
         self._requests: dict[str, _Request] = {}
         self._unscheduled: set[str] = set()  # submitted, not yet reported scheduled: the waiting requests
-        self._calls: dict[int, asyncio.Future[bool | None]] = {}
+        self._calls: dict[int, asyncio.Future[bool | CacheTree | None]] = {}
         self._call_ids = itertools.count()
         self._client: EngineClient | None = None  # None while there is no ready engine process
         self._ready: Ready | None = None
@@ -266,6 +268,12 @@ class AsyncEngine:
         """A debug call: the engine checks its page accounting page by page; RuntimeError if it is off."""
         await self._call("check_integrity")
 
+    async def cache_tree(self, namespace_prefix: str | None, depth: int, min_tokens: int) -> CacheTree:
+        """A snapshot of the prefix cache, taken in the engine process (Engine.cache_tree)."""
+        tree = await self._call(lambda call_id: TreeQuery(call_id, namespace_prefix, depth, min_tokens))
+        assert isinstance(tree, CacheTree)
+        return tree
+
     # -- the engine process -----------------------------------------------------------------------
     async def _launch(self) -> None:
         threads, cpus, log_level = self._process_options
@@ -324,11 +332,14 @@ class AsyncEngine:
     def _send(self, msg: ToEngine) -> bool:
         return self._client is not None and self._client.send(msg)
 
-    async def _call(self, method: str) -> bool | None:
+    async def _call(self, method: str | Callable[[int], TreeQuery]) -> bool | CacheTree | None:
+        """Run one of the engine's calls between two steps: a ``Call`` by method name, or the message
+        ``method(call_id)`` makes."""
         call_id = next(self._call_ids)
-        future: asyncio.Future[bool | None] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[bool | CacheTree | None] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
-        if not self._send(Call(call_id, method)):
+        msg = Call(call_id, method) if isinstance(method, str) else method(call_id)
+        if not self._send(msg):
             del self._calls[call_id]
             raise EngineUnavailableError("the engine process is not available")
         return await future

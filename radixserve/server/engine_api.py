@@ -1,15 +1,16 @@
 """What the HTTP routes know of the engine: the types of AsyncEngine's interface (docs/architecture.md).
 
-The routes (app.py, api.py, chat.py, completions.py, generate.py, metrics.py) use an ``AsyncEngine``
-through these members and nothing else:
+The routes (app.py, api.py, chat.py, completions.py, generate.py, metrics.py, dashboard.py) use an
+``AsyncEngine`` through these members and nothing else:
 
 - ``model`` (``ModelInfo``): the served model's folder and the front-end's tokenizer, known from
   construction on (the routes render chat templates, count and decode tokens with it);
 - ``limits()`` (``Limits``): what the engine process reported when it became ready (its ``Ready``
   message): the context length, the vocabulary, the pool; EngineUnavailableError before that;
 - ``generate()`` (a ``RequestStream`` of deltas, whose ``result`` is the whole output so far),
-  ``tokenize()``, ``flush_cache()``, ``stats()``, ``healthy``, ``on_finish`` (a ``RequestRecord``
-  per finished request), ``start()`` and ``shutdown()``;
+  ``tokenize()``, ``flush_cache()``, ``cache_tree()`` (a snapshot of the prefix cache, for the
+  dashboard), ``stats()``, ``healthy``, ``on_finish`` (a ``RequestRecord`` per finished request),
+  ``start()`` and ``shutdown()``;
 - the errors below (EngineFailedError is raised only by a request's stream), and ``InvalidRequestError``
   (radixserve/errors.py) for a refused request.
 

@@ -54,6 +54,7 @@ from radixserve.server.messages import (
     StartFailed,
     StepOutputs,
     ToEngine,
+    TreeQuery,
 )
 
 if TYPE_CHECKING:
@@ -136,14 +137,22 @@ class EngineLoop:
         elif isinstance(msg, Abort):
             self.engine.abort(msg.request_id, msg.index)
         elif isinstance(msg, Call):
-            value, error = None, None
-            try:
-                value = self._calls[msg.method]()
-            except Exception as exc:  # reported to the caller; the engine itself is fine
-                error = f"{type(exc).__name__}: {exc}"
-            self._send(CallResult(msg.call_id, value, error, self.engine.stats()))
+            self._answer(msg.call_id, self._calls[msg.method])
+        elif isinstance(msg, TreeQuery):
+            self._answer(
+                msg.call_id,
+                lambda: self.engine.cache_tree(msg.namespace_prefix, msg.depth, msg.min_tokens),
+            )
         elif isinstance(msg, Shutdown):
             self.stop.set()
+
+    def _answer(self, call_id: int, call: Callable[[], Any]) -> None:
+        value, error = None, None
+        try:
+            value = call()
+        except Exception as exc:  # reported to the caller; the engine itself is fine
+            error = f"{type(exc).__name__}: {exc}"
+        self._send(CallResult(call_id, value, error, self.engine.stats()))
 
     def _add(self, msg: AddRequest) -> None:
         rid = msg.request_id

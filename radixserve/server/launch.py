@@ -78,6 +78,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="split <think>...</think> off the reply as reasoning_content (default: off)",
     )
     a(
+        "--no-dashboard",
+        dest="dashboard",
+        action="store_false",
+        help="turn off the browser pages (/ and /dashboard) and /v1/cache/tree, /v1/server/timeseries",
+    )
+    a(
         "--allowed-origins",
         default=None,
         help="turn on CORS for these browser origins, comma-separated, or * (default: off)",
@@ -125,4 +131,5 @@ def run_from_args(args: argparse.Namespace) -> None:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         allowed_origins=origins,
+        dashboard=args.dashboard,
     )

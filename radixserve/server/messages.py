@@ -1,6 +1,7 @@
 """The messages between the server's front-end and its engine process: msgpack-encoded msgspec Structs.
 
-One PUSH/PULL socket each way. Front-end -> engine: ``AddRequest``, ``Abort``, ``Call``, ``Shutdown``.
+One PUSH/PULL socket each way. Front-end -> engine: ``AddRequest``, ``Abort``, ``Call``, ``TreeQuery``,
+``Shutdown``.
 Engine -> front-end: ``Ready`` (once, first; or ``StartFailed`` instead), ``StepOutputs`` (after every step
 that did something),
 ``RequestError`` and ``CallResult``. A message is one frame; the tag (the class name) says its type.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import msgspec
 
+from radixserve.cache.tree_view import CacheTree
 from radixserve.engine.deltas import StepOutput
 from radixserve.engine.stats import EngineStats
 from radixserve.sampling.params import SamplingParams
@@ -50,11 +52,22 @@ class Call(_Message):
     method: str  # "flush_cache" | "check_integrity"
 
 
+class TreeQuery(_Message):
+    """A snapshot of the prefix cache (Engine.cache_tree), answered by a CallResult holding a CacheTree.
+    ``namespace_prefix`` limits it to one tenant's namespaces, in the engine process, so another tenant's
+    tokens never cross (None: all)."""
+
+    call_id: int
+    namespace_prefix: str | None
+    depth: int
+    min_tokens: int
+
+
 class Shutdown(_Message):
     """Finish what is queued (the front-end has aborted what it gave up on), close the engine, exit."""
 
 
-ToEngine = AddRequest | Abort | Call | Shutdown
+ToEngine = AddRequest | Abort | Call | TreeQuery | Shutdown
 
 
 # -- engine -> front-end ---------------------------------------------------------------------------
@@ -101,7 +114,7 @@ class RequestError(_Message):
 
 class CallResult(_Message):
     call_id: int
-    value: bool | None
+    value: bool | CacheTree | None
     error: str | None
     stats: EngineStats  # taken after the call, so a caller sees its effect in stats() at once
 

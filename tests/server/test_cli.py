@@ -63,6 +63,7 @@ def test_serve_help_lists_the_flags() -> None:
         "--tool-call-parser",
         "--reasoning-parser",
         "--allowed-origins",
+        "--no-dashboard",
     ):
         assert flag in out.stdout
 
@@ -107,6 +108,8 @@ def test_serve_with_no_arguments_serves_the_embedded_model_and_drains_on_sigterm
             "max_tokens": 4,
         }
         assert c.post("/v1/chat/completions", json=body).status_code == 200
+        page = c.get("/")  # the playground is on by default
+        assert page.status_code == 200 and "/ui/playground.js" in page.text
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
     err = (tmp_path / "serve.log").read_text()
@@ -117,7 +120,8 @@ def test_serve_with_no_arguments_serves_the_embedded_model_and_drains_on_sigterm
 
 def test_serve_flags_for_the_chat_template_reasoning_tools_and_cors(tmp_path: Path) -> None:
     """--chat-template FILE replaces the model's template, --reasoning-parser splits the reply,
-    --tool-call-parser auto parses calls (Hermes: the template knows no tools), --allowed-origins is CORS."""
+    --tool-call-parser auto parses calls (Hermes: the template knows no tools), --allowed-origins is CORS,
+    --no-dashboard turns the browser pages off."""
     model = make_tiny_model(tmp_path, "qwen3", context=2048)  # ChatML: no tools, no thinking
     template = tmp_path / "qwen3.jinja"
     template.write_text(THINK_TEMPLATE)
@@ -139,11 +143,14 @@ def test_serve_flags_for_the_chat_template_reasoning_tools_and_cors(tmp_path: Pa
         "auto",
         "--allowed-origins",
         origin,
+        "--no-dashboard",
     )
     ask = [{"role": "user", "content": "Hi"}]
     tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
     call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
     with serve_cli(tmp_path / "serve.log", *flags) as (_, c):
+        for route in ["/", "/dashboard", "/ui/ui.css", "/v1/cache/tree", "/v1/server/timeseries"]:
+            assert c.get(route).status_code == 404, route  # --no-dashboard
         assert (
             c.get("/v1/models", headers={"Origin": origin}).headers["access-control-allow-origin"] == origin
         )

@@ -29,13 +29,14 @@ INTERFACE = {
     "generate",
     "tokenize",
     "flush_cache",
+    "cache_tree",
     "stats",
     "healthy",
     "on_finish",
     "start",
     "shutdown",
 }
-ROUTE_MODULES = ("app.py", "api.py", "chat.py", "completions.py", "generate.py", "metrics.py")
+ROUTE_MODULES = ("app.py", "api.py", "chat.py", "completions.py", "generate.py", "metrics.py", "dashboard.py")
 REWORDED = "a message worded in a way no parser has seen"
 
 
