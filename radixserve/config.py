@@ -51,6 +51,9 @@ class EngineConfig:
     aging_s: float = knob(30.0, "seconds of waiting worth one priority level", gt=0)
     # May change outputs: the forced tokens are appended without the model seeing each one first.
     jump_forward: bool = knob(False, "append grammar-forced tokens without a decode step each")
+    # For a cache-aware router (docs/scaling.md): the engine process sends the radix tree's page
+    # inserts and removals (cache/events.py) with its step outputs.
+    kv_events: bool = knob(False, "publish the prefix cache's page inserts and evictions (KV events)")
     debug_checks: bool = knob(False, "check every cache invariant whenever the engine goes idle (slow)")
     # False: outputs carry token ids only (text None) and stop strings are left to the caller, who
     # detokenizes; the server's engine process runs so, its front-end makes the text.

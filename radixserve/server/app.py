@@ -35,6 +35,7 @@ from typing import Any
 
 import msgspec
 import uvicorn
+from prometheus_client.registry import Collector
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
@@ -47,11 +48,15 @@ from radixserve.errors import InvalidRequestError
 from radixserve.server import protocol as p
 from radixserve.server import protocol_chat as c
 from radixserve.server.api import ApiContext
-from radixserve.server.async_engine import AsyncEngine
 from radixserve.server.chat import chat
 from radixserve.server.chat_render import render_chat
 from radixserve.server.completions import completions
-from radixserve.server.engine_api import EngineFailedError, EngineUnavailableError, RequestRecord
+from radixserve.server.engine_api import (
+    EngineFailedError,
+    EngineUnavailableError,
+    RequestRecord,
+    ServedEngine,
+)
 from radixserve.server.generate import generate
 from radixserve.server.http_util import ApiError, error_response, json_response
 from radixserve.server.metrics import ServerMetrics
@@ -181,7 +186,7 @@ def log_request(rec: RequestRecord) -> None:
 
 
 def build_app(
-    engine: AsyncEngine,
+    engine: ServedEngine,
     model_name: str,
     api_key: str | Sequence[str] | None = None,
     salt_per_key: bool = False,
@@ -190,12 +195,16 @@ def build_app(
     tool_call_parser: str = "auto",
     reasoning_parser: str | None = None,
     allowed_origins: Sequence[str] | None = None,
+    collectors: Sequence[Collector] = (),
 ) -> Starlette:
     """The ASGI app. Starting it (lifespan) starts the engine process and waits until it is ready;
-    stopping it drains the requests and stops the process."""
+    stopping it drains the requests and stops the process. ``collectors`` add metrics to /metrics
+    (the scale-out router's)."""
     ctx = ApiContext(engine, model_name, salt_per_key, max_body_bytes, tool_call_parser, reasoning_parser)
     small = _SmallRoutes(ctx)
     metrics = ServerMetrics(engine)
+    for collector in collectors:
+        metrics.registry.register(collector)
 
     def route(
         handler: Callable[[ApiContext, Request], Awaitable[Response]],
@@ -274,7 +283,7 @@ def build_app(
 
 # -- running it -----------------------------------------------------------------------------------------
 def serve(
-    engine: AsyncEngine,
+    engine: ServedEngine,
     host: str = "127.0.0.1",
     port: int = 8000,
     model_name: str | None = None,
