@@ -1,8 +1,8 @@
 """The Ray Serve application: an ingress (our OpenAI-compatible app) over N engine replicas.
 
-``build_application`` makes it; ``serve_replicas`` (``radixserve serve --replicas N``) starts a local
-Ray instance and runs it; ``deploy`` (``radixserve ray-deploy --address ...``) runs it on an existing
-cluster. docs/scaling.md has a KubeRay RayService that imports ``radixserve.scale.app:app_builder``.
+``build_application`` makes it, ``app_builder`` makes it from a Serve config's args (docs/scaling.md
+has a KubeRay RayService that imports ``radixserve.scale.app:app_builder``), and ``run`` runs it on
+the connected Ray cluster (scale/launch.py: ``radixserve serve --replicas N`` and ``ray-deploy``).
 """
 
 from __future__ import annotations
@@ -131,3 +131,15 @@ def run(options: ScaleOptions, host: str, port: int, blocking: bool = True) -> N
 
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_application(options), name=APP_NAME, route_prefix="/", blocking=blocking)
+
+
+def app_builder(args: dict[str, Any]) -> Any:
+    """The application from a Serve config's ``args`` (KubeRay's RayService, ``serve run``):
+    ``ScaleOptions`` fields, with ``config`` holding ``EngineConfig`` fields (docs/scaling.md)."""
+    args = dict(args)
+    config = EngineConfig(**args.pop("config", {}))
+    known = set(ScaleOptions.__dataclass_fields__) - {"config"}
+    unknown = set(args) - known
+    if unknown:
+        raise ValueError(f"unknown radixserve args {sorted(unknown)}; known: {sorted(known)}")
+    return build_application(ScaleOptions(config, **args))

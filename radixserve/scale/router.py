@@ -45,7 +45,23 @@ def targeted(candidates: list[RunningReplica], key: RouteKey | None) -> list[lis
     return [named, [r for r in candidates if r not in named]] if named else [candidates]
 
 
-class CacheAwareRouter(RequestRouter):
+class _Targeted:
+    """Mixin before a RequestRouter: targeted calls go to their replica; the rest to ``rank``."""
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        key = route_key(pending_request)
+        fixed = targeted(candidate_replicas, key)
+        return fixed if fixed is not None else await self.rank(candidate_replicas, pending_request, key)
+
+    async def rank(
+        self, candidates: list[RunningReplica], pending: PendingRequest | None, key: RouteKey | None
+    ) -> list[list[RunningReplica]]:
+        raise NotImplementedError
+
+
+class CacheAwareRouter(_Targeted, RequestRouter):
     """Routes on what each replica's radix tree really holds; see scale/policy.py for the order."""
 
     def initialize_state(self, index_name: str = "radixserve-cache-index", **settings: Any) -> None:
@@ -56,14 +72,10 @@ class CacheAwareRouter(RequestRouter):
         self._sessions: OrderedDict[str, str] = OrderedDict()
         self._turn = itertools.count()
 
-    async def choose_replicas(
-        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    async def rank(
+        self, candidates: list[RunningReplica], pending: PendingRequest | None, key: RouteKey | None
     ) -> list[list[RunningReplica]]:
-        key = route_key(pending_request)
-        fixed = targeted(candidate_replicas, key)
-        if fixed is not None:
-            return fixed
-        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        by_id = {r.replica_id.unique_id: r for r in candidates}
         scores: dict[str, int] = {}
         if key is not None and key.token_ids:
             scores = await self._index.score.remote(key.token_ids, key.cache_salt)
@@ -115,34 +127,29 @@ class CacheAwareRouter(RequestRouter):
             self._sessions.popitem(last=False)
 
 
-class RoundRobinRouter(RequestRouter):
+class RoundRobinRouter(_Targeted, RequestRouter):
     """Each replica in turn, whatever it caches: the baseline of tests and benchmarks."""
 
     def initialize_state(self, **kwargs: Any) -> None:
         self._turn = itertools.count()
 
-    async def choose_replicas(
-        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    async def rank(
+        self, candidates: list[RunningReplica], pending: PendingRequest | None, key: RouteKey | None
     ) -> list[list[RunningReplica]]:
-        fixed = targeted(candidate_replicas, route_key(pending_request))
-        if fixed is not None:
-            return fixed
-        ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
+        ordered = sorted(candidates, key=lambda r: r.replica_id.unique_id)
         first = next(self._turn) % len(ordered)
         router_metrics().decided("load", 0, 0)
         return [[r] for r in ordered[first:] + ordered[:first]]
 
 
-class PowerOfTwoRouter(PowerOfTwoChoicesRequestRouter):  # type: ignore[misc]
+class PowerOfTwoRouter(_Targeted, PowerOfTwoChoicesRequestRouter):  # type: ignore[misc]
     """Ray Serve's default router (two random replicas, the shorter queue), targeted calls aside."""
 
-    async def choose_replicas(
-        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    async def rank(
+        self, candidates: list[RunningReplica], pending: PendingRequest | None, key: RouteKey | None
     ) -> list[list[RunningReplica]]:
-        fixed = targeted(candidate_replicas, route_key(pending_request))
-        if fixed is not None:
-            return fixed
-        return await super().choose_replicas(candidate_replicas, pending_request)  # type: ignore[no-any-return]
+        ray_default = PowerOfTwoChoicesRequestRouter.choose_replicas
+        return await ray_default(self, candidates, pending)  # type: ignore[no-any-return]
 
 
 ROUTERS = {"cache_aware": CacheAwareRouter, "round_robin": RoundRobinRouter, "power_of_two": PowerOfTwoRouter}

@@ -123,6 +123,16 @@ def test_greedy_outputs_equal_a_single_server_and_salts_never_share(
         before = scrape(c)["radixserve:router_decisions_total{reason=cache}"]
         assert cached(complete(c, prompt, cache_salt="tenant-b")) == 0
         assert scrape(c)["radixserve:router_decisions_total{reason=cache}"] == before
+        # Bad input gets the same OpenAI-style error body as from a single server.
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": "x" * 5000, "max_tokens": 4})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
+def test_the_serve_config_builder_refuses_unknown_args() -> None:
+    from radixserve.scale.app import app_builder
+
+    with pytest.raises(ValueError, match="unknown radixserve args"):
+        app_builder({"replicas": 2, "routr": "cache_aware"})
 
 
 def stream(client: httpx.Client, prompt: str) -> str:
