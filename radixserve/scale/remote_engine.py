@@ -114,17 +114,16 @@ class ReplicaSetEngine:
         return total
 
     async def flush_cache(self) -> bool:
-        """Flush every replica's cache; False if any refused (requests hold cached pages) or could not
-        be reached."""
+        """Flush every replica's cache; False if any refused (requests hold cached pages) or a call kept
+        landing elsewhere; EngineUnavailableError (503) if replicas did not answer in time."""
         pending = set((await self._index.replicas.remote()).keys())
         flushed = True
         for _ in range(MAX_ATTEMPTS):  # a targeted call may land elsewhere while a replica is new
-            answers = await asyncio.wait_for(
-                asyncio.gather(
-                    *(self._handle.flush_cache.remote(RouteKey([], None, target=r)) for r in pending)
-                ),
-                CALL_TIMEOUT_S,
-            )
+            calls = (self._handle.flush_cache.remote(RouteKey([], None, target=r)) for r in pending)
+            try:
+                answers = await asyncio.wait_for(asyncio.gather(*calls), CALL_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                raise EngineUnavailableError(f"replicas {sorted(pending)} did not answer the flush") from None
             for rid, ok in answers:
                 flushed = flushed and ok
                 pending.discard(rid)
