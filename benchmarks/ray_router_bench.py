@@ -7,7 +7,8 @@ Per router: one fresh deployment (a local Ray instance, replicas of 1 CPU) runs 
 whose prompts share nothing but the chat template's first tokens; every request is streamed through
 Serve's HTTP proxy (/v1/chat/completions). A run during which the machine stalled (PauseWatch) is
 measured again after a /flush_cache. Reported: output throughput, TTFT p50/p95 and the prefix-hit
-rate (cached prompt tokens / prompt tokens, from each response's usage). Results: benchmarks/results/ray_router.{json,md,png}.
+rate (cached prompt tokens / prompt tokens, from each response's usage).
+Results: benchmarks/results/ray_router.{json,md} and ray_router-*.png.
 """
 
 from __future__ import annotations
