@@ -183,6 +183,7 @@ def main() -> None:
                 r["ttft_p50_s"],
                 r["ttft_p95_s"],
                 r["prefix_hit_rate"],
+                r["stalled_s"],
             ]
         )
     header = [
@@ -193,6 +194,7 @@ def main() -> None:
         "TTFT p50 (s)",
         "TTFT p95 (s)",
         "prefix-hit rate",
+        "machine stalled (s)",
     ]
     payload = {
         "model": model,
