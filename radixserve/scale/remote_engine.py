@@ -159,6 +159,8 @@ class ReplicaSetEngine:
             try:
                 async for item in gen:
                     if isinstance(item, ReplicaError):
+                        if item.kind == "unavailable" and not started and attempt < MAX_ATTEMPTS - 1:
+                            break  # its engine process is restarting: another replica may serve it
                         raise item.exception()
                     if isinstance(item, Finished):
                         stream.final = item.result
@@ -167,7 +169,9 @@ class ReplicaSetEngine:
                         return
                     started = True
                     yield item
-                raise EngineUnavailableError("the replica's stream ended without a result")
+                else:
+                    raise EngineUnavailableError("the replica's stream ended without a result")
+                router_metrics().retries += 1
             except RayError as exc:
                 if started or attempt == MAX_ATTEMPTS - 1:
                     raise EngineUnavailableError(

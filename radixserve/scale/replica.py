@@ -134,16 +134,18 @@ class EngineReplica:
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[StreamItem]:
         """Stream one request: its deltas, then ``Finished``; or a ``ReplicaError`` and nothing more."""
+        stream = self.engine.generate(
+            call.prompt, call.params, call.request_id, call.route.cache_salt, call.priority
+        )
         try:
-            stream = self.engine.generate(
-                call.prompt, call.params, call.request_id, call.route.cache_salt, call.priority
-            )
             async for delta in stream:
                 yield delta
             result = stream.result
         except Exception as exc:
             yield ReplicaError.of(exc)
             return
+        finally:
+            await stream.aclose()  # a cancelled call (client gone) aborts the request in the engine
         await self._publish()
         yield Finished(result, self._records.pop(call.request_id, None), self.replica_id)
 
