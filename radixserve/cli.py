@@ -1,5 +1,5 @@
-"""The ``radixserve`` command: serve, generate, prepare-model (benchmarks: ``python -m
-benchmarks.serve_bench``)."""
+"""The ``radixserve`` command: serve (``--replicas N``: on Ray Serve), ray-deploy, generate, prepare-model
+(benchmarks: ``python -m benchmarks.serve_bench``)."""
 
 from __future__ import annotations
 
@@ -35,9 +35,20 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
+    if args.replicas > 1:  # replicas on a local Ray instance (radixserve/scale, docs/scaling.md)
+        from radixserve.scale.launch import run_scaled
+
+        run_scaled(args, None)
+        return
     from radixserve.server.launch import run_from_args
 
     run_from_args(args)
+
+
+def _ray_deploy(args: argparse.Namespace) -> None:
+    from radixserve.scale.launch import run_scaled
+
+    run_scaled(args, args.address)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,10 +73,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_generate)
 
     p = sub.add_parser("serve", help="serve the OpenAI-compatible and native HTTP API")
+    from radixserve.scale.launch import add_scale_arguments
     from radixserve.server.launch import add_serve_arguments
 
     add_serve_arguments(p)
+    add_scale_arguments(p)
     p.set_defaults(func=_serve)
+
+    p = sub.add_parser("ray-deploy", help="run the replicas and the cache-aware router on a Ray cluster")
+    p.add_argument("--address", required=True, help="the Ray cluster, e.g. ray://head:10001 or auto")
+    add_serve_arguments(p)
+    add_scale_arguments(p)
+    p.set_defaults(func=_ray_deploy, replicas=2)
     return parser
 
 

@@ -59,6 +59,9 @@ class EngineConfig:
     num_speculative_tokens: int = knob(
         5, "most tokens drafted per request per step with --speculative", ge=1, le=16, integer=True
     )
+    # For a cache-aware router (docs/scaling.md): the engine process sends the radix tree's page
+    # inserts and removals (cache/events.py) with its step outputs.
+    kv_events: bool = knob(False, "publish the prefix cache's page inserts and evictions (KV events)")
     debug_checks: bool = knob(False, "check every cache invariant whenever the engine goes idle (slow)")
     # False: outputs carry token ids only (text None) and stop strings are left to the caller, who
     # detokenizes; the server's engine process runs so, its front-end makes the text.

@@ -38,6 +38,7 @@ def running_server(
     model_name: str = MODEL_NAME,
     max_waiting_requests: int | None = None,
     chat_template: str | None = None,
+    engine_threads: int | None = None,
     **app_options: Any,
 ) -> Iterator[str]:
     """Serve an engine built from ``config`` until the block exits; yields the base URL.
@@ -45,7 +46,9 @@ def running_server(
     ``chat_template`` replaces the model's; ``app_options`` go to ``build_app``. When the block ends
     without an error, the engine's page accounting must be whole once its requests have drained
     (every test module's traffic ends with that check)."""
-    with serving(config, model_name, max_waiting_requests, chat_template, **app_options) as served:
+    with serving(
+        config, model_name, max_waiting_requests, chat_template, engine_threads, **app_options
+    ) as served:
         yield served.url
 
 
@@ -55,10 +58,13 @@ def serving(
     model_name: str = MODEL_NAME,
     max_waiting_requests: int | None = None,
     chat_template: str | None = None,
+    engine_threads: int | None = None,
     **app_options: Any,
 ) -> Iterator[Served]:
     """``running_server``, yielding the AsyncEngine and its loop too."""
-    engine = AsyncEngine(config, max_waiting_requests, chat_template=chat_template)
+    engine = AsyncEngine(
+        config, max_waiting_requests, chat_template=chat_template, engine_threads=engine_threads
+    )
     app = build_app(engine, model_name, **app_options)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -25,6 +25,11 @@ node's pages have a copy in the lower tiers; ``evict`` reports the pages it free
 their keys, and leaves what to do with them to its caller (the tier controller's write policy).
 ``match_prefix`` reports the pages beyond the device match that the lower tiers hold, and which tier
 holds each. The tree records where pages live; it never copies one.
+
+A ``CacheListener`` (``listen``) is told the chain key of every page as it enters the tree and as it
+leaves it (KV events, for a router that places requests by what each replica holds: docs/scaling.md).
+Without lower tiers the keys then start from the seed given to ``listen``. Every key reported stored
+is later reported removed, or dropped at once by ``cleared``.
 """
 
 from __future__ import annotations
@@ -47,6 +52,18 @@ class LowerTiers(Protocol):
 
     def lookup(self, keys: Iterable[bytes]) -> list[int]:
         """For the leading keys held below, the index of the fastest tier holding each."""
+        ...
+
+
+class CacheListener(Protocol):
+    """Told which pages enter and leave the tree, by chain key; called on the stepping thread."""
+
+    def stored(self, keys: Sequence[bytes]) -> None: ...
+
+    def removed(self, keys: Sequence[bytes]) -> None: ...
+
+    def cleared(self) -> None:
+        """Every page left the tree at once (``reset``)."""
         ...
 
 
@@ -140,6 +157,19 @@ class RadixCache:
         self._evictable = 0
         self._protected = 0
         self._roots: dict[Hashable, TreeNode] = {}
+        self.listener: CacheListener | None = None
+        self._seed: bytes | None = lower.seed if lower is not None else None  # set: nodes carry keys
+
+    def listen(self, listener: CacheListener, seed: bytes) -> bytes:
+        """Report page insertions and removals to ``listener`` from now on; returns the chain's seed
+        (the lower tiers' where there are some, else ``seed``). Only on an empty tree, so that every
+        node carries its keys."""
+        if self.total_pages:
+            raise RuntimeError("listen() on a tree that already holds pages")
+        self.listener = listener
+        if self._seed is None:
+            self._seed = seed
+        return self._seed
 
     # ---- sizes ----
 
@@ -254,8 +284,10 @@ class RadixCache:
                 node,
                 namespace,
             )
-            if self.lower is not None:
+            if self._seed is not None:
                 leaf.hashes = list(self._chain(key, leaf.key, 0, len(leaf.key)))
+            if self.listener is not None:
+                self.listener.stored(leaf.hashes)
             node.children[self._child_key(leaf.key)] = leaf
             self._evictable += len(leaf.pages)
             leaf.priority = priority
@@ -312,6 +344,8 @@ class RadixCache:
             if not leaf.backed_up and self.lower is not None:
                 unbacked[0].extend(leaf.pages[-need:])
                 unbacked[1].extend(leaf.hashes[-need:])
+            if self.listener is not None:
+                self.listener.removed(leaf.hashes[-need:])
             if len(leaf.pages) > need:
                 freed += leaf.pages[-need:]
                 del leaf.pages[-need:]
@@ -339,6 +373,8 @@ class RadixCache:
         pages = self.all_pages()
         self._roots.clear()
         self._evictable = 0
+        if self.listener is not None:
+            self.listener.cleared()
         if pages and self.on_free is not None:
             self.on_free(pages)
 
@@ -382,7 +418,7 @@ class RadixCache:
             assert node.namespace == self._parent(node).namespace, (
                 f"{node!r} is in another namespace than its parent"
             )
-            if self.lower is not None:
+            if self._seed is not None:
                 chain = list(self._chain(self._last_key(self._parent(node)), node.key, 0, len(node.key)))
                 assert node.hashes == chain, f"{node!r}: page keys do not continue its parent's chain"
             child_locks = sum(c.lock_ref for c in node.children.values())
@@ -440,9 +476,9 @@ class RadixCache:
         return node, i, key
 
     def _last_key(self, node: TreeNode) -> bytes:
-        if self.lower is None:
+        if self._seed is None:
             return b""
-        return namespace_key(self.lower.seed, node.namespace) if node.is_root else node.hashes[-1]
+        return namespace_key(self._seed, node.namespace) if node.is_root else node.hashes[-1]
 
     def _chain(self, key: bytes, tokens: Sequence[int], start: int, end: int) -> Iterator[bytes]:
         """Keys of the whole pages of ``tokens[start:end]``, continuing the chain from ``key``."""

@@ -26,13 +26,13 @@ from radixserve.sampling.grammar import strict_schema
 from radixserve.sampling.params import SamplingParams
 from radixserve.server import protocol as p
 from radixserve.server import protocol_chat as c
-from radixserve.server.async_engine import AsyncEngine
 from radixserve.server.chat_render import template_source
 from radixserve.server.engine_api import (
     EngineFailedError,
     EngineUnavailableError,
     QueueFullError,
     RequestStream,
+    ServedEngine,
 )
 from radixserve.server.http_util import ApiError
 from radixserve.server.openai_fields import Refused, check_fields
@@ -87,7 +87,7 @@ class ApiContext:
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: ServedEngine,
         model_name: str,
         salt_per_key: bool,
         max_body_bytes: int,

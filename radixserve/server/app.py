@@ -36,6 +36,7 @@ from typing import Any
 
 import msgspec
 import uvicorn
+from prometheus_client.registry import Collector
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
@@ -53,7 +54,12 @@ from radixserve.server.chat import chat
 from radixserve.server.chat_render import render_chat
 from radixserve.server.completions import completions
 from radixserve.server.dashboard import PUBLIC_PATHS, Dashboard
-from radixserve.server.engine_api import EngineFailedError, EngineUnavailableError, RequestRecord
+from radixserve.server.engine_api import (
+    EngineFailedError,
+    EngineUnavailableError,
+    RequestRecord,
+    ServedEngine,
+)
 from radixserve.server.generate import generate
 from radixserve.server.http_util import ApiError, error_response, json_response
 from radixserve.server.metrics import ServerMetrics
@@ -184,7 +190,7 @@ def log_request(rec: RequestRecord) -> None:
 
 
 def build_app(
-    engine: AsyncEngine,
+    engine: ServedEngine,
     model_name: str,
     api_key: str | Sequence[str] | None = None,
     salt_per_key: bool = False,
@@ -194,14 +200,18 @@ def build_app(
     reasoning_parser: str | None = None,
     allowed_origins: Sequence[str] | None = None,
     dashboard: bool = True,
+    collectors: Sequence[Collector] = (),
 ) -> Starlette:
     """The ASGI app. Starting it (lifespan) starts the engine process and waits until it is ready;
     stopping it drains the requests and stops the process. ``dashboard``: serve the browser pages and
-    their JSON (server/dashboard.py)."""
+    their JSON (server/dashboard.py). ``collectors`` add metrics to /metrics (the scale-out router's)."""
     ctx = ApiContext(engine, model_name, salt_per_key, max_body_bytes, tool_call_parser, reasoning_parser)
     small = _SmallRoutes(ctx)
     metrics = ServerMetrics(engine)
-    ui = Dashboard(ctx, engine) if dashboard else None
+    for collector in collectors:
+        metrics.registry.register(collector)
+    # The pages show one engine's tree: scaled out on Ray Serve (docs/scaling.md) there is none to show yet.
+    ui = Dashboard(ctx, engine) if dashboard and isinstance(engine, AsyncEngine) else None
 
     def route(
         handler: Callable[[ApiContext, Request], Awaitable[Response]],
@@ -284,7 +294,7 @@ def build_app(
 
 # -- running it -----------------------------------------------------------------------------------------
 def serve(
-    engine: AsyncEngine,
+    engine: ServedEngine,
     host: str = "127.0.0.1",
     port: int = 8000,
     model_name: str | None = None,

@@ -30,6 +30,7 @@ import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 
+from radixserve.cache.events import KVEvent, KVEvents
 from radixserve.cache.tree_view import CacheTree
 from radixserve.config import EngineConfig
 from radixserve.engine.deltas import OutputAssembler, StepOutput, add_text
@@ -109,6 +110,8 @@ class AsyncEngine:
         self._config = dataclasses.replace(config, model=str(path), detokenize=False)
         self.max_waiting_requests = max_waiting_requests or config.max_waiting_requests
         self.on_finish = on_finish
+        # With the kv_events knob: each batch of the engine's KV events (cache/events.py), in order.
+        self.on_kv_events: Callable[[KVEvents], None] | None = None
         self._process_options = (engine_threads, engine_cpus, log_level)
         self._requests: dict[str, _Request] = {}
         self._unscheduled: set[str] = set()  # submitted, not yet reported scheduled: the waiting requests
@@ -292,6 +295,8 @@ class AsyncEngine:
         pid = client.pid if client is not None else "?"
         if client is not None:
             client.close()
+        if self.on_kv_events is not None:  # its cache went with it
+            self.on_kv_events(KVEvents(b"", 0, [KVEvent("cleared", [])]))
         if not self._accepting:
             return
         how = f"{'exited' if code == 0 else 'died'} ({describe_exit(code)})"  # 0: it drained after a signal
@@ -364,6 +369,8 @@ class AsyncEngine:
 
     def _on_step(self, msg: StepOutputs) -> None:
         self._stats = msg.stats
+        if msg.kv_events is not None and self.on_kv_events is not None:
+            self.on_kv_events(msg.kv_events)
         for rid in msg.scheduled:
             self._unscheduled.discard(rid)
             req = self._requests.get(rid)

@@ -19,13 +19,16 @@ The routes (app.py, api.py, chat.py, completions.py, generate.py, metrics.py, da
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from radixserve.engine.deltas import OutputAssembler
+from radixserve.engine.prompt import Prompt
+from radixserve.engine.stats import EngineStats
 from radixserve.outputs import RequestOutput
+from radixserve.sampling.params import SamplingParams
 
 
 class QueueFullError(RuntimeError):
@@ -118,3 +121,35 @@ class RequestStream(AsyncGenerator[RequestOutput, None]):
     async def aclose(self) -> None:
         if self._gen is not None:
             await self._gen.aclose()
+
+
+class ServedEngine(Protocol):
+    """The routes' interface: ``AsyncEngine`` (one engine process), or ``ReplicaSetEngine``
+    (radixserve/scale: replicas on Ray Serve) behind the same routes."""
+
+    model: ModelInfo
+    on_finish: Callable[[RequestRecord], None] | None
+
+    @property
+    def healthy(self) -> bool: ...
+
+    def limits(self) -> Limits: ...
+
+    def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        priority: int | str = 0,
+    ) -> RequestStream: ...
+
+    def tokenize(self, prompt: Prompt) -> list[int]: ...
+
+    def stats(self) -> EngineStats: ...
+
+    async def flush_cache(self) -> bool: ...
+
+    async def start(self) -> None: ...
+
+    async def shutdown(self, drain_timeout: float = 30.0) -> None: ...

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import zmq
 
+from radixserve.cache.events import KVEventLog
 from radixserve.config import EngineConfig
 from radixserve.errors import InvalidRequestError
 from radixserve.server.messages import (
@@ -79,6 +80,13 @@ class EngineLoop:
         self._parent = os.getppid()
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(ToEngine)
+        self.kv_log: KVEventLog | None = None
+        tree = engine.kv_cache.tree
+        if engine.config.kv_events and tree is not None:
+            # Without lower tiers the seed only has to agree between replicas of one model.
+            log = KVEventLog(b"", engine.config.page_size)
+            log.seed = tree.listen(log, b"radixserve-kv-events")
+            self.kv_log = log
         self._calls: dict[str, Callable[[], Any]] = {
             "flush_cache": engine.flush_cache,
             "check_integrity": engine.check_integrity,  # a debug call: raises if the page accounting is off
@@ -117,8 +125,10 @@ class EngineLoop:
         steps = engine.num_steps
         outputs = engine.step()
         progressed = bool(outputs) or engine.num_steps != steps
-        if progressed or engine.newly_scheduled:
-            self._send(StepOutputs(time.monotonic(), outputs, engine.newly_scheduled, engine.stats()))
+        events = None if self.kv_log is None else self.kv_log.drain()
+        if progressed or engine.newly_scheduled or events is not None:
+            msg = StepOutputs(time.monotonic(), outputs, engine.newly_scheduled, engine.stats(), events)
+            self._send(msg)
         return progressed
 
     def _receive(self, timeout_ms: int) -> None:
@@ -152,6 +162,9 @@ class EngineLoop:
             value = call()
         except Exception as exc:  # reported to the caller; the engine itself is fine
             error = f"{type(exc).__name__}: {exc}"
+        events = None if self.kv_log is None else self.kv_log.drain()
+        if events is not None:  # e.g. flush_cache's: sent first, so the caller sees them with its result
+            self._send(StepOutputs(time.monotonic(), [], [], self.engine.stats(), events))
         self._send(CallResult(call_id, value, error, self.engine.stats()))
 
     def _add(self, msg: AddRequest) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import msgspec
 
+from radixserve.cache.events import KVEvents
 from radixserve.cache.tree_view import CacheTree
 from radixserve.engine.deltas import StepOutput
 from radixserve.engine.stats import EngineStats
@@ -99,6 +100,7 @@ class StepOutputs(_Message):
     outputs: list[StepOutput]
     scheduled: list[str]  # requests scheduled for the first time: they no longer count as waiting
     stats: EngineStats
+    kv_events: KVEvents | None = None  # with the kv_events knob: the tree's page changes since the last
 
 
 class RequestError(_Message):

@@ -1,0 +1,145 @@
+"""The Ray Serve application: an ingress (our OpenAI-compatible app) over N engine replicas.
+
+``build_application`` makes it, ``app_builder`` makes it from a Serve config's args (docs/scaling.md
+has a KubeRay RayService that imports ``radixserve.scale.app:app_builder``), and ``run`` runs it on
+the connected Ray cluster (scale/launch.py: ``radixserve serve --replicas N`` and ``ray-deploy``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from radixserve.config import EngineConfig
+from radixserve.scale.cache_index import index_actor
+from radixserve.scale.replica import EngineReplica
+from radixserve.scale.router import ROUTERS
+
+logger = logging.getLogger("radixserve.scale")
+
+APP_NAME = "radixserve"
+INGRESS_NAME = "RadixServeIngress"
+REPLICAS_NAME = "EngineReplicas"
+
+
+@dataclass(frozen=True)
+class ScaleOptions:
+    """How the application is laid out; the engine knobs are in ``config``."""
+
+    config: EngineConfig
+    replicas: int = 2
+    router: str = "cache_aware"  # a key of router.ROUTERS
+    router_settings: dict[str, Any] = field(default_factory=dict)  # policy.RouterSettings' fields
+    replica_cpus: float = 1.0
+    engine_threads: int | None = None
+    model_name: str = "SmolLM2-135M-Instruct"
+    api_key: list[str] | None = None
+    salt_per_key: bool = False
+    chat_template: str | None = None
+    stats_period_s: float = 0.5  # how often Serve asks each replica for its KV use
+    max_ongoing_requests: int = 64
+
+    @property
+    def index_name(self) -> str:
+        return f"radixserve-cache-index-{self.router}-{id(self) & 0xFFFF:x}-{int(time.time() * 1000)}"
+
+
+class _SessionHeader:
+    """ASGI middleware: the X-Session-ID header becomes ``remote_engine.SESSION_ID`` for the request."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        from radixserve.scale.remote_engine import SESSION_ID
+
+        if scope["type"] == "http":
+            value = dict(scope["headers"]).get(b"x-session-id")
+            token = SESSION_ID.set(value.decode(errors="replace") if value else None)
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                SESSION_ID.reset(token)
+            return
+        await self.app(scope, receive, send)
+
+
+class Ingress:
+    """The ingress deployment: the same Starlette app as ``radixserve serve``, over the replicas."""
+
+    def __init__(self, replicas: Any, options: ScaleOptions, index_name: str) -> None:
+        from radixserve.scale.remote_engine import ReplicaSetEngine
+        from radixserve.scale.router_metrics import router_metrics
+        from radixserve.server.app import build_app
+
+        self.engine = ReplicaSetEngine(
+            replicas, index_actor(index_name), options.config.model, options.chat_template
+        )
+        app = build_app(
+            self.engine,
+            options.model_name,
+            options.api_key,
+            options.salt_per_key,
+            collectors=[router_metrics()],
+        )
+        self._asgi = _SessionHeader(app)
+
+    def __serve_build_asgi_app__(self) -> ASGIApp:
+        return self._asgi
+
+
+def build_application(options: ScaleOptions, index_name: str | None = None) -> Any:
+    """The bound Serve application (``serve.run`` it)."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    deployment: Any = serve.deployment  # Ray's stubs type neither its overloads nor pydantic's fields
+    router_config: Any = RequestRouterConfig
+    index_name = index_name or options.index_name
+    router_kwargs: dict[str, Any] = {}
+    if options.router == "cache_aware":
+        router_kwargs = {"index_name": index_name, **options.router_settings}
+    replicas = deployment(
+        EngineReplica,
+        name=REPLICAS_NAME,
+        num_replicas=options.replicas,
+        ray_actor_options={"num_cpus": options.replica_cpus},
+        max_ongoing_requests=options.max_ongoing_requests,
+        health_check_period_s=2,
+        request_router_config=router_config(
+            request_router_class=ROUTERS[options.router],
+            request_router_kwargs=router_kwargs,
+            request_routing_stats_period_s=options.stats_period_s,
+        ),
+    ).bind(options.config, index_name, options.engine_threads, options.chat_template)
+    ingress = deployment(
+        serve.ingress()(Ingress),
+        name=INGRESS_NAME,
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=1024,
+    )
+    return ingress.bind(replicas, options, index_name)
+
+
+def run(options: ScaleOptions, host: str, port: int, blocking: bool = True) -> None:
+    """Start the application on the connected Ray cluster with an HTTP proxy on ``host:port``."""
+    from ray import serve
+
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(build_application(options), name=APP_NAME, route_prefix="/", blocking=blocking)
+
+
+def app_builder(args: dict[str, Any]) -> Any:
+    """The application from a Serve config's ``args`` (KubeRay's RayService, ``serve run``):
+    ``ScaleOptions`` fields, with ``config`` holding ``EngineConfig`` fields (docs/scaling.md)."""
+    args = dict(args)
+    config = EngineConfig(**args.pop("config", {}))
+    known = set(ScaleOptions.__dataclass_fields__) - {"config"}
+    unknown = set(args) - known
+    if unknown:
+        raise ValueError(f"unknown radixserve args {sorted(unknown)}; known: {sorted(known)}")
+    return build_application(ScaleOptions(config, **args))

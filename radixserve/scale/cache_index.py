@@ -1,0 +1,103 @@
+"""CacheIndex: which page keys each replica's radix tree holds, fed by its KV events (cache/events.py).
+
+The router asks it one question: for a prompt, in a namespace, how many leading pages does each
+replica hold? The answer is exact as of the last events each replica sent, not a guess from the text
+that was routed there (as the trees of routed text in sgl-router or Ray's PrefixCacheAffinityRouter
+are): a replica that evicted a document stops scoring for it.
+
+Invariants:
+- A replica's key set is exactly what its events say it holds: stored adds, removed discards,
+  cleared empties; ``drop`` forgets the replica entirely (it died, or left the deployment).
+- Keys chain from ``namespace_key(seed, salt)``, so a prompt scores only against pages cached under
+  the same salt: one tenant's cache never attracts (or reveals itself to) another's prompts.
+- ``score`` hashes at most one page past the longest prefix any replica holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.cache.events import KVEvents
+from radixserve.cache.tiers import namespace_key, page_key
+
+
+@dataclass
+class _Replica:
+    keys: set[bytes] = field(default_factory=set)
+    events: int = 0  # batches applied, for metrics and tests
+
+
+class CacheIndex:
+    """Per-replica sets of page keys; all replicas of one deployment share one seed and page size."""
+
+    def __init__(self) -> None:
+        self._replicas: dict[str, _Replica] = {}
+        self.seed: bytes | None = None
+        self.page_size: int | None = None
+
+    def register(self, replica: str) -> None:
+        """A replica started: known, holding nothing."""
+        self._replicas[replica] = _Replica()
+
+    def apply(self, replica: str, batches: Sequence[KVEvents]) -> None:
+        """Apply one replica's batches of events, in order."""
+        for batch in batches:
+            self._apply(replica, batch)
+
+    def _apply(self, replica: str, batch: KVEvents) -> None:
+        if batch.page_size:  # the "cleared" batch a replica sends for a dead engine process carries none
+            if self.seed is not None and (batch.seed, batch.page_size) != (self.seed, self.page_size):
+                raise ValueError(f"replica {replica} keys its pages differently from the others")
+            self.seed, self.page_size = batch.seed, batch.page_size
+        entry = self._replicas.setdefault(replica, _Replica())
+        entry.events += 1
+        for event in batch.events:
+            if event.kind == "stored":
+                entry.keys.update(event.keys)
+            elif event.kind == "removed":
+                entry.keys.difference_update(event.keys)
+            else:
+                entry.keys.clear()
+
+    def drop(self, replica: str) -> None:
+        """Forget a replica (dead or removed): it is never scored again unless it sends events anew."""
+        self._replicas.pop(replica, None)
+
+    def replicas(self) -> dict[str, int]:
+        """Each known replica and the number of pages it holds."""
+        return {name: len(r.keys) for name, r in self._replicas.items()}
+
+    def score(self, token_ids: Sequence[int], salt: str | None) -> dict[str, int]:
+        """For each known replica, the number of leading whole pages of ``token_ids`` it holds under
+        ``salt``. Pages are matched in order: a gap ends a replica's prefix, as in the tree."""
+        scores = dict.fromkeys(self._replicas, 0)
+        if self.seed is None or self.page_size is None:
+            return scores
+        ps = self.page_size
+        key = namespace_key(self.seed, salt)
+        alive = list(self._replicas.items())
+        for page, start in enumerate(range(0, len(token_ids) // ps * ps, ps)):
+            key = page_key(key, token_ids[start : start + ps])
+            alive = [(name, r) for name, r in alive if key in r.keys]
+            if not alive:
+                break
+            for name, _ in alive:
+                scores[name] = page + 1
+        return scores
+
+
+INDEX_NAMESPACE = "radixserve"
+
+
+def index_actor(name: str) -> Any:
+    """The deployment's ``CacheIndex`` as a named, detached Ray actor (created by whichever replica or
+    router asks first), so every replica and every router process shares one."""
+    import ray
+
+    remote: Any = ray.remote
+    actor = remote(num_cpus=0, max_concurrency=1)(CacheIndex)
+    return actor.options(
+        name=name, namespace=INDEX_NAMESPACE, get_if_exists=True, lifetime="detached"
+    ).remote()

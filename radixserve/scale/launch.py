@@ -1,0 +1,68 @@
+"""``radixserve serve --replicas N`` (a local Ray instance) and ``radixserve ray-deploy --address``
+(an existing cluster): the serve flags, plus the scale-out ones, become a ScaleOptions."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+from radixserve.server.launch import engine_config_from_args
+
+ROUTER_CHOICES = ("cache_aware", "round_robin", "power_of_two")
+
+
+def add_scale_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--replicas", type=int, default=1, help="engine replicas on Ray Serve (1: a single engine, no Ray)")
+    a("--router", default="cache_aware", choices=ROUTER_CHOICES, help="how requests pick a replica")
+    a(
+        "--router-settings",
+        default="{}",
+        help="cache_aware router settings as JSON, e.g. '{\"balance_abs_threshold\": 8}' (docs/scaling.md)",
+    )
+    a("--replica-cpus", type=float, default=1.0, help="Ray CPUs reserved by each replica")
+
+
+def run_scaled(args: argparse.Namespace, address: str | None) -> None:
+    """Run the Serve application until interrupted: on a new local Ray instance (``address`` None)
+    or on the cluster at ``address``, whose Serve proxy then listens on ``--host``/``--port``."""
+    import ray
+
+    from radixserve.model.default_model import DEFAULT_MODEL_NAME
+    from radixserve.scale.app import ScaleOptions, run
+    from radixserve.scale.policy import RouterSettings
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.replicas < 1:
+        raise SystemExit("--replicas must be >= 1")
+    settings = json.loads(args.router_settings)
+    RouterSettings(**settings)  # refuse a bad setting here, not in the router's process
+    keys = [k.strip() for k in args.api_key.split(",") if k.strip()] if args.api_key else None
+    if args.salt_per_key and not keys:
+        raise SystemExit("--salt-per-key needs --api-key")
+    template = None
+    if args.chat_template is not None:
+        with open(args.chat_template) as f:
+            template = f.read()
+    options = ScaleOptions(
+        engine_config_from_args(args),
+        replicas=args.replicas,
+        router=args.router,
+        router_settings=settings,
+        replica_cpus=args.replica_cpus,
+        engine_threads=args.engine_threads,
+        model_name=args.served_model_name
+        or (DEFAULT_MODEL_NAME if args.model is None else Path(args.model).name),
+        api_key=keys,
+        salt_per_key=args.salt_per_key,
+        chat_template=template,
+    )
+    if address is None:
+        ray.init(num_cpus=max(1, int(args.replicas * args.replica_cpus + 0.999)), include_dashboard=False)
+    else:
+        ray.init(address=address)
+    run(options, args.host, args.port, blocking=True)

@@ -1,0 +1,207 @@
+"""ReplicaSetEngine: the routes' engine interface (server/engine_api.py) over the engine replicas.
+
+The ingress runs the same Starlette app as ``radixserve serve`` over this instead of an AsyncEngine,
+so routes, errors, auth and metrics are the same. It tokenizes here (the router needs the token ids)
+and calls a replica through a DeploymentHandle; the handle's router (scale/router.py) picks it.
+
+Invariants:
+- A request whose replica died before it sent anything (queued, or prefilling) is sent again, to
+  the replicas left (at most ``MAX_ATTEMPTS`` times); one that had streamed output fails with
+  EngineUnavailableError, which the routes turn into a 503 or an SSE ``error`` event. None hangs:
+  every Ray failure ends the stream with a typed error.
+- A consumer that stops early cancels the replica's stream, which aborts the request there.
+- ``stats()`` sums the replicas' latest stats (polled every ``STATS_PERIOD_S``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import uuid
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
+
+import msgspec
+
+from radixserve.engine.prompt import Prompt, tokenize
+from radixserve.engine.stats import EngineStats
+from radixserve.model.loader import load_tokenizer, resolve_model_path
+from radixserve.outputs import RequestOutput
+from radixserve.sampling.params import SamplingParams
+from radixserve.scale.replica import Finished, GenerateCall, ReplicaError, RouteKey
+from radixserve.scale.router_metrics import router_metrics
+from radixserve.server.engine_api import (
+    EngineUnavailableError,
+    Limits,
+    ModelInfo,
+    RequestRecord,
+    RequestStream,
+)
+
+logger = logging.getLogger("radixserve.scale")
+
+MAX_ATTEMPTS = 3
+STATS_PERIOD_S = 1.0
+CALL_TIMEOUT_S = 30.0
+# The session of the HTTP request being served (its X-Session-ID header), set by the ingress's
+# middleware (scale/app.py): requests of one session stick to one replica when nothing better is known.
+SESSION_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("radixserve_session", default=None)
+
+
+class _RemoteStream(RequestStream):
+    """A RequestStream whose folded result comes from the replica (its own OutputAssembler's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.final: RequestOutput | None = None
+
+    @property
+    def result(self) -> RequestOutput:
+        if self.final is None:
+            raise RuntimeError("the request has not finished")
+        return self.final
+
+
+class ReplicaSetEngine:
+    """The engine replicas of one deployment, behind the interface the routes use."""
+
+    def __init__(self, handle: Any, index: Any, model: str | None, chat_template: str | None = None) -> None:
+        path = resolve_model_path(model)
+        tokenizer = load_tokenizer(path)
+        if chat_template is not None:
+            tokenizer.chat_template = chat_template
+        self.model = ModelInfo(path, tokenizer)
+        self.on_finish: Callable[[RequestRecord], None] | None = None
+        self._handle = handle
+        self._index = index
+        self._limits: Limits | None = None
+        self._stats: dict[str, EngineStats] = {}
+        self._accepting = False
+        self._poller: asyncio.Task[None] | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    async def start(self) -> None:
+        _, self._limits = await self._handle.describe.remote(RouteKey([], None))
+        self._accepting = True
+        self._poller = asyncio.create_task(self._poll_stats())
+
+    async def shutdown(self, drain_timeout: float = 30.0) -> None:
+        self._accepting = False
+        if self._poller is not None:
+            self._poller.cancel()
+
+    @property
+    def healthy(self) -> bool:
+        return self._accepting
+
+    # -- what the routes know ---------------------------------------------------------------------
+    def limits(self) -> Limits:
+        if self._limits is None:
+            raise EngineUnavailableError("no engine replica has started")
+        return self._limits
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        return tokenize(self.model.tokenizer, prompt)
+
+    def stats(self) -> EngineStats:
+        """The replicas' latest stats, summed (tiers left out)."""
+        total = EngineStats()
+        fields = [f for f in EngineStats.__struct_fields__ if f != "tiers"]
+        for s in self._stats.values():
+            for f in fields:
+                setattr(total, f, getattr(total, f) + getattr(s, f))
+        return total
+
+    async def flush_cache(self) -> bool:
+        """Flush every replica's cache; False if any refused (requests hold cached pages) or a call kept
+        landing elsewhere; EngineUnavailableError (503) if replicas did not answer in time."""
+        pending = set((await self._index.replicas.remote()).keys())
+        flushed = True
+        for _ in range(MAX_ATTEMPTS):  # a targeted call may land elsewhere while a replica is new
+            calls = (self._handle.flush_cache.remote(RouteKey([], None, target=r)) for r in pending)
+            try:
+                answers = await asyncio.wait_for(asyncio.gather(*calls), CALL_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                raise EngineUnavailableError(f"replicas {sorted(pending)} did not answer the flush") from None
+            for rid, ok in answers:
+                flushed = flushed and ok
+                pending.discard(rid)
+            if not pending:
+                return flushed
+        return False
+
+    # -- requests ---------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        priority: int | str = 0,
+    ) -> RequestStream:
+        stream = _RemoteStream()
+        rid = request_id or uuid.uuid4().hex
+        route = RouteKey(self.tokenize(prompt), cache_salt, SESSION_ID.get())
+        call = GenerateCall(route, prompt, params, rid, priority)
+        return stream.bind(self._generate(call, stream))
+
+    async def _generate(
+        self, call: GenerateCall, stream: _RemoteStream
+    ) -> AsyncGenerator[RequestOutput, None]:
+        from ray.exceptions import RayError
+
+        if not self._accepting:
+            raise EngineUnavailableError("the server is shutting down")
+        for attempt in range(MAX_ATTEMPTS):
+            started = False
+            gen = self._handle.options(stream=True).generate.remote(call)
+            try:
+                async for item in gen:
+                    if isinstance(item, ReplicaError):
+                        if item.kind == "unavailable" and not started and attempt < MAX_ATTEMPTS - 1:
+                            break  # its engine process is restarting: another replica may serve it
+                        raise item.exception()
+                    if isinstance(item, Finished):
+                        stream.final = item.result
+                        if item.record is not None and self.on_finish is not None:
+                            self.on_finish(item.record)
+                        return
+                    started = True
+                    yield item
+                else:
+                    raise EngineUnavailableError("the replica's stream ended without a result")
+                router_metrics().retries += 1
+            except RayError as exc:
+                if started or attempt == MAX_ATTEMPTS - 1:
+                    raise EngineUnavailableError(
+                        f"the engine replica serving this request failed: {exc}"
+                    ) from None
+                logger.warning("replica failed before request %s started; routing it again", call.request_id)
+                router_metrics().retries += 1
+            finally:
+                if stream.final is None:
+                    gen.cancel()
+
+    async def _poll_stats(self) -> None:
+        while True:
+            try:
+                pages = await self._index.replicas.remote()
+                router_metrics().replica_pages = dict(pages)
+                for rid in list(self._stats):
+                    if rid not in pages:
+                        del self._stats[rid]
+                answers = await asyncio.wait_for(
+                    asyncio.gather(
+                        *(self._handle.stats.remote(RouteKey([], None, target=r)) for r in pages),
+                        return_exceptions=True,
+                    ),
+                    CALL_TIMEOUT_S,
+                )
+                for answer in answers:
+                    if not isinstance(answer, BaseException):
+                        rid, stats = answer
+                        self._stats[rid] = msgspec.structs.replace(stats)
+            except Exception:
+                logger.exception("polling the replicas' stats failed")
+            await asyncio.sleep(STATS_PERIOD_S)

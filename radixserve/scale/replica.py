@@ -1,0 +1,196 @@
+"""EngineReplica: one Ray Serve replica = one AsyncEngine (one engine process), and its KV events.
+
+The ingress (scale/remote_engine.py) calls ``generate`` through a DeploymentHandle whose router
+(scale/router.py) picked this replica; the replica streams ``RequestOutput`` deltas back and ends with
+a ``Finished`` item (the folded result and the request's timings). Failures cross the boundary as
+``ReplicaError`` items, typed like the engine's own errors, never as a pickled exception.
+
+Invariants:
+- The replica's KV events reach the cache index (scale/cache_index.py) in the order the engine made
+  them, and every event of a request is published before its ``Finished`` item is sent: a client
+  that waits for an answer and then asks a follow-up is routed on a cache state that includes it.
+- A replica registers with the index when it starts, so the ingress knows it before its first event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from radixserve.cache.events import KVEvents
+from radixserve.config import EngineConfig
+from radixserve.engine.prompt import Prompt
+from radixserve.engine.stats import EngineStats
+from radixserve.errors import InvalidRequestError
+from radixserve.outputs import RequestOutput
+from radixserve.sampling.params import SamplingParams
+from radixserve.server.async_engine import AsyncEngine
+from radixserve.server.engine_api import (
+    EngineFailedError,
+    EngineUnavailableError,
+    Limits,
+    QueueFullError,
+    RequestRecord,
+)
+
+logger = logging.getLogger("radixserve.scale")
+
+PUBLISH_PERIOD_S = 0.05  # events of long requests (chunked prefills) are published at least this often
+
+
+@dataclass(frozen=True)
+class RouteKey:
+    """What the router reads of a request: its prompt's token ids, namespace and session."""
+
+    token_ids: list[int]
+    cache_salt: str | None
+    session_id: str | None = None
+    target: str | None = None  # a replica id: this call goes there or nowhere (broadcasts, tests)
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    route: RouteKey  # first, so every router finds it at ``args[0].route``
+    prompt: Prompt
+    params: SamplingParams
+    request_id: str
+    priority: int | str = 0
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The last item of a request's stream."""
+
+    result: RequestOutput
+    record: RequestRecord | None
+    replica: str
+
+
+ErrorKind = Literal["invalid", "queue_full", "unavailable", "failed"]
+
+
+@dataclass(frozen=True)
+class ReplicaError:
+    """A typed failure: re-raised by the ingress as the engine error of the same kind."""
+
+    kind: ErrorKind
+    message: str
+    param: str | None = None
+    code: str | None = None
+
+    @staticmethod
+    def of(exc: BaseException) -> ReplicaError:
+        if isinstance(exc, InvalidRequestError):
+            return ReplicaError("invalid", str(exc), exc.param, exc.code)
+        if isinstance(exc, QueueFullError):
+            return ReplicaError("queue_full", str(exc))
+        if isinstance(exc, EngineUnavailableError):
+            return ReplicaError("unavailable", str(exc))
+        return ReplicaError("failed", f"{type(exc).__name__}: {exc}")
+
+    def exception(self) -> Exception:
+        if self.kind == "invalid":
+            return InvalidRequestError(self.message, self.param, self.code)
+        if self.kind == "queue_full":
+            return QueueFullError(self.message)
+        if self.kind == "unavailable":
+            return EngineUnavailableError(self.message)
+        return EngineFailedError(self.message)
+
+
+StreamItem = RequestOutput | Finished | ReplicaError
+
+
+class EngineReplica:
+    """The Ray Serve deployment class of the engine replicas (scale/app.py sets its options)."""
+
+    async def __init__(  # type: ignore[misc]  # Ray Serve awaits an async constructor
+        self,
+        config: EngineConfig,
+        index_name: str,
+        engine_threads: int | None = None,
+        chat_template: str | None = None,
+    ) -> None:
+        from ray import serve
+
+        from radixserve.scale.cache_index import index_actor
+
+        self.replica_id: str = serve.get_replica_context().replica_id.unique_id
+        config = dataclasses.replace(config, kv_events=config.prefix_cache)
+        self.engine = AsyncEngine(config, engine_threads=engine_threads, chat_template=chat_template)
+        self._records: dict[str, RequestRecord] = {}
+        self.engine.on_finish = lambda rec: self._records.__setitem__(rec.request_id, rec)
+        self._events: list[KVEvents] = []
+        self.engine.on_kv_events = self._events.append
+        self._publish_lock = asyncio.Lock()
+        self.index = index_actor(index_name)
+        await self.index.register.remote(self.replica_id)
+        await self.engine.start()
+        self._publisher = asyncio.create_task(self._publish_periodically())
+
+    async def generate(self, call: GenerateCall) -> AsyncIterator[StreamItem]:
+        """Stream one request: its deltas, then ``Finished``; or a ``ReplicaError`` and nothing more."""
+        stream = self.engine.generate(
+            call.prompt, call.params, call.request_id, call.route.cache_salt, call.priority
+        )
+        try:
+            async for delta in stream:
+                yield delta
+            result = stream.result
+        except Exception as exc:
+            yield ReplicaError.of(exc)
+            return
+        finally:
+            await stream.aclose()  # a cancelled call (client gone) aborts the request in the engine
+        await self._publish()
+        yield Finished(result, self._records.pop(call.request_id, None), self.replica_id)
+
+    async def describe(self, route: RouteKey) -> tuple[str, Limits]:
+        """This replica's id and its engine's limits (the ingress asks one replica at start)."""
+        return self.replica_id, self.engine.limits()
+
+    async def stats(self, route: RouteKey) -> tuple[str, EngineStats]:
+        return self.replica_id, self.engine.stats()
+
+    async def flush_cache(self, route: RouteKey) -> tuple[str, bool]:
+        flushed = await self.engine.flush_cache()
+        await self._publish()
+        return self.replica_id, flushed
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Ray Serve polls this (``request_routing_stats_period_s``); the router reads ``kv_use``."""
+        s = self.engine.stats()
+        used = s.num_pages - s.free_pages - s.evictable_pages  # pages no eviction can give back
+        return {"kv_use": used / s.num_pages if s.num_pages else 0.0, "waiting": s.num_waiting}
+
+    def check_health(self) -> None:
+        """Ray Serve restarts a replica whose engine process is down for good."""
+        if not self.engine.healthy:
+            raise RuntimeError("the engine process is not serving")
+
+    async def _publish(self) -> None:
+        async with self._publish_lock:  # one batch in flight: the index sees them in order
+            if self._events:
+                batches, self._events[:] = list(self._events), []
+                try:
+                    await self.index.apply.remote(self.replica_id, batches)
+                except BaseException:
+                    self._events[:0] = batches  # keep the order for the next try
+                    raise
+
+    async def _publish_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(PUBLISH_PERIOD_S)
+            try:
+                await self._publish()
+            except Exception:  # the index is a detached actor; a failed call is retried next period
+                logger.exception("publishing KV events failed")
+
+    def __del__(self) -> None:
+        task = getattr(self, "_publisher", None)
+        if task is not None:
+            task.cancel()
