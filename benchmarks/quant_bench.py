@@ -18,6 +18,7 @@ Writes benchmarks/results/quant_bench.{json,md,png}.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -166,9 +167,9 @@ def kernel_times(engine: Engine, rows: int, repeats: int) -> dict[str, float]:
                 )
                 for w, (_, s) in zip(ws, qs)
             ]
-            kernels[f"int8 linear_dynamic, {qengine} (torch.ao)"] = lambda p=prepacked: [
-                torch.ops.quantized.linear_dynamic(x, w, True) for x, w in zip(xs, p)
-            ]
+            kernels[f"int8 linear_dynamic, {qengine} (torch.ao)"] = functools.partial(
+                _linear_dynamic, xs, prepacked
+            )
     times: dict[str, list[float]] = {k: [] for k in kernels}
     for _ in range(repeats):  # alternately, so that load on a shared machine falls on all alike
         for name, fn in kernels.items():
@@ -176,6 +177,11 @@ def kernel_times(engine: Engine, rows: int, repeats: int) -> dict[str, float]:
             fn()
             times[name].append(time.perf_counter() - start)
     return {k: 1e3 * sorted(v)[len(v) // 2] for k, v in times.items()}
+
+
+def _linear_dynamic(xs: list[torch.Tensor], prepacked: list[Any]) -> list[torch.Tensor]:
+    # reduce_range as torch.ao's dynamic Linear passes it on x86
+    return [torch.ops.quantized.linear_dynamic(x, w, True) for x, w in zip(xs, prepacked)]
 
 
 # -- steps --------------------------------------------------------------------------------------------
