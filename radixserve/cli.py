@@ -10,7 +10,7 @@ from radixserve.config import EngineConfig
 from radixserve.knobs import add_arguments, values
 from radixserve.sampling.params import SamplingParams
 
-GENERATE_ENGINE_FLAGS = ("model", "kv_cache_gb")
+GENERATE_ENGINE_FLAGS = ("model", "kv_cache_gb", "quantization")
 GENERATE_SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed")
 
 

@@ -10,6 +10,7 @@ from radixserve.cache.tier_controller import WRITE_POLICIES
 from radixserve.engine.policy import POLICIES
 from radixserve.knobs import knob, problems
 from radixserve.model.attention import BACKENDS
+from radixserve.model.quant import QUANTIZATIONS
 
 EVICTION_POLICIES = ("lru", "lfu", "priority")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -26,6 +27,11 @@ class EngineConfig:
     device: str = knob("auto", "auto: cuda when available, else cpu")
     # float32 on CPU: this CPU has no bf16 instructions.
     dtype: str = knob("auto", "auto: float32 on CPU, bfloat16 on CUDA", choices=DTYPES)
+    # int8: the decoder layers' linear weights as int8 with per-channel scales, on CPU (model/quant.py).
+    # Approximate: benchmarks/quant_bench.py measures its agreement with fp32 beside its speed.
+    quantization: str | None = knob(
+        None, "weight quantization (default: none, the checkpoint's weights)", choices=QUANTIZATIONS
+    )
     page_size: int = knob(16, "tokens per KV page", ge=1, le=64, integer=True)
     kv_cache_gb: float = knob(1.0, "KV cache size in GiB", gt=0)
     num_pages: int | None = knob(None, "KV pages (overrides --kv-cache-gb)", ge=1, integer=True)

@@ -50,13 +50,15 @@ def page_key(prev: bytes, tokens: Sequence[int]) -> bytes:
 
 
 def model_fingerprint(model: torch.nn.Module, config: object, dtype: torch.dtype, page_size: int) -> bytes:
-    """A cheap, stable identity of the KV a model produces: its config, dtype, page size and a few weights.
+    """A cheap, stable identity of the KV a model produces: its config, dtype, weight quantization (the
+    model's ``quantization``: int8 weights give other K/V than fp32 ones), page size and a few weights.
 
     Hashing every weight would take seconds for large models; the first, middle and last tensors (and all
     shapes) catch a different checkpoint of the same architecture in practice.
     """
     h = hashlib.blake2b(digest_size=KEY_BYTES)
-    h.update(f"{config!r}|{dtype}|{page_size}".encode())
+    quantization = getattr(model, "quantization", None)
+    h.update(f"{config!r}|{dtype}|{quantization}|{page_size}".encode())
     params = sorted(model.named_parameters(), key=lambda kv: kv[0])
     for name, p in params:
         h.update(f"{name}{tuple(p.shape)}".encode())

@@ -54,7 +54,7 @@ class Engine:
         self.dtype = getattr(torch, dtype_name)
         path = resolve_model_path(model)
         self.model_path = path
-        self.model = load_model(path, self.dtype, self.device)
+        self.model = load_model(path, self.dtype, self.device, cfg.quantization)
         self.tokenizer = load_tokenizer(path)
         mcfg = self.model.config
         self.max_model_len = min(

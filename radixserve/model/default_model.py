@@ -23,7 +23,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
@@ -103,18 +103,29 @@ def prepare_default_model(progress: bool = True) -> Path:
             return target
         gguf_path = find_default_gguf()
         verify_sha256(gguf_path, EXPECTED_SHA256, progress)
-        _remove_leftovers(target)
-        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-        try:
+
+        def build(staging: Path) -> None:
             convert_gguf(gguf_path, staging, progress)
             _write_marker(staging)
-            _fsync_tree(staging)
-            os.rename(staging, target)
-            _fsync_dir(target.parent)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
+
+        build_atomically(target, build)
     return target
+
+
+def build_atomically(target: Path, build: Callable[[Path], None]) -> None:
+    """Replace ``target`` with the folder ``build`` fills: built in a staging folder beside it, fsynced
+    and renamed into place in one step, so readers see the old folder, or none, or the whole new one.
+    The caller holds the target's lock; ``build`` writes its completeness marker last."""
+    _remove_leftovers(target)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        build(staging)
+        _fsync_tree(staging)
+        os.rename(staging, target)
+        _fsync_dir(target.parent)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def verify_sha256(path: Path, expected: str, progress: bool) -> None:
@@ -146,8 +157,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool) -> None:
     tie = "lm_head.weight" not in tensors
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     del tensors
-    _write_json(out_dir / "config.json", _llama_config(meta, tie))
-    _write_json(out_dir / "generation_config.json", _generation_config(meta))
+    write_json(out_dir / "config.json", _llama_config(meta, tie))
+    write_json(out_dir / "generation_config.json", _generation_config(meta))
     _save_tokenizer(reader, out_dir, meta)
 
 
@@ -288,12 +299,12 @@ def _save_tokenizer(reader: Any, out_dir: Path, meta: dict[str, Any]) -> None:
     tokenizer.save_pretrained(str(out_dir))
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
+def write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def _write_marker(model_dir: Path) -> None:
-    _write_json(
+    write_json(
         model_dir / MARKER_NAME,
         {"source": GGUF_FILENAME, "sha256": EXPECTED_SHA256, "converter_version": CONVERTER_VERSION},
     )

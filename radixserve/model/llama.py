@@ -77,6 +77,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    quantization: str | None = None  # "int8": the decoder Linears are int8 (model/quant.py)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
@@ -114,8 +116,12 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(m, Linear):
                 m.prepack()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors, packing q/k/v and gate/up into their fused matrices."""
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], skip: frozenset[str] = frozenset()
+    ) -> None:
+        """Load HF-named tensors, packing q/k/v and gate/up into their fused matrices. Tensors bound for
+        a parameter named in ``skip`` (e.g. ``layers.0.mlp.down_proj.weight``) are passed over: their
+        module gets them elsewhere (an int8 copy, ``model/quant.py``)."""
         params = dict(self.named_parameters())
         fused = {
             "q_proj": ("qkv_proj", 0),
@@ -132,9 +138,12 @@ class LlamaForCausalLM(nn.Module):
             for part, (target, shard) in fused.items():
                 if f".{part}." in name:
                     name = name.replace(part, target)
-                    self._fused_slice(params[name], target, shard).copy_(tensor)
+                    if name not in skip:
+                        self._fused_slice(params[name], target, shard).copy_(tensor)
                     break
             else:
+                if name in skip:
+                    continue
                 if name not in params:
                     raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
                 params[name].data.copy_(tensor)

@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from radixserve.model import quant
 from radixserve.model.config import ModelConfig
 from radixserve.model.layers import RotaryEmbedding
 from radixserve.model.llama import LlamaForCausalLM
@@ -32,8 +33,14 @@ def resolve_model_path(model: str | None) -> Path:
     return path
 
 
-def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+def load_model(
+    path: Path, dtype: torch.dtype, device: torch.device, quantization: str | None = None
+) -> LlamaForCausalLM:
+    """The model in ``path``; with ``quantization`` ("int8"), its decoder Linears quantized
+    (``model/quant.py``), from a cached int8 copy where one is current."""
     cfg = ModelConfig.from_dir(path)
+    if quantization is not None:
+        quant.check_supported(quantization, dtype, device)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     model = model.to_empty(device=device).to(dtype)
@@ -50,7 +57,11 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> LlamaFor
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
                     yield name, f.get_tensor(name)
 
-    model.load_weights(tensors())
+    if quantization is None:
+        model.load_weights(tensors())
+    else:
+        quant.load_int8(model, path, lambda skip: model.load_weights(tensors(), skip))
+        model.quantization = quantization
     model.prepack()
     return model.eval()
 

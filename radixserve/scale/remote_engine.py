@@ -105,12 +105,19 @@ class ReplicaSetEngine:
         return tokenize(self.model.tokenizer, prompt)
 
     def stats(self) -> EngineStats:
-        """The replicas' latest stats, summed (tiers left out)."""
+        """The replicas' latest stats, summed (tiers left out); per-key counters (speculation's, by
+        draft source) summed key by key."""
         total = EngineStats()
         fields = [f for f in EngineStats.__struct_fields__ if f != "tiers"]
         for s in self._stats.values():
             for f in fields:
-                setattr(total, f, getattr(total, f) + getattr(s, f))
+                mine, theirs = getattr(total, f), getattr(s, f)
+                if isinstance(mine, dict):
+                    setattr(
+                        total, f, {k: mine.get(k, 0) + theirs.get(k, 0) for k in mine.keys() | theirs.keys()}
+                    )
+                else:
+                    setattr(total, f, mine + theirs)
         return total
 
     async def flush_cache(self) -> bool:

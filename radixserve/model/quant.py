@@ -1,0 +1,215 @@
+"""int8 weights on CPU (``--quantization int8``): the decoder layers' linear weights held as int8, one
+symmetric scale per output channel, quantized at load and cached beside the fp32 weights.
+
+Why: on CPU a decode step is bound by reading the weights; int8 reads a quarter of the bytes.
+
+- Scheme: weight ``W[o, :] ~ q[o, :] * s[o]`` with ``q`` in [-127, 127]. Each step quantizes its
+  activations the same way, one scale per row (token), and multiplies int8 by int8 into int32 through
+  ``torch._int_mm`` (oneDNN's int8 matmul, VNNI where the CPU has it); the int32 sums are exact, so the
+  only error is the two roundings. Per-row activation scales keep a token's result independent of the
+  other tokens in its step (``quantized::linear_dynamic``, the torch.ao kernel, takes one scale for the
+  whole step, so a request's output would shift with its batchmates). ``benchmarks/quant_bench.py``
+  times both kernels on the machine at hand; torchao was not installed or tried.
+- What is quantized: every Linear inside the decoder layers (q/k/v, o, gate/up, down). The embedding
+  and the LM head (tied to it in SmolLM2) stay fp32, as vLLM and SGLang keep an unquantized
+  checkpoint's head: the head is a sixth of SmolLM2-135M's weights, so the model shrinks ~2.5x while
+  its linear weights shrink 4x. The fp32 copy of a quantized weight is not kept.
+- Compiled step: the activation quantization and rescaling are plain tensor ops and ``_int_mm`` an
+  aten op, so the captured graph (``model/capture.py``) fuses the element-wise work around it and
+  computes what the eager path computes.
+- Cache: ``${XDG_CACHE_HOME:-~/.cache}/radixserve/models/<model folder>-int8-<hash of its path>/``,
+  beside the default model's fp32 conversion. Its marker records the scheme version and the name, size
+  and mtime of each source file (``config.json``, ``*.safetensors``); a mismatch rebuilds it, under a
+  file lock and atomically, as the fp32 conversion is built (``default_model.build_atomically``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from filelock import FileLock
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from radixserve.model.layers import Linear
+
+logger = logging.getLogger("radixserve.model")
+
+QUANTIZATIONS = ("int8",)
+# Bump when the quantized weights a source gives change, so stale cached copies are rebuilt.
+SCHEME_VERSION = 1
+MARKER_NAME = "QUANTIZATION_COMPLETE"
+WEIGHTS_NAME = "int8.safetensors"
+QMAX = 127
+
+
+def check_supported(quantization: str, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse what the int8 path does not run: another scheme, a GPU, or a dtype other than fp32."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    if device.type != "cpu" or dtype != torch.float32:
+        raise ValueError(
+            f"--quantization {quantization} runs on CPU in float32 (its kernel is oneDNN's int8 matmul); "
+            f"got device {device.type}, dtype {str(dtype).removeprefix('torch.')}"
+        )
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 of each row of ``x [M, K]``: ``(q [M, K] int8, scale [M, 1] fp32)``, ``x ~ q * scale``.
+    An all-zero row gets scale 1 (its ``q`` is zero either way)."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
+    q = torch.round(x / scale).clamp(-QMAX, QMAX).to(torch.int8)
+    return q, scale
+
+
+def int8_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x @ W.T + bias`` with ``W ~ qweight * scale[:, None]`` and ``x`` quantized per row."""
+    rows = x.reshape(-1, x.shape[-1])
+    qx, x_scale = quantize_rows(rows)
+    out = torch._int_mm(qx, qweight.t()).float() * x_scale * scale
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], qweight.shape[0])
+
+
+class Int8Linear(nn.Module):
+    """A Linear whose weight is int8 with one fp32 scale per output channel (``quantize_rows``)."""
+
+    qweight: torch.Tensor
+    scale: torch.Tensor
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scale", torch.ones(out_features))
+        self.bias = nn.Parameter(bias.detach().float(), requires_grad=False) if bias is not None else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
+        out = cls(linear.in_features, linear.out_features, linear.bias)
+        qweight, scale = quantize_rows(linear.weight.detach())
+        out.qweight, out.scale = qweight, scale.squeeze(1)
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return int8_linear(x, self.qweight, self.scale, self.bias)
+
+
+def quantized_linears(model: nn.Module) -> list[str]:
+    """Names of the Linears ``--quantization int8`` turns into ``Int8Linear``: those of the decoder
+    layers (the LM head, often tied to the embedding, stays fp32)."""
+    return [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear | Int8Linear) and name.startswith("layers.")
+    ]
+
+
+def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, new)
+
+
+def load_int8(model: nn.Module, path: Path, load_source: Callable[[frozenset[str]], None]) -> None:
+    """Turn ``model``'s decoder Linears into Int8Linears with weights from the cached int8 copy of the
+    model folder ``path``, made first (from the fp32 weights) if missing or stale. ``load_source(skip)``
+    loads the folder's own weights, passing over the parameters named in ``skip``."""
+    target = cache_dir_for(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    names = quantized_linears(model)
+    with FileLock(str(target.parent / f"{target.name}.lock")):
+        identity = source_identity(path)
+        if is_current(target, identity):
+            for name in names:
+                lin = model.get_submodule(name)
+                assert isinstance(lin, Linear)
+                _swap(model, name, Int8Linear(lin.in_features, lin.out_features, lin.bias))
+            load_source(frozenset(f"{n}.weight" for n in names))
+            _read_cache(model, target / WEIGHTS_NAME, names)
+            return
+        logger.info("quantizing %s to int8 (cached in %s)", path, target)
+        load_source(frozenset())
+        for name in names:
+            lin = model.get_submodule(name)
+            assert isinstance(lin, nn.Linear)
+            _swap(model, name, Int8Linear.from_linear(lin))
+        from radixserve.model.default_model import build_atomically
+
+        build_atomically(target, lambda staging: _write_cache(model, staging, names, identity))
+
+
+def cache_dir_for(path: Path) -> Path:
+    """Where the int8 copy of the model folder ``path`` lives (see the module's docstring)."""
+    cache_root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    where = hashlib.blake2b(str(path.resolve()).encode(), digest_size=6).hexdigest()
+    return Path(cache_root) / "radixserve" / "models" / f"{path.resolve().name}-int8-{where}"
+
+
+def source_identity(path: Path) -> dict[str, Any]:
+    """What the int8 copy was made from: the scheme, and each source file's name, size and mtime."""
+    files = sorted([path / "config.json", *path.glob("*.safetensors")])
+    return {
+        "scheme": "int8-per-channel-symmetric",
+        "version": SCHEME_VERSION,
+        "source": str(path.resolve()),
+        "files": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files],
+    }
+
+
+def is_current(target: Path, identity: dict[str, Any]) -> bool:
+    marker = target / MARKER_NAME
+    try:
+        return bool(json.loads(marker.read_text()) == identity)
+    except (OSError, ValueError):
+        return False
+
+
+def _write_cache(model: nn.Module, out_dir: Path, names: list[str], identity: dict[str, Any]) -> None:
+    from radixserve.model.default_model import write_json
+
+    tensors: dict[str, torch.Tensor] = {}
+    for name in names:
+        lin = model.get_submodule(name)
+        assert isinstance(lin, Int8Linear)
+        tensors[f"{name}.qweight"] = lin.qweight.contiguous()
+        tensors[f"{name}.scale"] = lin.scale.contiguous()
+    save_file(tensors, str(out_dir / WEIGHTS_NAME))
+    write_json(out_dir / MARKER_NAME, identity)  # last: the folder is complete once it exists
+
+
+def _read_cache(model: nn.Module, file: Path, names: list[str]) -> None:
+    with safe_open(str(file), framework="pt") as f:
+        for name in names:
+            lin = model.get_submodule(name)
+            assert isinstance(lin, Int8Linear)
+            qweight, scale = f.get_tensor(f"{name}.qweight"), f.get_tensor(f"{name}.scale")
+            if qweight.shape != lin.qweight.shape or scale.shape != lin.scale.shape:
+                raise ValueError(f"cached int8 weights of {name} do not fit the model ({file})")
+            lin.qweight, lin.scale = qweight, scale
+
+
+def weight_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes held for the weights: the decoder layers' linears and the whole model (a tied tensor once)."""
+    seen: set[int] = set()
+    total = linears = 0
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.data_ptr() in seen or name.startswith("rotary."):
+            continue
+        seen.add(t.data_ptr())
+        n = t.numel() * t.element_size()
+        total += n
+        if name.startswith("layers.") and name.rsplit(".", 2)[-2].endswith("proj"):
+            linears += n
+    return {"linear_bytes": linears, "total_bytes": total}
