@@ -137,8 +137,11 @@ def main() -> None:
     model = str(resolve_model_path(args.model))
     tok = load_tokenizer(model)
     specs = {
+        # An odd number of documents: the workload interleaves them (d0 q0, d1 q0, ...), so with an even
+        # number round-robin over 2 replicas would send every document's questions to one replica by
+        # accident, and look cache-aware.
         "rag": WorkloadSpec(
-            "rag", num_docs=4, questions_per_doc=4, doc_tokens=512, output_tokens=args.output_tokens
+            "rag", num_docs=5, questions_per_doc=4, doc_tokens=512, output_tokens=args.output_tokens
         ),
         "multiturn": WorkloadSpec(
             "multiturn", num_sessions=4, turns=3, turn_tokens=128, output_tokens=args.output_tokens
