@@ -154,6 +154,9 @@ class RadixCache:
         self.on_free = on_free
         self.lower = lower
         self._clock = 0
+        # Counts inserts that added tokens: a lookup that found nothing finds nothing more until it moves
+        # (``continuation``'s callers skip the walk meanwhile).
+        self.num_growths = 0
         self._evictable = 0
         self._protected = 0
         self._roots: dict[Hashable, TreeNode] = {}
@@ -289,6 +292,7 @@ class RadixCache:
             if self.listener is not None:
                 self.listener.stored(leaf.hashes)
             node.children[self._child_key(leaf.key)] = leaf
+            self.num_growths += 1
             self._evictable += len(leaf.pages)
             leaf.priority = priority
             node = leaf

@@ -70,6 +70,9 @@ class DraftState:
     k: int
     gain: float = 3 * MIN_GAIN
     paused: int = 0  # steps left without drafting
+    # The tree's ``num_growths`` when it last had no continuation for this request. Until the tree
+    # grows, a longer context has none either (it extends the one that missed), so the walk is skipped.
+    tree_missed_at: int = -1
     next_pause: int = _FIRST_PAUSE
 
 
@@ -108,8 +111,10 @@ class Drafter:
             if k <= 0:
                 continue
             draft, source = [], "tree"
-            if self.tree is not None:
+            if self.tree is not None and state.tree_missed_at != self.tree.num_growths:
                 draft = self.tree.continuation(req.token_ids, req.cache_salt, k)
+                if not draft:
+                    state.tree_missed_at = self.tree.num_growths
             if not draft:
                 state.index.update(req.token_ids)
                 draft, source = state.index.lookup(req.token_ids, k, self.min_n), "prompt"

@@ -61,7 +61,9 @@ def pick_tokens(
 
     argmax = processed.argmax(dim=-1)
     targets = argmax.tolist()
-    probs = None if batch.all_greedy else sampler.target_probs(processed, batch)
+    # Unnormalised, as plain sampling draws from them, so a row without drafts gets the very token it would
+    # have got in a step without any drafts (the same draws of its generator on the same numbers).
+    probs = None if batch.all_greedy else sampler.filtered_probs(processed, batch)
     chosen = argmax.clone()
     picked: list[list[int]] = []
     start = 0

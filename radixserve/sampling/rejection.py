@@ -37,11 +37,12 @@ def verify_greedy(draft: Sequence[int], targets: Sequence[int]) -> list[int]:
 def verify_sampled(
     draft: Sequence[int], probs: Tensor, generator: torch.Generator | None = None
 ) -> list[int]:
-    """Rejection sampling of ``draft`` against ``probs`` ([len(draft) + 1, V], rows normalised): the
-    accepted drafts, then one token from the residual of the first rejection or from the last row."""
+    """Rejection sampling of ``draft`` against ``probs`` ([len(draft) + 1, V], rows need not be
+    normalised): the accepted drafts, then one token from the residual of the first rejection or from
+    the last row."""
     out: list[int] = []
     for j, d in enumerate(draft):
-        p = probs[j]
+        p = probs[j] / probs[j].sum()
         u = torch.rand((), generator=generator, device=p.device)
         if u < p[d]:
             out.append(d)

@@ -202,6 +202,12 @@ class Sampler:
         return processed.argmax(dim=-1) if batch.all_greedy else _sample(processed, batch)
 
     @staticmethod
+    def filtered_probs(processed: Tensor, batch: SamplingBatch) -> Tensor:
+        """What ``choose`` draws sampled rows from: after temperature, top-k, top-p and min-p, filtered
+        tokens 0, rows not normalised."""
+        return _filtered_probs(processed, batch)
+
+    @staticmethod
     def target_probs(processed: Tensor, batch: SamplingBatch) -> Tensor:
         """The distribution ``choose`` draws each row from: after temperature, top-k, top-p and min-p,
         normalised; one-hot on the argmax for greedy rows."""
