@@ -38,6 +38,7 @@ from urllib.parse import urlsplit
 import httpx
 from tqdm.auto import tqdm
 
+from benchmarks.common import cpu_flags, cpu_model
 from benchmarks.metrics import RequestResult, parse_prometheus, prefix_delta, summarize
 from benchmarks.workloads import WORKLOADS, Corpus, Workload, WorkloadSpec, build_workload, load_tokenizer
 
@@ -355,14 +356,9 @@ def run_benchmark(
 
 
 def machine_info() -> dict[str, Any]:
-    cpu = platform.processor()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
     return {
-        "cpu": cpu,
+        "cpu": cpu_model(),
+        "cpu_flags": cpu_flags(),
         "cpus": os.cpu_count(),
         "platform": platform.platform(),
         "python": platform.python_version(),

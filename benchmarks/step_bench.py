@@ -3,38 +3,38 @@
 Runs the engine's own ModelRunner over its paged pool (no scheduler, sampler or HTTP), for each
 configuration given (attention backend, compiled or eager), side by side in one process. Beside
 the steps it measures the machine's limits in the same run: streaming read bandwidth over a buffer
-larger than the last-level cache, and the fp32 GFLOP/s of a large matrix product. A step's limit is
-the larger of its bytes over the bandwidth (every weight once, plus each row's K/V context) and its
-flops over the peak; "% of limit" is limit / measured time.
+larger than the last-level cache, and the GFLOP/s of a large matrix product in each arithmetic used.
+A step's limit is the larger of its bytes over the bandwidth (every weight once in its format, plus
+each row's K/V context at its dtype) and its flops over the peaks; "% of limit" is limit / measured
+time (benchmarks/modes.py does the accounting).
 
-    python -m benchmarks.step_bench [--configs torch,cpu,cpu+compile] [--batches 1,8,32] [--context 512]
+    python -m benchmarks.step_bench [--configs torch-eager,cpu-eager,cpu-captured] [--batches 1,8,32]
+    python -m benchmarks.step_bench --modes all [--contexts 512,2048] [--accuracy results.json]
 
-Writes benchmarks/results/step_bench.{json,md}.
+With ``--modes`` it runs issue 21's modes (weights x KV dtype x prefill arithmetic, presets: see
+benchmarks/step_modes.py) as served, instead of the configurations.
+
+Writes benchmarks/results/step_bench.{json,md} (with --modes: step_modes.{json,md,-decode.png,-prefill.png};
+``--out``/``--name`` to write elsewhere).
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import subprocess
+import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.common import write_results
+from benchmarks.common import RESULTS, write_results
+from benchmarks.modes import Formats, Limits, Shapes, StepModel
 from radixserve import Engine
 from radixserve.model.runner import SeqChunk
-
-
-@dataclass
-class Limits:
-    bandwidth_gb_s: float  # streaming read, 2 threads, buffer beyond the caches
-    peak_gflop_s: float  # fp32 matmul 2048^3
-
-    def seconds(self, nbytes: float, flops: float) -> float:
-        return max(nbytes / (self.bandwidth_gb_s * 1e9), flops / (self.peak_gflop_s * 1e9))
 
 
 def median_of(fn: Callable[[], Any], repeats: int) -> float:
@@ -48,50 +48,37 @@ def median_of(fn: Callable[[], Any], repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def measure_limits(repeats: int = 5) -> Limits:
+def runs_in_subprocess(code: str) -> bool:
+    """Whether ``code`` runs in a fresh interpreter: an instruction the CPU lists but traps on (AMX on
+    some VMs) kills that process, not this one."""
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return False
+    return proc.returncode == 0
+
+
+PEAK_PROBES = {
+    "int8": "import torch; a = torch.ones(64, 64, dtype=torch.int8); torch._int_mm(a, a)",
+    "bf16": "import torch; a = torch.ones(64, 64, dtype=torch.bfloat16); a @ a",
+}
+
+
+def measure_limits(repeats: int = 5, arithmetics: Iterable[str] = ("fp32",)) -> Limits:
+    """Read bandwidth and the peak of each of ``arithmetics`` (fp32 always; int8 ``torch._int_mm``
+    and bf16 matmul where asked and where they run) on 2048^3 products."""
     buf = torch.ones(2**30 // 4)  # 1 GiB: well beyond any cache
     bw = buf.numel() * 4 / min(median_of(buf.sum, repeats), median_of(lambda: buf.max(), repeats)) / 1e9
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    peak = 2 * 2048**3 / median_of(lambda: a @ b, repeats) / 1e9
-    return Limits(bw, peak)
-
-
-class Model:
-    """What a step reads and computes, from the model's shapes."""
-
-    def __init__(self, engine: Engine) -> None:
-        cfg = engine.model.config
-        self.layers, self.kv_heads, self.q_heads, self.head_dim = (
-            cfg.num_layers,
-            cfg.num_kv_heads,
-            cfg.num_heads,
-            cfg.head_dim,
-        )
-        linears = [m for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
-        self.linear_params = sum(m.weight.numel() for m in linears)
-        self.body_params = self.linear_params - engine.model.lm_head.weight.numel()
-        self.vocab_x_hidden = engine.model.lm_head.weight.numel()
-
-    def kv_bytes(self, tokens: int) -> int:
-        return 2 * self.layers * tokens * self.kv_heads * self.head_dim * 4
-
-    def attention_flops(self, queries: int, keys: float) -> float:
-        return 4.0 * queries * keys * self.q_heads * self.head_dim * self.layers
-
-    def decode(self, batch: int, context: int) -> tuple[float, float]:
-        """(bytes, flops) of one decode step."""
-        nbytes = self.linear_params * 4 + batch * self.kv_bytes(context)
-        flops = 2.0 * batch * self.linear_params + self.attention_flops(batch, context)
-        return nbytes, flops
-
-    def prefill(self, new: int, cached: int) -> tuple[float, float]:
-        nbytes = self.linear_params * 4 + self.kv_bytes(cached + new)
-        flops = (
-            2.0 * new * self.body_params
-            + 2.0 * self.vocab_x_hidden
-            + self.attention_flops(new, cached + new / 2)
-        )
-        return nbytes, flops
+    n = 2048
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    peaks = {"fp32": 2 * n**3 / median_of(lambda: a @ b, repeats) / 1e9}
+    if "int8" in arithmetics and runs_in_subprocess(PEAK_PROBES["int8"]):
+        qa, qb = (torch.randint(-127, 128, (n, n), dtype=torch.int8) for _ in range(2))
+        peaks["int8"] = 2 * n**3 / median_of(lambda: torch._int_mm(qa, qb), repeats) / 1e9
+    if "bf16" in arithmetics and runs_in_subprocess(PEAK_PROBES["bf16"]):
+        ha, hb = a.bfloat16(), b.bfloat16()
+        peaks["bf16"] = 2 * n**3 / median_of(lambda: ha @ hb, repeats) / 1e9
+    return Limits(bw, peaks)
 
 
 class Steps:
@@ -113,17 +100,27 @@ class Steps:
         for t in tables:
             self.free.extend(t)
 
-    def decode(self, batch: int, context: int, repeats: int) -> float:
+    def decode_step(
+        self, batch: int, context: int, max_steps: int, prefill: bool = True
+    ) -> tuple[Callable[[], None], list[list[int]]]:
+        """A call that runs one more decode step of ``batch`` sequences of ``context`` tokens (at most
+        ``max_steps`` calls), and the page tables to ``release`` after. ``prefill``: compute the
+        context's K/V first; else the pages hold what they hold, which changes no kernel's work."""
         seqs = [self.tokens(context) for _ in range(batch)]
-        tables = [self.pages(context + repeats + 2) for _ in range(batch)]
-        for s, t in zip(seqs, tables):  # prefill one at a time: each in its own chunks
-            self.runner.run([SeqChunk(s, 0, len(s), t)])
+        tables = [self.pages(context + max_steps + 2) for _ in range(batch)]
+        if prefill:
+            for s, t in zip(seqs, tables):  # one at a time: each in its own chunks
+                self.runner.run([SeqChunk(s, 0, len(s), t)])
 
         def step() -> None:
             for s in seqs:
                 s.append(self.rng.randrange(100, 40000))
             self.runner.run([SeqChunk(s, len(s) - 1, 1, t) for s, t in zip(seqs, tables)])
 
+        return step, tables
+
+    def decode(self, batch: int, context: int, repeats: int, prefill: bool = True) -> float:
+        step, tables = self.decode_step(batch, context, repeats + 1, prefill)
         seconds = median_of(step, repeats)
         self.release(tables)
         return seconds
@@ -146,30 +143,55 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-def main() -> None:
+def fp32_model(engine: Engine) -> StepModel:
+    cfg = engine.model.config
+    return StepModel(Shapes.of(cfg), Formats.uniform(cfg.num_layers, "f32"), "float32")
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.step_bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {sorted(CONFIGS)}")
-    parser.add_argument("--batches", default="1,8,32")
-    parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--prefill", type=int, default=512)
-    parser.add_argument("--extend", default="100/500,512/512", help="new/cached pairs")
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=None)
-    args = parser.parse_args()
+    a = parser.add_argument
+    a("--configs", default=",".join(CONFIGS), help=f"comma list of {sorted(CONFIGS)}")
+    a("--modes", default=None, help="issue 21's modes (benchmarks/modes.py names, or all, grid, arith)")
+    a("--batches", default="1,8,32")
+    a("--context", type=int, default=512, help="decode context of the configurations")
+    a("--contexts", default="512,2048", help="decode contexts of the modes")
+    a("--prefill", type=int, default=512)
+    a("--extend", default=None, help="new/cached pairs (default: 100/500,512/512; with --modes 100/500)")
+    a("--repeats", type=int, default=7)
+    a("--threads", type=int, default=None)
+    a("--prefill-decode", action="store_true", help="modes: compute the decode rows' K/V first")
+    a("--arith-decode", action="store_true", help="modes: decode in the prefill-arithmetic modes too")
+    a("--accuracy", type=Path, default=None, help="modes: an accuracy_bench JSON to show beside the speed")
+    a("--out", type=Path, default=RESULTS, help="folder of the result files")
+    a("--name", default=None, help="result file stem (default: step_bench, with --modes step_modes)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.modes:
+        from benchmarks.step_modes import run_modes
+
+        run_modes(args)
+        return
+    args.extend = args.extend or "100/500,512/512"
     batches = [int(b) for b in args.batches.split(",")]
     extends = [tuple(int(x) for x in pair.split("/")) for pair in args.extend.split(",")]
     limits = measure_limits()
     print(f"limits: {limits}", flush=True)
-    results: dict[str, Any] = {"limits": vars(limits), "configs": {}}
+    results: dict[str, Any] = {"limits": limits.as_json(), "configs": {}}
     rows: list[list[Any]] = []
-    model: Model | None = None
+    model: StepModel | None = None
     for name in args.configs.split(","):
         engine = Engine(prefix_cache=False, kv_cache_gb=2.0, **CONFIGS[name])
-        model = model or Model(engine)
+        model = model or fp32_model(engine)
         steps = Steps(engine)
         res: dict[str, Any] = {}
         for b in batches:
@@ -185,7 +207,7 @@ def main() -> None:
             print(rows[-1], flush=True)
         for new, cached in [(args.prefill, 0), *extends, *((n, 0) for n, c in extends if c)]:
             t = steps.extend(new, cached, max(3, args.repeats // 2))
-            limit = limits.seconds(*model.prefill(new, cached))
+            limit = limits.seconds(*model.prefill(new, cached, None))
             key = f"prefill_{new}" if not cached else f"extend_{new}_over_{cached}"
             res[key] = {
                 "ms": t * 1e3,
@@ -206,13 +228,14 @@ def main() -> None:
         results["configs"][name] = res
         del engine, steps
     write_results(
-        "step_bench",
-        {"args": vars(args), **results},
+        args.name or "step_bench",
+        {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, **results},
         rows,
         ["config", "step", "ms", "limit ms", "% of limit", "tok/s"],
         f"One engine step vs its physical limit (SmolLM2-135M, fp32; read bandwidth "
-        f"{limits.bandwidth_gb_s:.1f} GB/s, fp32 peak {limits.peak_gflop_s:.0f} GFLOP/s, measured in this "
-        "run)",
+        f"{limits.bandwidth_gb_s:.1f} GB/s, fp32 peak {limits.peaks_gflop_s['fp32']:.0f} GFLOP/s, "
+        "measured in this run)",
+        args.out,
     )
 
 
