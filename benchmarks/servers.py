@@ -13,6 +13,9 @@ from pathlib import Path
 
 import httpx
 
+# The model name every benchmark server serves under (run_vllm.sh and run_llama_server.sh use it too).
+SERVED_NAME = "smollm2"
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -1,0 +1,178 @@
+"""Issue 21's benchmark arithmetic with known answers (no model, no server): the bytes of each weight
+format and KV dtype, the physical limit by arithmetic, the modes' knobs and their flags, and the
+accuracy maths on synthetic scores."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import modes
+from benchmarks.accuracy import Scored, agreement, parse_choice
+from benchmarks.accuracy_bench import compare_scores
+from benchmarks.common import cpu_flags
+from benchmarks.modes import Formats, Limits, Shapes, StepModel, kv_token_bytes, matrix_bytes
+
+# SmolLM2-135M's shapes
+SMOL = Shapes(hidden=576, intermediate=1536, layers=30, heads=9, kv_heads=3, head_dim=64, vocab=49152)
+
+
+def test_matrix_bytes_per_format() -> None:
+    assert matrix_bytes("f32", 10, 64) == 10 * 64 * 4
+    assert matrix_bytes("bf16", 10, 64) == 10 * 64 * 2
+    assert matrix_bytes("int8", 10, 64) == 10 * 64 + 10 * 4  # 1 byte a weight + an fp32 scale a row
+    assert matrix_bytes("q4_1", 10, 64) == 10 * 2 * 20  # 20 bytes per 32 weights
+    assert matrix_bytes("q4_0", 10, 64) == 10 * 2 * 18
+    assert matrix_bytes("q8_0", 10, 64) == 10 * 2 * 34
+    assert matrix_bytes("q4_k", 2, 512) == 2 * 2 * 144
+    with pytest.raises(ValueError, match="blocks of 32"):
+        matrix_bytes("q4_1", 10, 48)
+    with pytest.raises(ValueError, match="unknown weight format 'q3_k'"):
+        matrix_bytes("q3_k", 1, 256)
+
+
+def test_block_formats_agree_with_the_gguf_package() -> None:
+    gguf = pytest.importorskip("gguf")
+    for name, (block, nbytes) in modes.BLOCK_FORMATS.items():
+        assert tuple(gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name.upper()]]) == (block, nbytes)
+
+
+def test_kv_bytes_per_token_with_int8_scales() -> None:
+    # K and V x 30 layers x 3 heads x 64 dims
+    assert kv_token_bytes("float32", 30, 3, 64) == 2 * 30 * 3 * 64 * 4 == 46080
+    assert kv_token_bytes("bfloat16", 30, 3, 64) == 46080 // 2
+    assert kv_token_bytes("int8", 30, 3, 64) == 46080 // 4 + 2 * 30 * 3 * 4  # + a scale per token and head
+    with pytest.raises(ValueError, match="fp4"):
+        kv_token_bytes("fp4", 30, 3, 64)
+
+
+def test_step_bytes_of_fp32_gguf_and_int8_weights() -> None:
+    fp32 = StepModel(SMOL, Formats.uniform(30, "f32"), "float32")
+    body, head = fp32.weight_bytes()
+    assert body == 30 * 4 * (2 * 576 * 576 + 2 * 192 * 576 + 3 * 1536 * 576)  # q, o; k, v; gate, up, down
+    assert head == 49152 * 576 * 4  # 113 MB, the issue's figure
+    gguf = StepModel(SMOL, Formats.uniform(30, "q4_1", head="q8_0"), "bfloat16")
+    g_body, g_head = gguf.weight_bytes()
+    assert g_body * 4 * 32 == body * 20  # 20 bytes per 32 weights against 4 bytes a weight
+    assert g_head == 49152 * 18 * 34
+    nbytes, _ = gguf.decode(8, 512)
+    assert nbytes == g_body + g_head + 8 * 512 * 46080 / 2
+    int8 = StepModel(SMOL, Formats.uniform(30, "int8", head="f32"), "int8")
+    i_body, i_head = int8.weight_bytes()
+    assert i_body == body // 4 + 30 * 4 * (576 + 192 + 192 + 576 + 1536 + 1536 + 576)  # + row scales
+    assert i_head == head
+    assert int8.decode(1, 100)[0] == i_body + i_head + 100 * kv_token_bytes("int8", 30, 3, 64)
+
+
+def test_mixed_gguf_layers_are_counted_layer_by_layer() -> None:
+    layers = Formats.uniform(2, "q4_1").layers
+    mixed = Formats(({**layers[0], "ffn_down": "q6_k"}, layers[1]), head="q6_k")
+    model = StepModel(Shapes(256, 512, 2, 4, 2, 64, 1024), mixed, "float32")
+    body, head = model.weight_bytes()
+    plain, _ = StepModel(
+        Shapes(256, 512, 2, 4, 2, 64, 1024), Formats.uniform(2, "q4_1"), "float32"
+    ).weight_bytes()
+    assert body - plain == 256 * (2 * 210 - 16 * 20)  # one down projection [256, 512]: q6_k vs q4_1 rows
+    assert head == 1024 * 210 and "q4_1 x 13, q6_k x 1" in mixed.describe()
+
+
+def test_flops_go_to_the_arithmetic_that_runs_them() -> None:
+    model = StepModel(SMOL, Formats.uniform(30, "int8", head="f32"), "float32")
+    _, flops = model.decode(4, 100)
+    linear = 2.0 * 4 * 30 * (2 * 576 * 576 + 2 * 192 * 576 + 3 * 1536 * 576)
+    head = 2.0 * 4 * 49152 * 576
+    attention = 4.0 * 4 * 100 * 9 * 64 * 30
+    assert flops == {"int8": pytest.approx(linear), "fp32": pytest.approx(head + attention)}
+    _, prefill = StepModel(SMOL, Formats.uniform(30, "f32"), "float32").prefill(512, 0, "bf16")
+    assert set(prefill) == {"bf16", "fp32"}  # the linears at bf16; the head (last row) and attention fp32
+    assert prefill["bf16"] == pytest.approx(2.0 * 512 * linear / (2.0 * 4))
+
+
+def test_limit_is_the_bytes_or_the_arithmetic_each_at_its_peak() -> None:
+    limits = Limits(bandwidth_gb_s=10.0, peaks_gflop_s={"fp32": 100.0, "int8": 400.0})
+    assert limits.seconds(1e9, {"fp32": 1e9}) == pytest.approx(0.1)  # bytes: 1 GB at 10 GB/s
+    assert limits.seconds(1e6, {"fp32": 50e9}) == pytest.approx(0.5)  # compute-bound
+    assert limits.seconds(1e6, {"fp32": 10e9, "int8": 80e9}) == pytest.approx(0.1 + 0.2)  # one after another
+    with pytest.raises(ValueError, match="no measured peak for bf16"):
+        limits.seconds(1e6, {"bf16": 1.0})
+    assert limits.as_json()["peak_gflop_s"] == 100.0  # step_bench's key of the fp32 peak
+
+
+def test_modes_pass_known_knobs_explicitly_and_leave_out_missing_defaults() -> None:
+    ref = modes.MODES["fp32"]
+    with_knobs = {"quantization", "kv_cache_dtype", "prefill_arithmetic", "preset"}
+    assert modes.engine_options(ref, with_knobs) == {
+        "quantization": None,
+        "kv_cache_dtype": "float32",  # explicit: a later default ("auto") cannot change the reference
+        "prefill_arithmetic": "exact",
+    }
+    assert modes.engine_options(ref, {"quantization"}) == {"quantization": None}
+    bf16 = modes.MODES["gguf+kv-bf16"]
+    assert modes.engine_options(bf16, {"quantization"}) == {
+        "quantization": "gguf",
+        "kv_cache_dtype": "bfloat16",
+    }
+    assert modes.engine_options(modes.MODES["fast"], with_knobs) == {"preset": "fast"}
+    assert modes.server_flags({"quantization": "gguf", "kv_cache_dtype": "int8", "preset": None}) == [
+        "--quantization",
+        "gguf",
+        "--kv-cache-dtype",
+        "int8",
+    ]
+
+
+def test_unavailable_names_the_missing_knob_or_choice() -> None:
+    assert modes.unavailable({"quantization": "int8"}) is None
+    assert "no_such_knob" in (modes.unavailable({"no_such_knob": 1}) or "")
+    assert "fp4" in (modes.unavailable({"quantization": "fp4"}) or "")
+
+
+def test_parse_modes_expands_groups_once_and_refuses_unknown_names() -> None:
+    grid = modes.parse_modes("grid")
+    assert len(grid) == 9 and {(m.weights, m.kv) for m in grid} == {
+        (w, kv) for w in modes.WEIGHTS for kv in modes.KV_DTYPES
+    }
+    picked = [m.name for m in modes.parse_modes("fp32,arith,fp32")]
+    assert picked[0] == "fp32" and picked.count("fp32") == 1
+    assert "fp32+prefill-int8" in picked and "gguf+prefill-bf16" in picked
+    assert len(modes.parse_modes("all")) == len(modes.MODES)
+    with pytest.raises(ValueError, match="unknown mode 'fp4'.*groups: all"):
+        modes.parse_modes("fp32,fp4")
+
+
+def _scored(logliks: list[float], top1: list[str]) -> Scored:
+    return Scored(["<t0>"] + [f"t{i}" for i in range(1, len(logliks) + 1)], logliks, top1)
+
+
+def test_agreement_mean_max_and_top1_on_synthetic_scores() -> None:
+    ref = [_scored([-1.0, -2.0, -0.5], ["a", "b", "c"]), _scored([-3.0], ["x"])]
+    test = [_scored([-1.1, -2.0, -0.2], ["a", "z", "c"]), _scored([-2.5], ["x"])]
+    acc = agreement(ref, test)
+    assert acc.tokens == 4
+    assert acc.mean_abs_dloglik == pytest.approx((0.1 + 0.0 + 0.3 + 0.5) / 4)
+    assert acc.max_abs_dloglik == pytest.approx(0.5)
+    assert acc.top1_agreement == pytest.approx(3 / 4)
+    assert compare_scores(ref, test)["enough_tokens"] is False  # 4 < 400
+    other = [Scored(["<t0>", "u1", "u2", "u3"], [-1.0, -2.0, -0.5], ["a", "b", "c"]), ref[1]]
+    assert "tokenized" in compare_scores(ref, other)["error"]
+
+
+def test_parse_choice_drops_the_first_token_and_any_generated_ones() -> None:
+    lp = {
+        "tokens": ["A", "B", "C", "D"],
+        "token_logprobs": [None, -1.0, -2.0, -0.1],
+        "top_logprobs": [None, {"B": -1.0, "X": -0.5}, {"C": -2.0}, {"D": -0.1}],
+    }
+    echoed = parse_choice(lp)
+    assert echoed.logliks == [-1.0, -2.0, -0.1] and echoed.top1 == ["X", "C", "D"]
+    one_new = parse_choice(lp, generated=1)  # a server that needed max_tokens 1: D is its new token
+    assert (
+        one_new.tokens == ["A", "B", "C"] and one_new.logliks == [-1.0, -2.0] and one_new.top1 == ["X", "C"]
+    )
+
+
+def test_cpu_flags_from_cpuinfo() -> None:
+    info = "processor : 0\nmodel name : Some CPU\nflags : fpu avx2 avx512f avx512_vnni amx_tile\n"
+    flags = cpu_flags(info)
+    assert flags["avx512f"] and flags["avx512_vnni"] and flags["amx_tile"] and flags["avx2"]
+    assert not flags["avx512_bf16"] and not flags["amx_int8"]
+    assert cpu_flags("") == {f: False for f in flags}
