@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks import compare
+from benchmarks import compare, compare_report
 
 
 def _run(tok_s: float, ttft_ms: float | None) -> dict[str, Any]:
@@ -26,21 +26,21 @@ def test_ratios_from_known_figures() -> None:
         "nosharing": {"radixserve": _run(30.0, 900.0), "vllm-cpu": _run(40.0, 600.0)},
         "multiturn": {"vllm-cpu": _run(40.0, 600.0)},  # radixserve missing: no ratio row
     }
-    rows = compare.ratios(results)
+    rows = compare_report.ratios(results)
     got = {(r["case"], r["versus"]): (r["throughput_ratio"], r["ttft_p50_ratio"]) for r in rows}
     assert got == {
         ("rag", "vllm-cpu"): (1.5, 0.4),
         ("rag", "llama-server"): (1.2, None),
         ("nosharing", "vllm-cpu"): (0.75, 1.5),
         # vLLM at its best dtype: only fp32 ran
-        ("rag", compare.VLLM_BEST): (1.5, 0.4),
-        ("nosharing", compare.VLLM_BEST): (0.75, 1.5),
+        ("rag", compare_report.VLLM_BEST): (1.5, 0.4),
+        ("nosharing", compare_report.VLLM_BEST): (0.75, 1.5),
     }
     assert {r["ours"] for r in rows} == {"radixserve"}
 
 
 def test_issue21_goals_take_vllm_at_its_best_dtype_per_case() -> None:
-    exact, fast = compare.EXACT, compare.FAST
+    exact, fast = compare_report.EXACT, compare_report.FAST
     results = {
         "rag": {
             exact: _run(90.0, 100.0),
@@ -56,21 +56,23 @@ def test_issue21_goals_take_vllm_at_its_best_dtype_per_case() -> None:
             "vllm-cpu-bf16": _run(110.0, 100.0),
         },
     }
-    rows = [r for name in (exact, fast) for r in compare.ratios(results, name)]
-    best = {(r["ours"], r["case"]): r for r in rows if r["versus"] == compare.VLLM_BEST}
+    rows = [r for name in (exact, fast) for r in compare_report.ratios(results, name)]
+    best = {(r["ours"], r["case"]): r for r in rows if r["versus"] == compare_report.VLLM_BEST}
     assert best[(fast, "rag")]["best"] == "vllm-cpu-bf16"
     assert best[(fast, "rag")]["throughput_ratio"] == pytest.approx(2.0)
     assert best[(fast, "multiturn")]["best"] == "vllm-cpu"
     assert best[(fast, "multiturn")]["throughput_ratio"] == pytest.approx(1.25)
-    goals = {(g["ours"], g["case"], g["versus"]): (g["value"], g["met"]) for g in compare.goal_rows(rows)}
+    goals = {
+        (g["ours"], g["case"], g["versus"]): (g["value"], g["met"]) for g in compare_report.goal_rows(rows)
+    }
     assert goals[(exact, "rag", "vllm-cpu")] == (pytest.approx(2.25), True)  # >= 2
     assert goals[(exact, "multiturn", "vllm-cpu")] == (pytest.approx(100 / 120), False)
     assert goals[(exact, "multiturn", "vllm-cpu-bf16")] == (pytest.approx(100 / 110), False)  # < 1.0
-    assert goals[(fast, "rag", compare.VLLM_BEST)] == (pytest.approx(2.0), True)  # >= 1.3
-    assert goals[(fast, "multiturn", compare.VLLM_BEST)] == (pytest.approx(1.25), False)
+    assert goals[(fast, "rag", compare_report.VLLM_BEST)] == (pytest.approx(2.0), True)  # >= 1.3
+    assert goals[(fast, "multiturn", compare_report.VLLM_BEST)] == (pytest.approx(1.25), False)
     assert goals[(exact, "rag", "llama-server")] == (pytest.approx(1.8), False)  # < 2
     assert goals[(exact, "nosharing", "vllm-cpu")] == (None, None)  # not run
-    md = compare.render_markdown(
+    md = compare_report.render_markdown(
         {
             "machine": {"date": "d", "cpu": "c", "cpus": 2, "platform": "p", "cpu_flags": {"avx512f": True}},
             "model": "m",
@@ -79,11 +81,11 @@ def test_issue21_goals_take_vllm_at_its_best_dtype_per_case() -> None:
             "skipped": [],
             "results": {},
             "ratios": rows,
-            "goals": compare.goal_rows(rows),
+            "goals": compare_report.goal_rows(rows),
             "plots": [],
         }
     )
-    assert f"| {fast} | rag | {compare.VLLM_BEST} (vllm-cpu-bf16) | 2.00x |" in md
+    assert f"| {fast} | rag | {compare_report.VLLM_BEST} (vllm-cpu-bf16) | 2.00x |" in md
     assert "CPU flags listed: avx512f" in md
 
 
