@@ -4,9 +4,13 @@ accuracy maths on synthetic scores."""
 
 from __future__ import annotations
 
-import pytest
+from types import SimpleNamespace
+from typing import Any
 
-from benchmarks import modes
+import pytest
+import torch
+
+from benchmarks import modes, step_modes
 from benchmarks.accuracy import Scored, agreement, parse_choice
 from benchmarks.accuracy_bench import compare_scores
 from benchmarks.common import cpu_flags
@@ -176,3 +180,62 @@ def test_cpu_flags_from_cpuinfo() -> None:
     assert flags["avx512f"] and flags["avx512_vnni"] and flags["amx_tile"] and flags["avx2"]
     assert not flags["avx512_bf16"] and not flags["amx_int8"]
     assert cpu_flags("") == {f: False for f in flags}
+
+
+def _fake_engine(quantization: str | None, head: torch.nn.Module, kv: torch.dtype) -> Any:
+    cfg = SimpleNamespace(num_layers=2)
+    return SimpleNamespace(
+        config=SimpleNamespace(quantization=quantization),
+        dtype=torch.float32,
+        model=SimpleNamespace(config=cfg, lm_head=head),
+        pool=SimpleNamespace(k_buffer=torch.zeros(1, dtype=kv)),
+        model_path="/nowhere",
+    )
+
+
+def test_formats_and_kv_dtype_are_read_off_the_engine() -> None:
+    fp32 = _fake_engine(None, torch.nn.Linear(4, 4), torch.float32)
+    assert step_modes.engine_formats(fp32) == Formats.uniform(2, "f32")
+    assert step_modes.engine_kv_dtype(fp32) == "float32"
+    int8_head = torch.nn.Module()
+    int8_head.register_buffer("qweight", torch.zeros(4, 4, dtype=torch.int8))
+    with_int8_head = _fake_engine("int8", int8_head, torch.bfloat16)
+    assert step_modes.engine_formats(with_int8_head) == Formats.uniform(2, "int8", head="int8")
+    assert step_modes.engine_kv_dtype(with_int8_head) == "bfloat16"
+    fp32_head = _fake_engine("int8", torch.nn.Linear(4, 4), torch.int8)
+    assert step_modes.engine_formats(fp32_head).head == "f32"
+    assert step_modes.engine_kv_dtype(fp32_head) == "int8"
+    fp32_head.pool.kv_dtype = "int8"  # a pool that names its dtype is taken at its word
+    fp32_head.pool.k_buffer = torch.zeros(1, dtype=torch.uint8)
+    assert step_modes.engine_kv_dtype(fp32_head) == "int8"
+
+
+def test_the_default_gguf_files_own_types_give_its_bytes() -> None:
+    pytest.importorskip("gguf")
+    from gguf import GGUFReader
+
+    from radixserve.model.default_model import find_default_gguf
+
+    try:
+        path = find_default_gguf()
+    except FileNotFoundError:
+        pytest.skip("the default model's GGUF file is not installed")
+    formats = step_modes.gguf_formats(path, SMOL.layers)
+    assert formats.describe() == "q4_1; head q8_0"
+    body, head = StepModel(SMOL, formats, "float32").weight_bytes()
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
+    linears = [f"blk.{i}.{n}.weight" for i in range(SMOL.layers) for n in step_modes.GGUF_NAMES]
+    assert body == sum(tensors[n] for n in linears)
+    assert head == tensors["token_embd.weight"]
+
+
+def test_limits_need_the_peaks_of_the_arithmetic_the_modes_use() -> None:
+    assert step_modes.used_arithmetics([modes.MODES["fp32"], modes.MODES["gguf+kv-bf16"]]) == {"fp32"}
+    assert step_modes.used_arithmetics([modes.MODES["int8"]]) == {"fp32", "int8"}
+    assert step_modes.used_arithmetics([modes.MODES["fp32+prefill-bf16"]]) == {"fp32", "bf16"}
+    assert step_modes.used_arithmetics([modes.MODES["fast"]]) == {"fp32", "int8", "bf16"}
+    limits = Limits(10.0, {"fp32": 100.0, "int8": 400.0})
+    auto: Any = SimpleNamespace(config=SimpleNamespace(prefill_arithmetic="auto"))
+    assert step_modes.engine_arithmetic(auto, limits) == "int8"  # the fastest peak: a lower bound
+    exact: Any = SimpleNamespace(config=SimpleNamespace())  # a build without the knob: the weights' own
+    assert step_modes.engine_arithmetic(exact, limits) is None
