@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 
 from benchmarks.accuracy import TEXTS, Scored, agreement, score, served_scores
-from benchmarks.common import RESULTS, write_results
+from benchmarks.common import RESULTS, args_json, write_results
 from benchmarks.modes import MODES, engine_options, parse_modes, server_flags, unavailable
 from benchmarks.servers import SERVED_NAME, free_port, serving
 
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     doc["load_average"] = {"before": load_before, "after": os.getloadavg()}
     write_results(
         args.name,
-        {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, **doc},
+        {"args": args_json(args), **doc},
         rows,
         HEADER,
         f"Accuracy of each mode against fp32: echo-logprob scoring of benchmarks/accuracy.TEXTS through "

@@ -61,6 +61,11 @@ def machine() -> dict[str, Any]:
     }
 
 
+def args_json(args: Any) -> dict[str, Any]:
+    """An argparse namespace as JSON values (paths as strings)."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+
+
 def best_of(fn: Callable[[], Any], repeats: int) -> float:
     """The fastest of ``repeats`` runs, in seconds: the least disturbed by a shared, noisy machine."""
     best = float("inf")

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import RESULTS, write_results
+from benchmarks.common import RESULTS, args_json, write_results
 from benchmarks.modes import Formats, Limits, Shapes, StepModel
 from radixserve import Engine
 from radixserve.model.runner import SeqChunk
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
         del engine, steps
     write_results(
         args.name or "step_bench",
-        {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, **results},
+        {"args": args_json(args), **results},
         rows,
         ["config", "step", "ms", "limit ms", "% of limit", "tok/s"],
         f"One engine step vs its physical limit (SmolLM2-135M, fp32; read bandwidth "

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import write_results
+from benchmarks.common import args_json, write_results
 from benchmarks.modes import (
     PREFILL_ARITHMETIC,
     Formats,
@@ -154,7 +154,10 @@ def run_mode(
     if why is None:
         try:
             pages = pages_needed(args, PAGE_SIZE, batches, contexts)
-            engine = Engine(prefix_cache=False, page_size=PAGE_SIZE, num_pages=pages, **options)
+            longest = max([*contexts, args.prefill, *(n + c for n, c in extends_of(args))]) + args.repeats + 8
+            engine = Engine(
+                prefix_cache=False, page_size=PAGE_SIZE, num_pages=pages, max_model_len=longest, **options
+            )
         except (TypeError, ValueError, RuntimeError, NotImplementedError) as exc:
             why = f"{type(exc).__name__}: {exc}"
     if engine is None:
@@ -216,8 +219,13 @@ def accuracy_rows(path: Path, names: list[str]) -> tuple[dict[str, Any], list[li
         acc = modes.get(name, {}).get("accuracy")
         if acc:
             rows.append(
-                [name, f"accuracy vs fp32 ({acc['tokens']} tokens): mean / max |d loglik|, top-1", ""]
-                + [acc["mean_abs_dloglik"], acc["max_abs_dloglik"], "", 100 * acc["top1_agreement"], ""]
+                [
+                    name,
+                    f"accuracy vs fp32 ({acc['tokens']} tokens): mean |d loglik| "
+                    f"{acc['mean_abs_dloglik']:.4f}, max {acc['max_abs_dloglik']:.3f}, top-1 agreement "
+                    f"{100 * acc['top1_agreement']:.1f}%",
+                ]
+                + [""] * 6
             )
     return modes, rows
 
@@ -255,7 +263,7 @@ def run_modes(args: argparse.Namespace) -> None:
     peaks = ", ".join(f"{a} {p:.0f}" for a, p in limits.peaks_gflop_s.items())
     write_results(
         name,
-        {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, **results},
+        {"args": args_json(args), **results},
         rows,
         HEADER,
         f"Issue 21's modes, one engine step each vs its physical limit (SmolLM2-135M; read bandwidth "

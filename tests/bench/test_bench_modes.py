@@ -4,6 +4,8 @@ accuracy maths on synthetic scores."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -239,3 +241,14 @@ def test_limits_need_the_peaks_of_the_arithmetic_the_modes_use() -> None:
     assert step_modes.engine_arithmetic(auto, limits) == "int8"  # the fastest peak: a lower bound
     exact: Any = SimpleNamespace(config=SimpleNamespace())  # a build without the knob: the weights' own
     assert step_modes.engine_arithmetic(exact, limits) is None
+
+
+def test_accuracy_figures_go_beside_each_modes_speed(tmp_path: Path) -> None:
+    acc = {"tokens": 432, "mean_abs_dloglik": 0.0123, "max_abs_dloglik": 0.5, "top1_agreement": 0.975}
+    doc = {"modes": {"fp32+kv-bf16": {"accuracy": acc}, "gguf": {"unavailable": "no gguf"}}}
+    path = tmp_path / "accuracy.json"
+    path.write_text(json.dumps(doc))
+    _, rows = step_modes.accuracy_rows(path, ["fp32", "fp32+kv-bf16", "gguf"])
+    assert len(rows) == 1 and rows[0][0] == "fp32+kv-bf16"
+    assert "432 tokens" in rows[0][1] and "0.0123" in rows[0][1] and "97.5%" in rows[0][1]
+    assert len(rows[0]) == len(step_modes.HEADER)
