@@ -39,6 +39,8 @@ from benchmarks.modes import (
 )
 from benchmarks.plots import plot_bars
 from benchmarks.step_bench import Steps, measure_limits
+from benchmarks.step_targets import render as render_targets
+from benchmarks.step_targets import target_rows
 from radixserve import Engine
 
 logger = logging.getLogger("benchmarks.step_modes")
@@ -255,10 +257,12 @@ def run_modes(args: argparse.Namespace) -> None:
     for mode in modes:
         results["modes"][mode.name], mode_rows = run_mode(mode, args, limits, batches, contexts)
         rows += mode_rows
+    accuracy: dict[str, Any] = {}
     if args.accuracy:
         results["accuracy_source"] = str(args.accuracy)
-        _, acc_rows = accuracy_rows(args.accuracy, [m.name for m in modes])
+        accuracy, acc_rows = accuracy_rows(args.accuracy, [m.name for m in modes])
         rows += acc_rows
+    results["targets"] = target_rows(results["modes"], accuracy)
     name = args.name or "step_modes"
     peaks = ", ".join(f"{a} {p:.0f}" for a, p in limits.peaks_gflop_s.items())
     write_results(
@@ -270,6 +274,8 @@ def run_modes(args: argparse.Namespace) -> None:
         f"{limits.bandwidth_gb_s:.1f} GB/s, peaks GFLOP/s: {peaks}; measured in this run)",
         args.out,
     )
+    with (args.out / f"{name}.md").open("a") as md:
+        md.write(render_targets(results["targets"]))
     plot_steps(results["modes"], args.out, name, limits)
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks import modes, step_modes
+from benchmarks import modes, step_modes, step_targets
 from benchmarks.accuracy import Scored, agreement, parse_choice
 from benchmarks.accuracy_bench import compare_scores
 from benchmarks.common import cpu_flags
@@ -252,3 +252,29 @@ def test_accuracy_figures_go_beside_each_modes_speed(tmp_path: Path) -> None:
     assert len(rows) == 1 and rows[0][0] == "fp32+kv-bf16"
     assert "432 tokens" in rows[0][1] and "0.0123" in rows[0][1] and "97.5%" in rows[0][1]
     assert len(rows[0]) == len(step_modes.HEADER)
+
+
+def test_step_targets_against_this_runs_fp32_mode() -> None:
+    def steps(**ms: float) -> dict[str, Any]:
+        return {"steps": {k: {"ms": v, "pct_of_limit": 100 * 10 / v} for k, v in ms.items()}}
+
+    results = {
+        "fp32": steps(decode_b1_c512=20.0, decode_b8_c512=50.0, prefill_512=400.0),  # 1 x 512 at 50% of 10 ms
+        "gguf": steps(decode_b1_c512=5.0, decode_b8_c512=25.0),  # 4x and 2x
+        "fp32+prefill-int8": steps(prefill_512=160.0),  # 2.5x
+        "gguf+kv-bf16": {"unavailable": "no"},
+    }
+    accuracy = {
+        "fp32+kv-bf16": {"accuracy": {"mean_abs_dloglik": 0.004, "top1_agreement": 0.99}},
+        "fp32+prefill-int8": {"accuracy": {"mean_abs_dloglik": 0.2, "top1_agreement": 0.93}},
+    }
+    got = {r["target"]: (r["value"], r["met"]) for r in step_targets.target_rows(results, accuracy)}
+    assert got["fp32 decode 1 x 512 at >= 60% of its byte limit"] == (pytest.approx(50.0), False)
+    assert got["GGUF-exact decode 8 x 512 >= 2.5x fp32"] == (pytest.approx(2.0), False)
+    assert got["GGUF-exact decode 1 x 512 >= 3x fp32"] == (pytest.approx(4.0), True)
+    assert got["bf16 KV decode 8 x 2048 >= 1.3x fp32 KV"] == (None, None)  # not run
+    assert got["bf16 KV mean |d loglik| <= 0.01"] == (pytest.approx(0.004), True)  # lower is better
+    assert got["fp32+prefill-int8: prefill 512 >= 2x fp32"] == (pytest.approx(2.5), True)
+    assert got["fp32+prefill-int8: top-1 agreement >= 95%"] == (pytest.approx(0.93), False)
+    md = step_targets.render(step_targets.target_rows(results, accuracy))
+    assert "| GGUF-exact decode 1 x 512 >= 3x fp32 | 4 | yes |" in md and "| not run |" in md
