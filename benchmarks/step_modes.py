@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +42,6 @@ from benchmarks.step_bench import Steps, measure_limits
 from benchmarks.step_targets import render as render_targets
 from benchmarks.step_targets import target_rows
 from radixserve import Engine
-
-logger = logging.getLogger("benchmarks.step_modes")
 
 _DTYPE_FORMAT = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 _KV_NAMES = {
@@ -191,25 +189,39 @@ def run_mode(
         )
         print(rows[-1], flush=True)
 
+    try:
+        run_steps(mode, args, steps, model, arithmetic, batches, contexts, record)
+    except (RuntimeError, ValueError, NotImplementedError) as exc:  # a kernel that fails mid-run
+        res["failed"] = f"{type(exc).__name__}: {exc}"
+        rows.append([mode.name, f"failed: {res['failed']}"] + [""] * 6)
+    del steps, engine
+    gc.collect()
+    return res, rows
+
+
+def run_steps(
+    mode: Mode,
+    args: argparse.Namespace,
+    steps: Steps,
+    model: StepModel,
+    arithmetic: str | None,
+    batches: list[int],
+    contexts: list[int],
+    record: Callable[[str, str, float, dict[str, float], float, int], None],
+) -> None:
+    """Time each step of ``mode`` and ``record`` it: decode (unless the mode is of a prefill
+    arithmetic), prefill, extend."""
     if mode.arithmetic in ("exact", None) or args.arith_decode:
         for context in contexts:
             for b in batches:
                 seconds = steps.decode(b, context, args.repeats, prefill=args.prefill_decode)
-                record(
-                    f"decode_b{b}_c{context}",
-                    f"decode {b} x {context}",
-                    *model.decode(b, context),
-                    seconds,
-                    b,
-                )
+                nbytes, flops = model.decode(b, context)
+                record(f"decode_b{b}_c{context}", f"decode {b} x {context}", nbytes, flops, seconds, b)
     for new, cached in [(args.prefill, 0), *extends_of(args)]:
         seconds = steps.extend(new, cached, max(3, args.repeats // 2))
         key = f"prefill_{new}" if not cached else f"extend_{new}_over_{cached}"
         label = f"prefill {new}" if not cached else f"extend {new} over {cached} cached"
         record(key, label, *model.prefill(new, cached, arithmetic), seconds, new)
-    del steps, engine
-    gc.collect()
-    return res, rows
 
 
 # -- the run -------------------------------------------------------------------------------------------
