@@ -160,21 +160,26 @@ def build_cases(sizes: Sizes, names: Sequence[str], seed: int) -> list[Case]:
 
 # -- servers ------------------------------------------------------------------------------------------
 def server_command(
-    engine: str, model_dir: str, port: int, gguf: str | None = None, exact_weights: str = "gguf"
+    engine: str,
+    model_dir: str,
+    port: int,
+    gguf: str | None = None,
+    exact_weights: str = "gguf",
+    fast_model: str = "hf",
 ) -> tuple[list[str] | None, str]:
     """The command that serves ``engine``, or None and the reason it is skipped. ``gguf``: the GGUF
     file of the same model (radixserve-exact and llama-server serve it); ``exact_weights``: what
-    radixserve-exact serves, ``gguf`` (GGUF-exact) or ``fp32``."""
+    radixserve-exact serves, ``gguf`` (GGUF-exact) or ``fp32``; ``fast_model``: what radixserve-fast
+    loads before its preset applies, the HF folder (``hf``) or the GGUF file (``gguf``)."""
     if engine.startswith("radixserve"):
         options = dict(RADIXSERVE_OPTIONS[engine])
         model = model_dir
-        if engine == "radixserve-exact":
-            if exact_weights == "fp32":
-                options = {}
-            elif gguf is None:
+        if engine == "radixserve-exact" and exact_weights == "fp32":
+            options = {}
+        elif engine == "radixserve-exact" or (engine == "radixserve-fast" and fast_model == "gguf"):
+            if gguf is None:
                 return None, "no GGUF file of this model (pass --gguf)"
-            else:
-                model = gguf
+            model = gguf
         if why := unavailable(options):
             return None, f"unavailable in this build: {why}"
         cmd = [
@@ -329,7 +334,7 @@ def run_comparison(args: argparse.Namespace) -> dict[str, Any]:
         if engine == "hf-generate":
             continue
         port = free_port()
-        cmd, why = server_command(engine, model_dir, port, gguf, args.exact_weights)
+        cmd, why = server_command(engine, model_dir, port, gguf, args.exact_weights, args.fast_model)
         if cmd is None:
             skipped.append(f"{engine}: {why}")
             print(f"skipping {engine}: {why}", flush=True)
@@ -474,6 +479,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["gguf", "fp32"],
         default="gguf",
         help="what radixserve-exact serves: GGUF-exact on --gguf, or the fp32 weights",
+    )
+    a(
+        "--fast-model",
+        choices=["hf", "gguf"],
+        default="hf",
+        help="what radixserve-fast loads before --preset fast applies: the HF folder or the --gguf file",
     )
     a("--model", default=None, help="HF model folder (default: the prepared SmolLM2-135M-Instruct)")
     a("--endpoint", choices=["chat", "completions"], default="chat")

@@ -109,6 +109,9 @@ def test_server_commands_of_the_issue21_engines(tmp_path: Path, monkeypatch: pyt
         assert exact[exact.index("--model") + 1] == "/m.gguf" and "--quantization" in exact
     fp32, _ = compare.server_command("radixserve-exact", "/m", 1234, gguf="/m.gguf", exact_weights="fp32")
     assert fp32 is not None and fp32[fp32.index("--model") + 1] == "/m" and "--quantization" not in fp32
+    fast, _ = compare.server_command("radixserve-fast", "/m", 1234, gguf="/m.gguf", fast_model="gguf")
+    if fast is not None:
+        assert fast[fast.index("--model") + 1] == "/m.gguf" and fast[-2:] == ["--preset", "fast"]
     nocache, _ = compare.server_command("radixserve-nocache", "/m", 1234)
     assert nocache is not None and "--no-prefix-cache" in nocache
     monkeypatch.setattr(compare, "PEERS_DIR", tmp_path)
