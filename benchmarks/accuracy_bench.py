@@ -34,7 +34,7 @@ from benchmarks.servers import SERVED_NAME, free_port, serving
 
 MIN_TOKENS = 400  # issue 21: accuracy over at least 400 scored tokens
 REFERENCE = "fp32"
-HEADER = ["mode", "versus", "tokens", "mean |d loglik|", "max |d loglik|", "top-1 agreement %", "note"]
+HEADER = ["mode", "versus", "tokens", "mean abs d loglik", "max abs d loglik", "top-1 agreement %", "note"]
 
 
 def compare_scores(ref: list[Scored], test: list[Scored]) -> dict[str, Any]:

@@ -235,7 +235,7 @@ def accuracy_rows(path: Path, names: list[str]) -> tuple[dict[str, Any], list[li
             rows.append(
                 [
                     name,
-                    f"accuracy vs fp32 ({acc['tokens']} tokens): mean |d loglik| "
+                    f"accuracy vs fp32 ({acc['tokens']} tokens): mean abs d loglik "
                     f"{acc['mean_abs_dloglik']:.4f}, max {acc['max_abs_dloglik']:.3f}, top-1 agreement "
                     f"{100 * acc['top1_agreement']:.1f}%",
                 ]
