@@ -20,7 +20,6 @@ from typing import Any, TypeVar
 import msgspec
 from starlette.requests import Request
 
-from radixserve.engine.prompt import Prompt
 from radixserve.outputs import RequestOutput, TokenLogprob
 from radixserve.sampling.grammar import strict_schema
 from radixserve.sampling.params import SamplingParams
@@ -194,14 +193,15 @@ class ApiContext:
     # -- running requests -------------------------------------------------------------------------
     async def submit(
         self,
-        prompt: Prompt,
+        prompt_token_ids: list[int],
         params: SamplingParams,
         rid: str,
         salt: str | None,
         priority: int | str,
     ) -> Submitted:
-        """Start a request; returns its first delta and the stream of the rest."""
-        stream = self.engine.generate(prompt, params, rid, salt, priority)
+        """Start a request (the route tokenized its prompt, once); returns its first delta and the
+        stream of the rest."""
+        stream = self.engine.generate(prompt_token_ids, params, rid, salt, priority)
         try:
             first = await stream.__anext__()
         except ValueError as exc:
@@ -216,7 +216,7 @@ class ApiContext:
 
     async def submit_all(
         self,
-        prompts: Sequence[Prompt],
+        prompts: Sequence[list[int]],
         params: Sequence[SamplingParams],
         rid: str,
         salt: str | None,

@@ -137,14 +137,17 @@ class ServedEngine(Protocol):
 
     def generate(
         self,
-        prompt: Prompt,
+        prompt_token_ids: list[int],
         params: SamplingParams,
         request_id: str | None = None,
         cache_salt: str | None = None,
         priority: int | str = 0,
     ) -> RequestStream: ...
 
-    def tokenize(self, prompt: Prompt) -> list[int]: ...
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """Text to token ids with the served tokenizer (ids pass through): the routes call it once per
+        prompt and submit the ids; nothing after them tokenizes the request again."""
+        ...
 
     def stats(self) -> EngineStats: ...
 

@@ -9,6 +9,7 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import jsonschema
@@ -189,3 +190,57 @@ def test_non_streaming_client_disconnect_aborts_and_frees_its_pages(
         s = served.engine.stats()
     assert s.free_pages + s.cached_pages == s.num_pages, s
     # serving() checks the engine's integrity page by page when the module's server stops.
+
+
+class _CountingBackend:
+    """Stands in for a fast tokenizer's Rust tokenizer, counting the texts it encodes: every encode
+    path of a transformers tokenizer (``encode``, ``__call__``, a tokenizing chat template) ends here."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.texts = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def encode(self, *args: Any, **kwargs: Any) -> Any:
+        self.texts += 1
+        return self.inner.encode(*args, **kwargs)
+
+    def encode_batch(self, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        self.texts += len(inputs)
+        return self.inner.encode_batch(inputs, *args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "texts"),
+    [
+        ("/v1/completions", {"prompt": "tokenize me once", "max_tokens": 3}, 1),
+        ("/v1/completions", {"prompt": ["one prompt", "and another"], "max_tokens": 2, "stream": True}, 2),
+        ("/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2}, 0),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 3}, 1),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "stream"}], "max_tokens": 3, "n": 2, "stream": True},
+            1,
+        ),
+        ("/generate", {"text": "native text", "sampling_params": {"max_new_tokens": 3}}, 1),
+        ("/generate", {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3}}, 0),
+    ],
+)
+def test_each_request_is_tokenized_once(
+    served: Served, client: httpx.Client, path: str, body: dict[str, Any], texts: int
+) -> None:
+    """Each prompt's text is encoded once, by its route, in the API server; the token ids pass through
+    AsyncEngine and reach the engine process as ids (AddRequest holds no text), so nothing after the
+    route tokenizes again. Token ids given by the client are never encoded."""
+    tokenizer = served.engine.model.tokenizer
+    counter = _CountingBackend(tokenizer._tokenizer)
+    tokenizer._tokenizer = counter
+    try:
+        r = client.post(path, json={"model": MODEL_NAME, "temperature": 0, **body})
+        assert r.status_code == 200, r.text
+        r.read()
+    finally:
+        tokenizer._tokenizer = counter.inner
+    assert counter.texts == texts
