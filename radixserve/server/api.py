@@ -20,12 +20,12 @@ from typing import Any, TypeVar
 import msgspec
 from starlette.requests import Request
 
+from radixserve.chat_template import template_source
 from radixserve.outputs import RequestOutput, TokenLogprob
 from radixserve.sampling.grammar import strict_schema
 from radixserve.sampling.params import SamplingParams
 from radixserve.server import protocol as p
 from radixserve.server import protocol_chat as c
-from radixserve.server.chat_render import template_source
 from radixserve.server.engine_api import (
     EngineFailedError,
     EngineUnavailableError,

@@ -34,7 +34,7 @@ from radixserve.cache.events import KVEvent, KVEvents
 from radixserve.cache.tree_view import CacheTree
 from radixserve.config import EngineConfig
 from radixserve.engine.deltas import OutputAssembler, StepOutput, add_text
-from radixserve.engine.prompt import Prompt, apply_chat_template, tokenize
+from radixserve.engine.prompt import Prompt, tokenize
 from radixserve.engine.stats import EngineStats
 from radixserve.errors import InvalidRequestError
 from radixserve.model.loader import load_tokenizer, resolve_model_path
@@ -184,9 +184,6 @@ class AsyncEngine:
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         return tokenize(self._tokenizer, prompt)
-
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        return apply_chat_template(self._tokenizer, messages)
 
     def stats(self) -> EngineStats:
         """The engine's counters as of its latest step (or call); all zero before the first report."""
