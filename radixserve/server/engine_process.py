@@ -18,6 +18,8 @@ Invariants:
 - A configuration that cannot work (the Engine raises ValueError, e.g. a KV pool smaller than one
   ``max_model_len`` request) is answered with ``StartFailed``, naming the flags to change, instead of
   ``Ready``; the process then exits 2 and the front-end does not restart it.
+- The waiting requests are counted here alone (the engine's, plus those added since its last step): one
+  beyond ``max_waiting_requests`` is answered with a ``RequestError`` (``queue_full``: a 429).
 - A bad request is answered with a ``RequestError`` and never reaches the scheduler; an exception
   anywhere else ends the process (exit code 1, traceback on stderr) and the front-end restarts it.
 - SIGTERM, SIGINT and ``Shutdown`` all mean: accept nothing new, finish what is queued, close the
@@ -87,6 +89,10 @@ class EngineLoop:
             log = KVEventLog(b"", engine.config.page_size)
             log.seed = tree.listen(log, b"radixserve-kv-events")
             self.kv_log = log
+        # The engine's waiting requests: as its last step left them, plus those added since (they sit in
+        # its inbox until the next step). The one count of waiting requests; the API server has none.
+        self._waiting_at_step = 0
+        self._added_since_step = 0
         self._calls: dict[str, Callable[[], Any]] = {
             "flush_cache": engine.flush_cache,
             "check_integrity": engine.check_integrity,  # a debug call: raises if the page accounting is off
@@ -126,8 +132,10 @@ class EngineLoop:
         outputs = engine.step()
         progressed = bool(outputs) or engine.num_steps != steps
         events = None if self.kv_log is None else self.kv_log.drain()
+        stats = engine.stats()
+        self._waiting_at_step, self._added_since_step = stats.num_waiting, 0
         if progressed or engine.newly_scheduled or events is not None:
-            msg = StepOutputs(time.monotonic(), outputs, engine.newly_scheduled, engine.stats(), events)
+            msg = StepOutputs(time.monotonic(), outputs, engine.newly_scheduled, stats, events)
             self._send(msg)
         return progressed
 
@@ -172,8 +180,14 @@ class EngineLoop:
         if self.stop.is_set():
             self._send(RequestError(rid, "the engine is shutting down", unavailable=True))
             return
+        waiting = self._waiting_at_step + self._added_since_step
+        limit = self.engine.config.max_waiting_requests
+        if waiting >= limit:
+            self._send(RequestError(rid, f"{waiting} requests are waiting (limit {limit})", queue_full=True))
+            return
         try:
             self.engine.add_request(msg.prompt_token_ids, msg.params, rid, msg.cache_salt, msg.priority)
+            self._added_since_step += 1
         except InvalidRequestError as exc:
             self._send(RequestError(rid, str(exc), exc.param, exc.code))
         except ValueError as exc:  # any other refusal is still the request's fault, not the engine's

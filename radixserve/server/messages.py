@@ -104,14 +104,16 @@ class StepOutputs(_Message):
 
 
 class RequestError(_Message):
-    """The engine refused a request. ``unavailable``: it is shutting down (503), else the request is
-    invalid (400, with the parameter and code that ``InvalidRequestError`` named)."""
+    """The engine refused a request. ``unavailable``: it is shutting down (503); ``queue_full``: its
+    waiting requests are at ``max_waiting_requests`` (429); else the request is invalid (400, with the
+    parameter and code that ``InvalidRequestError`` named)."""
 
     request_id: str
     message: str
     param: str | None = None
     code: str | None = None
     unavailable: bool = False
+    queue_full: bool = False
 
 
 class CallResult(_Message):
