@@ -39,7 +39,7 @@ from radixserve.server.reasoning import REASONING_PARSERS
 from radixserve.server.tools import TOOL_CALL_PARSERS, choose_format
 
 S = TypeVar("S")
-Submitted = tuple[RequestOutput, RequestStream]  # the first delta, and the rest
+Submitted = tuple[RequestOutput, RequestStream]  # the first delta, and the whole stream (it starts with it)
 
 
 class TokenText:
@@ -199,11 +199,11 @@ class ApiContext:
         salt: str | None,
         priority: int | str,
     ) -> Submitted:
-        """Start a request (the route tokenized its prompt, once); returns its first delta and the
-        stream of the rest."""
+        """Start a request (the route tokenized its prompt, once); returns its first delta and its
+        stream, whose iteration yields that delta first (``RequestStream.first``)."""
         stream = self.engine.generate(prompt_token_ids, params, rid, salt, priority)
         try:
-            first = await stream.__anext__()
+            first = await stream.first()
         except ValueError as exc:
             raise ApiError.invalid(exc) from None
         except QueueFullError as exc:

@@ -94,11 +94,25 @@ class RequestStream(AsyncGenerator[RequestOutput, None]):
     ``result`` is every delta so far folded into one RequestOutput by the request's OutputAssembler,
     the one fold of deltas (engine/deltas.py), so a caller that wants the whole output drains the
     stream and reads it instead of folding the deltas again. Closing the stream early aborts the request.
+
+    ``first()`` waits for the first delta, so what fails before any output (a refusal, a full queue)
+    raises there, before a route commits to a status; the stream still yields that delta first when it
+    is iterated, so a route iterates it whole.
     """
 
     def __init__(self) -> None:
         self._gen: AsyncGenerator[RequestOutput, None] | None = None
         self.assembler: OutputAssembler | None = None  # set when the request is accepted
+        self._first: RequestOutput | None = None
+        self._replay = False  # first() took the first delta: the next one yielded is it
+
+    async def first(self) -> RequestOutput:
+        """The first delta (awaited once; later calls return it again)."""
+        if self._first is None:
+            assert self._gen is not None
+            self._first = await self._gen.__anext__()
+            self._replay = True
+        return self._first
 
     def bind(self, gen: AsyncGenerator[RequestOutput, None]) -> RequestStream:
         self._gen = gen
@@ -112,7 +126,14 @@ class RequestStream(AsyncGenerator[RequestOutput, None]):
 
     async def asend(self, value: None) -> RequestOutput:
         assert self._gen is not None
-        return await self._gen.asend(value)
+        if self._replay:
+            self._replay = False
+            assert self._first is not None
+            return self._first
+        delta = await self._gen.asend(value)
+        if self._first is None:
+            self._first = delta
+        return delta
 
     async def athrow(self, typ: Any, val: Any = None, tb: Any = None) -> RequestOutput:  # type: ignore[override]
         assert self._gen is not None

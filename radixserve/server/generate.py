@@ -11,7 +11,7 @@ from starlette.responses import Response
 from radixserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from radixserve.server import protocol as p
 from radixserve.server.api import ApiContext
-from radixserve.server.http_util import DONE, ApiError, chain, event_stream, json_response, sse
+from radixserve.server.http_util import DONE, ApiError, event_stream, json_response, sse
 
 
 async def generate(ctx: ApiContext, request: Request) -> Response:
@@ -67,7 +67,7 @@ async def _events(
     req: p.GenerateRequest, rid: str, first: RequestOutput, stream: AsyncGenerator[RequestOutput, None]
 ) -> AsyncGenerator[bytes, None]:
     counts: dict[int, int] = {}
-    async for d in chain(first, stream):
+    async for d in stream:
         c = d.outputs[0]
         counts[c.index] = counts.get(c.index, 0) + len(c.token_ids)
         piece = _response(req, rid, c, d, d.prompt_logprobs)

@@ -20,6 +20,7 @@ from server_util import MODEL_NAME, Served, scrape, serving
 import radixserve.server
 from radixserve.config import EngineConfig
 from radixserve.server.async_engine import AsyncEngine
+from radixserve.server.engine_api import QueueFullError
 from radixserve.server.http_util import ApiError
 from radixserve.server.messages import FromEngine, RequestError
 
@@ -244,3 +245,33 @@ def test_each_request_is_tokenized_once(
     finally:
         tokenizer._tokenizer = counter.inner
     assert counter.texts == texts
+
+
+def test_request_stream_first_waits_for_the_first_delta_then_iterates_whole() -> None:
+    """``first()`` surfaces what fails before any output and keeps the delta; iterating the stream
+    afterwards yields every delta once, the first included (the routes no longer glue it back on)."""
+    import asyncio
+
+    from radixserve.outputs import RequestOutput
+    from radixserve.server.engine_api import RequestStream
+
+    deltas = [RequestOutput(f"r{i}", None, [1], []) for i in range(3)]
+
+    async def gen() -> Any:
+        for d in deltas:
+            yield d
+
+    async def refused() -> Any:
+        raise QueueFullError("full")
+        yield  # an async generator
+
+    async def run() -> None:
+        stream = RequestStream().bind(gen())
+        assert await stream.first() is deltas[0] and await stream.first() is deltas[0]
+        assert [d async for d in stream] == deltas
+        plain = RequestStream().bind(gen())  # without first(): the same deltas
+        assert [d async for d in plain] == deltas
+        with pytest.raises(QueueFullError):
+            await RequestStream().bind(refused()).first()
+
+    asyncio.run(run())
