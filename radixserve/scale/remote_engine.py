@@ -35,9 +35,9 @@ from radixserve.scale.router_metrics import router_metrics
 from radixserve.server.engine_api import (
     EngineUnavailableError,
     Limits,
-    ModelInfo,
     RequestRecord,
     RequestStream,
+    ServedModel,
 )
 
 logger = logging.getLogger("radixserve.scale")
@@ -72,7 +72,7 @@ class ReplicaSetEngine:
         tokenizer = load_tokenizer(path)
         if chat_template is not None:
             tokenizer.chat_template = chat_template
-        self.model = ModelInfo(path, tokenizer)
+        self.model = ServedModel(path, tokenizer)
         self.on_finish: Callable[[RequestRecord], None] | None = None
         self._handle = handle
         self._index = index

@@ -31,7 +31,7 @@ from radixserve.server.engine_api import (
     EngineUnavailableError,
     QueueFullError,
     RequestStream,
-    ServedEngine,
+    ServingBackend,
 )
 from radixserve.server.http_util import ApiError
 from radixserve.server.openai_fields import Refused, check_fields
@@ -86,7 +86,7 @@ class ApiContext:
 
     def __init__(
         self,
-        engine: ServedEngine,
+        engine: ServingBackend,
         model_name: str,
         salt_per_key: bool,
         max_body_bytes: int,

@@ -1,6 +1,6 @@
-"""AsyncEngine: the server's front-end half. It owns an engine process and serves it to asyncio code.
+"""AsyncEngine: the API server's side of one engine process, which it owns and serves to asyncio code.
 
-The front-end tokenizes prompts, sends token ids to the engine process (server/engine_process.py),
+The API server tokenizes prompts, sends token ids to the engine process (server/engine_process.py),
 and turns the token ids that come back into text, one ``TextStream`` per sample, where stop strings
 are checked too (``add_text``, the code the offline Engine uses). ``generate`` streams one request's
 deltas.
@@ -45,10 +45,10 @@ from radixserve.server.engine_api import (
     EngineFailedError,
     EngineUnavailableError,
     Limits,
-    ModelInfo,
     QueueFullError,
     RequestRecord,
     RequestStream,
+    ServedModel,
 )
 from radixserve.server.engine_client import EngineClient, describe_exit
 from radixserve.server.messages import (
@@ -105,7 +105,7 @@ class AsyncEngine:
         tokenizer = load_tokenizer(path)
         if chat_template is not None:
             tokenizer.chat_template = chat_template
-        self.model = ModelInfo(path, tokenizer)
+        self.model = ServedModel(path, tokenizer)
         self._tokenizer = tokenizer
         self.max_waiting_requests = max_waiting_requests or config.max_waiting_requests
         # The engine process refuses a request beyond this many waiting ones: it alone counts them.
@@ -168,7 +168,7 @@ class AsyncEngine:
         """The engine process's id while one is ready."""
         return None if self._client is None else self._client.pid
 
-    # -- what the front-end knows (engine_api.py) -------------------------------------------------
+    # -- what the API server knows (engine_api.py) -------------------------------------------------
     def limits(self) -> Limits:
         """What the engine process reported in its Ready message (the model's context length, or the
         configured one, lowered to what the pool holds); EngineUnavailableError before the first."""

@@ -3,7 +3,7 @@
 The routes (app.py, api.py, chat.py, completions.py, generate.py, metrics.py, dashboard.py) use an
 ``AsyncEngine`` through these members and nothing else:
 
-- ``model`` (``ModelInfo``): the served model's folder and the front-end's tokenizer, known from
+- ``model`` (``ServedModel``): the served model's folder and the API server's tokenizer, known from
   construction on (the routes render chat templates, count and decode tokens with it);
 - ``limits()`` (``Limits``): what the engine process reported when it became ready (its ``Ready``
   message): the context length, the vocabulary, the pool; EngineUnavailableError before that;
@@ -45,8 +45,8 @@ class EngineFailedError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class ModelInfo:
-    """The served model as the front-end knows it before (and without) any engine process."""
+class ServedModel:
+    """The served model as the API server knows it before (and without) any engine process."""
 
     path: Path  # the model folder (for the embedded default: where it was converted to)
     tokenizer: Any  # a transformers tokenizer; its chat_template is --chat-template's where one was given
@@ -144,11 +144,11 @@ class RequestStream(AsyncGenerator[RequestOutput, None]):
             await self._gen.aclose()
 
 
-class ServedEngine(Protocol):
+class ServingBackend(Protocol):
     """The routes' interface: ``AsyncEngine`` (one engine process), or ``ReplicaSetEngine``
     (radixserve/scale: replicas on Ray Serve) behind the same routes."""
 
-    model: ModelInfo
+    model: ServedModel
     on_finish: Callable[[RequestRecord], None] | None
 
     @property
