@@ -108,8 +108,9 @@ def test_a_lower_tier_holding_the_pages_is_named() -> None:
 def test_node_texts_are_whole_characters_for_multi_byte_text() -> None:
     """A character cut by a node boundary is shown whole, in the child; the path's texts join to the
     decoded text (the dashboard's "is tiny?\ufffd" bug)."""
+    from tokenizer_util import make_tokenizer
+
     from radixserve.server.dashboard import node_text
-    from tests.tokenizer_util import make_tokenizer
 
     tok = make_tokenizer()
     ids = tok.encode("你好 🙂 東京 🚀🙂 naïve café")

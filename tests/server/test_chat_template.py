@@ -4,7 +4,9 @@ and the API server's chat route (server/chat_render.py) make the same prompt of 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import pytest
 
 from radixserve.chat_template import ChatTemplateError, render_chat
@@ -14,7 +16,7 @@ from radixserve.server import chat_render
 from radixserve.server import protocol_chat as c
 from radixserve.server.tools import choose_format
 
-CONVERSATION = [
+CONVERSATION: list[dict[str, Any]] = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "héllo 你好"},
     {"role": "assistant", "content": "hi"},
@@ -25,7 +27,7 @@ CONVERSATION = [
 def test_offline_and_server_chat_render_the_same_prompt(tiny_llama: Path) -> None:
     tokenizer = load_tokenizer(tiny_llama)
     fmt = choose_format("auto", tokenizer.chat_template or "")
-    messages = [c.ChatMessage(role=m["role"], content=m["content"]) for m in CONVERSATION]
+    messages = [msgspec.convert(m, c.ChatMessage) for m in CONVERSATION]
     served = chat_render.render_chat(tokenizer, messages, None, fmt)
     offline = apply_chat_template(tokenizer, CONVERSATION)
     assert "héllo 你好" in served and "You are terse." in served
