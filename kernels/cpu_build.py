@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from radixserve import paths
+
 logger = logging.getLogger("radixserve.kernels")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -78,8 +80,7 @@ def compile_flags(target: str) -> list[str]:
 
 
 def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "radixserve" / "cpu_kernels"
+    return paths.cache_root() / "cpu_kernels"
 
 
 def build_key(target: str, sources: list[Path], flags: list[str]) -> str:

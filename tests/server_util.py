@@ -4,7 +4,11 @@ runs in its own process, as under ``radixserve serve``."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -122,3 +126,34 @@ def scrape(client: httpx.Client, headers: dict[str, str] | None = None) -> dict[
             labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
             values[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return values
+
+
+@contextmanager
+def serve_cli(
+    log_path: Path, *flags: str, up_s: float = 120
+) -> Iterator[tuple[subprocess.Popen[bytes], httpx.Client]]:
+    """``radixserve serve FLAGS`` on a free loopback port, until it answers /health; yields the process
+    and a client. If the block leaves it running (or ``up_s`` pass before /health answers), its process
+    group is killed: the server and what it started (engine processes, a local Ray)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = "from radixserve.cli import main; main()"
+    args = [sys.executable, "-c", code, "serve", "--port", str(port), "--log-level", "info", *flags]
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + up_s
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as c:
+                while True:
+                    assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
+                    try:
+                        if c.get("/health").status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        time.sleep(0.5)
+                yield proc, c
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()

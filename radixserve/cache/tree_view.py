@@ -1,7 +1,7 @@
 """A read-only snapshot of the radix tree, for people: what the cache holds, how often it was hit, where
 its pages live. It is what ``GET /v1/cache/tree`` and the dashboard show (server/dashboard.py).
 
-The snapshot carries token ids, not text (the front-end detokenizes, as it does for every output), and
+The snapshot carries token ids, not text (the API server detokenizes, as it does for every output), and
 only the namespaces asked for: with per-key salts a tenant's snapshot is taken of its own namespaces
 alone, so another tenant's tokens never leave the engine process.
 
@@ -22,6 +22,10 @@ from radixserve.cache.radix import RadixCache, TreeNode
 
 MAX_CHILDREN = 16  # children shown per node; the rest are summed into hidden_children/hidden_tokens
 HEAD_TOKENS = 24  # tokens of a node's own key sent to show the start of its text
+# Tokens before a node sent with it, so its text can be decoded in context: a UTF-8 character (at most
+# 4 bytes) cut by a node boundary is completed, and tokenizers whose decoding depends on neighbours
+# (SentencePiece's leading space) decode the node as they do the whole text.
+CONTEXT_TOKENS = 5
 MAX_DEPTH = 64  # the deepest ``depth`` a caller may ask for
 
 
@@ -50,6 +54,7 @@ class CacheNode(msgspec.Struct, array_like=True):
     children: list[CacheNode]
     hidden_children: int
     hidden_tokens: int
+    context: list[int]  # the last CONTEXT_TOKENS tokens before the node's own (its ancestors' keys)
 
 
 class CacheNamespace(msgspec.Struct, array_like=True):
@@ -87,7 +92,7 @@ def snapshot(
         if not in_scope(ns, namespace_prefix):
             continue
         _sum_subtrees(root, totals)
-        view = _view(root, totals, stores, now, depth, min_tokens)
+        view = _view(root, [], totals, stores, now, depth, min_tokens)
         out.append(CacheNamespace(ns if ns is None else str(ns), view))
     out.sort(key=lambda n: -n.root.subtree_tokens)
     return CacheTree(tree.page_size, out)
@@ -111,6 +116,7 @@ def _sum_subtrees(root: TreeNode, totals: dict[int, tuple[int, int]]) -> None:
 
 def _view(
     node: TreeNode,
+    context: list[int],
     totals: dict[int, tuple[int, int]],
     stores: Sequence[Tier],
     now: float,
@@ -126,6 +132,7 @@ def _view(
     shown = [c for c in children if totals[id(c)][0] >= min_tokens][:MAX_CHILDREN] if depth > 0 else []
     shown_ids = {id(c) for c in shown}
     hidden = [c for c in children if id(c) not in shown_ids]
+    below = [*context[-CONTEXT_TOKENS:], *node.key[-CONTEXT_TOKENS:]][-CONTEXT_TOKENS:]
     return CacheNode(
         head=list(node.key[:HEAD_TOKENS]),
         tokens=len(node.key),
@@ -136,9 +143,10 @@ def _view(
         last_use_s=round(max(0.0, now - node.last_used), 3) if not node.is_root else 0.0,
         lock_ref=node.lock_ref,
         tiers=[] if node.is_root else ["device", *_copies(node, stores)],
-        children=[_view(c, totals, stores, now, depth - 1, min_tokens) for c in shown],
+        children=[_view(c, below, totals, stores, now, depth - 1, min_tokens) for c in shown],
         hidden_children=len(hidden),
         hidden_tokens=sum(totals[id(c)][0] for c in hidden),
+        context=list(context),
     )
 
 

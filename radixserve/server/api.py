@@ -20,19 +20,18 @@ from typing import Any, TypeVar
 import msgspec
 from starlette.requests import Request
 
-from radixserve.engine.prompt import Prompt
+from radixserve.chat_template import template_source
 from radixserve.outputs import RequestOutput, TokenLogprob
 from radixserve.sampling.grammar import strict_schema
 from radixserve.sampling.params import SamplingParams
 from radixserve.server import protocol as p
 from radixserve.server import protocol_chat as c
-from radixserve.server.chat_render import template_source
 from radixserve.server.engine_api import (
     EngineFailedError,
     EngineUnavailableError,
     QueueFullError,
     RequestStream,
-    ServedEngine,
+    ServingBackend,
 )
 from radixserve.server.http_util import ApiError
 from radixserve.server.openai_fields import Refused, check_fields
@@ -40,7 +39,7 @@ from radixserve.server.reasoning import REASONING_PARSERS
 from radixserve.server.tools import TOOL_CALL_PARSERS, choose_format
 
 S = TypeVar("S")
-Submitted = tuple[RequestOutput, RequestStream]  # the first delta, and the rest
+Submitted = tuple[RequestOutput, RequestStream]  # the first delta, and the whole stream (it starts with it)
 
 
 class TokenText:
@@ -87,7 +86,7 @@ class ApiContext:
 
     def __init__(
         self,
-        engine: ServedEngine,
+        engine: ServingBackend,
         model_name: str,
         salt_per_key: bool,
         max_body_bytes: int,
@@ -194,16 +193,17 @@ class ApiContext:
     # -- running requests -------------------------------------------------------------------------
     async def submit(
         self,
-        prompt: Prompt,
+        prompt_token_ids: list[int],
         params: SamplingParams,
         rid: str,
         salt: str | None,
         priority: int | str,
     ) -> Submitted:
-        """Start a request; returns its first delta and the stream of the rest."""
-        stream = self.engine.generate(prompt, params, rid, salt, priority)
+        """Start a request (the route tokenized its prompt, once); returns its first delta and its
+        stream, whose iteration yields that delta first (``RequestStream.first``)."""
+        stream = self.engine.generate(prompt_token_ids, params, rid, salt, priority)
         try:
-            first = await stream.__anext__()
+            first = await stream.first()
         except ValueError as exc:
             raise ApiError.invalid(exc) from None
         except QueueFullError as exc:
@@ -216,7 +216,7 @@ class ApiContext:
 
     async def submit_all(
         self,
-        prompts: Sequence[Prompt],
+        prompts: Sequence[list[int]],
         params: Sequence[SamplingParams],
         rid: str,
         salt: str | None,

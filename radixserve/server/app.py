@@ -8,7 +8,7 @@ Invariants:
   protocol types (the engine checks the rest and refuses with InvalidRequestError); every failure
   before the first byte of a response is an OpenAI-style error body (``ErrorResponse``) with the
   status code of its cause (400 bad input, 401 auth, 404 route or model, 405 method, 409 refused,
-  413 body too large, 429 queue full, 503 shutting down or engine process down, 500 bug: in the front-end, or
+  413 body too large, 429 queue full, 503 shutting down or engine process down, 500 bug: in the API server, or
   an engine that raised).
 - Streaming responses wait for the request's first output before sending headers, so bad input and
   back-pressure are still answered with a status code; errors after that end the stream with an
@@ -58,7 +58,7 @@ from radixserve.server.engine_api import (
     EngineFailedError,
     EngineUnavailableError,
     RequestRecord,
-    ServedEngine,
+    ServingBackend,
 )
 from radixserve.server.generate import generate
 from radixserve.server.http_util import ApiError, error_response, json_response
@@ -93,7 +93,7 @@ class _SmallRoutes:
         """What a client-side program needs to render prompts the way the engine would (the DSL uses it)."""
         tok = self.ctx.tokenizer
         return json_response(
-            p.ModelInfo(
+            p.ModelInfoResponse(
                 self.ctx.model_name,
                 str(self.engine.model.path),
                 tok.chat_template,
@@ -190,7 +190,7 @@ def log_request(rec: RequestRecord) -> None:
 
 
 def build_app(
-    engine: ServedEngine,
+    engine: ServingBackend,
     model_name: str,
     api_key: str | Sequence[str] | None = None,
     salt_per_key: bool = False,
@@ -294,7 +294,7 @@ def build_app(
 
 # -- running it -----------------------------------------------------------------------------------------
 def serve(
-    engine: ServedEngine,
+    engine: ServingBackend,
     host: str = "127.0.0.1",
     port: int = 8000,
     model_name: str | None = None,

@@ -1,6 +1,6 @@
-"""AsyncEngine: the server's front-end half. It owns an engine process and serves it to asyncio code.
+"""AsyncEngine: the API server's side of one engine process, which it owns and serves to asyncio code.
 
-The front-end tokenizes prompts, sends token ids to the engine process (server/engine_process.py),
+The API server tokenizes prompts, sends token ids to the engine process (server/engine_process.py),
 and turns the token ids that come back into text, one ``TextStream`` per sample, where stop strings
 are checked too (``add_text``, the code the offline Engine uses). ``generate`` streams one request's
 deltas.
@@ -34,7 +34,7 @@ from radixserve.cache.events import KVEvent, KVEvents
 from radixserve.cache.tree_view import CacheTree
 from radixserve.config import EngineConfig
 from radixserve.engine.deltas import OutputAssembler, StepOutput, add_text
-from radixserve.engine.prompt import Prompt, apply_chat_template, tokenize
+from radixserve.engine.prompt import Prompt, tokenize
 from radixserve.engine.stats import EngineStats
 from radixserve.errors import InvalidRequestError
 from radixserve.model.loader import load_tokenizer, resolve_model_path
@@ -45,10 +45,10 @@ from radixserve.server.engine_api import (
     EngineFailedError,
     EngineUnavailableError,
     Limits,
-    ModelInfo,
     QueueFullError,
     RequestRecord,
     RequestStream,
+    ServedModel,
 )
 from radixserve.server.engine_client import EngineClient, describe_exit
 from radixserve.server.messages import (
@@ -105,16 +105,18 @@ class AsyncEngine:
         tokenizer = load_tokenizer(path)
         if chat_template is not None:
             tokenizer.chat_template = chat_template
-        self.model = ModelInfo(path, tokenizer)
+        self.model = ServedModel(path, tokenizer)
         self._tokenizer = tokenizer
-        self._config = dataclasses.replace(config, model=str(path), detokenize=False)
         self.max_waiting_requests = max_waiting_requests or config.max_waiting_requests
+        # The engine process refuses a request beyond this many waiting ones: it alone counts them.
+        self._config = dataclasses.replace(
+            config, model=str(path), detokenize=False, max_waiting_requests=self.max_waiting_requests
+        )
         self.on_finish = on_finish
         # With the kv_events knob: each batch of the engine's KV events (cache/events.py), in order.
         self.on_kv_events: Callable[[KVEvents], None] | None = None
         self._process_options = (engine_threads, engine_cpus, log_level)
         self._requests: dict[str, _Request] = {}
-        self._unscheduled: set[str] = set()  # submitted, not yet reported scheduled: the waiting requests
         self._calls: dict[int, asyncio.Future[bool | CacheTree | None]] = {}
         self._call_ids = itertools.count()
         self._client: EngineClient | None = None  # None while there is no ready engine process
@@ -166,7 +168,7 @@ class AsyncEngine:
         """The engine process's id while one is ready."""
         return None if self._client is None else self._client.pid
 
-    # -- what the front-end knows (engine_api.py) -------------------------------------------------
+    # -- what the API server knows (engine_api.py) -------------------------------------------------
     def limits(self) -> Limits:
         """What the engine process reported in its Ready message (the model's context length, or the
         configured one, lowered to what the pool holds); EngineUnavailableError before the first."""
@@ -185,16 +187,9 @@ class AsyncEngine:
     def tokenize(self, prompt: Prompt) -> list[int]:
         return tokenize(self._tokenizer, prompt)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        return apply_chat_template(self._tokenizer, messages)
-
     def stats(self) -> EngineStats:
         """The engine's counters as of its latest step (or call); all zero before the first report."""
         return self._stats
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self._unscheduled)
 
     # -- requests ---------------------------------------------------------------------------------
     def generate(
@@ -226,17 +221,12 @@ class AsyncEngine:
             raise EngineUnavailableError(
                 "the server is shutting down" if not self._accepting else "the engine process is restarting"
             )
-        if self.num_waiting >= self.max_waiting_requests:
-            raise QueueFullError(
-                f"{self.num_waiting} requests are waiting (limit {self.max_waiting_requests})"
-            )
         rid = request_id or uuid.uuid4().hex
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
         token_ids = self.tokenize(prompt)
         req = _Request(params, token_ids, asyncio.Queue(), time.monotonic())
         self._requests[rid] = req
-        self._unscheduled.add(rid)
         try:
             sent = self._send(AddRequest(rid, token_ids, params, cache_salt, priority))
         except OverflowError:  # msgpack carries 64-bit integers; no sensible request holds larger ones
@@ -356,8 +346,12 @@ class AsyncEngine:
             req = self._requests.get(msg.request_id)
             if req is not None:
                 req.rejected = True
-                unavailable = EngineUnavailableError(msg.message) if msg.unavailable else None
-                req.queue.put_nowait(unavailable or InvalidRequestError(msg.message, msg.param, msg.code))
+                error: Exception = InvalidRequestError(msg.message, msg.param, msg.code)
+                if msg.unavailable:
+                    error = EngineUnavailableError(msg.message)
+                elif msg.queue_full:
+                    error = QueueFullError(msg.message)
+                req.queue.put_nowait(error)
         elif isinstance(msg, CallResult):
             self._stats = msg.stats
             future = self._calls.pop(msg.call_id, None)
@@ -372,7 +366,6 @@ class AsyncEngine:
         if msg.kv_events is not None and self.on_kv_events is not None:
             self.on_kv_events(msg.kv_events)
         for rid in msg.scheduled:
-            self._unscheduled.discard(rid)
             req = self._requests.get(rid)
             if req is not None and req.scheduled_time is None:
                 req.scheduled_time = msg.time
@@ -397,7 +390,6 @@ class AsyncEngine:
     def _fail_all(self, error: BaseException) -> None:
         for req in self._requests.values():
             req.queue.put_nowait(error)
-        self._unscheduled.clear()
         for future in self._calls.values():
             if not future.done():
                 future.set_exception(error)
@@ -405,7 +397,6 @@ class AsyncEngine:
 
     def _forget(self, rid: str) -> None:
         self._requests.pop(rid, None)
-        self._unscheduled.discard(rid)
 
     def _report(self, rid: str, req: _Request, result: RequestOutput) -> None:
         if self.on_finish is None:

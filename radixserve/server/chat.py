@@ -29,7 +29,7 @@ from radixserve.server import protocol as p
 from radixserve.server import protocol_chat as c
 from radixserve.server.api import ApiContext
 from radixserve.server.chat_render import render_chat, tool_dict
-from radixserve.server.http_util import DONE, ApiError, chain, event_stream, json_response, sse, usage
+from radixserve.server.http_util import DONE, ApiError, event_stream, json_response, sse, usage
 from radixserve.server.openai_fields import CHAT_REFUSED
 from radixserve.server.reasoning import ReasoningStream, starts_in_reasoning
 from radixserve.server.tools import ParsedCall, ToolCallFormat, ToolCallStream
@@ -214,7 +214,7 @@ async def _events(
         )
 
     yield chunk([c.ChatChunkChoice(i, c.DeltaMessage(role="assistant", content="")) for i in range(req.n)])
-    async for d in chain(first, stream):
+    async for d in stream:
         o, last = d.outputs[0], d
         completion_tokens += len(o.token_ids)
         piece = parsers[o.index].feed(o.text)

@@ -24,7 +24,7 @@ from radixserve.errors import InvalidRequestError
 from radixserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from radixserve.server import protocol as p
 from radixserve.server.api import ApiContext, Submitted
-from radixserve.server.http_util import DONE, ApiError, chain, event_stream, json_response, merge, sse, usage
+from radixserve.server.http_util import DONE, ApiError, event_stream, json_response, merge, sse, usage
 from radixserve.server.openai_fields import COMPLETION_REFUSED
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's
@@ -148,7 +148,7 @@ class _Choices:
                 )
             )
 
-        async for i, d in merge([chain(first, stream) for first, stream in submitted]):
+        async for i, d in merge([stream for _, stream in submitted]):
             c = d.outputs[0]
             cached[i] = d.cached_tokens
             completion_tokens += 0 if self.score_only else len(c.token_ids)

@@ -72,6 +72,21 @@ class TreeJson(msgspec.Struct):
     object: str = "cache.tree"
 
 
+def node_text(decode: Callable[[list[int]], str], node: CacheNode) -> str:
+    """The start of ``node``'s own text, in whole characters: its head decoded after its context (the
+    tokens before it), less the context's own text. A character cut by the node's end is left to its
+    child, which completes it from its context; only a leaf with nothing after it shows the cut as
+    U+FFFD. Joined down a path of whole nodes, the texts are the path's text."""
+    before = decode(node.context).rstrip("\ufffd")  # a cut last character belongs to this node
+    text = decode([*node.context, *node.head])
+    truncated = node.tokens > len(node.head)
+    if truncated or node.children or node.hidden_children:
+        text = text.rstrip("\ufffd")
+    # Decoding is prefix-stable for every tokenizer we know; if one is not, show the head alone.
+    text = text[len(before) :] if text.startswith(before) else decode(node.head)
+    return text + ("…" if truncated else "")
+
+
 def _read(name: str) -> bytes:
     return resources.files("radixserve.server").joinpath("ui", name).read_bytes()
 
@@ -158,13 +173,16 @@ class Dashboard:
         return json_response(self.series.series(self.engine.stats()))
 
     def _to_json(self, tree: CacheTree, scope: str | None, depth: int, min_tokens: int) -> TreeJson:
-        decode = self.ctx.tokenizer.decode
+        tokenizer = self.ctx.tokenizer
+
+        def decode(tokens: list[int]) -> str:
+            return str(tokenizer.decode(tokens))
 
         def node(n: CacheNode) -> TreeNodeJson:
             """The same fields, the head's tokens made text."""
             fields = msgspec.structs.asdict(n)
-            head = fields.pop("head")
-            text = str(decode(head)) + ("…" if n.tokens > len(head) else "")
+            del fields["head"], fields["context"]
+            text = node_text(decode, n)
             return TreeNodeJson(text=text, **{**fields, "children": [node(c) for c in n.children]})
 
         namespaces = []

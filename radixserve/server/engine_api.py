@@ -3,7 +3,7 @@
 The routes (app.py, api.py, chat.py, completions.py, generate.py, metrics.py, dashboard.py) use an
 ``AsyncEngine`` through these members and nothing else:
 
-- ``model`` (``ModelInfo``): the served model's folder and the front-end's tokenizer, known from
+- ``model`` (``ServedModel``): the served model's folder and the API server's tokenizer, known from
   construction on (the routes render chat templates, count and decode tokens with it);
 - ``limits()`` (``Limits``): what the engine process reported when it became ready (its ``Ready``
   message): the context length, the vocabulary, the pool; EngineUnavailableError before that;
@@ -45,8 +45,8 @@ class EngineFailedError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class ModelInfo:
-    """The served model as the front-end knows it before (and without) any engine process."""
+class ServedModel:
+    """The served model as the API server knows it before (and without) any engine process."""
 
     path: Path  # the model folder (for the embedded default: where it was converted to)
     tokenizer: Any  # a transformers tokenizer; its chat_template is --chat-template's where one was given
@@ -94,11 +94,25 @@ class RequestStream(AsyncGenerator[RequestOutput, None]):
     ``result`` is every delta so far folded into one RequestOutput by the request's OutputAssembler,
     the one fold of deltas (engine/deltas.py), so a caller that wants the whole output drains the
     stream and reads it instead of folding the deltas again. Closing the stream early aborts the request.
+
+    ``first()`` waits for the first delta, so what fails before any output (a refusal, a full queue)
+    raises there, before a route commits to a status; the stream still yields that delta first when it
+    is iterated, so a route iterates it whole.
     """
 
     def __init__(self) -> None:
         self._gen: AsyncGenerator[RequestOutput, None] | None = None
         self.assembler: OutputAssembler | None = None  # set when the request is accepted
+        self._first: RequestOutput | None = None
+        self._replay = False  # first() took the first delta: the next one yielded is it
+
+    async def first(self) -> RequestOutput:
+        """The first delta (awaited once; later calls return it again)."""
+        if self._first is None:
+            assert self._gen is not None
+            self._first = await self._gen.__anext__()
+            self._replay = True
+        return self._first
 
     def bind(self, gen: AsyncGenerator[RequestOutput, None]) -> RequestStream:
         self._gen = gen
@@ -112,7 +126,14 @@ class RequestStream(AsyncGenerator[RequestOutput, None]):
 
     async def asend(self, value: None) -> RequestOutput:
         assert self._gen is not None
-        return await self._gen.asend(value)
+        if self._replay:
+            self._replay = False
+            assert self._first is not None
+            return self._first
+        delta = await self._gen.asend(value)
+        if self._first is None:
+            self._first = delta
+        return delta
 
     async def athrow(self, typ: Any, val: Any = None, tb: Any = None) -> RequestOutput:  # type: ignore[override]
         assert self._gen is not None
@@ -123,11 +144,11 @@ class RequestStream(AsyncGenerator[RequestOutput, None]):
             await self._gen.aclose()
 
 
-class ServedEngine(Protocol):
+class ServingBackend(Protocol):
     """The routes' interface: ``AsyncEngine`` (one engine process), or ``ReplicaSetEngine``
     (radixserve/scale: replicas on Ray Serve) behind the same routes."""
 
-    model: ModelInfo
+    model: ServedModel
     on_finish: Callable[[RequestRecord], None] | None
 
     @property
@@ -137,14 +158,17 @@ class ServedEngine(Protocol):
 
     def generate(
         self,
-        prompt: Prompt,
+        prompt_token_ids: list[int],
         params: SamplingParams,
         request_id: str | None = None,
         cache_salt: str | None = None,
         priority: int | str = 0,
     ) -> RequestStream: ...
 
-    def tokenize(self, prompt: Prompt) -> list[int]: ...
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """Text to token ids with the served tokenizer (ids pass through): the routes call it once per
+        prompt and submit the ids; nothing after them tokenizes the request again."""
+        ...
 
     def stats(self) -> EngineStats: ...
 

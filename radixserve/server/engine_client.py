@@ -1,9 +1,9 @@
-"""EngineClient: the front-end's handle on one engine process, and the two sockets to it.
+"""EngineClient: the API server's handle on one engine process, and the two sockets to it.
 
 Invariants:
-- One client is one process: the front-end makes a new client (new sockets in a new private
+- One client is one process: the API server makes a new client (new sockets in a new private
   directory) for each restart, so nothing an old process sent can reach its successor's requests.
-- The front-end binds both sockets; the process connects. ``send`` never blocks: a message that
+- The API server binds both sockets; the process connects. ``send`` never blocks: a message that
   cannot be queued (no process on the other end) is refused, and the caller treats the engine as gone.
 - Messages are handed to ``on_message`` in the order the process sent them, on the event loop. When
   the process exits, what it sent before exiting is handed on first, then ``on_exit`` gets the
@@ -64,7 +64,7 @@ class EngineClient:
         self._ctx = zmq.asyncio.Context()
         self._push = zmq.Socket(self._ctx, zmq.PUSH)  # a plain socket: sending never waits
         self._push.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a connected process
-        self._push.setsockopt(zmq.SNDHWM, 0)  # a busy engine must not make the front-end drop messages
+        self._push.setsockopt(zmq.SNDHWM, 0)  # a busy engine must not make the API server drop messages
         self._pull = self._ctx.socket(zmq.PULL)
         self._push.bind(f"ipc://{self._dir}/input")
         self._pull.bind(f"ipc://{self._dir}/output")
@@ -99,7 +99,7 @@ class EngineClient:
         cmd += ["--threads", str(self.threads)] if self.threads else []
         cmd += ["--cpus", ",".join(map(str, self.cpus))] if self.cpus else []
         # The child must import the code this process runs (a source tree, a test's sys.path), and
-        # live in a session of its own, so a terminal's Ctrl-C reaches only the front-end, which
+        # live in a session of its own, so a terminal's Ctrl-C reaches only the API server, which
         # drains and then stops the engine.
         path = [os.path.abspath(p) for p in sys.path if p] + [os.environ.get("PYTHONPATH", "")]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))}

@@ -1,4 +1,4 @@
-"""The engine process: builds the Engine, then serves the front-end over two ZMQ sockets.
+"""The engine process: builds the Engine, then serves the API server over two ZMQ sockets.
 
 ``EngineClient`` (server/engine_client.py) starts it as
 ``python -m radixserve.server.engine_process --config JSON --input ADDR --output ADDR``; it pulls
@@ -11,17 +11,19 @@ Invariants:
   team's spin-wait (more managed threads than CPUs): each of the step's ~1,000 parallel regions ends
   in a futex sleep/wake, ~40% slower per step on 2 cores (see model/runner.py). The process owns the compute
   threads (``--threads``, default: every core it may run on; ``--cpus``
-  pins it). The front-end runs no model code.
+  pins it). The API server runs no model code.
 - The loop blocks on the socket only while the engine has nothing unfinished. Between two steps it
   takes every message that has arrived, so aborts and new requests wait at most one step.
 - The engine runs with ``detokenize=False``: its outputs carry token ids, never text.
 - A configuration that cannot work (the Engine raises ValueError, e.g. a KV pool smaller than one
   ``max_model_len`` request) is answered with ``StartFailed``, naming the flags to change, instead of
-  ``Ready``; the process then exits 2 and the front-end does not restart it.
+  ``Ready``; the process then exits 2 and the API server does not restart it.
+- The waiting requests are counted here alone (the engine's, plus those added since its last step): one
+  beyond ``max_waiting_requests`` is answered with a ``RequestError`` (``queue_full``: a 429).
 - A bad request is answered with a ``RequestError`` and never reaches the scheduler; an exception
-  anywhere else ends the process (exit code 1, traceback on stderr) and the front-end restarts it.
+  anywhere else ends the process (exit code 1, traceback on stderr) and the API server restarts it.
 - SIGTERM, SIGINT and ``Shutdown`` all mean: accept nothing new, finish what is queued, close the
-  engine (queued disk-tier writes land), exit 0. If the front-end process goes away, it exits at once.
+  engine (queued disk-tier writes land), exit 0. If the API-server process goes away, it exits at once.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("radixserve.engine_process")
 
-IDLE_POLL_MS = 1000  # while idle, look up this often whether the front-end is still there
+IDLE_POLL_MS = 1000  # while idle, look up this often whether the API server is still there
 STALLED_POLL_MS = 1  # work is queued but the last step could do none (a grammar still compiling)
 
 
@@ -87,6 +89,10 @@ class EngineLoop:
             log = KVEventLog(b"", engine.config.page_size)
             log.seed = tree.listen(log, b"radixserve-kv-events")
             self.kv_log = log
+        # The engine's waiting requests: as its last step left them, plus those added since (they sit in
+        # its inbox until the next step). The one count of waiting requests; the API server has none.
+        self._waiting_at_step = 0
+        self._added_since_step = 0
         self._calls: dict[str, Callable[[], Any]] = {
             "flush_cache": engine.flush_cache,
             "check_integrity": engine.check_integrity,  # a debug call: raises if the page accounting is off
@@ -115,7 +121,7 @@ class EngineLoop:
                 return
             self._receive(0 if busy and progressed else STALLED_POLL_MS if busy else IDLE_POLL_MS)
             if os.getppid() != self._parent:
-                logger.warning("the front-end process is gone; closing the engine")
+                logger.warning("the API-server process is gone; closing the engine")
                 return
             if engine.has_unfinished():
                 progressed = self._step()
@@ -126,8 +132,10 @@ class EngineLoop:
         outputs = engine.step()
         progressed = bool(outputs) or engine.num_steps != steps
         events = None if self.kv_log is None else self.kv_log.drain()
+        stats = engine.stats()
+        self._waiting_at_step, self._added_since_step = stats.num_waiting, 0
         if progressed or engine.newly_scheduled or events is not None:
-            msg = StepOutputs(time.monotonic(), outputs, engine.newly_scheduled, engine.stats(), events)
+            msg = StepOutputs(time.monotonic(), outputs, engine.newly_scheduled, stats, events)
             self._send(msg)
         return progressed
 
@@ -172,8 +180,14 @@ class EngineLoop:
         if self.stop.is_set():
             self._send(RequestError(rid, "the engine is shutting down", unavailable=True))
             return
+        waiting = self._waiting_at_step + self._added_since_step
+        limit = self.engine.config.max_waiting_requests
+        if waiting >= limit:
+            self._send(RequestError(rid, f"{waiting} requests are waiting (limit {limit})", queue_full=True))
+            return
         try:
             self.engine.add_request(msg.prompt_token_ids, msg.params, rid, msg.cache_salt, msg.priority)
+            self._added_since_step += 1
         except InvalidRequestError as exc:
             self._send(RequestError(rid, str(exc), exc.param, exc.code))
         except ValueError as exc:  # any other refusal is still the request's fault, not the engine's

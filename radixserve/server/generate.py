@@ -8,24 +8,23 @@ from collections.abc import AsyncGenerator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixserve.engine.prompt import Prompt
 from radixserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from radixserve.server import protocol as p
 from radixserve.server.api import ApiContext
-from radixserve.server.http_util import DONE, ApiError, chain, event_stream, json_response, sse
+from radixserve.server.http_util import DONE, ApiError, event_stream, json_response, sse
 
 
 async def generate(ctx: ApiContext, request: Request) -> Response:
     req = await ctx.decode(request, p.GenerateRequest)
     if (req.text is None) == (req.input_ids is None):
         raise ApiError(400, "give exactly one of text and input_ids", "text")
-    prompt: Prompt = req.text if req.text is not None else list(req.input_ids or [])
+    token_ids = ctx.engine.tokenize(req.text) if req.text is not None else list(req.input_ids or [])
     sp = req.sampling_params
     logprobs = req.top_logprobs_num if req.return_logprob else None
     prompt_logprobs = req.top_logprobs_num if req.return_logprob and req.logprob_start_len >= 0 else None
     params = sp.engine_params(logprobs, prompt_logprobs)
     rid = req.rid or uuid.uuid4().hex
-    first, stream = await ctx.submit(prompt, params, rid, ctx.salt(request, req.cache_salt), req.priority)
+    first, stream = await ctx.submit(token_ids, params, rid, ctx.salt(request, req.cache_salt), req.priority)
     if req.stream:
         return event_stream(_events(req, rid, first, stream), [stream])
     [res] = await ctx.collect(request, [(first, stream)])
@@ -68,7 +67,7 @@ async def _events(
     req: p.GenerateRequest, rid: str, first: RequestOutput, stream: AsyncGenerator[RequestOutput, None]
 ) -> AsyncGenerator[bytes, None]:
     counts: dict[int, int] = {}
-    async for d in chain(first, stream):
+    async for d in stream:
         c = d.outputs[0]
         counts[c.index] = counts.get(c.index, 0) + len(c.token_ids)
         piece = _response(req, rid, c, d, d.prompt_logprobs)

@@ -83,12 +83,6 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> p.Usage:
     )
 
 
-async def chain(first: T, rest: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
-    yield first
-    async for d in rest:
-        yield d
-
-
 async def merge(streams: Sequence[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[int, T], None]:
     """The items of several streams as they come, each with the position of its stream."""
     if len(streams) == 1:

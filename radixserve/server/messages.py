@@ -1,16 +1,16 @@
-"""The messages between the server's front-end and its engine process: msgpack-encoded msgspec Structs.
+"""The messages between the API server and its engine process: msgpack-encoded msgspec Structs.
 
-One PUSH/PULL socket each way. Front-end -> engine: ``AddRequest``, ``Abort``, ``Call``, ``TreeQuery``,
+One PUSH/PULL socket each way. API server -> engine: ``AddRequest``, ``Abort``, ``Call``, ``TreeQuery``,
 ``Shutdown``.
-Engine -> front-end: ``Ready`` (once, first; or ``StartFailed`` instead), ``StepOutputs`` (after every step
+Engine -> API server: ``Ready`` (once, first; or ``StartFailed`` instead), ``StepOutputs`` (after every step
 that did something),
 ``RequestError`` and ``CallResult``. A message is one frame; the tag (the class name) says its type.
 
 Invariants:
-- Per-step traffic carries token ids, never text: the front-end tokenizes and detokenizes. Every
+- Per-step traffic carries token ids, never text: the API server tokenizes and detokenizes. Every
   struct on the wire but the request's ``SamplingParams`` is array-like: no field names travel.
 - ZMQ keeps the order of one socket: an ``Abort`` sent after an ``AddRequest`` reaches the engine after
-  it, and every output the engine sent before it exits arrives before the front-end sees the socket go.
+  it, and every output the engine sent before it exits arrives before the API server sees the socket go.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ class _Message(msgspec.Struct, tag=True, array_like=True):
     """Tagged by class name, fields by position."""
 
 
-# -- front-end -> engine ---------------------------------------------------------------------------
+# -- API server -> engine ---------------------------------------------------------------------------
 class AddRequest(_Message):
-    """One prompt (n samples), already tokenized by the front-end."""
+    """One prompt (n samples), already tokenized by the API server."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -65,15 +65,15 @@ class TreeQuery(_Message):
 
 
 class Shutdown(_Message):
-    """Finish what is queued (the front-end has aborted what it gave up on), close the engine, exit."""
+    """Finish what is queued (the API server has aborted what it gave up on), close the engine, exit."""
 
 
 ToEngine = AddRequest | Abort | Call | TreeQuery | Shutdown
 
 
-# -- engine -> front-end ---------------------------------------------------------------------------
+# -- engine -> API server ---------------------------------------------------------------------------
 class Ready(_Message):
-    """The engine is built and listening: the facts the front-end needs from it."""
+    """The engine is built and listening: the facts the API server needs from it."""
 
     pid: int
     model_path: str
@@ -96,7 +96,7 @@ class StartFailed(_Message):
 class StepOutputs(_Message):
     """What one engine step did: per-sample outputs, which waiting requests it scheduled, its counters."""
 
-    time: float  # time.monotonic() in the engine process (CLOCK_MONOTONIC: the front-end's clock too)
+    time: float  # time.monotonic() in the engine process (CLOCK_MONOTONIC: the API server's clock too)
     outputs: list[StepOutput]
     scheduled: list[str]  # requests scheduled for the first time: they no longer count as waiting
     stats: EngineStats
@@ -104,14 +104,16 @@ class StepOutputs(_Message):
 
 
 class RequestError(_Message):
-    """The engine refused a request. ``unavailable``: it is shutting down (503), else the request is
-    invalid (400, with the parameter and code that ``InvalidRequestError`` named)."""
+    """The engine refused a request. ``unavailable``: it is shutting down (503); ``queue_full``: its
+    waiting requests are at ``max_waiting_requests`` (429); else the request is invalid (400, with the
+    parameter and code that ``InvalidRequestError`` named)."""
 
     request_id: str
     message: str
     param: str | None = None
     code: str | None = None
     unavailable: bool = False
+    queue_full: bool = False
 
 
 class CallResult(_Message):

@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from radixserve.engine.stats import EngineStats
-from radixserve.server.engine_api import RequestRecord, ServedEngine
+from radixserve.server.engine_api import RequestRecord, ServingBackend
 
 PREFIX = "radixserve:"
 _LATENCY_BUCKETS = (
@@ -41,7 +41,7 @@ _TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.
 
 
 class _EngineCollector(Collector):
-    def __init__(self, engine: ServedEngine) -> None:
+    def __init__(self, engine: ServingBackend) -> None:
         self._engine = engine
 
     def collect(self) -> Iterator[Metric]:
@@ -122,7 +122,7 @@ def _tier_metrics(tiers: dict[str, dict[str, float]]) -> Iterator[Metric]:
 
 
 class ServerMetrics:
-    def __init__(self, engine: ServedEngine) -> None:
+    def __init__(self, engine: ServingBackend) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.ttft = Histogram(

@@ -78,7 +78,9 @@ class JsonSchemaFormat(Struct):
     strict: bool | None = None
 
 
-class ModelInfo(Struct):
+class ModelInfoResponse(Struct):
+    """The body of GET /get_model_info (SGLang's)."""
+
     model: str
     model_path: str
     chat_template: str | None

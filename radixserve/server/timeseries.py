@@ -1,6 +1,6 @@
 """The dashboard's time series: the server's figures sampled every few seconds over the last minutes.
 
-Each sample is taken in the front-end from the same sources as /metrics: the engine's latest
+Each sample is taken in the API server from the same sources as /metrics: the engine's latest
 ``EngineStats`` (queue, pages, prefix-cache counters, tiers) and the ``RequestRecord`` of each finished
 request (TTFT, inter-token latency). Rates are over the interval since the previous sample; latency
 percentiles over the requests that finished in the last ``LATENCY_WINDOW_S`` seconds, so one slow request

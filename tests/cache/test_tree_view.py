@@ -103,3 +103,35 @@ def test_a_lower_tier_holding_the_pages_is_named() -> None:
     node = _only(root.children)
     assert node.tiers == ["device", "host"]
     assert all(c.tiers == ["device"] for c in node.children)
+
+
+def test_node_texts_are_whole_characters_for_multi_byte_text() -> None:
+    """A character cut by a node boundary is shown whole, in the child; the path's texts join to the
+    decoded text (the dashboard's "is tiny?\ufffd" bug)."""
+    from tokenizer_util import make_tokenizer
+
+    from radixserve.server.dashboard import node_text
+
+    tok = make_tokenizer()
+    ids = tok.encode("你好 🙂 東京 🚀🙂 naïve café")
+
+    def decode(tokens: list[int]) -> str:
+        return str(tok.decode(tokens))
+
+    cuts = [i for i in range(1, len(ids)) if decode(ids[:i]).endswith("\ufffd")]
+    assert len(cuts) >= 3  # the tokenizer splits several characters across tokens
+    tree = RadixCache(page_size=1)
+    tree.insert(ids, list(range(len(ids))))
+    other = tok.encode("x")[0]
+    pages = iter(range(len(ids), 10_000))
+    for cut in cuts:  # a branch at each cut makes it a node boundary
+        tree.insert([*ids[:cut], other], [next(pages) for _ in range(cut + 1)])
+    node, pos, texts = snapshot(tree, [], None, 64, 0).namespaces[0].root, 0, []
+    while pos < len(ids):  # down the path of the whole text
+        [node] = [c for c in node.children if c.head[0] == ids[pos]]
+        assert node.tokens == len(node.head)  # short nodes: the head is the whole node
+        texts.append(node_text(decode, node))
+        pos += node.tokens
+    assert len(texts) == len(cuts) + 1
+    assert all("\ufffd" not in t for t in texts), texts
+    assert "".join(texts) == decode(ids)

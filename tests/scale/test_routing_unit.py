@@ -3,6 +3,9 @@ feed, and the routing decision (docs/scaling.md)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 from radixserve.cache.events import KVEventLog, KVEvents
@@ -131,3 +134,52 @@ def test_bad_settings_are_refused() -> None:
         RouterSettings(balance_rel_threshold=0.5)
     with pytest.raises(ValueError):
         decide([], {}, {}, None, S)
+
+
+def test_the_replica_gets_the_routes_token_ids_and_nothing_is_tokenized_again(tiny_llama: Path) -> None:
+    """ReplicaSetEngine sends the ids the route tokenized (the router's key) to the replica, whose engine
+    takes them as they are: no text crosses, and nothing here encodes the prompt again."""
+    import asyncio
+
+    pytest.importorskip("ray")  # the stream's error handling names Ray's errors
+    from radixserve.outputs import RequestOutput
+    from radixserve.sampling.params import SamplingParams
+    from radixserve.scale.remote_engine import ReplicaSetEngine
+    from radixserve.scale.replica import Finished, GenerateCall
+
+    sent: list[GenerateCall] = []
+    result = RequestOutput("r", None, [5, 6, 7], [])
+
+    class Handle:
+        def options(self, stream: bool) -> Handle:
+            return self
+
+        @property
+        def generate(self) -> Handle:
+            return self
+
+        def remote(self, call: GenerateCall) -> Any:
+            sent.append(call)
+
+            async def items() -> Any:
+                yield Finished(result, None, "replica-0")
+
+            return items()
+
+    engine = ReplicaSetEngine(Handle(), None, str(tiny_llama))
+    engine._accepting = True
+    tokenizer = engine.model.tokenizer
+    encode = tokenizer.encode
+    tokenizer.encode = lambda *a, **k: pytest.fail("the prompt was tokenized again")  # type: ignore[method-assign]
+    try:
+
+        async def run() -> RequestOutput:
+            stream = engine.generate([5, 6, 7], SamplingParams(max_tokens=1), "r")
+            _ = [d async for d in stream]
+            return stream.result
+
+        assert asyncio.run(run()) is result
+    finally:
+        tokenizer.encode = encode  # type: ignore[method-assign]
+    [call] = sent
+    assert call.route.token_ids == [5, 6, 7] and not hasattr(call, "prompt")

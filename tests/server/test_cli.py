@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
+from server_util import serve_cli
 from tiny_models import THINK_TEMPLATE, make_tiny_model
 
 
@@ -66,34 +64,6 @@ def test_serve_help_lists_the_flags() -> None:
         "--no-dashboard",
     ):
         assert flag in out.stdout
-
-
-@contextmanager
-def serve_cli(log_path: Path, *flags: str) -> Iterator[tuple[subprocess.Popen[bytes], httpx.Client]]:
-    """``radixserve serve FLAGS`` on a free loopback port, until it answers /health; yields the process
-    and a client. The process is killed if the block leaves it running."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    code = "from radixserve.cli import main; main()"
-    args = [sys.executable, "-c", code, "serve", "--port", str(port), "--log-level", "info", *flags]
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 120
-            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as c:
-                while True:
-                    assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
-                    try:
-                        if c.get("/health").status_code == 200:
-                            break
-                    except httpx.TransportError:
-                        time.sleep(0.5)
-                yield proc, c
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
 
 
 @pytest.mark.real_model

@@ -9,6 +9,7 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import jsonschema
@@ -19,6 +20,7 @@ from server_util import MODEL_NAME, Served, scrape, serving
 import radixserve.server
 from radixserve.config import EngineConfig
 from radixserve.server.async_engine import AsyncEngine
+from radixserve.server.engine_api import QueueFullError
 from radixserve.server.http_util import ApiError
 from radixserve.server.messages import FromEngine, RequestError
 
@@ -189,3 +191,87 @@ def test_non_streaming_client_disconnect_aborts_and_frees_its_pages(
         s = served.engine.stats()
     assert s.free_pages + s.cached_pages == s.num_pages, s
     # serving() checks the engine's integrity page by page when the module's server stops.
+
+
+class _CountingBackend:
+    """Stands in for a fast tokenizer's Rust tokenizer, counting the texts it encodes: every encode
+    path of a transformers tokenizer (``encode``, ``__call__``, a tokenizing chat template) ends here."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.texts = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def encode(self, *args: Any, **kwargs: Any) -> Any:
+        self.texts += 1
+        return self.inner.encode(*args, **kwargs)
+
+    def encode_batch(self, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        self.texts += len(inputs)
+        return self.inner.encode_batch(inputs, *args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "texts"),
+    [
+        ("/v1/completions", {"prompt": "tokenize me once", "max_tokens": 3}, 1),
+        ("/v1/completions", {"prompt": ["one prompt", "and another"], "max_tokens": 2, "stream": True}, 2),
+        ("/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2}, 0),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 3}, 1),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "stream"}], "max_tokens": 3, "n": 2, "stream": True},
+            1,
+        ),
+        ("/generate", {"text": "native text", "sampling_params": {"max_new_tokens": 3}}, 1),
+        ("/generate", {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3}}, 0),
+    ],
+)
+def test_each_request_is_tokenized_once(
+    served: Served, client: httpx.Client, path: str, body: dict[str, Any], texts: int
+) -> None:
+    """Each prompt's text is encoded once, by its route, in the API server; the token ids pass through
+    AsyncEngine and reach the engine process as ids (AddRequest holds no text), so nothing after the
+    route tokenizes again. Token ids given by the client are never encoded."""
+    tokenizer = served.engine.model.tokenizer
+    counter = _CountingBackend(tokenizer._tokenizer)
+    tokenizer._tokenizer = counter
+    try:
+        r = client.post(path, json={"model": MODEL_NAME, "temperature": 0, **body})
+        assert r.status_code == 200, r.text
+        r.read()
+    finally:
+        tokenizer._tokenizer = counter.inner
+    assert counter.texts == texts
+
+
+def test_request_stream_first_waits_for_the_first_delta_then_iterates_whole() -> None:
+    """``first()`` surfaces what fails before any output and keeps the delta; iterating the stream
+    afterwards yields every delta once, the first included (the routes no longer glue it back on)."""
+    import asyncio
+
+    from radixserve.outputs import RequestOutput
+    from radixserve.server.engine_api import RequestStream
+
+    deltas = [RequestOutput(f"r{i}", None, [1], []) for i in range(3)]
+
+    async def gen() -> Any:
+        for d in deltas:
+            yield d
+
+    async def refused() -> Any:
+        raise QueueFullError("full")
+        yield  # an async generator
+
+    async def run() -> None:
+        stream = RequestStream().bind(gen())
+        assert await stream.first() is deltas[0] and await stream.first() is deltas[0]
+        assert [d async for d in stream] == deltas
+        plain = RequestStream().bind(gen())  # without first(): the same deltas
+        assert [d async for d in plain] == deltas
+        with pytest.raises(QueueFullError):
+            await RequestStream().bind(refused()).first()
+
+    asyncio.run(run())
