@@ -26,7 +26,7 @@ import torch
 
 from benchmarks.common import best_of, machine, write_results
 from radixserve.kernels.kv_dtype import LayerCache
-from radixserve.model.attention import AttentionMetadata, paged_attention
+from radixserve.model.attention import AttentionBackend, AttentionMetadata, get_backend, paged_attention
 
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 9, 3, 64, 16
 SCALE = HEAD_DIM**-0.5
@@ -91,14 +91,15 @@ class Step:
         self.cu_q_lens = torch.zeros(len(new) + 1, dtype=torch.int32)
         self.cu_q_lens[1:] = torch.tensor(new, dtype=torch.int32).cumsum(0)
         self.seq_lens = torch.tensor(lens, dtype=torch.int32)
-        self.meta = AttentionMetadata(slot_mapping=torch.tensor(slots), plan=None)
+        self.slots = torch.tensor(slots)
+        self.meta: AttentionMetadata | None = None
 
     def plan(self, backend: AttentionBackend) -> None:
-        self.meta.plan = backend.plan_step(
-            self.page_table, self.cu_q_lens, self.seq_lens, self.num_extend, PAGE
-        )
+        plan = backend.plan_step(self.page_table, self.cu_q_lens, self.seq_lens, self.num_extend, PAGE)
+        self.meta = AttentionMetadata(self.slots, plan)
 
     def layer(self, backend: AttentionBackend, i: int) -> torch.Tensor:
+        assert self.meta is not None, "plan() first"
         return paged_attention(
             backend, self.q, self.new_k, self.new_v, LayerCache(self.k[i], self.v[i]), self.meta, SCALE
         )

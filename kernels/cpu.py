@@ -43,6 +43,8 @@ def ensure_loaded() -> int:
             )
         _vec_size = int(_ops.vec_size())
     return _vec_size
+
+
 # Decode rows sharing at least this many leading tokens of pages attend them together (cascade);
 # shorter shared prefixes ran faster without (measurements in csrc/plan.cpp). 0 turns it off.
 CASCADE_MIN_TOKENS = 256

@@ -2,10 +2,12 @@
 
 The ``triton`` attention backend (``radixserve.model.attention``) runs these on CUDA; on CPU the
 ``cpu`` backend runs the C++ kernels (``kernels/cpu.py``), or the ``torch`` reference where they
-cannot be built. K/V pages may be float32, float16, bfloat16, or int8 with their scales. Expected index tensors, all on q's
-device: ``page_table`` int32 ``[B, max_pages]``, ``seq_lens`` int32 ``[B]``, ``cu_q_lens`` int32
-``[B + 1]``, ``slot_mapping`` int64 ``[T]``; ``pages`` of ``gather_pages``/``scatter_pages`` any integer
-dtype. Other integer dtypes also work: every index is widened to int64 inside the kernels.
+cannot be built. K/V pages may be float32, float16, bfloat16, or int8 with their scales.
+
+Expected index tensors, all on q's device: ``page_table`` int32 ``[B, max_pages]``, ``seq_lens``
+int32 ``[B]``, ``cu_q_lens`` int32 ``[B + 1]``, ``slot_mapping`` int64 ``[T]``; ``pages`` of
+``gather_pages``/``scatter_pages`` any integer dtype. Other integer dtypes also work: every index is
+widened to int64 inside the kernels.
 """
 
 from __future__ import annotations

@@ -109,7 +109,9 @@ class KVPool:
     def write_pages(self, copier: PageCopier, pages: list[int], records: torch.Tensor) -> None:
         """The inverse of ``read_pages``: write byte records ``[len(pages), page_bytes]`` into ``pages``."""
         if records.shape != (len(pages), self.page_bytes) or records.dtype != torch.uint8:
-            raise ValueError(f"page records must be [{len(pages)}, {self.page_bytes}] uint8, got {records.shape}")
+            raise ValueError(
+                f"page records must be [{len(pages)}, {self.page_bytes}] uint8, got {records.shape}"
+            )
         idx = torch.tensor(pages, device=self.k_buffer.device)
         records = records.to(self.k_buffer.device)
         start = 0

@@ -1,10 +1,11 @@
 """Host-RAM and disk KV stores beneath the device pool, behind one small storage interface.
 
 A page of KV travels between tiers as one CPU tensor, the pool's byte record of the page (K, V and,
-for int8 KV, their scales, of every layer; ``KVPool.read_pages``), under a 16-byte key: a hash chain over the page's whole token prefix, seeded with the model
-fingerprint and the namespace (``namespace_key`` then ``page_key`` per page). Equal keys mean the same
-model, namespace and tokens up to the page's end, hence the same KV, so a key can be looked up in any
-store without the tree that produced it, and a disk store can be reindexed after a restart.
+for int8 KV, their scales, of every layer; ``KVPool.read_pages``), under a 16-byte key: a hash chain
+over the page's whole token prefix, seeded with the model fingerprint and the namespace
+(``namespace_key`` then ``page_key`` per page). Equal keys mean the same model, namespace and tokens
+up to the page's end, hence the same KV, so a key can be looked up in any store without the tree that
+produced it, and a disk store can be reindexed after a restart.
 
 Invariants:
 - ``HostStore``: every slot is free or holds exactly one key; used bytes never exceed the capacity.

@@ -90,7 +90,9 @@ TIER_SETUPS: dict[str, dict[str, Any]] = {
     [(setup, "float32") for setup in sorted(TIER_SETUPS)]
     + [(setup, kv) for setup in ("host", "disk") for kv in ("bfloat16", "int8")],
 )
-def test_outputs_identical_from_every_tier(setup: str, kv_dtype: str, tiny_llama: Path, tmp_path: Path) -> None:
+def test_outputs_identical_from_every_tier(
+    setup: str, kv_dtype: str, tiny_llama: Path, tmp_path: Path
+) -> None:
     """From every tier and at every KV dtype: the same greedy tokens as with no cache at that dtype."""
     doc = tokens(100, 1)
     prompt = doc + [5, 6, 7]

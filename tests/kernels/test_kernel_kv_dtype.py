@@ -31,9 +31,7 @@ def _cu(q_lens: list[int]) -> torch.Tensor:
     return cu
 
 
-def _narrow(
-    k: torch.Tensor, v: torch.Tensor, kv_dtype: str
-) -> tuple[LayerCache, torch.Tensor, torch.Tensor]:
+def _narrow(k: torch.Tensor, v: torch.Tensor, kv_dtype: str) -> tuple[LayerCache, torch.Tensor, torch.Tensor]:
     """fp32 pages as ``kv_dtype`` pages, and the fp32 pages they read back as."""
     if kv_dtype == "int8":
         (kq, ks), (vq, vs) = quantize_int8(k), quantize_int8(v)

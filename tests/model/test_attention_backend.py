@@ -77,7 +77,9 @@ def test_importing_the_cpu_kernels_builds_nothing(tmp_path: Path) -> None:
 
 
 def test_kv_cache_dtype_fp4_is_refused_naming_the_choices(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, bfloat16, int8, got 'fp4'"):
+    with pytest.raises(
+        ValueError, match="kv_cache_dtype must be one of auto, float32, bfloat16, int8, got 'fp4'"
+    ):
         EngineConfig(kv_cache_dtype="fp4")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--kv-cache-dtype", "fp4"])

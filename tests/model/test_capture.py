@@ -54,7 +54,13 @@ def _steps() -> list[list[SeqChunk]]:
 
 @pytest.mark.parametrize(
     ("kind", "kv_dtype"),  # GQA; qkv bias; q/k norm and head_dim 32; then the narrow KV dtypes
-    [("llama", "float32"), ("qwen2", "float32"), ("qwen3", "float32"), ("llama", "bfloat16"), ("llama", "int8")],
+    [
+        ("llama", "float32"),
+        ("qwen2", "float32"),
+        ("qwen3", "float32"),
+        ("llama", "bfloat16"),
+        ("llama", "int8"),
+    ],
 )
 def test_captured_step_matches_eager_logits(tiny_models: dict[str, Path], kind: str, kv_dtype: str) -> None:
     eager = _runner(tiny_models[kind], False, kv_dtype)
