@@ -120,7 +120,13 @@ def test_cpp_step_stores_the_same_pages_as_the_reference(kv_dtype: str, make_pag
     for name in ("torch", "cpu"):
         backend = get_backend(name)
         base = _narrow(k32, v32, kv_dtype)[0] if kv_dtype != "float32" else LayerCache(k32, v32)
-        cache = LayerCache(*(None if t is None else t.clone() for t in base))
+        ks, vs = base.k_scale, base.v_scale
+        cache = LayerCache(
+            base.k.clone(),
+            base.v.clone(),
+            None if ks is None else ks.clone(),
+            None if vs is None else vs.clone(),
+        )
         plan = backend.plan_step(table, _cu(new), torch.tensor(lens, dtype=torch.int32), 2, page_size)
         meta = AttentionMetadata(torch.tensor(slots, dtype=torch.int64), plan)
         outs.append(paged_attention(backend, q, k, v, cache, meta, 0.125))

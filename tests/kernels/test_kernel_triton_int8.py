@@ -29,9 +29,8 @@ def test_triton_decode_over_int8_pages_matches_reference(make_paged: MakePaged, 
         kq, vq, ks, vs, table = _int8_pages(make_paged, lens, page_size, device)
         q = torch.randn(len(lens), KV_HEADS * group, HEAD_DIM, generator=torch.Generator().manual_seed(1))
         q, seq_lens = q.to(device), torch.tensor(lens, dtype=torch.int32, device=device)
-        scales = dict(k_scale=ks, v_scale=vs)
-        got = ops.decode_attention(q, kq, vq, table, seq_lens, 0.25, **scales)
-        want = reference.decode_attention(q, kq, vq, table, seq_lens, 0.25, **scales)
+        got = ops.decode_attention(q, kq, vq, table, seq_lens, 0.25, k_scale=ks, v_scale=vs)
+        want = reference.decode_attention(q, kq, vq, table, seq_lens, 0.25, k_scale=ks, v_scale=vs)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
@@ -41,9 +40,8 @@ def test_triton_extend_over_int8_pages_matches_reference(make_paged: MakePaged, 
     q = torch.randn(14, KV_HEADS * 2, HEAD_DIM, generator=torch.Generator().manual_seed(2)).to(device)
     cu = torch.tensor([0, 9, 14], dtype=torch.int32, device=device)
     lens = torch.tensor([n for _, n in segs], dtype=torch.int32, device=device)
-    scales = dict(k_scale=ks, v_scale=vs)
-    got = ops.extend_attention(q, kq, vq, table, cu, lens, 0.25, **scales)
-    want = reference.extend_attention(q, kq, vq, table, cu, lens, 0.25, **scales)
+    got = ops.extend_attention(q, kq, vq, table, cu, lens, 0.25, k_scale=ks, v_scale=vs)
+    want = reference.extend_attention(q, kq, vq, table, cu, lens, 0.25, k_scale=ks, v_scale=vs)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
