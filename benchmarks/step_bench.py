@@ -9,7 +9,9 @@ flops over the peak; "% of limit" is limit / measured time.
 
     python -m benchmarks.step_bench [--configs torch,cpu,cpu+compile] [--batches 1,8,32] [--context 512]
 
-Writes benchmarks/results/step_bench.{json,md}.
+Writes benchmarks/results/step_bench.{json,md} (``--name`` picks another name). The ``-bf16kv`` and
+``-int8kv`` configs keep the KV cache in bfloat16 / int8 (``--kv-cache-dtype``); their K/V bytes count
+as stored (int8 with its scales).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 
 from benchmarks.common import write_results
 from radixserve import Engine
+from radixserve.cache.page_pool import KVPool
 from radixserve.model.runner import SeqChunk
 
 
@@ -71,9 +74,12 @@ class Model:
         self.linear_params = sum(m.weight.numel() for m in linears)
         self.body_params = self.linear_params - engine.model.lm_head.weight.numel()
         self.vocab_x_hidden = engine.model.lm_head.weight.numel()
+        self.kv_token_bytes = KVPool.bytes_per_page(
+            self.layers, 1, self.kv_heads, self.head_dim, engine.kv_dtype
+        )  # K and V of one token in every layer, as stored
 
     def kv_bytes(self, tokens: int) -> int:
-        return 2 * self.layers * tokens * self.kv_heads * self.head_dim * 4
+        return tokens * self.kv_token_bytes
 
     def attention_flops(self, queries: int, keys: float) -> float:
         return 4.0 * queries * keys * self.q_heads * self.head_dim * self.layers
@@ -143,6 +149,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "torch-eager": dict(attention_backend="torch", enforce_eager=True),  # before this work
     "cpu-eager": dict(attention_backend="cpu", enforce_eager=True),  # in-place C++ attention
     "cpu-captured": dict(attention_backend="cpu"),  # + the compiled step (the default on CPU)
+    "cpu-captured-bf16kv": dict(attention_backend="cpu", kv_cache_dtype="bfloat16"),
+    "cpu-captured-int8kv": dict(attention_backend="cpu", kv_cache_dtype="int8"),
 }
 
 
@@ -157,6 +165,7 @@ def main() -> None:
     parser.add_argument("--extend", default="100/500,512/512", help="new/cached pairs")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--name", default="step_bench", help="results file name")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -166,10 +175,9 @@ def main() -> None:
     print(f"limits: {limits}", flush=True)
     results: dict[str, Any] = {"limits": vars(limits), "configs": {}}
     rows: list[list[Any]] = []
-    model: Model | None = None
     for name in args.configs.split(","):
         engine = Engine(prefix_cache=False, kv_cache_gb=2.0, **CONFIGS[name])
-        model = model or Model(engine)
+        model = Model(engine)
         steps = Steps(engine)
         res: dict[str, Any] = {}
         for b in batches:
@@ -206,11 +214,11 @@ def main() -> None:
         results["configs"][name] = res
         del engine, steps
     write_results(
-        "step_bench",
+        args.name,
         {"args": vars(args), **results},
         rows,
         ["config", "step", "ms", "limit ms", "% of limit", "tok/s"],
-        f"One engine step vs its physical limit (SmolLM2-135M, fp32; read bandwidth "
+        f"One engine step vs its physical limit (SmolLM2-135M, fp32 weights; read bandwidth "
         f"{limits.bandwidth_gb_s:.1f} GB/s, fp32 peak {limits.peak_gflop_s:.0f} GFLOP/s, measured in this "
         "run)",
     )
