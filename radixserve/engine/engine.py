@@ -76,7 +76,7 @@ class Engine:
         shape = (mcfg.num_layers, num_pages, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim)
         # One backend for the whole engine: attention in the runner, page copies for the tiers.
         backend = select_backend(cfg.attention_backend, self.device)
-        if self.kv_dtype not in backend.kv_dtypes:
+        if cfg.kv_cache_dtype != "auto" and self.kv_dtype not in backend.kv_dtypes:
             raise ValueError(
                 f"kv_cache_dtype {self.kv_dtype} is not taken by the {backend.name} attention backend "
                 f"(it takes {', '.join(backend.kv_dtypes)})"
