@@ -15,7 +15,10 @@ Writes benchmarks/results/<name>.{json,md}.
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
+
+import torch
 
 from benchmarks.common import write_results
 from benchmarks.quant_bench import TEXTS, Scored, agreement, alternate, decode_step
@@ -46,7 +49,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--name", default="kv_dtype_bench", help="results file name")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    load = os.getloadavg()[0]  # a shared machine's load, recorded beside the times
     engines = {kv: Engine(prefix_cache=False, kv_cache_gb=1.0, kv_cache_dtype=kv) for kv in KV_DTYPES}
     scored = {kv: scores(e) for kv, e in engines.items()}
     steps = {
@@ -54,7 +61,7 @@ def main() -> None:
     }
     times = alternate(steps, args.repeats)
     cfg = engines["float32"].model.config
-    results: dict[str, Any] = {"args": vars(args), "dtypes": {}}
+    results: dict[str, Any] = {"args": vars(args), "load_average_1min": load, "dtypes": {}}
     rows: list[list[Any]] = []
     for kv in KV_DTYPES:
         acc = agreement(scored["float32"], scored[kv])
@@ -89,7 +96,7 @@ def main() -> None:
         rows,
         ["KV dtype", "decode ms", "vs fp32 KV", "K/V MB read", "tokens", "mean |Δ loglik|", "max", "top-1 %"],
         f"KV cache dtypes: decode {args.batch} x {args.context} (SmolLM2-135M, fp32 weights, compiled step) "
-        "and accuracy against fp32 KV",
+        f"and accuracy against fp32 KV (load average {load:.1f} at the start)",
     )
 
 
