@@ -20,14 +20,13 @@ import argparse
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 import torch
 
 from benchmarks.common import best_of, machine, write_results
-from radixserve.kernels import reference
-from radixserve.model.attention import AttentionMetadata, paged_attention
+from radixserve.kernels.kv_dtype import LayerCache
+from radixserve.model.attention import AttentionBackend, AttentionMetadata, get_backend, paged_attention
 
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 9, 3, 64, 16
 SCALE = HEAD_DIM**-0.5
@@ -92,20 +91,21 @@ class Step:
         self.cu_q_lens = torch.zeros(len(new) + 1, dtype=torch.int32)
         self.cu_q_lens[1:] = torch.tensor(new, dtype=torch.int32).cumsum(0)
         self.seq_lens = torch.tensor(lens, dtype=torch.int32)
-        self.meta = AttentionMetadata(slot_mapping=torch.tensor(slots), plan=None)
+        self.slots = torch.tensor(slots)
+        self.meta: AttentionMetadata | None = None
 
-    def plan(self, backend: ModuleType) -> None:
-        self.meta.plan = backend.plan_step(
-            self.page_table, self.cu_q_lens, self.seq_lens, self.num_extend, PAGE
-        )
+    def plan(self, backend: AttentionBackend) -> None:
+        plan = backend.plan_step(self.page_table, self.cu_q_lens, self.seq_lens, self.num_extend, PAGE)
+        self.meta = AttentionMetadata(self.slots, plan)
 
-    def layer(self, backend: ModuleType, i: int) -> torch.Tensor:
+    def layer(self, backend: AttentionBackend, i: int) -> torch.Tensor:
+        assert self.meta is not None, "plan() first"
         return paged_attention(
-            backend, self.q, self.new_k, self.new_v, self.k[i], self.v[i], self.meta, SCALE
+            backend, self.q, self.new_k, self.new_v, LayerCache(self.k[i], self.v[i]), self.meta, SCALE
         )
 
 
-def measure(step: Step, backend: ModuleType, layers: int, repeats: int) -> tuple[float, float]:
+def measure(step: Step, backend: AttentionBackend, layers: int, repeats: int) -> tuple[float, float]:
     """(ms for one layer's call, ms for a step of ``layers`` layers including its plan)."""
 
     def whole_step() -> None:
@@ -122,14 +122,16 @@ def measure(step: Step, backend: ModuleType, layers: int, repeats: int) -> tuple
 def run(
     repeats: int, rounds: int, layers: int, cases: list[Case]
 ) -> tuple[list[dict[str, Any]], list[list[Any]]]:
-    from radixserve.kernels import cpu
+    from radixserve.kernels import cpu as cpu_kernels
+
+    reference, cpu = get_backend("torch"), get_backend("cpu")
 
     def without_cascade(step: Step) -> tuple[float, float]:
-        saved, cpu.CASCADE_MIN_TOKENS = cpu.CASCADE_MIN_TOKENS, 0
+        saved, cpu_kernels.CASCADE_MIN_TOKENS = cpu_kernels.CASCADE_MIN_TOKENS, 0
         try:
             return measure(step, cpu, layers, repeats)
         finally:
-            cpu.CASCADE_MIN_TOKENS = saved
+            cpu_kernels.CASCADE_MIN_TOKENS = saved
 
     rows, table = [], []
     for case in cases:

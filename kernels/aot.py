@@ -62,6 +62,14 @@ def variants(
     for q_heads, kv_heads, head_dim in shapes:
         for dt in dtypes:
             qkv = {"q_ptr": dt, "k_ptr": dt, "v_ptr": dt}
+            # Float K/V pass placeholder scale pointers (the K cache); int8 K/V their fp32 scales.
+            kv_kinds = [
+                ({**qkv, "k_scale_ptr": dt, "v_scale_ptr": dt}, {"SCALED": False}),
+                (
+                    {"q_ptr": dt, "k_ptr": "i8", "v_ptr": "i8", "k_scale_ptr": "fp32", "v_scale_ptr": "fp32"},
+                    {"SCALED": True},
+                ),
+            ]
             candidates = [
                 Variant(
                     kv_ops._store_kv_kernel,
@@ -76,18 +84,23 @@ def variants(
                     )
                     for gather in (True, False)
                 ),
-                Variant(
-                    dec._decode_stage1_kernel,
-                    {**qkv, **index, **mid},
-                    dec.decode_blocks(q_heads // kv_heads, head_dim),
-                ),
                 Variant(dec._decode_stage2_kernel, {**mid, "out_ptr": dt}, dec.reduce_blocks(head_dim)),
-                Variant(
-                    ext._extend_kernel,
-                    {**qkv, **index, "cu_q_lens_ptr": "i32", "out_ptr": dt},
-                    ext.extend_blocks(head_dim),
-                ),
             ]
+            for ptrs, scaled in kv_kinds:
+                candidates.append(
+                    Variant(
+                        dec._decode_stage1_kernel,
+                        {**ptrs, **index, **mid},
+                        {**dec.decode_blocks(q_heads // kv_heads, head_dim), **scaled},
+                    )
+                )
+                candidates.append(
+                    Variant(
+                        ext._extend_kernel,
+                        {**ptrs, **index, "cu_q_lens_ptr": "i32", "out_ptr": dt},
+                        {**ext.extend_blocks(head_dim), **scaled},
+                    )
+                )
             for variant in candidates:
                 found.setdefault(variant.key, variant)
     return list(found.values())

@@ -1,4 +1,4 @@
-"""C++ CPU backend: the functions of ``radixserve.kernels.reference``, reading KV pages in place.
+"""C++ CPU kernels: the functions of ``radixserve.kernels.reference``, reading KV pages in place.
 
 The reference gathers every sequence's whole context into a padded block at each layer; these ops
 (``csrc/``, built and loaded by ``cpu_build``) read K/V where the page table says it lies. One ragged
@@ -6,10 +6,12 @@ op serves decode and extend; ``plan_decode``/``plan_extend`` do a step's index w
 causal limits, cascade groups over shared prefixes, context splits for idle threads), as plain
 int32 tensors that every layer, and later a compiled graph, takes as inputs.
 
-Importing this module builds or loads the ops and raises ImportError where it cannot;
-``radixserve.model.attention.select_backend`` checks ``cpu_build.load()`` first and falls back to the
-reference. Tensors other than float32 (or a head_dim the kernels do not take) go to the reference
-per call, with the reference's own plan, made once per step and kept in the plan object.
+Importing this module builds nothing: the ops are built or loaded on first use (``ensure_loaded``,
+called when the ``cpu`` backend is made, ``radixserve.model.attention``, and by every function here).
+K/V pages may be float32, bfloat16 or int8 with scales (``kv_dtype.py``), read as fp32 by the ops;
+q may be float32 or bfloat16 (converted to fp32 around the op). Anything else (e.g. float16, or a
+head_dim the kernels do not take) goes to the reference per call, with the reference's own plan,
+made once per step and kept in the plan object.
 """
 
 from __future__ import annotations
@@ -22,13 +24,27 @@ from . import cpu_build, reference
 from .parts import PartsPlan
 from .reference import gather_pages, scatter_pages
 
-if not cpu_build.load():
-    _state = cpu_build.state()
-    raise ImportError(f"the C++ CPU kernels are unavailable: {_state.reason if _state else 'not loaded'}")
-
-_ops = torch.ops.radixserve_cpu
-VEC_SIZE = int(_ops.vec_size())
+_ops = torch.ops.radixserve_cpu  # a namespace: its ops resolve when called, after ensure_loaded()
+_vec_size: int | None = None  # floats per vector of the loaded build; None until loaded
 MAX_HEAD_DIM = 256
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+Q_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def ensure_loaded() -> int:
+    """Build or load the ops (once per process); the build's vector width. RuntimeError where they
+    cannot be (``cpu_build.state().reason`` says why)."""
+    global _vec_size
+    if _vec_size is None:
+        if not cpu_build.load():
+            state = cpu_build.state()
+            raise RuntimeError(
+                f"the C++ CPU kernels are unavailable: {state.reason if state else 'not loaded'}"
+            )
+        _vec_size = int(_ops.vec_size())
+    return _vec_size
+
+
 # Decode rows sharing at least this many leading tokens of pages attend them together (cascade);
 # shorter shared prefixes ran faster without (measurements in csrc/plan.cpp). 0 turns it off.
 CASCADE_MIN_TOKENS = 256
@@ -51,6 +67,7 @@ class Plan:
 
 
 def _plan(page_table: torch.Tensor, cu_q_lens: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> Plan:
+    ensure_loaded()
     return Plan(
         *_ops.plan(page_table, cu_q_lens, seq_lens, page_size, torch.get_num_threads(), CASCADE_MIN_TOKENS)
     )
@@ -68,22 +85,53 @@ def plan_extend(
 
 
 def store_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write new K/V ``[T, kv_heads, head_dim]`` into the slots ``slot_mapping[T]``; negative slots are
-    skipped."""
+    skipped. bf16 caches get the values rounded to nearest even; int8 caches quantized, with scales."""
+    ensure_loaded()
+    if k_cache.dtype == torch.int8:
+        if k_scale is None or v_scale is None:
+            raise ValueError("an int8 KV cache needs its scales")
+        _ops.store_kv_int8(k_cache, v_cache, k_scale, v_scale, k.float(), v.float(), slot_mapping)
+        return
     _ops.store_kv(k_cache, v_cache, k.to(k_cache.dtype), v.to(v_cache.dtype), slot_mapping)
 
 
 def _supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     dim = q.shape[-1]
     return (
-        q.dtype == k_cache.dtype == torch.float32
+        q.dtype in Q_DTYPES
+        and k_cache.dtype in KV_DTYPES
         and q.device.type == "cpu"
         and k_cache.is_contiguous()
-        and dim % VEC_SIZE == 0
+        and dim % ensure_loaded() == 0
         and dim <= MAX_HEAD_DIM
     )
+
+
+def _attend(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    plan: Plan,
+    scale: float,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    """The op on fp32 queries (bf16 ones converted there and back)."""
+    out, _ = _ops.paged_attention(
+        q.float(), k_cache, v_cache, page_table, *plan.tensors(), scale, k_scale, v_scale
+    )
+    return out.to(q.dtype)
 
 
 def decode_attention(
@@ -95,6 +143,8 @@ def decode_attention(
     scale: float,
     *,
     plan: Plan | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence: ``q [B, q_heads, head_dim]`` -> ``[B, q_heads, head_dim]``."""
     if not _supported(q, k_cache):
@@ -103,11 +153,12 @@ def decode_attention(
             if not isinstance(plan.fallback, reference.DecodePlan):
                 plan.fallback = reference.plan_decode(page_table, seq_lens, k_cache.shape[1])
             ref_plan = plan.fallback
-        return reference.decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale, plan=ref_plan)
+        return reference.decode_attention(
+            q, k_cache, v_cache, page_table, seq_lens, scale, plan=ref_plan, k_scale=k_scale, v_scale=v_scale
+        )
     if plan is None:
         plan = plan_decode(page_table, seq_lens, k_cache.shape[1])
-    out, _ = _ops.paged_attention(q, k_cache, v_cache, page_table.to(torch.int32), *plan.tensors(), scale)
-    return out
+    return _attend(q, k_cache, v_cache, page_table.to(torch.int32), plan, scale, k_scale, v_scale)
 
 
 def extend_attention(
@@ -120,6 +171,8 @@ def extend_attention(
     scale: float,
     *,
     plan: Plan | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Ragged new tokens ``q [T, q_heads, head_dim]``, causal over each sequence's cached prefix and new
     tokens."""
@@ -130,12 +183,20 @@ def extend_attention(
                 plan.fallback = reference.plan_extend(page_table, cu_q_lens, seq_lens, k_cache.shape[1])
             ext_plan = plan.fallback
         return reference.extend_attention(
-            q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, plan=ext_plan
+            q,
+            k_cache,
+            v_cache,
+            page_table,
+            cu_q_lens,
+            seq_lens,
+            scale,
+            plan=ext_plan,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
     if plan is None:
         plan = plan_extend(page_table, cu_q_lens, seq_lens, k_cache.shape[1])
-    out, _ = _ops.paged_attention(q, k_cache, v_cache, page_table.to(torch.int32), *plan.tensors(), scale)
-    return out
+    return _attend(q, k_cache, v_cache, page_table.to(torch.int32), plan, scale, k_scale, v_scale)
 
 
 @dataclass(slots=True)
@@ -167,27 +228,29 @@ def attention(
     slot_mapping: torch.Tensor,
     plan: StepPlan,
     scale: float,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One layer's step: store the new K/V ``[T, kv_heads, head_dim]`` into their slots, then attend
     ``q [T, q_heads, head_dim]`` -> ``[T, q_heads, head_dim]``."""
     if not _supported(q, k_cache):
         if plan.fallback is None:
             plan.fallback = reference.plan_step(plan.page_table, *plan.args)
-        return reference.attention(q, k, v, k_cache, v_cache, slot_mapping, plan.fallback, scale)
-    store_kv(k_cache, v_cache, k, v, slot_mapping)
-    out, _ = _ops.paged_attention(q, k_cache, v_cache, plan.page_table, *plan.work.tensors(), scale)
-    return out
+        return reference.attention(
+            q, k, v, k_cache, v_cache, slot_mapping, plan.fallback, scale, k_scale=k_scale, v_scale=v_scale
+        )
+    store_kv(k_cache, v_cache, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    return _attend(q, k_cache, v_cache, plan.page_table, plan.work, scale, k_scale, v_scale)
 
-
-CAPTURABLE = True  # every op above traces under torch.compile (real torch ops with fake kernels)
 
 __all__ = [
-    "CAPTURABLE",
     "Plan",
     "StepPlan",
     "attention",
     "plan_step",
     "decode_attention",
+    "ensure_loaded",
     "extend_attention",
     "gather_pages",
     "plan_decode",

@@ -201,8 +201,22 @@ def _register_fakes() -> None:
         merge_offsets: torch.Tensor,
         merge_slots: torch.Tensor,
         scale: float,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return q.new_empty(q.shape), q.new_empty(q.shape[:2])
+
+    @torch.library.register_fake("radixserve_cpu::store_kv_int8")
+    def _store_int8(
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        k_scale: torch.Tensor,
+        v_scale: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        return None
 
     @torch.library.register_fake("radixserve_cpu::store_kv")
     def _store(

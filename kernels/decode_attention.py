@@ -10,7 +10,8 @@ Same signature and layout as ``radixserve.kernels.reference.decode_attention``. 
 - no host synchronisation: splits are sized from ``page_table.shape[1]`` (an upper bound on the
   context), so callers should pass a page table trimmed to the batch's longest sequence;
 - loads are upcast to fp32; ``tl.dot`` runs in the KV dtype (fp16/bf16 tensor cores, or IEEE fp32)
-  with fp32 accumulation.
+  with fp32 accumulation; int8 pages are dequantized on load by their per-(token, head) scales
+  (``kv_dtype.py``) and the dots run in q's dtype.
 """
 
 from __future__ import annotations
@@ -63,6 +64,11 @@ def _decode_stage1_kernel(  # type: ignore[no-untyped-def]
     v_ss,
     v_sh,
     v_sd,
+    k_scale_ptr,
+    v_scale_ptr,
+    s_sp,
+    s_ss,
+    s_sh,
     pt_sb,
     pt_sp,
     mid_sb,
@@ -71,11 +77,15 @@ def _decode_stage1_kernel(  # type: ignore[no-untyped-def]
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
-    dot_dtype = k_ptr.dtype.element_ty
+    if SCALED:  # int8 pages: dequantized on load, the dots run in q's dtype
+        dot_dtype = q_ptr.dtype.element_ty
+    else:
+        dot_dtype = k_ptr.dtype.element_ty
 
     rows = tl.arange(0, BLOCK_G)
     dims = tl.arange(0, BLOCK_D).to(tl.int64)
@@ -107,6 +117,9 @@ def _decode_stage1_kernel(  # type: ignore[no-untyped-def]
         kv_mask = pos_mask[:, None] & dim_mask[None, :]
         k_rows = page * k_sp + offset * k_ss + kv_head * k_sh
         k = tl.load(k_ptr + k_rows[:, None] + dims[None, :] * k_sd, mask=kv_mask, other=0.0).to(tl.float32)
+        if SCALED:
+            s_rows = page * s_sp + offset * s_ss + kv_head * s_sh
+            k = k * tl.load(k_scale_ptr + s_rows, mask=pos_mask, other=0.0)[:, None]
         scores = kv_dot(q, tl.trans(k.to(dot_dtype))) * qk_scale
         scores = tl.where(pos_mask[None, :], scores, float("-inf"))
         new_max = tl.maximum(run_max, tl.max(scores, 1))
@@ -115,6 +128,8 @@ def _decode_stage1_kernel(  # type: ignore[no-untyped-def]
         run_sum = run_sum * alpha + tl.sum(probs, 1)
         v_rows = page * v_sp + offset * v_ss + kv_head * v_sh
         v = tl.load(v_ptr + v_rows[:, None] + dims[None, :] * v_sd, mask=kv_mask, other=0.0).to(tl.float32)
+        if SCALED:
+            v = v * tl.load(v_scale_ptr + s_rows, mask=pos_mask, other=0.0)[:, None]
         acc = acc * alpha[:, None] + kv_dot(probs.to(dot_dtype), v.to(dot_dtype))
         run_max = new_max
 
@@ -179,6 +194,19 @@ def reduce_blocks(head_dim: int) -> dict[str, int]:
     return {"BLOCK_S": MAX_SPLITS, "BLOCK_D": max(16, triton.next_power_of_2(head_dim))}
 
 
+def scale_args(
+    k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> tuple[object, ...]:
+    """The scale pointers and strides (page, offset, head) of int8 pages; placeholders otherwise."""
+    if k_scale is None or v_scale is None:
+        if k_cache.dtype == torch.int8:
+            raise ValueError("int8 KV pages need their scales")
+        return k_cache, k_cache, 0, 0, 0
+    if k_scale.stride() != v_scale.stride():
+        raise ValueError("k_scale and v_scale must have the same strides")
+    return (k_scale, v_scale, *k_scale.stride())
+
+
 @functools.lru_cache(maxsize=8)
 def _multiprocessors(device: torch.device) -> int:
     if device.type != "cuda":
@@ -202,6 +230,8 @@ def decode_attention(
     *,
     num_splits: int | None = None,
     plan: object = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence: ``q [B, q_heads, head_dim]`` -> ``[B, q_heads, head_dim]``.
 
@@ -242,9 +272,11 @@ def decode_attention(
         *q.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
+        *scale_args(k_cache, k_scale, v_scale),
         *page_table.stride(),
         *mid_max.stride(),
         **blocks,
+        SCALED=k_scale is not None,
     )
     _decode_stage2_kernel[(batch, q_heads)](
         mid_max,

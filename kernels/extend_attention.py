@@ -7,7 +7,8 @@ Same signature and layout as ``radixserve.kernels.reference.extend_attention``. 
   positions ``<=`` its own: the cached prefix plus itself and earlier new tokens (all already stored);
 - a block only visits keys up to the last position any of its rows can see (causal skipping);
 - K/V are gathered token by token through the page table (any page size, non-contiguous pages);
-- loads are upcast to fp32, ``tl.dot`` runs in the KV dtype, softmax and accumulation are fp32.
+- loads are upcast to fp32, ``tl.dot`` runs in the KV dtype, softmax and accumulation are fp32;
+  int8 pages are dequantized on load (``decode_attention.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_attention import LOG2E, kv_dot
+from .decode_attention import LOG2E, kv_dot, scale_args
 
 
 @triton.jit
@@ -43,6 +44,11 @@ def _extend_kernel(  # type: ignore[no-untyped-def]
     v_ss,
     v_sh,
     v_sd,
+    k_scale_ptr,
+    v_scale_ptr,
+    s_sp,
+    s_ss,
+    s_sh,
     out_st,
     out_sh,
     out_sd,
@@ -51,12 +57,16 @@ def _extend_kernel(  # type: ignore[no-untyped-def]
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     head = tl.program_id(2).to(tl.int64)
     kv_head = head // group
-    dot_dtype = k_ptr.dtype.element_ty
+    if SCALED:  # int8 pages: dequantized on load, the dots run in q's dtype
+        dot_dtype = q_ptr.dtype.element_ty
+    else:
+        dot_dtype = k_ptr.dtype.element_ty
 
     q_start = tl.load(cu_q_lens_ptr + b).to(tl.int32)
     q_len = tl.load(cu_q_lens_ptr + b + 1).to(tl.int32) - q_start
@@ -91,6 +101,9 @@ def _extend_kernel(  # type: ignore[no-untyped-def]
         kv_mask = pos_mask[:, None] & dim_mask[None, :]
         k_rows = page * k_sp + offset * k_ss + kv_head * k_sh
         k = tl.load(k_ptr + k_rows[:, None] + dims[None, :] * k_sd, mask=kv_mask, other=0.0).to(tl.float32)
+        if SCALED:
+            s_rows = page * s_sp + offset * s_ss + kv_head * s_sh
+            k = k * tl.load(k_scale_ptr + s_rows, mask=pos_mask, other=0.0)[:, None]
         scores = kv_dot(q, tl.trans(k.to(dot_dtype))) * qk_scale
         # Key 0 is visible to every row, so each row's max is finite after the first block.
         visible = (pos[None, :] <= q_pos[:, None]) & pos_mask[None, :]
@@ -101,6 +114,8 @@ def _extend_kernel(  # type: ignore[no-untyped-def]
         run_sum = run_sum * alpha + tl.sum(probs, 1)
         v_rows = page * v_sp + offset * v_ss + kv_head * v_sh
         v = tl.load(v_ptr + v_rows[:, None] + dims[None, :] * v_sd, mask=kv_mask, other=0.0).to(tl.float32)
+        if SCALED:
+            v = v * tl.load(v_scale_ptr + s_rows, mask=pos_mask, other=0.0)[:, None]
         acc = acc * alpha[:, None] + kv_dot(probs.to(dot_dtype), v.to(dot_dtype))
         run_max = new_max
 
@@ -130,6 +145,8 @@ def extend_attention(
     *,
     max_q_len: int | None = None,
     plan: object = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Ragged new tokens ``q [T, q_heads, head_dim]`` (sequence b owns rows ``cu_q_lens[b]:cu_q_lens[b+1]``).
 
@@ -164,8 +181,10 @@ def extend_attention(
         *q.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
+        *scale_args(k_cache, k_scale, v_scale),
         *out.stride(),
         *page_table.stride(),
         **blocks,
+        SCALED=k_scale is not None,
     )
     return out

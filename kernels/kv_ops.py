@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .kv_dtype import quantize_int8
+
 # Elements one program copies; small enough to keep registers low, large enough to saturate HBM.
 TILE_ELEMS = 4096
 
@@ -129,13 +131,28 @@ def _store_one(cache: torch.Tensor, src: torch.Tensor, slot_mapping: torch.Tenso
 
 
 def store_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Write new K/V ``[T, kv_heads, head_dim]`` into the slots ``slot_mapping[T]`` of one layer."""
+    """Write new K/V ``[T, kv_heads, head_dim]`` into the slots ``slot_mapping[T]`` of one layer.
+
+    int8 caches: quantized by ``kv_dtype.quantize_int8`` (torch ops on the device), then the integral
+    values and the scales (as ``[..., 1]`` rows) are stored by the same kernel, exactly."""
     if k.shape[0] == 0:
         return
-    _store_one(k_cache, k, slot_mapping)
-    _store_one(v_cache, v, slot_mapping)
+    for cache, x, scales in ((k_cache, k, k_scale), (v_cache, v, v_scale)):
+        if cache.dtype == torch.int8:
+            if scales is None:
+                raise ValueError("an int8 KV cache needs its scales")
+            x, s = quantize_int8(x)
+            _store_one(scales.unsqueeze(-1), s.unsqueeze(-1), slot_mapping)
+        _store_one(cache, x, slot_mapping)
 
 
 def _copy_pages(src: torch.Tensor, dst: torch.Tensor, pages: torch.Tensor, gather: bool) -> None:

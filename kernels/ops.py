@@ -1,9 +1,13 @@
-"""Triton backend: the functions of ``radixserve.kernels.reference`` with the same signatures.
+"""Triton kernels: the functions of ``radixserve.kernels.reference`` with the same signatures.
 
-The engine picks ``ops`` on CUDA and ``reference`` elsewhere. Expected index tensors, all on q's
-device: ``page_table`` int32 ``[B, max_pages]``, ``seq_lens`` int32 ``[B]``, ``cu_q_lens`` int32
-``[B + 1]``, ``slot_mapping`` int64 ``[T]``; ``pages`` of ``gather_pages``/``scatter_pages`` any integer
-dtype. Other integer dtypes also work: every index is widened to int64 inside the kernels.
+The ``triton`` attention backend (``radixserve.model.attention``) runs these on CUDA; on CPU the
+``cpu`` backend runs the C++ kernels (``kernels/cpu.py``), or the ``torch`` reference where they
+cannot be built. K/V pages may be float32, float16, bfloat16, or int8 with their scales.
+
+Expected index tensors, all on q's device: ``page_table`` int32 ``[B, max_pages]``, ``seq_lens``
+int32 ``[B]``, ``cu_q_lens`` int32 ``[B + 1]``, ``slot_mapping`` int64 ``[T]``; ``pages`` of
+``gather_pages``/``scatter_pages`` any integer dtype. Other integer dtypes also work: every index is
+widened to int64 inside the kernels.
 """
 
 from __future__ import annotations
@@ -42,10 +46,15 @@ def attention(
     slot_mapping: torch.Tensor,
     plan: PartsPlan,
     scale: float,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One layer's step: store the new K/V into their slots, then attend the whole step's queries."""
-    store_kv(k_cache, v_cache, k, v, slot_mapping)
-    return attend_parts(extend_attention, decode_attention, q, k_cache, v_cache, plan, scale)
+    store_kv(k_cache, v_cache, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    return attend_parts(
+        extend_attention, decode_attention, q, k_cache, v_cache, plan, scale, k_scale=k_scale, v_scale=v_scale
+    )
 
 
 __all__ = [

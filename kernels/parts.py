@@ -53,16 +53,18 @@ def attend_parts(
     v_cache: torch.Tensor,
     plan: PartsPlan,
     scale: float,
+    **scales: torch.Tensor | None,
 ) -> torch.Tensor:
+    """``scales``: ``k_scale``/``v_scale`` of int8 pages, passed through to both kernels."""
     n_ext = plan.num_extend_tokens
     if plan.decode is None and plan.extend is not None:
         table, cu, lens, p = plan.extend
-        return extend_attention(q, k_cache, v_cache, table, cu, lens, scale, plan=p)
+        return extend_attention(q, k_cache, v_cache, table, cu, lens, scale, plan=p, **scales)
     out = torch.empty_like(q)
     if plan.extend is not None:
         table, cu, lens, p = plan.extend
-        out[:n_ext] = extend_attention(q[:n_ext], k_cache, v_cache, table, cu, lens, scale, plan=p)
+        out[:n_ext] = extend_attention(q[:n_ext], k_cache, v_cache, table, cu, lens, scale, plan=p, **scales)
     if plan.decode is not None:
         table, lens, p = plan.decode
-        out[n_ext:] = decode_attention(q[n_ext:], k_cache, v_cache, table, lens, scale, plan=p)
+        out[n_ext:] = decode_attention(q[n_ext:], k_cache, v_cache, table, lens, scale, plan=p, **scales)
     return out

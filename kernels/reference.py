@@ -1,4 +1,5 @@
-"""Pure-torch reference kernels: the CPU path, and the ground truth the Triton kernels are tested against.
+"""Pure-torch reference kernels: the ``torch`` backend, and the ground truth the C++ and Triton kernels
+are tested against.
 
 Shared layout (the same for every implementation of these signatures):
 - one layer's cache: ``k_cache``/``v_cache`` of shape ``[num_pages, page_size, kv_heads, head_dim]``;
@@ -7,6 +8,9 @@ Shared layout (the same for every implementation of these signatures):
 - ``page_table[b, i]`` is the i-th page of sequence b (entries past the sequence's pages are ignored);
 - ``seq_lens[b]`` counts every token of sequence b whose K/V is in the cache, the new ones included.
 Attention reads all K/V through the page table: the caller stores the step's new K/V first.
+K/V pages may be float32, bfloat16 or int8 with per-(token, head) scales (``k_scale``/``v_scale``
+``[num_pages, page_size, kv_heads]``; ``kv_dtype.py``): they are read back as fp32 and attention runs in
+fp32.
 
 Step level (what the model calls): ``plan_step`` once per step over the flattened batch (extend
 sequences first, then decode ones), ``attention`` once per layer with that plan.
@@ -19,16 +23,33 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .kv_dtype import dequantize, quantize_int8
 from .parts import PartsPlan, attend_parts, plan_parts
 
 
 def store_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Write new K/V ``[T, kv_heads, head_dim]`` into the slots ``slot_mapping[T]`` of one layer."""
+    """Write new K/V ``[T, kv_heads, head_dim]`` into the slots ``slot_mapping[T]`` of one layer
+    (int8 caches: quantized, with their scales into ``k_scale``/``v_scale``)."""
     num_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_heads, head_dim)[slot_mapping] = k.to(k_cache.dtype)
-    v_cache.view(-1, num_heads, head_dim)[slot_mapping] = v.to(v_cache.dtype)
+    keep = slot_mapping >= 0  # negative slots are padding rows: skipped
+    if not bool(keep.all()):
+        slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
+    for cache, x, scales in ((k_cache, k, k_scale), (v_cache, v, v_scale)):
+        if cache.dtype == torch.int8:
+            if scales is None:
+                raise ValueError("an int8 KV cache needs its scales")
+            x, s = quantize_int8(x)
+            scales.view(-1, num_heads)[slot_mapping] = s
+        cache.view(-1, num_heads, head_dim)[slot_mapping] = x.to(cache.dtype)
 
 
 def _pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
@@ -39,9 +60,16 @@ def _pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     return cache.index_select(0, pages.flatten()).view(*pages.shape, *cache.shape[1:])
 
 
-def _gather_seq(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` tokens of one sequence as ``[length, kv_heads, head_dim]``."""
-    return _pages(cache, pages).flatten(0, 1)[:length]
+def _read(cache: torch.Tensor, scale: torch.Tensor | None, pages: torch.Tensor) -> torch.Tensor:
+    """``cache[pages]`` as fp32 (int8: times its scales)."""
+    return dequantize(_pages(cache, pages), None if scale is None else _pages(scale, pages))
+
+
+def _gather_seq(
+    cache: torch.Tensor, scale: torch.Tensor | None, pages: torch.Tensor, length: int
+) -> torch.Tensor:
+    """The first ``length`` tokens of one sequence as fp32 ``[length, kv_heads, head_dim]``."""
+    return _read(cache, scale, pages).flatten(0, 1)[:length]
 
 
 @dataclass(slots=True)
@@ -115,6 +143,8 @@ def decode_attention(
     scale: float,
     *,
     plan: DecodePlan | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence: ``q [B, q_heads, head_dim]`` -> ``[B, q_heads, head_dim]``.
 
@@ -129,14 +159,16 @@ def decode_attention(
         plan = plan_decode(page_table, seq_lens.to(q.device), page_size)
     qg = q.float().view(batch, kv_heads, q_heads // kv_heads, head_dim)
     if len(plan.blocks) == 1 and plan.blocks[0].rows is None:
-        out, lse = _attend_rows(qg, k_cache, v_cache, plan.blocks[0], scale)
+        out, lse = _attend_rows(qg, k_cache, v_cache, k_scale, v_scale, plan.blocks[0], scale)
     else:
         out, lse = torch.empty_like(qg), qg.new_empty(qg.shape[:-1])
         for block in plan.blocks:
-            out[block.rows], lse[block.rows] = _attend_rows(qg[block.rows], k_cache, v_cache, block, scale)
+            out[block.rows], lse[block.rows] = _attend_rows(
+                qg[block.rows], k_cache, v_cache, k_scale, v_scale, block, scale
+            )
     for rows, pages in plan.groups:
-        keys = _pages(k_cache, pages).flatten(0, 1).transpose(0, 1)[None].float()  # [1, kvh, L, D], read once
-        values = _pages(v_cache, pages).flatten(0, 1).transpose(0, 1)[None].float()
+        keys = _read(k_cache, k_scale, pages).flatten(0, 1).transpose(0, 1)[None]  # [1, kvh, L, D], read once
+        values = _read(v_cache, v_scale, pages).flatten(0, 1).transpose(0, 1)[None]
         qs = qg[rows].transpose(0, 1).reshape(1, kv_heads, -1, head_dim)  # every query of the group
         o, l_shared = _attend(qs, keys, values, None, scale)
         o = o.view(kv_heads, len(rows), -1, head_dim).transpose(0, 1)
@@ -147,10 +179,16 @@ def decode_attention(
 
 
 def _attend_rows(
-    qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block: PaddedRows, scale: float
+    qg: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    block: PaddedRows,
+    scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    keys = _pages(k_cache, block.pages).flatten(1, 2).transpose(1, 2).float()  # [b, kvh, L, D]
-    values = _pages(v_cache, block.pages).flatten(1, 2).transpose(1, 2).float()
+    keys = _read(k_cache, k_scale, block.pages).flatten(1, 2).transpose(1, 2)  # [b, kvh, L, D]
+    values = _read(v_cache, v_scale, block.pages).flatten(1, 2).transpose(1, 2)
     return _attend(qg, keys, values, block.bias, scale)
 
 
@@ -236,6 +274,8 @@ def extend_attention(
     scale: float,
     *,
     plan: ExtendPlan | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Ragged new tokens ``q [T, q_heads, head_dim]`` (sequence b owns rows ``cu_q_lens[b]:cu_q_lens[b+1]``).
 
@@ -247,8 +287,8 @@ def extend_attention(
         plan = plan_extend(page_table, cu_q_lens, seq_lens, k_cache.shape[1])
     out = torch.empty_like(q)
     for start, end, pages, seq_len, mask in plan.seqs:
-        keys = _gather_seq(k_cache, pages, seq_len).transpose(0, 1)[None].float()  # [1, kvh, L, D]
-        values = _gather_seq(v_cache, pages, seq_len).transpose(0, 1)[None].float()
+        keys = _gather_seq(k_cache, k_scale, pages, seq_len).transpose(0, 1)[None]  # [1, kvh, L, D]
+        values = _gather_seq(v_cache, v_scale, pages, seq_len).transpose(0, 1)[None]
         qs = q[start:end].transpose(0, 1)[None].float()  # [1, qh, q_len, D]; 4-D for the fused kernel
         o = F.scaled_dot_product_attention(
             qs, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
@@ -258,7 +298,8 @@ def extend_attention(
 
 
 def gather_pages(buffer: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-    """Pack pages of every layer into a contiguous ``[num_layers, n, page_size, kv_heads, head_dim]``."""
+    """Pack pages of every layer into a contiguous ``[num_layers, n, page_size, kv_heads, head_dim]``
+    (or any ``[num_layers, num_pages, ...]`` buffer, e.g. int8 scales)."""
     return buffer.index_select(1, pages.long())
 
 
@@ -283,7 +324,12 @@ def attention(
     slot_mapping: torch.Tensor,
     plan: PartsPlan,
     scale: float,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One layer's step: store the new K/V into their slots, then attend the whole step's queries."""
-    store_kv(k_cache, v_cache, k, v, slot_mapping)
-    return attend_parts(extend_attention, decode_attention, q, k_cache, v_cache, plan, scale)
+    store_kv(k_cache, v_cache, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    return attend_parts(
+        extend_attention, decode_attention, q, k_cache, v_cache, plan, scale, k_scale=k_scale, v_scale=v_scale
+    )

@@ -8,6 +8,7 @@ from typing import Any
 
 from radixserve.cache.tier_controller import WRITE_POLICIES
 from radixserve.engine.policy import POLICIES
+from radixserve.kernels.kv_dtype import KV_DTYPES
 from radixserve.knobs import knob, problems
 from radixserve.model.attention import BACKENDS
 from radixserve.model.quant import QUANTIZATIONS
@@ -33,6 +34,11 @@ class EngineConfig:
         None, "weight quantization (default: none, the checkpoint's weights)", choices=QUANTIZATIONS
     )
     page_size: int = knob(16, "tokens per KV page", ge=1, le=64, integer=True)
+    # auto: the model's dtype (exact). bfloat16 halves the K/V bytes, int8 quarters them (plus a scale
+    # per token and head); both approximate, measured in docs/kernels.md.
+    kv_cache_dtype: str = knob(
+        "auto", "KV cache dtype (auto: the model's, i.e. float32 on CPU)", choices=("auto", *KV_DTYPES)
+    )
     kv_cache_gb: float = knob(1.0, "KV cache size in GiB", gt=0)
     num_pages: int | None = knob(None, "KV pages (overrides --kv-cache-gb)", ge=1, integer=True)
     max_running_requests: int = knob(64, "requests decoded together at most", ge=1, integer=True)

@@ -78,13 +78,31 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q_in, const
                                                    const at::Tensor& items, const at::Tensor& rows,
                                                    const at::Tensor& merge_rows,
                                                    const at::Tensor& merge_offsets,
-                                                   const at::Tensor& merge_slots, double scale) {
+                                                   const at::Tensor& merge_slots, double scale,
+                                                   const std::optional<at::Tensor>& k_scale,
+                                                   const std::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat,
               "radixserve_cpu: q must be [T, heads, dim] float32");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
-                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat &&
-                  v_cache.is_contiguous(),
-              "radixserve_cpu: caches must be contiguous float32 [pages, page_size, kv_heads, dim]");
+  const auto dtype = k_cache.scalar_type();
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.scalar_type() == dtype && v_cache.is_contiguous() &&
+                  (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kChar),
+              "radixserve_cpu: caches must be contiguous [pages, page_size, kv_heads, dim] of one dtype: "
+              "float32, bfloat16 or int8");
+  const KvType kv_type =
+      dtype == at::kBFloat16 ? KvType::kBFloat16 : (dtype == at::kChar ? KvType::kInt8 : KvType::kFloat);
+  const float* ks = nullptr;
+  const float* vs = nullptr;
+  if (kv_type == KvType::kInt8) {
+    const auto scales_ok = [&](const std::optional<at::Tensor>& s) {
+      return s.has_value() && s->scalar_type() == at::kFloat && s->is_contiguous() && s->dim() == 3 &&
+             s->size(0) == k_cache.size(0) && s->size(1) == k_cache.size(1) && s->size(2) == k_cache.size(2);
+    };
+    TORCH_CHECK(scales_ok(k_scale) && scales_ok(v_scale),
+                "radixserve_cpu: int8 caches need contiguous float32 scales [pages, page_size, kv_heads]");
+    ks = k_scale->data_ptr<float>();
+    vs = v_scale->data_ptr<float>();
+  }
   const int64_t T = q_in.size(0), Hq = q_in.size(1), D = q_in.size(2), Hkv = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && Hkv > 0 && Hq % Hkv == 0,
               "radixserve_cpu: q and cache shapes disagree");
@@ -133,8 +151,11 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q_in, const
   at::Tensor part_lse = at::full({P, Hq}, kNegInf, q.options());  // a slot never written weighs 0
   const Ctx c{q.data_ptr<float>(),
               q.stride(0),
-              k_cache.data_ptr<float>(),
-              v_cache.data_ptr<float>(),
+              k_cache.data_ptr(),
+              v_cache.data_ptr(),
+              ks,
+              vs,
+              kv_type,
               k_cache.size(0),
               k_cache.size(1),
               Hkv,
@@ -153,7 +174,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q_in, const
 
   // Units of work: a vector-path item takes every kv head at once (its pages are read whole); a
   // GEMM item is one unit per kv head (each is plenty of work).
-  const VecKernel vec = vec_kernel(D);
+  const VecKernel vec = vec_kernel(D, kv_type);
   std::vector<std::pair<int32_t, int32_t>> units;  // (item, kv head or -1 for all)
   units.reserve(N * Hkv);
   for (int64_t i = 0; i < N; ++i) {

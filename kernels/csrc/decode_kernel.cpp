@@ -1,5 +1,7 @@
 // The vector path of the CPU attention (decode: a few query rows per kv head), reading K/V rows
 // where they lie in the pages.
+#include <type_traits>
+
 #include "kernel_common.h"
 
 namespace radixserve_cpu::detail {
@@ -31,20 +33,18 @@ inline void sum4(const Vec& a, const Vec& b, const Vec& c, const Vec& d, float* 
 #endif
 }
 
-template <int NV>
-inline Vec dot(const float* q, const float* k) {
-  Vec acc = Vec::loadu(q) * Vec::loadu(k);
-  for (int64_t v = 1; v < NV; ++v)
-    acc = at::vec::fmadd(Vec::loadu(q + v * kVS), Vec::loadu(k + v * kVS), acc);
+template <int NV, typename T>
+inline Vec dot(const float* q, const T* k) {
+  Vec acc = Vec::loadu(q) * load_kv(k);
+  for (int64_t v = 1; v < NV; ++v) acc = at::vec::fmadd(Vec::loadu(q + v * kVS), load_kv(k + v * kVS), acc);
   return acc;
 }
 
 // acc[r] = acc[r] * corr[r] + sum_j p[r][j] V[j] for R rows at once: R x NV accumulators in
 // registers, each V row loaded once for the R rows, and R x NV independent FMA chains (one or two
 // chains would leave the loop waiting on FMA latency).
-template <int NV, int R>
-inline void pv_rows(float* acc, const float* p, const float* corr, const float* vh, const int64_t* off,
-                    int64_t n) {
+template <int NV, int R, typename T>
+inline void pv_rows(float* acc, const float* p, const float* corr, const T* vh, const int64_t* off, int64_t n) {
   constexpr int64_t D = NV * kVS;
   Vec a[R][NV];
   for (int r = 0; r < R; ++r) {
@@ -52,11 +52,11 @@ inline void pv_rows(float* acc, const float* p, const float* corr, const float* 
     for (int64_t v = 0; v < NV; ++v) a[r][v] = Vec::loadu(acc + r * D + v * kVS) * c;
   }
   for (int64_t j = 0; j < n; ++j) {
-    const float* vr = vh + off[j];
+    const T* vr = vh + off[j];
     Vec pr[R];
     for (int r = 0; r < R; ++r) pr[r] = Vec(p[r * kVecBlock + j]);
     for (int64_t v = 0; v < NV; ++v) {
-      const Vec x = Vec::loadu(vr + v * kVS);
+      const Vec x = load_kv(vr + v * kVS);
       for (int r = 0; r < R; ++r) a[r][v] = at::vec::fmadd(pr[r], x, a[r][v]);
     }
   }
@@ -66,8 +66,8 @@ inline void pv_rows(float* acc, const float* p, const float* corr, const float* 
 
 // P V for M rows (accumulators acc[M][D], probabilities p[M][kVecBlock]), up to 16 registers of
 // accumulators at a time.
-template <int NV>
-inline void pv(float* acc, const float* p, const float* corr, int64_t M, const float* vh, const int64_t* off,
+template <int NV, typename T>
+inline void pv(float* acc, const float* p, const float* corr, int64_t M, const T* vh, const int64_t* off,
                int64_t n) {
   constexpr int64_t D = NV * kVS;
   constexpr int kMaxRows = NV >= 16 ? 1 : (NV >= 8 ? 2 : 4);
@@ -76,16 +76,16 @@ inline void pv(float* acc, const float* p, const float* corr, int64_t M, const f
     float* a = acc + m * D;
     const float* pm = p + m * kVecBlock;
     if (kMaxRows >= 4 && rest >= 4) {
-      pv_rows<NV, (kMaxRows >= 4 ? 4 : 1)>(a, pm, corr + m, vh, off, n);
+      pv_rows<NV, (kMaxRows >= 4 ? 4 : 1), T>(a, pm, corr + m, vh, off, n);
       m += 4;
     } else if (kMaxRows >= 4 && rest == 3) {
-      pv_rows<NV, (kMaxRows >= 4 ? 3 : 1)>(a, pm, corr + m, vh, off, n);
+      pv_rows<NV, (kMaxRows >= 4 ? 3 : 1), T>(a, pm, corr + m, vh, off, n);
       m += 3;
     } else if (kMaxRows >= 2 && rest >= 2) {
-      pv_rows<NV, (kMaxRows >= 2 ? 2 : 1)>(a, pm, corr + m, vh, off, n);
+      pv_rows<NV, (kMaxRows >= 2 ? 2 : 1), T>(a, pm, corr + m, vh, off, n);
       m += 2;
     } else {
-      pv_rows<NV, 1>(a, pm, corr + m, vh, off, n);
+      pv_rows<NV, 1, T>(a, pm, corr + m, vh, off, n);
       m += 1;
     }
   }
@@ -96,8 +96,10 @@ inline void pv(float* acc, const float* p, const float* corr, int64_t M, const f
 // item in one unit reads each block of pages whole (a page holds all heads of a token side by
 // side) and makes one unit of the item's work, not one per head. (Measured: no faster than a unit
 // per head, and neither was prefetching the next block in software; decode is bound by memory
-// bandwidth once the K/V of a 30-layer step leaves the caches, and reads each byte once.)
-template <int NV>
+// bandwidth once the K/V of a 30-layer step leaves the caches, and reads each byte once: hence
+// the narrower KV dtypes.) T is the KV element type; int8 rows fold their scales into the scores
+// (K) and the probabilities (V), so the inner loops are the same for every dtype.
+template <int NV, typename T>
 void attend_vec(const Ctx& c, const int32_t* item, int64_t h0, int64_t h1) {
   constexpr int64_t D = NV * kVS;
   const int64_t nrow = item[kRowEnd] - item[kRowBegin];
@@ -109,6 +111,8 @@ void attend_vec(const Ctx& c, const int32_t* item, int64_t h0, int64_t h1) {
   float* l = mx + R;
   float* corr = l + R;
   int64_t lim[kVecRows], off[kVecBlock];
+  float ks[kVecBlock], vs[kVecBlock];  // int8: the block's K and V scales of one head
+  constexpr bool kScaled = std::is_same_v<T, int8_t>;
   int64_t max_lim = 0;
   const Vec vscale(c.scale);
   for (int64_t i = 0; i < nrow; ++i) {
@@ -132,21 +136,27 @@ void attend_vec(const Ctx& c, const int32_t* item, int64_t h0, int64_t h1) {
     const int64_t n = std::min(kVecBlock, end - t0);
     token_offsets(c, seg, t0, n, 0, off);  // head 0; head h is h * D further
     for (int64_t h = h0; h < h1; ++h) {
-      const float* kh = c.k + h * D;
-      const float* vh = c.v + h * D;
+      const T* kh = static_cast<const T*>(c.k) + h * D;
+      const T* vh = static_cast<const T*>(c.v) + h * D;
+      if constexpr (kScaled) {
+        for (int64_t j = 0; j < n; ++j) {
+          ks[j] = c.k_scale[off[j] / D + h];
+          vs[j] = c.v_scale[off[j] / D + h];
+        }
+      }
       float* const q_h = qv + (h - h0) * M * D;
       float* const acc_h = acc + (h - h0) * M * D;
       float* const s_h = s + (h - h0) * M * kVecBlock;
       int64_t j = 0;
       for (; j + 4 <= n; j += 4) {
-        const float *k0 = kh + off[j], *k1 = kh + off[j + 1], *k2 = kh + off[j + 2], *k3 = kh + off[j + 3];
+        const T *k0 = kh + off[j], *k1 = kh + off[j + 1], *k2 = kh + off[j + 2], *k3 = kh + off[j + 3];
         if constexpr (NV <= 4) {  // the 4 K rows fit in registers: load them once for all M rows
           Vec kr[4][NV];
           for (int64_t v = 0; v < NV; ++v) {
-            kr[0][v] = Vec::loadu(k0 + v * kVS);
-            kr[1][v] = Vec::loadu(k1 + v * kVS);
-            kr[2][v] = Vec::loadu(k2 + v * kVS);
-            kr[3][v] = Vec::loadu(k3 + v * kVS);
+            kr[0][v] = load_kv(k0 + v * kVS);
+            kr[1][v] = load_kv(k1 + v * kVS);
+            kr[2][v] = load_kv(k2 + v * kVS);
+            kr[3][v] = load_kv(k3 + v * kVS);
           }
           for (int64_t m = 0; m < M; ++m) {
             const float* q = q_h + m * D;
@@ -171,11 +181,18 @@ void attend_vec(const Ctx& c, const int32_t* item, int64_t h0, int64_t h1) {
           s_h[m * kVecBlock + j] = at::vec::vec_reduce_all<float>(
               [](const Vec& x, const Vec& y) { return x + y; }, dot<NV>(q_h + m * D, kh + off[j]));
       }
+      if constexpr (kScaled) {
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t x = 0; x < n; ++x) s_h[m * kVecBlock + x] *= ks[x];
+      }
       for (int64_t m = 0; m < M; ++m) {
         const int64_t r = (h - h0) * M + m;
         corr[r] = softmax_step(s_h + m * kVecBlock, n, lim[m] - t0, mx[r], l[r]);
+        if constexpr (kScaled) {  // after the row's sum: the V scales weigh the values, not the softmax
+          for (int64_t x = 0; x < n; ++x) s_h[m * kVecBlock + x] *= vs[x];
+        }
       }
-      pv<NV>(acc_h, s_h, corr + (h - h0) * M, M, vh, off, n);
+      pv<NV, T>(acc_h, s_h, corr + (h - h0) * M, M, vh, off, n);
     }
   }
   for (int64_t h = h0; h < h1; ++h) {
@@ -186,23 +203,35 @@ void attend_vec(const Ctx& c, const int32_t* item, int64_t h0, int64_t h1) {
   }
 }
 
-}  // namespace
-
-VecKernel vec_kernel(int64_t head_dim) {
+template <typename T>
+VecKernel vec_kernel_of(int64_t head_dim) {
   if (head_dim % kVS != 0) return nullptr;
   switch (head_dim / kVS) {
     case 1:
-      return &attend_vec<1>;
+      return &attend_vec<1, T>;
     case 2:
-      return &attend_vec<2>;
+      return &attend_vec<2, T>;
     case 4:
-      return &attend_vec<4>;
+      return &attend_vec<4, T>;
     case 8:
-      return &attend_vec<8>;
+      return &attend_vec<8, T>;
     case 16:
-      return &attend_vec<16>;
+      return &attend_vec<16, T>;
     default:
       return nullptr;
+  }
+}
+
+}  // namespace
+
+VecKernel vec_kernel(int64_t head_dim, KvType kv_type) {
+  switch (kv_type) {
+    case KvType::kBFloat16:
+      return vec_kernel_of<c10::BFloat16>(head_dim);
+    case KvType::kInt8:
+      return vec_kernel_of<int8_t>(head_dim);
+    default:
+      return vec_kernel_of<float>(head_dim);
   }
 }
 

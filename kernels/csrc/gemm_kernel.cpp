@@ -1,6 +1,8 @@
 // The GEMM path of the CPU attention (extend, prefill, cascade groups): flash-attention blocks like
-// torch's CPU kernel, with each block of K/V rows gathered from the pages into a thread-local buffer.
+// torch's CPU kernel, with each block of K/V rows gathered from the pages into a thread-local buffer
+// (as fp32, whatever the KV dtype: the GEMMs run in fp32).
 #include <cstring>
+#include <type_traits>
 
 #include "kernel_common.h"
 
@@ -21,6 +23,30 @@ void gemm(char ta, char tb, int m, int n, int k, const float* a, int lda, const 
           float* out, int ldc) {
   const float one = 1.f;
   sgemm_(&ta, &tb, &m, &n, &k, &one, a, &lda, b, &ldb, &beta, out, &ldc);
+}
+
+// Copies the block's K/V rows (element offsets off[0, n)) into kb/vb as fp32, dequantizing int8 rows.
+template <typename T>
+void gather_block(const Ctx& c, const int64_t* off, int64_t n, float* kb, float* vb) {
+  const int64_t D = c.head_dim;
+  const T* k = static_cast<const T*>(c.k);
+  const T* v = static_cast<const T*>(c.v);
+  for (int64_t j = 0; j < n; ++j) {
+    if constexpr (std::is_same_v<T, float>) {
+      std::memcpy(kb + j * D, k + off[j], D * sizeof(float));
+      std::memcpy(vb + j * D, v + off[j], D * sizeof(float));
+    } else {
+      Vec sk(1.f), sv(1.f);
+      if constexpr (std::is_same_v<T, int8_t>) {
+        sk = Vec(c.k_scale[off[j] / D]);
+        sv = Vec(c.v_scale[off[j] / D]);
+      }
+      for (int64_t x = 0; x < D; x += kVS) {
+        (load_kv(k + off[j] + x) * sk).store(kb + j * D + x);
+        (load_kv(v + off[j] + x) * sv).store(vb + j * D + x);
+      }
+    }
+  }
 }
 
 }  // namespace
@@ -57,9 +83,15 @@ void attend_gemm(const Ctx& c, const int32_t* item, int64_t h) {
   for (int64_t t0 = item[kKvBegin]; t0 < end; t0 += kGemmBlock) {
     const int64_t n = std::min(kGemmBlock, end - t0);
     token_offsets(c, seg, t0, n, h, off);
-    for (int64_t j = 0; j < n; ++j) {  // gather this block's K/V rows (L1/L2-sized)
-      std::memcpy(kb + j * D, c.k + off[j], D * sizeof(float));
-      std::memcpy(vb + j * D, c.v + off[j], D * sizeof(float));
+    switch (c.kv_type) {  // gather this block's K/V rows (L1/L2-sized)
+      case KvType::kBFloat16:
+        gather_block<c10::BFloat16>(c, off, n, kb, vb);
+        break;
+      case KvType::kInt8:
+        gather_block<int8_t>(c, off, n, kb, vb);
+        break;
+      default:
+        gather_block<float>(c, off, n, kb, vb);
     }
 
     // S[M, n] = Q K^T (row-major S is column-major S^T [n, M], leading dimension kGemmBlock).

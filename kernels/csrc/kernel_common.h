@@ -1,9 +1,15 @@
 // Shared pieces of the CPU attention kernels (attention.cpp, decode_kernel.cpp, gemm_kernel.cpp):
-// the context of one call, page addressing, output slots, the online softmax step.
+// the context of one call, page addressing, K/V loads of each KV dtype, output slots, the online
+// softmax step.
 #pragma once
 
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -21,11 +27,18 @@ constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kVecRows = 8;    // the vector path's most query rows per kv head (tokens x group)
 constexpr int64_t kVecBlock = 64;  // context tokens per online-softmax step of the vector path
 
+// How K/V pages are stored (radixserve/kernels/kv_dtype.py): every kernel reads them as fp32 and
+// accumulates in fp32. int8 rows are dequantized by one scale per (token, kv head).
+enum class KvType { kFloat, kBFloat16, kInt8 };
+
 struct Ctx {
   const float* q;
   int64_t q_stride;  // q[r, head, d] = q[r * q_stride + head * head_dim + d]
-  const float* k;
-  const float* v;
+  const void* k;     // float, c10::BFloat16 or int8_t, as kv_type says
+  const void* v;
+  const float* k_scale;  // int8 only: [num_pages, page_size, kv_heads]; the scale of the K/V row at
+  const float* v_scale;  // element offset `off` is at `off / head_dim` (see token_offsets)
+  KvType kv_type;
   int64_t num_pages, page_size, kv_heads, head_dim, group, q_heads;
   const int32_t* table;
   int64_t table_stride, table_cols;
@@ -58,6 +71,44 @@ inline void token_offsets(const Ctx& c, int64_t seg, int64_t t0, int64_t n, int6
     }
     off[j] = base + in * row;
   }
+}
+
+// head_dim values of one K/V row from `p`, as fp32 (kVS of them).
+template <typename T>
+inline Vec load_kv(const T* p);
+
+template <>
+inline Vec load_kv<float>(const float* p) {
+  return Vec::loadu(p);
+}
+
+// bf16 -> fp32 is the bf16 bits in the high half of a 32-bit word: no bf16 instructions needed.
+template <>
+inline Vec load_kv<c10::BFloat16>(const c10::BFloat16* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return Vec(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return Vec(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)));
+#else
+  float tmp[kVS];
+  for (int64_t i = 0; i < kVS; ++i) tmp[i] = static_cast<float>(p[i]);
+  return Vec::loadu(tmp);
+#endif
+}
+
+template <>
+inline Vec load_kv<int8_t>(const int8_t* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else
+  float tmp[kVS];
+  for (int64_t i = 0; i < kVS; ++i) tmp[i] = static_cast<float>(p[i]);
+  return Vec::loadu(tmp);
+#endif
 }
 
 struct Dest {
@@ -129,7 +180,7 @@ float* scratch(int64_t n);
 
 // The vector path for this head_dim (kv heads [h0, h1) of an item), or nullptr where none is built.
 using VecKernel = void (*)(const Ctx&, const int32_t* item, int64_t h0, int64_t h1);
-VecKernel vec_kernel(int64_t head_dim);
+VecKernel vec_kernel(int64_t head_dim, KvType kv_type);
 
 // The GEMM path: kv head h of an item, any number of query rows.
 void attend_gemm(const Ctx& c, const int32_t* item, int64_t h);

@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <optional>
 #include <tuple>
 
 namespace radixserve_cpu {
@@ -31,12 +32,15 @@ using PlanTensors = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, a
 PlanTensors plan(const at::Tensor& page_table, const at::Tensor& cu_q_lens, const at::Tensor& kv_lens,
                  int64_t page_size, int64_t num_threads, int64_t cascade_min_tokens);
 
-// (out [T, q_heads, head_dim], lse [T, q_heads]) for q [T, q_heads, head_dim].
+// (out [T, q_heads, head_dim], lse [T, q_heads]) for q [T, q_heads, head_dim] float32, over caches
+// of float32, bfloat16 or int8 (then with k_scale/v_scale [pages, page_size, kv_heads] float32).
 std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                                    const at::Tensor& v_cache, const at::Tensor& page_table,
                                                    const at::Tensor& items, const at::Tensor& rows,
                                                    const at::Tensor& merge_rows,
                                                    const at::Tensor& merge_offsets,
-                                                   const at::Tensor& merge_slots, double scale);
+                                                   const at::Tensor& merge_slots, double scale,
+                                                   const std::optional<at::Tensor>& k_scale,
+                                                   const std::optional<at::Tensor>& v_scale);
 
 }  // namespace radixserve_cpu

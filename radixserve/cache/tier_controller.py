@@ -2,7 +2,8 @@
 
 It owns the write policy (``WritePolicy``) and the write-through threshold, so it alone decides when
 a device page gets a copy below (backups); it copies pages between the device pool and the stores
-through the attention backend's ``gather_pages``/``scatter_pages``; it keeps the loads in flight; and
+(as the pool's byte records: K, V and int8 scales, ``KVPool.read_pages``) through the attention
+backend's ``gather_pages``/``scatter_pages``; it keeps the loads in flight; and
 it runs disk writes and loads on two background threads, so the stepping thread does no file I/O.
 
 The radix tree only records where each page lives (``TreeNode.backed_up`` and the chain keys the stores
@@ -23,11 +24,10 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
-from radixserve.cache.page_pool import KVPool
+from radixserve.cache.page_pool import KVPool, PageCopier
 from radixserve.cache.radix import EvictResult, MatchResult, TreeNode
 from radixserve.cache.tiers import DiskStore, HostStore, KVStore, model_fingerprint
 
@@ -78,7 +78,7 @@ class TierController:
         stores: Sequence[KVStore],
         seed: bytes,
         pool: KVPool,
-        backend: ModuleType,
+        backend: PageCopier,
         policy: WritePolicy = WritePolicy.WRITE_THROUGH,
         write_through_threshold: int = 2,
         max_pending: int = 4096,
@@ -182,17 +182,12 @@ class TierController:
 
     # -- pages in and out of the device pool --------------------------------------------------------
     def _gather(self, pages: list[int]) -> torch.Tensor:
-        idx = torch.tensor(pages, device=self.pool.k_buffer.device)
-        k = self.backend.gather_pages(self.pool.k_buffer, idx)
-        v = self.backend.gather_pages(self.pool.v_buffer, idx)
-        return torch.stack((k, v)).permute(2, 0, 1, 3, 4, 5)  # [n, 2, layers, page_size, heads, dim]
+        """Device ``pages`` as byte records ``[n, page_bytes]``."""
+        return self.pool.read_pages(self.backend, pages)
 
     def _scatter(self, pages: list[int], data: torch.Tensor) -> None:
-        """Loader thread: write pages ``[n, 2, layers, page_size, heads, dim]`` into device ``pages``."""
-        idx = torch.tensor(pages, device=self.pool.k_buffer.device)
-        data = data.to(self.pool.k_buffer.device)
-        self.backend.scatter_pages(self.pool.k_buffer, idx, data[:, 0].transpose(0, 1))
-        self.backend.scatter_pages(self.pool.v_buffer, idx, data[:, 1].transpose(0, 1))
+        """Loader thread: write byte records ``[n, page_bytes]`` into device ``pages``."""
+        self.pool.write_pages(self.backend, pages, data)
 
     # -- the stores -----------------------------------------------------------------------------------
     def backup(self, keys: Sequence[bytes], pages: torch.Tensor) -> None:
@@ -288,10 +283,11 @@ def default_disk_bytes(directory: str | Path) -> int:
 
 def make_tiers(
     pool: KVPool,
-    backend: ModuleType,
+    backend: PageCopier,
     model: torch.nn.Module,
     model_config: object,
     *,
+    model_dtype: torch.dtype,
     host_bytes: int,
     disk_bytes: int,
     disk_dir: str | None,
@@ -311,15 +307,16 @@ def make_tiers(
         )
     if host_bytes <= 0 and disk_bytes <= 0:
         return None
-    dtype = pool.k_buffer.dtype
-    page_shape = (2, *pool.k_buffer.shape[:1], *pool.k_buffer.shape[2:])
-    fingerprint = model_fingerprint(model, model_config, dtype, pool.page_size)
+    # A page travels as the pool's byte record (K, V and any scales); the fingerprint keys it by
+    # model, weights format, page size and KV dtype, so no page is read back at another dtype.
+    page_shape = (pool.page_bytes,)
+    fingerprint = model_fingerprint(model, model_config, model_dtype, pool.page_size, pool.kv_dtype)
     stores: list[KVStore] = []
     if host_bytes > 0:
-        stores.append(HostStore(host_bytes, page_shape, dtype, pin=pool.k_buffer.is_cuda))
+        stores.append(HostStore(host_bytes, page_shape, torch.uint8, pin=pool.k_buffer.is_cuda))
     if disk_bytes > 0:
         if not disk_dir:
             raise ValueError("a disk tier needs disk_cache_dir")
-        stores.append(DiskStore(disk_dir, disk_bytes, fingerprint, page_shape, dtype))
+        stores.append(DiskStore(disk_dir, disk_bytes, fingerprint, page_shape, torch.uint8))
     policy = WritePolicy(write_policy)
     return TierController(stores, fingerprint, pool, backend, policy, write_through_threshold)

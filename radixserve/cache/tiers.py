@@ -1,10 +1,11 @@
 """Host-RAM and disk KV stores beneath the device pool, behind one small storage interface.
 
-A page of KV travels between tiers as one CPU tensor ``[2, num_layers, page_size, kv_heads, head_dim]``
-(K then V) under a 16-byte key: a hash chain over the page's whole token prefix, seeded with the model
-fingerprint and the namespace (``namespace_key`` then ``page_key`` per page). Equal keys mean the same
-model, namespace and tokens up to the page's end, hence the same KV, so a key can be looked up in any
-store without the tree that produced it, and a disk store can be reindexed after a restart.
+A page of KV travels between tiers as one CPU tensor, the pool's byte record of the page (K, V and,
+for int8 KV, their scales, of every layer; ``KVPool.read_pages``), under a 16-byte key: a hash chain
+over the page's whole token prefix, seeded with the model fingerprint and the namespace
+(``namespace_key`` then ``page_key`` per page). Equal keys mean the same model, namespace and tokens
+up to the page's end, hence the same KV, so a key can be looked up in any store without the tree that
+produced it, and a disk store can be reindexed after a restart.
 
 Invariants:
 - ``HostStore``: every slot is free or holds exactly one key; used bytes never exceed the capacity.
@@ -49,19 +50,23 @@ def page_key(prev: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.blake2b(prev + data, digest_size=KEY_BYTES).digest()
 
 
-def model_fingerprint(model: torch.nn.Module, config: object, dtype: torch.dtype, page_size: int) -> bytes:
-    """A cheap, stable identity of the KV a model produces: its config, dtype, weight quantization (the
-    model's ``quantization``: int8 weights give other K/V than fp32 ones), page size and a few weights.
+def model_fingerprint(
+    model: torch.nn.Module, config: object, dtype: torch.dtype, page_size: int, kv_dtype: str = "float32"
+) -> bytes:
+    """A cheap, stable identity of the KV a model produces and of its page layout: its config, dtype,
+    weights format (the model's ``quantization``: int8 weights give other K/V than fp32 ones, and the
+    parameters' dtypes), page size, KV dtype (a page written at one is never read at another) and a
+    few weights.
 
     Hashing every weight would take seconds for large models; the first, middle and last tensors (and all
     shapes) catch a different checkpoint of the same architecture in practice.
     """
     h = hashlib.blake2b(digest_size=KEY_BYTES)
     quantization = getattr(model, "quantization", None)
-    h.update(f"{config!r}|{dtype}|{quantization}|{page_size}".encode())
+    h.update(f"{config!r}|{dtype}|{quantization}|{page_size}|kv={kv_dtype}".encode())
     params = sorted(model.named_parameters(), key=lambda kv: kv[0])
     for name, p in params:
-        h.update(f"{name}{tuple(p.shape)}".encode())
+        h.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())
     for _, p in (params[0], params[len(params) // 2], params[-1]) if params else ():
         sample = p.detach().flatten()[:4096].to("cpu", torch.float32).contiguous()
         h.update(sample.numpy().tobytes())
@@ -176,7 +181,8 @@ class HostStore:
 
 
 # Header: magic, fingerprint, key, payload length, CRC32 of the payload; padded to 64 bytes.
-_MAGIC = b"RSKVPG01"
+# The magic's last two digits are the format version: 02 since a payload is the pool's byte record.
+_MAGIC = b"RSKVPG02"
 _HEADER = struct.Struct(f"<8s{KEY_BYTES}s{KEY_BYTES}sQI")
 _HEADER_BYTES = 64
 

@@ -65,17 +65,23 @@ class Engine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = sorted(eos)
         self._eos = frozenset(eos)
+        self.kv_dtype = dtype_name if cfg.kv_cache_dtype == "auto" else cfg.kv_cache_dtype
         page_bytes = KVPool.bytes_per_page(
-            mcfg.num_layers, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim, self.dtype
+            mcfg.num_layers, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim, self.kv_dtype
         )
         num_pages = cfg.num_pages or max(1, int(cfg.kv_cache_gb * 2**30) // page_bytes)
         self.max_model_len = context_within_pool(
             self.max_model_len, cfg.max_model_len is not None, num_pages, cfg.page_size
         )
         shape = (mcfg.num_layers, num_pages, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim)
-        self.pool = KVPool(*shape, self.dtype, self.device)
         # One backend for the whole engine: attention in the runner, page copies for the tiers.
         backend = select_backend(cfg.attention_backend, self.device)
+        if cfg.kv_cache_dtype != "auto" and self.kv_dtype not in backend.kv_dtypes:
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_dtype} is not taken by the {backend.name} attention backend "
+                f"(it takes {', '.join(backend.kv_dtypes)})"
+            )
+        self.pool = KVPool(*shape, self.kv_dtype, self.device)
         tiers = None
         if cfg.prefix_cache:
             tiers = make_tiers(
@@ -83,6 +89,7 @@ class Engine:
                 backend,
                 self.model,
                 mcfg,
+                model_dtype=self.dtype,
                 host_bytes=int(cfg.host_cache_gb * 2**30),
                 disk_bytes=int(cfg.disk_cache_gb * 2**30),
                 disk_dir=cfg.disk_cache_dir,
@@ -96,7 +103,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.kv_cache, cfg.max_running_requests, self.max_batched_tokens, cfg.schedule_policy, cfg.aging_s
         )
-        capture = not cfg.enforce_eager and getattr(backend, "CAPTURABLE", False)
+        capture = not cfg.enforce_eager and backend.capturable
         self.runner = ModelRunner(self.model, self.pool, backend, self.device, capture)
         self.runner.warmup()
         self.sampler = Sampler()

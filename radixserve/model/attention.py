@@ -1,69 +1,265 @@
-"""Paged attention over the KV pool, behind one small backend interface.
+"""Paged attention over the KV pool, behind one stated contract: ``AttentionBackend``.
 
-A backend is any object with the functions of ``radixserve.kernels.reference`` (store_kv,
-plan_step and attention for a whole step; plan_decode, decode_attention, plan_extend,
-extend_attention for each kind of sequence; gather_pages, scatter_pages for the tiers), all with
-the same signatures: the C++ kernels (``radixserve.kernels.cpu``) on CPU, the torch reference where
-they cannot be built, the Triton kernels on CUDA. The plans hold the index work of one step (which
-pages each sequence reads, masks, work lists), done once and reused by every layer.
+A backend runs a step's attention over the pool's pages and copies pages for the tiers. Three are
+registered (``REGISTRY``): ``torch`` (the pure-torch reference, ``kernels/reference.py``, the ground
+truth), ``cpu`` (the C++ kernels, ``kernels/cpu.py``, built on first use when the backend is made)
+and ``triton`` (CUDA, ``kernels/ops.py``, imported only when asked for). ``select_backend`` picks one
+for a device; the engine makes one per process and hands the same object to the runner (attention)
+and the tier controller (page copies).
 
 One step's tokens are flattened: the extend sequences (prefill chunks) come first, then the decode
-sequences (one token each). Attention stores the step's new K/V into their slots, then every new
-token reads its sequence's context through the page table, in whatever way is fastest on the
-backend's hardware (one ragged op on CPU, an extend and a decode kernel on CUDA).
+sequences (one token each). The plan (``plan_step``) holds the step's index work (which pages each
+sequence reads, masks, work lists), done once and reused by every layer. Attention stores the
+step's new K/V into their slots, then every new token reads its sequence's context through the page
+table, in whatever way is fastest on the backend's hardware (one ragged op on CPU, an extend and a
+decode kernel on CUDA).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import ClassVar, Protocol, TypeAlias, runtime_checkable
 
 import torch
 
-from radixserve.kernels import reference
+from radixserve.kernels import cpu, reference
+from radixserve.kernels.kv_dtype import KV_DTYPES, LayerCache
+from radixserve.kernels.parts import PartsPlan
 
-BACKENDS = ("auto", "torch", "cpu", "triton")
+# A step's plan: the C++ kernels' one ragged work list, or an extend and a decode part (reference, Triton).
+StepPlan: TypeAlias = cpu.StepPlan | PartsPlan
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V goes (negative: nowhere)
-    plan: Any  # the backend's plan_step(...) of this step, made once and read by every layer
+    plan: StepPlan  # the backend's plan_step(...) of this step, made once and read by every layer
 
 
-def select_backend(name: str, device: torch.device) -> ModuleType:
-    """The kernels for ``device``: ``auto`` picks Triton on CUDA, else the C++ CPU kernels (``cpu``),
+@runtime_checkable
+class AttentionBackend(Protocol):
+    """The seam between the model and the kernels. Layouts are those of ``kernels/reference.py``.
+
+    Invariants: a backend holds no per-step state (the plan carries it), so one object serves every
+    layer, step and thread; each method works on tensors of the device it was selected for.
+    """
+
+    name: ClassVar[str]
+    capturable: ClassVar[bool]
+    """Whether ``attention`` (with ``plan``'s tensors as inputs) traces under ``torch.compile`` with
+    ``fullgraph=True``: only real torch ops, with fake kernels, and no host syncs. The engine captures
+    the model step only with such a backend (``model/capture.py``)."""
+    kv_dtypes: ClassVar[tuple[str, ...]]
+    """The KV cache dtypes (``kernels/kv_dtype.py``) whose pages ``attention`` reads and writes."""
+
+    def plan_step(
+        self,
+        page_table: torch.Tensor,
+        cu_q_lens: torch.Tensor,
+        seq_lens: torch.Tensor,
+        num_extend: int,
+        page_size: int,
+    ) -> StepPlan:
+        """Plan a step once, before its first layer: ``page_table [B, W]`` int32, ``cu_q_lens [B + 1]``
+        int32 (sequence b's new tokens are rows ``cu_q_lens[b]:cu_q_lens[b + 1]``), ``seq_lens [B]`` int32
+        (cached plus new tokens), sequences ``[0, num_extend)`` extend and the rest decode one token."""
+        ...
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: LayerCache,
+        slot_mapping: torch.Tensor,
+        plan: StepPlan,
+        scale: float,
+    ) -> torch.Tensor:
+        """One layer's attention of the planned step: store the new ``k``/``v [T, kv_heads, head_dim]``
+        into ``slot_mapping``'s slots of ``cache`` (negative slots skipped; int8 pages quantized with
+        their scales), then attend ``q [T, q_heads, head_dim]`` causally over each sequence's context
+        -> ``[T, q_heads, head_dim]`` in q's dtype, accumulated in fp32."""
+        ...
+
+    def gather_pages(self, buffer: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+        """Copy ``pages`` of every layer out of a pool buffer ``[num_layers, num_pages, ...]`` (K, V or
+        their int8 scales) into a new contiguous ``[num_layers, len(pages), ...]``: the tiers' page copies."""
+        ...
+
+    def scatter_pages(self, buffer: torch.Tensor, pages: torch.Tensor, src: torch.Tensor) -> None:
+        """The inverse of ``gather_pages``: write ``src`` into ``pages`` of every layer of ``buffer``."""
+        ...
+
+
+def _scales(cache: LayerCache) -> dict[str, torch.Tensor | None]:
+    return {"k_scale": cache.k_scale, "v_scale": cache.v_scale}
+
+
+class TorchBackend:
+    """The pure-torch reference kernels: any device, every KV dtype; eager only (host-side plans)."""
+
+    name: ClassVar[str] = "torch"
+    capturable: ClassVar[bool] = False
+    kv_dtypes: ClassVar[tuple[str, ...]] = KV_DTYPES
+
+    def plan_step(
+        self,
+        page_table: torch.Tensor,
+        cu_q_lens: torch.Tensor,
+        seq_lens: torch.Tensor,
+        num_extend: int,
+        page_size: int,
+    ) -> StepPlan:
+        return reference.plan_step(page_table, cu_q_lens, seq_lens, num_extend, page_size)
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: LayerCache,
+        slot_mapping: torch.Tensor,
+        plan: StepPlan,
+        scale: float,
+    ) -> torch.Tensor:
+        assert isinstance(plan, PartsPlan), "a plan made by another backend"
+        return reference.attention(q, k, v, cache.k, cache.v, slot_mapping, plan, scale, **_scales(cache))
+
+    def gather_pages(self, buffer: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+        return reference.gather_pages(buffer, pages)
+
+    def scatter_pages(self, buffer: torch.Tensor, pages: torch.Tensor, src: torch.Tensor) -> None:
+        reference.scatter_pages(buffer, pages, src)
+
+
+class CpuBackend(TorchBackend):
+    """The C++ kernels on CPU tensors (pages read in place, one ragged op per layer); capturable.
+    Making one builds or loads the ops (``cpu.ensure_loaded``), RuntimeError where they cannot be."""
+
+    name: ClassVar[str] = "cpu"
+    capturable: ClassVar[bool] = True  # real torch ops with fake kernels (kernels/cpu_build.py)
+
+    def __init__(self) -> None:
+        cpu.ensure_loaded()
+
+    def plan_step(
+        self,
+        page_table: torch.Tensor,
+        cu_q_lens: torch.Tensor,
+        seq_lens: torch.Tensor,
+        num_extend: int,
+        page_size: int,
+    ) -> StepPlan:
+        return cpu.plan_step(page_table, cu_q_lens, seq_lens, num_extend, page_size)
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: LayerCache,
+        slot_mapping: torch.Tensor,
+        plan: StepPlan,
+        scale: float,
+    ) -> torch.Tensor:
+        assert isinstance(plan, cpu.StepPlan), "a plan made by another backend"
+        return cpu.attention(q, k, v, cache.k, cache.v, slot_mapping, plan, scale, **_scales(cache))
+
+
+class TritonBackend:
+    """The Triton kernels on CUDA (device-side plans). Triton is imported when one is made."""
+
+    name: ClassVar[str] = "triton"
+    capturable: ClassVar[bool] = False
+    kv_dtypes: ClassVar[tuple[str, ...]] = KV_DTYPES
+
+    def __init__(self) -> None:
+        from radixserve.kernels import ops
+
+        self.ops: ModuleType = ops
+
+    def plan_step(
+        self,
+        page_table: torch.Tensor,
+        cu_q_lens: torch.Tensor,
+        seq_lens: torch.Tensor,
+        num_extend: int,
+        page_size: int,
+    ) -> StepPlan:
+        plan: PartsPlan = self.ops.plan_step(page_table, cu_q_lens, seq_lens, num_extend, page_size)
+        return plan
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: LayerCache,
+        slot_mapping: torch.Tensor,
+        plan: StepPlan,
+        scale: float,
+    ) -> torch.Tensor:
+        assert isinstance(plan, PartsPlan), "a plan made by another backend"
+        out: torch.Tensor = self.ops.attention(
+            q, k, v, cache.k, cache.v, slot_mapping, plan, scale, **_scales(cache)
+        )
+        return out
+
+    def gather_pages(self, buffer: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.ops.gather_pages(buffer, pages)
+        return out
+
+    def scatter_pages(self, buffer: torch.Tensor, pages: torch.Tensor, src: torch.Tensor) -> None:
+        self.ops.scatter_pages(buffer, pages, src)
+
+
+REGISTRY: dict[str, Callable[[], AttentionBackend]] = {
+    "torch": TorchBackend,
+    "cpu": CpuBackend,
+    "triton": TritonBackend,
+}
+BACKENDS = ("auto", *REGISTRY)  # the attention_backend knob's choices
+_made: dict[str, AttentionBackend] = {}  # one object per backend and process
+
+
+def get_backend(name: str) -> AttentionBackend:
+    """The registered backend ``name``, made on first use (building what it needs) and then reused."""
+    if name not in REGISTRY:
+        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
+    if name not in _made:
+        _made[name] = REGISTRY[name]()
+    return _made[name]
+
+
+def select_backend(name: str, device: torch.device) -> AttentionBackend:
+    """The backend for ``device``: ``auto`` picks Triton on CUDA, else the C++ CPU kernels (``cpu``),
     built on first use, or the torch reference (``torch``) where they cannot be built (logged once)."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
     if name == "torch":
-        return reference
+        return get_backend("torch")
     if name == "triton" or (name == "auto" and device.type == "cuda"):
-        from radixserve.kernels import ops  # Triton is imported only when asked for
-
-        return ops
+        return get_backend("triton")
     if device.type != "cpu":
         raise ValueError(f"the cpu attention backend runs on CPU tensors, not {device.type}")
     from radixserve.kernels import cpu_build
 
     if not cpu_build.load():  # no compiler, or the build failed: one warning, then the reference
-        return reference
-    from radixserve.kernels import cpu
-
-    return cpu
+        return get_backend("torch")
+    return get_backend("cpu")
 
 
 def paged_attention(
-    backend: ModuleType,
+    backend: AttentionBackend,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    cache: LayerCache,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
     """``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]`` of the step's new tokens -> attention output ``[T, Hq, D]``;
-    their K/V go into one layer's ``k_cache``/``v_cache`` first."""
-    return backend.attention(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.plan, scale)
+    their K/V go into one layer's ``cache`` first."""
+    return backend.attention(q, k, v, cache, meta.slot_mapping, meta.plan, scale)

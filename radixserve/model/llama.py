@@ -9,13 +9,13 @@ once, that function serves every layer (``model/capture.py``).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from types import ModuleType
 
 import torch
 from torch import nn
 
 from radixserve.cache.page_pool import KVPool
-from radixserve.model.attention import AttentionMetadata, paged_attention
+from radixserve.kernels.kv_dtype import LayerCache
+from radixserve.model.attention import AttentionBackend, AttentionMetadata, paged_attention
 from radixserve.model.config import ModelConfig
 from radixserve.model.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
 
@@ -39,9 +39,8 @@ class Attention(nn.Module):
         x: torch.Tensor,
         rope: Rope,
         meta: AttentionMetadata,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        backend: ModuleType,
+        cache: LayerCache,
+        backend: AttentionBackend,
     ) -> torch.Tensor:
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -51,7 +50,7 @@ class Attention(nn.Module):
         # q and k are adjacent in the fused projection, so one rotation serves both.
         q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        out = paged_attention(backend, q, k, v, k_cache, v_cache, meta, self.scale)
+        out = paged_attention(backend, q, k, v, cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -68,11 +67,10 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         rope: Rope,
         meta: AttentionMetadata,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        backend: ModuleType,
+        cache: LayerCache,
+        backend: AttentionBackend,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta, k_cache, v_cache, backend)
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta, cache, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -98,13 +96,13 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         pool: KVPool,
-        backend: ModuleType,
+        backend: AttentionBackend,
     ) -> torch.Tensor:
         """Flat new tokens ``[T]`` -> final hidden states ``[T, hidden]``, writing their K/V into ``pool``."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary.table(positions)
-        for layer, (k_cache, v_cache) in zip(self.layers, pool.layers):
-            x = layer(x, rope, meta, k_cache, v_cache, backend)
+        for layer, cache in zip(self.layers, pool.layers):
+            x = layer(x, rope, meta, cache, backend)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

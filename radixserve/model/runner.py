@@ -12,12 +12,11 @@ import itertools
 import logging
 import threading
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 
 from radixserve.cache.page_pool import KVPool
-from radixserve.model.attention import AttentionMetadata
+from radixserve.model.attention import AttentionBackend, AttentionMetadata
 from radixserve.model.capture import CapturedLayers
 from radixserve.model.llama import LlamaForCausalLM
 
@@ -57,7 +56,7 @@ class ModelRunner:
         self,
         model: LlamaForCausalLM,
         pool: KVPool,
-        backend: ModuleType,
+        backend: AttentionBackend,
         device: torch.device,
         capture: bool = False,
     ) -> None:

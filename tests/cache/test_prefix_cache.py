@@ -6,6 +6,8 @@ import random
 import time
 from pathlib import Path
 
+import pytest
+
 from radixserve import Engine, SamplingParams
 from radixserve.engine.policy import order_waiting
 from radixserve.engine.request import Request
@@ -18,10 +20,11 @@ def _tokens(n: int, seed: int) -> list[int]:
     return [rng.randrange(3, 290) for _ in range(n)]
 
 
-def test_second_request_reuses_prefix_and_output_is_unchanged(tiny_llama: Path) -> None:
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8"])
+def test_second_request_reuses_prefix_and_output_is_unchanged(tiny_llama: Path, kv_dtype: str) -> None:
     doc = _tokens(70, 1)
-    on = Engine(str(tiny_llama), page_size=4, num_pages=512)
-    off = Engine(str(tiny_llama), page_size=4, num_pages=512, prefix_cache=False)
+    on = Engine(str(tiny_llama), page_size=4, num_pages=512, kv_cache_dtype=kv_dtype)
+    off = Engine(str(tiny_llama), page_size=4, num_pages=512, prefix_cache=False, kv_cache_dtype=kv_dtype)
     first = on.generate([doc + [5, 6]], GREEDY)[0]
     second = on.generate([doc + [7, 8, 9]], GREEDY)[0]
     assert first.cached_tokens == 0

@@ -4,7 +4,6 @@ engine's attention backend, and a disk directory given alone gets a default size
 from __future__ import annotations
 
 import shutil
-import types
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from radixserve.cache.tier_controller import (
 )
 from radixserve.cache.tiers import DiskStore, HostStore
 from radixserve.config import EngineConfig
-from radixserve.kernels import reference
+from radixserve.model.attention import TorchBackend, get_backend
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 PAGE = 2
@@ -32,9 +31,8 @@ def _controller(policy: WritePolicy, threshold: int = 2) -> TierController:
     pool = KVPool(2, 16, PAGE, 1, 4, torch.float32)
     pool.k_buffer.normal_()
     pool.v_buffer.normal_()
-    page_shape = (2, 2, PAGE, 1, 4)
-    host = HostStore(64 * 2 * 2 * PAGE * 4 * 4, page_shape, torch.float32)
-    return TierController([host], b"s" * 16, pool, reference, policy, threshold)
+    host = HostStore(64 * pool.page_bytes, (pool.page_bytes,), torch.uint8)
+    return TierController([host], b"s" * 16, pool, get_backend("torch"), policy, threshold)
 
 
 def _held(ctl: TierController, pages: list[int], keys: list[bytes]) -> bool:
@@ -44,8 +42,9 @@ def _held(ctl: TierController, pages: list[int], keys: list[bytes]) -> bool:
         got = host.get(key)
         if got is None:
             return False
-        want = torch.stack((ctl.pool.k_buffer[:, page], ctl.pool.v_buffer[:, page]))
-        assert torch.equal(got, want), "a copied page differs from the device page"
+        # a page's record: its K of every layer, then its V, as bytes
+        want = torch.cat((ctl.pool.k_buffer[:, page].flatten(), ctl.pool.v_buffer[:, page].flatten()))
+        assert torch.equal(got, want.view(torch.uint8)), "a copied page differs from the device page"
     return True
 
 
@@ -92,22 +91,23 @@ def test_each_policy_copies_on_its_own_event_only(policy: WritePolicy) -> None:
     ctl.close()
 
 
-def _spy_backend(calls: list[str]) -> types.ModuleType:
+class _SpyBackend(TorchBackend):
     """The torch reference backend, with its page copies counted."""
-    spy = types.ModuleType("spy_backend")
-    spy.__dict__.update({k: v for k, v in vars(reference).items() if not k.startswith("__")})
 
-    def gather_pages(buffer: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-        calls.append("gather")
-        return reference.gather_pages(buffer, pages)
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
 
-    def scatter_pages(buffer: torch.Tensor, pages: torch.Tensor, src: torch.Tensor) -> None:
-        calls.append("scatter")
-        reference.scatter_pages(buffer, pages, src)
+    def gather_pages(self, buffer: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+        self.calls.append("gather")
+        return super().gather_pages(buffer, pages)
 
-    spy.gather_pages = gather_pages  # type: ignore[attr-defined]
-    spy.scatter_pages = scatter_pages  # type: ignore[attr-defined]
-    return spy
+    def scatter_pages(self, buffer: torch.Tensor, pages: torch.Tensor, src: torch.Tensor) -> None:
+        self.calls.append("scatter")
+        super().scatter_pages(buffer, pages, src)
+
+
+def _spy_backend(calls: list[str]) -> _SpyBackend:
+    return _SpyBackend(calls)
 
 
 def test_tier_page_copies_go_through_the_selected_backend(

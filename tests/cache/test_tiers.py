@@ -39,8 +39,8 @@ def engine(model: Path, num_pages: int = 40, **options: Any) -> Engine:
     return Engine(str(model), page_size=PAGE, num_pages=num_pages, **options)
 
 
-def reference(model: Path, prompts: list[list[int]]) -> list[list[int]]:
-    off = engine(model, 512, prefix_cache=False)
+def reference(model: Path, prompts: list[list[int]], **options: Any) -> list[list[int]]:
+    off = engine(model, 512, prefix_cache=False, **options)
     return [o.token_ids for o in off.generate(prompts, GREEDY)]
 
 
@@ -85,12 +85,19 @@ TIER_SETUPS: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.mark.parametrize("setup", sorted(TIER_SETUPS))
-def test_outputs_identical_from_every_tier(setup: str, tiny_llama: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("setup", "kv_dtype"),
+    [(setup, "float32") for setup in sorted(TIER_SETUPS)]
+    + [(setup, kv) for setup in ("host", "disk") for kv in ("bfloat16", "int8")],
+)
+def test_outputs_identical_from_every_tier(
+    setup: str, kv_dtype: str, tiny_llama: Path, tmp_path: Path
+) -> None:
+    """From every tier and at every KV dtype: the same greedy tokens as with no cache at that dtype."""
     doc = tokens(100, 1)
     prompt = doc + [5, 6, 7]
-    (ref,) = reference(tiny_llama, [prompt])
-    options = dict(TIER_SETUPS[setup])
+    (ref,) = reference(tiny_llama, [prompt], kv_cache_dtype=kv_dtype)
+    options = dict(TIER_SETUPS[setup], kv_cache_dtype=kv_dtype)
     if "disk_cache_gb" in options:
         options["disk_cache_dir"] = str(tmp_path / "kv")
     eng = engine(tiny_llama, **options)
@@ -228,6 +235,35 @@ def test_another_model_fingerprint_is_never_served(tiny_llama: Path, tmp_path: P
     out = eng.generate([prompt], GREEDY)[0]
     assert out.token_ids == ref and out.cached_tokens == 0
     eng.check_integrity()
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
+def test_disk_round_trip_at_each_kv_dtype_and_no_hits_at_another(
+    kv_dtype: str, tiny_llama: Path, tmp_path: Path
+) -> None:
+    """A restart at the same KV dtype serves the prefix from disk (the same tokens); one at another dtype
+    finds no page it may read: the files are of another fingerprint, dropped, and nothing is a hit."""
+    kv, doc = tmp_path / "kv", tokens(100, 6)
+    prompt = doc + [1, 2]
+    opts = dict(disk_cache_gb=gb(600), disk_cache_dir=str(kv))
+    first = engine(tiny_llama, 512, kv_cache_dtype=kv_dtype, **opts)
+    want = first.generate([prompt], GREEDY)[0]
+    first.close()
+    written = len(list(kv.glob("*.kv")))
+    again = engine(tiny_llama, 512, kv_cache_dtype=kv_dtype, **opts)
+    out = again.generate([prompt], GREEDY)[0]
+    assert out.cached_tokens == 100 and out.token_ids == want.token_ids
+    assert again.stats().tiers["disk"]["hits"] == 25
+    again.close()
+    other = "float32" if kv_dtype == "int8" else "int8"
+    (ref,) = reference(tiny_llama, [prompt], kv_cache_dtype=other)
+    eng = engine(tiny_llama, 512, kv_cache_dtype=other, **opts)
+    assert eng.stats().tiers["disk"]["rejected"] == written >= 25
+    out = eng.generate([prompt], GREEDY)[0]
+    assert out.cached_tokens == 0 and out.token_ids == ref
+    assert eng.stats().tiers["disk"]["hits"] == 0
+    eng.check_integrity()
+    eng.close()
 
 
 @pytest.mark.parametrize("policy", ["write_through", "write_back", "write_through_selective"])

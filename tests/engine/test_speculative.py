@@ -48,10 +48,17 @@ def test_ngram_index_finds_the_latest_earlier_occurrence_of_the_longest_suffix()
     assert index.lookup(tokens, 2, min_n=1) == [2, 3]
 
 
-@pytest.mark.parametrize("prefix_cache", [True, False])
-def test_greedy_is_token_identical_with_speculation(tiny_llama: Path, prefix_cache: bool) -> None:
+@pytest.mark.parametrize(
+    ("prefix_cache", "kv_dtype"),
+    [(True, "float32"), (False, "float32"), (True, "bfloat16"), (True, "int8"), (False, "int8")],
+)
+def test_greedy_is_token_identical_with_speculation(
+    tiny_llama: Path, prefix_cache: bool, kv_dtype: str
+) -> None:
     prompts = _copy_heavy(12) + [[random.Random(i).randrange(3, 290) for _ in range(30)] for i in range(4)]
-    kw = dict(page_size=4, num_pages=512, prefix_cache=prefix_cache, debug_checks=True)
+    kw = dict(
+        page_size=4, num_pages=512, prefix_cache=prefix_cache, debug_checks=True, kv_cache_dtype=kv_dtype
+    )
     plain = Engine(str(tiny_llama), **kw)
     spec = Engine(str(tiny_llama), speculative="ngram", num_speculative_tokens=4, **kw)
     want = _tokens(plain, prompts, GREEDY)

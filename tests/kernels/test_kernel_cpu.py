@@ -8,13 +8,13 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Callable
-from types import ModuleType
 
 import pytest
 import torch
 
 from radixserve.kernels import cpu_build, reference
-from radixserve.model.attention import AttentionMetadata, paged_attention
+from radixserve.kernels.kv_dtype import LayerCache
+from radixserve.model.attention import AttentionBackend, AttentionMetadata, get_backend, paged_attention
 
 if not cpu_build.load() and shutil.which(os.environ.get("CXX", "c++")) is None:
     pytest.skip("no C++ compiler to build the CPU kernels", allow_module_level=True)
@@ -110,7 +110,7 @@ def test_batch_one_decode_over_a_long_context_is_split_across_threads(make_paged
 
 
 def _mixed_step(
-    backend: ModuleType, make_paged: MakePaged, page_size: int
+    backend: AttentionBackend, make_paged: MakePaged, page_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One step of two extend sequences (one over a cached prefix) and three decode rows, two of
     them sharing a prefix, through ``paged_attention`` (store_kv first, then attention)."""
@@ -126,7 +126,7 @@ def _mixed_step(
         slots += [int(table[b, p // page_size]) * page_size + p % page_size for p in range(n - t, n)]
     plan = backend.plan_step(table, _cu(new), torch.tensor(lens, dtype=torch.int32), 2, page_size)
     meta = AttentionMetadata(torch.tensor(slots, dtype=torch.int64), plan)
-    out = paged_attention(backend, q, k, v, k_cache, v_cache, meta, 0.125)
+    out = paged_attention(backend, q, k, v, LayerCache(k_cache, v_cache), meta, 0.125)
     return out, torch.stack((k_cache, v_cache))
 
 
@@ -135,8 +135,8 @@ def test_mixed_extend_and_decode_step_through_paged_attention(
     page_size: int, make_paged: MakePaged, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(cpu, "CASCADE_MIN_TOKENS", 64)  # the two decode rows sharing 150 tokens cascade
-    got, got_cache = _mixed_step(cpu, make_paged, page_size)
-    want, want_cache = _mixed_step(reference, make_paged, page_size)
+    got, got_cache = _mixed_step(get_backend("cpu"), make_paged, page_size)
+    want, want_cache = _mixed_step(get_backend("torch"), make_paged, page_size)
     assert torch.equal(got_cache, want_cache)  # store_kv wrote the same slots
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from radixserve.kernels import cpu_build, reference
-from radixserve.model.attention import select_backend
+from radixserve.kernels import cpu_build
+from radixserve.model.attention import CpuBackend, TorchBackend, select_backend
 
 ROOT = Path(__file__).resolve().parents[2]
 HAS_CXX = shutil.which(os.environ.get("CXX", "c++")) is not None
@@ -24,7 +24,7 @@ from radixserve.kernels import cpu_build
 from radixserve.model.attention import select_backend
 first = select_backend("auto", torch.device("cpu"))
 second = select_backend("cpu", torch.device("cpu"))  # asked again: no second warning
-print(first.__name__, second.__name__, cpu_build.state().how)
+print(first.name, second.name, cpu_build.state().how)
 """
 
 
@@ -42,7 +42,7 @@ def _run(code: str, env: dict[str, str], cwd: Path = ROOT) -> subprocess.Complet
 def test_no_compiler_falls_back_to_the_reference_with_one_warning(tmp_path: Path) -> None:
     out = _run(PICK, {"CXX": str(tmp_path / "no-such-c++"), "XDG_CACHE_HOME": str(tmp_path / "cache")})
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["radixserve.kernels.reference", "radixserve.kernels.reference", "failed"]
+    assert out.stdout.split() == ["torch", "torch", "failed"]
     lines = [line for line in out.stderr.splitlines() if "radixserve" in line]
     assert lines == [
         f"radixserve: no C++ compiler ({tmp_path / 'no-such-c++'}) found; CPU attention falls back to the "
@@ -54,7 +54,7 @@ def test_no_compiler_falls_back_to_the_reference_with_one_warning(tmp_path: Path
 def test_the_environment_can_force_the_reference_without_a_warning(tmp_path: Path) -> None:
     out = _run(PICK, {"RADIXSERVE_CPU_KERNELS": "0", "XDG_CACHE_HOME": str(tmp_path)})
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["radixserve.kernels.reference", "radixserve.kernels.reference", "disabled"]
+    assert out.stdout.split() == ["torch", "torch", "disabled"]
     assert "radixserve" not in out.stderr
 
 
@@ -63,17 +63,16 @@ def test_a_built_library_is_loaded_from_the_cache_without_a_compiler(tmp_path: P
     assert cpu_build.load()  # built (or found) in the default cache by this process
     out = _run(PICK, {"CXX": str(tmp_path / "no-such-c++")})
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["radixserve.kernels.cpu", "radixserve.kernels.cpu", "cached"]
+    assert out.stdout.split() == ["cpu", "cpu", "cached"]
     assert "radixserve" not in out.stderr
 
 
 @needs_cxx
 def test_auto_picks_the_cpu_kernels_on_cpu() -> None:
-    from radixserve.kernels import cpu
-
-    assert select_backend("auto", torch.device("cpu")) is cpu
-    assert select_backend("cpu", torch.device("cpu")) is cpu
-    assert select_backend("torch", torch.device("cpu")) is reference
+    cpu_backend = select_backend("auto", torch.device("cpu"))
+    assert isinstance(cpu_backend, CpuBackend)
+    assert select_backend("cpu", torch.device("cpu")) is cpu_backend  # one object per process
+    assert isinstance(select_backend("torch", torch.device("cpu")), TorchBackend)
     with pytest.raises(ValueError, match="attention_backend"):
         select_backend("cuda-magic", torch.device("cpu"))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ def _check(
     v_cache: torch.Tensor,
     table: torch.Tensor,
     lens: torch.Tensor,
-    **kw: int,
+    **kw: Any,  # num_splits, max_q_len
 ) -> None:
     scale = q.shape[-1] ** -0.5
     got = ops.decode_attention(q, k_cache, v_cache, table, lens, scale, **kw)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ def _run(
     dtype: torch.dtype,
     make_paged: MakePaged,
     device: torch.device,
-    **kw: int,
+    **kw: Any,  # num_splits, max_q_len
 ) -> None:
     seq_lens = [prefix + new for prefix, new in batch]
     k_cache, v_cache, table = make_paged(

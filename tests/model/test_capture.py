@@ -19,6 +19,7 @@ from radixserve import Engine, SamplingParams
 from radixserve.cache.page_pool import KVPool
 from radixserve.kernels import cpu_build
 from radixserve.model import capture
+from radixserve.model.attention import get_backend
 from radixserve.model.loader import load_model
 from radixserve.model.runner import ModelRunner, SeqChunk
 
@@ -26,14 +27,13 @@ if not cpu_build.load() or capture.find_compiler() is None:
     pytest.skip(
         "no C++ compiler: neither the CPU kernels nor the captured step exist", allow_module_level=True
     )
-from radixserve.kernels import cpu  # noqa: E402
 
 
-def _runner(path: Path, captured: bool) -> ModelRunner:
+def _runner(path: Path, captured: bool, kv_dtype: str = "float32") -> ModelRunner:
     model = load_model(path, torch.float32, torch.device("cpu"))
     c = model.config
-    pool = KVPool(c.num_layers, 256, 4, c.num_kv_heads, c.head_dim, torch.float32)
-    return ModelRunner(model, pool, cpu, torch.device("cpu"), capture=captured)
+    pool = KVPool(c.num_layers, 256, 4, c.num_kv_heads, c.head_dim, kv_dtype)
+    return ModelRunner(model, pool, get_backend("cpu"), torch.device("cpu"), capture=captured)
 
 
 def _steps() -> list[list[SeqChunk]]:
@@ -52,9 +52,19 @@ def _steps() -> list[list[SeqChunk]]:
     return steps
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])  # GQA; qkv bias; q/k norm and head_dim 32
-def test_captured_step_matches_eager_logits(tiny_models: dict[str, Path], kind: str) -> None:
-    eager, captured = _runner(tiny_models[kind], False), _runner(tiny_models[kind], True)
+@pytest.mark.parametrize(
+    ("kind", "kv_dtype"),  # GQA; qkv bias; q/k norm and head_dim 32; then the narrow KV dtypes
+    [
+        ("llama", "float32"),
+        ("qwen2", "float32"),
+        ("qwen3", "float32"),
+        ("llama", "bfloat16"),
+        ("llama", "int8"),
+    ],
+)
+def test_captured_step_matches_eager_logits(tiny_models: dict[str, Path], kind: str, kv_dtype: str) -> None:
+    eager = _runner(tiny_models[kind], False, kv_dtype)
+    captured = _runner(tiny_models[kind], True, kv_dtype)
     assert captured.captured is not None
     for step in _steps():
         want = eager.run(step).logits
