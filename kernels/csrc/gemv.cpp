@@ -167,8 +167,12 @@ void check_args(const at::Tensor& x, const at::Tensor& weight, const std::option
               "radixserve_cpu: gemv wants a contiguous weight [N, K] with K = ", x.size(1), ", got ",
               weight.sizes());
   if (bias.has_value())
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0) && bias->scalar_type() == at::kFloat,
-                "radixserve_cpu: gemv wants an fp32 bias [N]");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0), "radixserve_cpu: gemv wants a bias [N]");
+}
+
+// The bias as contiguous fp32 (a bf16 model's bias is bf16), or an undefined tensor.
+at::Tensor fp32_bias(const std::optional<at::Tensor>& bias) {
+  return bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
 }
 
 // x rows as fp32, zero-padded to Kp columns.
@@ -333,7 +337,8 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const std::option
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   const int64_t Kp = round_up(K, kW);
   const std::vector<float> xp = padded_rows(x, Kp);
-  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  const at::Tensor bf = fp32_bias(bias);
+  const float* b = bf.defined() ? bf.data_ptr<float>() : nullptr;
   if (dtype == at::kFloat) {
     at::Tensor out = at::empty({M, N}, x.options());
     float* o = out.data_ptr<float>();
@@ -365,7 +370,8 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::T
   const at::Tensor xc = x.contiguous();
   for (int64_t m = 0; m < M; ++m) xs[m] = quantize_row(xc.data_ptr<float>() + m * K, K, q.data() + m * Kp);
   at::Tensor out = at::empty({M, N}, x.options());
-  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  const at::Tensor bf = fp32_bias(bias);
+  const float* b = bf.defined() ? bf.data_ptr<float>() : nullptr;
   const int8_t* w = qweight.data_ptr<int8_t>();
   const float* ws = scale.data_ptr<float>();
   float* o = out.data_ptr<float>();

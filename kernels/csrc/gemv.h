@@ -13,7 +13,7 @@ namespace radixserve_cpu {
 // verification batch); more rows go to oneDNN (linear.cpp).
 constexpr int64_t kGemvMaxRows = 8;
 
-// x [M, K] @ weight [N, K]^T + bias, M in [1, kGemvMaxRows]; fp32 or bf16 (x and weight alike, fp32 bias).
+// x [M, K] @ weight [N, K]^T + bias, M in [1, kGemvMaxRows]; fp32 or bf16 (x and weight alike).
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 
 // quant.int8_linear for M in [1, kGemvMaxRows]: x quantized per row, int8 weights with fp32 scales [N].

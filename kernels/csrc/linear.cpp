@@ -47,8 +47,7 @@ at::Tensor linear_2d(const at::Tensor& x, const at::Tensor& weight, const std::o
   const int64_t M = x.size(0);
   const auto dtype = weight.scalar_type();
   const bool plain = weight.is_contiguous() && x.scalar_type() == dtype &&
-                     (dtype == at::kFloat || dtype == at::kBFloat16) &&
-                     (!bias.has_value() || bias->scalar_type() == at::kFloat);
+                     (dtype == at::kFloat || dtype == at::kBFloat16);
   if (M >= 1 && M <= kGemvMaxRows && plain) return gemv(x, weight, bias);
   if (many_rows > 0 && M > many_rows) {
     if (qweight.has_value() && qscale.has_value()) return int8_matmul(x, *qweight, *qscale, bias);

@@ -111,10 +111,12 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def prepack(self) -> None:
-        """Make the CPU matmul copies of every Linear weight (see ``layers.Linear``); after loading."""
+        """Make the CPU matmul copies of every Linear weight (see ``layers.Linear``), and pick each
+        int8 Linear's kernel (``quant.Int8Linear``); after loading."""
         for m in self.modules():
-            if isinstance(m, Linear):
-                m.prepack()
+            prepack = getattr(m, "prepack", None)
+            if prepack is not None and m is not self:
+                prepack()
 
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], skip: frozenset[str] = frozenset()
