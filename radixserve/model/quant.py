@@ -217,9 +217,12 @@ def _read_cache(model: nn.Module, file: Path, names: list[str]) -> None:
 
 
 def weight_bytes(model: nn.Module) -> dict[str, int]:
-    """Bytes held for the weights: the decoder layers' linears and the whole model (a tied tensor once)."""
+    """Bytes held for the weights: the decoder layers' linears, the whole model (a tied tensor once),
+    and what one decode step reads (all but the embedding table, of which a lookup reads a few rows;
+    a tied fp32 head reads that table itself)."""
     seen: set[int] = set()
-    total = linears = 0
+    total = linears = embedding = 0
+    head = getattr(getattr(model, "lm_head", None), "weight", None)
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         if t.data_ptr() in seen or name.startswith("rotary."):
             continue
@@ -228,4 +231,6 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
         total += n
         if name.startswith("layers.") and name.rsplit(".", 2)[-2].endswith("proj"):
             linears += n
-    return {"linear_bytes": linears, "total_bytes": total}
+        if name == "embed_tokens.weight" and t is not head:
+            embedding += n
+    return {"linear_bytes": linears, "total_bytes": total, "step_bytes": total - embedding}
