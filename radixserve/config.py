@@ -9,6 +9,7 @@ from typing import Any
 from radixserve.cache.tier_controller import WRITE_POLICIES
 from radixserve.engine.policy import POLICIES
 from radixserve.knobs import knob, problems
+from radixserve.model.arithmetic import ARITHMETICS
 from radixserve.model.attention import BACKENDS
 from radixserve.model.quant import QUANTIZATIONS
 
@@ -31,6 +32,14 @@ class EngineConfig:
     # Approximate: benchmarks/quant_bench.py measures its agreement with fp32 beside its speed.
     quantization: str | None = knob(
         None, "weight quantization (default: none, the checkpoint's weights)", choices=QUANTIZATIONS
+    )
+    # Cheaper products for steps with more rows than max_running_requests (prefill, extend, long
+    # verifications; model/arithmetic.py); decode-only steps stay exact. Approximate: accuracy in
+    # tests/model/test_arithmetic.py and benchmarks/step_bench.py.
+    prefill_arithmetic: str = knob(
+        "exact",
+        "arithmetic of many-row steps (prefill): exact, int8, bfloat16 (where the CPU runs it), auto (fastest)",
+        choices=ARITHMETICS,
     )
     page_size: int = knob(16, "tokens per KV page", ge=1, le=64, integer=True)
     kv_cache_gb: float = knob(1.0, "KV cache size in GiB", gt=0)

@@ -29,6 +29,7 @@ from radixserve.engine.request import Request, Status
 from radixserve.engine.scheduler import ScheduledBatch, Scheduler
 from radixserve.engine.stats import EngineStats
 from radixserve.errors import InvalidRequestError
+from radixserve.model import arithmetic
 from radixserve.model.attention import select_backend
 from radixserve.model.loader import load_model, load_tokenizer, resolve_model_path
 from radixserve.model.runner import ModelRunner, SeqChunk
@@ -55,6 +56,7 @@ class Engine:
         path = resolve_model_path(model)
         self.model_path = path
         self.model = load_model(path, self.dtype, self.device, cfg.quantization)
+        arithmetic.apply(self.model, cfg.prefill_arithmetic, many_rows=cfg.max_running_requests)
         self.tokenizer = load_tokenizer(path)
         mcfg = self.model.config
         self.max_model_len = min(

@@ -78,6 +78,7 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     quantization: str | None = None  # "int8": the decoder Linears are int8 (model/quant.py)
+    arithmetic: str = "exact"  # of products with many rows (model/arithmetic.py)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
