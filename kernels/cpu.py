@@ -181,8 +181,16 @@ def attention(
 
 CAPTURABLE = True  # every op above traces under torch.compile (real torch ops with fake kernels)
 
+
+def capturable(dtype: torch.dtype) -> bool:
+    """Whether a step over K/V pages of ``dtype`` runs these ops throughout, and so traces: other dtypes
+    take the reference per call, whose plan reads tensors on the host (``.tolist()``), which a compiled
+    graph cannot do (dynamo's GuardOnDataDependentSymNode)."""
+    return dtype == torch.float32
+
 __all__ = [
     "CAPTURABLE",
+    "capturable",
     "Plan",
     "StepPlan",
     "attention",

@@ -12,6 +12,7 @@ from radixserve.knobs import knob, problems
 from radixserve.model.arithmetic import ARITHMETICS
 from radixserve.model.attention import BACKENDS
 from radixserve.model.quant import QUANTIZATIONS
+from radixserve.presets import PRESETS, apply_preset
 
 EVICTION_POLICIES = ("lru", "lfu", "priority")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -40,6 +41,10 @@ class EngineConfig:
         "exact",
         "arithmetic of many-row steps (prefill): exact, int8, bfloat16 (where the CPU runs it), auto (fastest)",
         choices=ARITHMETICS,
+    )
+    # One flag for a measured combination of the knobs above (presets.py); knobs given explicitly win.
+    preset: str | None = knob(
+        None, "exact (default) or fast: int8 weights, the fastest prefill arithmetic here", choices=PRESETS
     )
     page_size: int = knob(16, "tokens per KV page", ge=1, le=64, integer=True)
     kv_cache_gb: float = knob(1.0, "KV cache size in GiB", gt=0)
@@ -100,6 +105,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name, why in problems(self):
             raise ValueError(f"{name} {why}")
+        apply_preset(self)  # after the checks: the preset sets valid values only
         # Rules between fields, which no single field's spec can say:
         if self.disk_cache_gb > 0 and not self.disk_cache_dir:
             raise ValueError("a disk tier (disk_cache_gb > 0) needs disk_cache_dir")

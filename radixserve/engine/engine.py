@@ -7,6 +7,7 @@ drains, so the scheduler, the cache and the model are touched only by the thread
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import time
 import uuid
@@ -41,6 +42,9 @@ from radixserve.sampling.sampler import Sampler, compute_prompt_logprobs
 from radixserve.sampling.stop import GRAMMAR_COMPLETE, TokenStop, token_stop
 
 
+logger = logging.getLogger("radixserve.engine")
+
+
 class Engine:
     def __init__(self, model: str | None = None, **options: Any) -> None:
         self.config = cfg = EngineConfig.from_kwargs(model=model, **options)
@@ -53,6 +57,11 @@ class Engine:
             cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
         )
         self.dtype = getattr(torch, dtype_name)
+        if self.dtype == torch.bfloat16 and self.device.type == "cpu" and not arithmetic.lists_bf16():
+            logger.warning(
+                "dtype bfloat16 on a CPU that lists no bf16 instructions (avx512_bf16, amx_bf16): its "
+                "products are emulated, slower than float32; use dtype float32 (or --quantization int8)"
+            )
         path = resolve_model_path(model)
         self.model_path = path
         self.model = load_model(path, self.dtype, self.device, cfg.quantization)
@@ -99,6 +108,13 @@ class Engine:
             self.kv_cache, cfg.max_running_requests, self.max_batched_tokens, cfg.schedule_policy, cfg.aging_s
         )
         capture = not cfg.enforce_eager and getattr(backend, "CAPTURABLE", False)
+        if capture and not getattr(backend, "capturable", lambda dtype: True)(self.pool.k_buffer.dtype):
+            capture = False
+            logger.warning(
+                "the %s attention kernels do not take %s K/V pages: the model step runs eagerly (slower)",
+                cfg.attention_backend,
+                str(self.pool.k_buffer.dtype).removeprefix("torch."),
+            )
         self.runner = ModelRunner(self.model, self.pool, backend, self.device, capture)
         self.runner.warmup()
         self.sampler = Sampler()

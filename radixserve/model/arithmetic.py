@@ -151,8 +151,8 @@ def resolve(arithmetic: str, model: nn.Module) -> str:
             "the model's decoder weights are not plain float32 Linears on CPU with the C++ kernels loaded "
             f"(quantization {getattr(model, 'quantization', None)}, its own arithmetic serves every step)"
         )
-        if arithmetic == "auto":
-            logger.info("prefill_arithmetic auto: exact, as %s", why)
+        if arithmetic == "auto" or (arithmetic == "int8" and getattr(model, "quantization", None) == "int8"):
+            logger.info("prefill_arithmetic %s: the weights' own, as %s", arithmetic, why)
             return "exact"
         raise ValueError(f"prefill_arithmetic {arithmetic} needs float32 weights on CPU: {why}")
     if arithmetic == "int8":

@@ -140,5 +140,6 @@ def test_int8_weights_keep_their_own_arithmetic(tiny_llama: Path, tmp_path: Path
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     model = load_model(tiny_llama, torch.float32, CPU, "int8")
     assert arithmetic.apply(model, "auto", 64) == "exact"
+    assert arithmetic.apply(model, "int8", 64) == "exact"  # int8 weights multiply in int8 already
     with pytest.raises(ValueError, match="needs float32 weights"):
-        arithmetic.apply(model, "int8", 64)
+        arithmetic.apply(model, "bfloat16", 64)
