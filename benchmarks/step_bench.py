@@ -143,6 +143,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "torch-eager": dict(attention_backend="torch", enforce_eager=True),  # before this work
     "cpu-eager": dict(attention_backend="cpu", enforce_eager=True),  # in-place C++ attention
     "cpu-captured": dict(attention_backend="cpu"),  # + the compiled step (the default on CPU)
+    # issue 21: int8 weights, and cheaper many-row arithmetic over fp32 weights (model/arithmetic.py)
+    "int8-captured": dict(attention_backend="cpu", quantization="int8"),
+    "prefill-int8": dict(attention_backend="cpu", prefill_arithmetic="int8"),
+    "prefill-bf16": dict(attention_backend="cpu", prefill_arithmetic="bfloat16"),
 }
 
 
@@ -157,6 +161,7 @@ def main() -> None:
     parser.add_argument("--extend", default="100/500,512/512", help="new/cached pairs")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", default="step_bench", help="results name under benchmarks/results/")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -206,7 +211,7 @@ def main() -> None:
         results["configs"][name] = res
         del engine, steps
     write_results(
-        "step_bench",
+        args.out,
         {"args": vars(args), **results},
         rows,
         ["config", "step", "ms", "limit ms", "% of limit", "tok/s"],

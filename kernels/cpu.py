@@ -188,6 +188,7 @@ def capturable(dtype: torch.dtype) -> bool:
     graph cannot do (dynamo's GuardOnDataDependentSymNode)."""
     return dtype == torch.float32
 
+
 __all__ = [
     "CAPTURABLE",
     "capturable",

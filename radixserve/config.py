@@ -39,7 +39,7 @@ class EngineConfig:
     # tests/model/test_arithmetic.py and benchmarks/step_bench.py.
     prefill_arithmetic: str = knob(
         "exact",
-        "arithmetic of many-row steps (prefill): exact, int8, bfloat16 (where the CPU runs it), auto (fastest)",
+        "arithmetic of many-row steps (prefill): exact, int8, bfloat16 (where the CPU runs it), auto",
         choices=ARITHMETICS,
     )
     # One flag for a measured combination of the knobs above (presets.py); knobs given explicitly win.

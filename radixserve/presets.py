@@ -64,7 +64,7 @@ def apply_preset(config: Any) -> dict[str, Any]:
     kept = sorted(set(fast_settings(set(fields), config.model)) - set(picked))
     logger.info(
         "preset fast: %s%s",
-        "; ".join(f"{n}={v} ({MEASURED.get((n, str(v)), 'accuracy not measured yet')})" for n, v in picked.items())
+        "; ".join(f"{n}={v} ({MEASURED.get((n, str(v)), 'not measured yet')})" for n, v in picked.items())
         or "nothing (every knob it sets was given)",
         f"; given explicitly, kept: {', '.join(kept)}" if kept else "",
     )

@@ -41,7 +41,6 @@ from radixserve.sampling.params import SamplingParams
 from radixserve.sampling.sampler import Sampler, compute_prompt_logprobs
 from radixserve.sampling.stop import GRAMMAR_COMPLETE, TokenStop, token_stop
 
-
 logger = logging.getLogger("radixserve.engine")
 
 

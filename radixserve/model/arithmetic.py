@@ -84,7 +84,11 @@ def probe(candidates: list[str], shapes: list[tuple[int, int]], rows: int = PROB
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     try:
         done = subprocess.run(
-            [sys.executable, "-c", code, arg], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, env=env
+            [sys.executable, "-c", code, arg],
+            capture_output=True,
+            text=True,
+            timeout=PROBE_TIMEOUT_S,
+            env=env,
         )
     except subprocess.TimeoutExpired as exc:
         out = exc.stdout if isinstance(exc.stdout, str) else (exc.stdout or b"").decode()
@@ -194,6 +198,8 @@ def apply(model: LlamaForCausalLM, arithmetic: str, many_rows: int) -> str:
             if _is_decoder_linear(name, m):
                 assert isinstance(m, Linear)
                 m.use_many_rows_arithmetic(chosen, many_rows)
-        logger.info("products of more than %d rows run in %s (approximate); fewer stay exact", many_rows, chosen)
+        logger.info(
+            "products of more than %d rows run in %s (approximate); fewer stay exact", many_rows, chosen
+        )
     model.arithmetic = chosen
     return chosen

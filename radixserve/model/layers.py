@@ -61,7 +61,14 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_linear is not None:  # one opaque op: a captured graph keeps the packed weight
             out: torch.Tensor = self.packed_linear(
-                x, self.weight, self.packed, self.bias, self.qweight, self.qscale, self.fast_weight, self.many_rows
+                x,
+                self.weight,
+                self.packed,
+                self.bias,
+                self.qweight,
+                self.qscale,
+                self.fast_weight,
+                self.many_rows,
             )
             return out
         if self.packed is not None and x.dim() == 2 and x.shape[0] > 2:

@@ -136,7 +136,9 @@ def test_the_probe_times_each_candidate_and_survives_one_that_fails() -> None:
     assert set(times) == {"exact", "int8"} and all(t > 0 for t in times.values())
 
 
-def test_int8_weights_keep_their_own_arithmetic(tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_int8_weights_keep_their_own_arithmetic(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     model = load_model(tiny_llama, torch.float32, CPU, "int8")
     assert arithmetic.apply(model, "auto", 64) == "exact"
