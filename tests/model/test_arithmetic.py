@@ -6,6 +6,7 @@ resolves to what ran."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -77,11 +78,13 @@ def test_steps_within_the_row_threshold_stay_exact() -> None:
     are those of the exact engine; a longer prompt's prefill is not."""
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     short = ["The capital of France is", "Two plus two equals"]
-    opts = dict(kv_cache_gb=0.25, enforce_eager=True, max_running_requests=16, prefix_cache=False)
+    opts: dict[str, Any] = dict(
+        kv_cache_gb=0.25, enforce_eager=True, max_running_requests=16, prefix_cache=False
+    )
     exact = Engine(**opts)
     cheap = Engine(prefill_arithmetic="int8", **opts)
     assert cheap.model.arithmetic == "int8"
-    lin = cheap.model.layers[0].mlp.down_proj
+    lin = cheap.model.get_submodule("layers.0.mlp.down_proj")
     assert isinstance(lin, Linear) and lin.qweight is not None and lin.many_rows == 16
     for a, b in zip(exact.generate(short, params), cheap.generate(short, params)):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
