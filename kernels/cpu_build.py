@@ -38,8 +38,16 @@ from radixserve import paths
 logger = logging.getLogger("radixserve.kernels")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("ops.cpp", "plan.cpp", "attention.cpp", "decode_kernel.cpp", "gemm_kernel.cpp", "linear.cpp")
-HEADERS = ("radixserve_cpu.h", "kernel_common.h")
+SOURCES = (
+    "ops.cpp",
+    "plan.cpp",
+    "attention.cpp",
+    "decode_kernel.cpp",
+    "gemm_kernel.cpp",
+    "linear.cpp",
+    "gemv.cpp",
+)
+HEADERS = ("radixserve_cpu.h", "kernel_common.h", "gemv.h")
 DISABLE_ENV = "RADIXSERVE_CPU_KERNELS"
 COST = "CPU attention falls back to the torch reference kernels (slower)"
 ISA_FLAGS: dict[str, list[str]] = {
@@ -230,9 +238,22 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("radixserve_cpu::linear")
     def _linear(
-        x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        packed: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        qweight: torch.Tensor | None = None,
+        qscale: torch.Tensor | None = None,
+        fast_weight: torch.Tensor | None = None,
+        many_rows: int = 0,
     ) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+    @torch.library.register_fake("radixserve_cpu::int8_linear")
+    def _int8_linear(
+        x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
     @torch.library.register_fake("radixserve_cpu::plan")
     def _plan(

@@ -10,8 +10,10 @@ from radixserve.cache.tier_controller import WRITE_POLICIES
 from radixserve.engine.policy import POLICIES
 from radixserve.kernels.kv_dtype import KV_DTYPES
 from radixserve.knobs import knob, problems
+from radixserve.model.arithmetic import ARITHMETICS
 from radixserve.model.attention import BACKENDS
 from radixserve.model.quant import QUANTIZATIONS
+from radixserve.presets import PRESETS, apply_preset
 
 EVICTION_POLICIES = ("lru", "lfu", "priority")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -32,6 +34,18 @@ class EngineConfig:
     # Approximate: benchmarks/quant_bench.py measures its agreement with fp32 beside its speed.
     quantization: str | None = knob(
         None, "weight quantization (default: none, the checkpoint's weights)", choices=QUANTIZATIONS
+    )
+    # Cheaper products for steps with more rows than max_running_requests (prefill, extend, long
+    # verifications; model/arithmetic.py); decode-only steps stay exact. Approximate: accuracy in
+    # tests/model/test_arithmetic.py and benchmarks/step_bench.py.
+    prefill_arithmetic: str = knob(
+        "exact",
+        "arithmetic of many-row steps (prefill): exact, int8, bfloat16 (where the CPU runs it), auto",
+        choices=ARITHMETICS,
+    )
+    # One flag for a measured combination of the knobs above (presets.py); knobs given explicitly win.
+    preset: str | None = knob(
+        None, "exact (default) or fast: int8 weights, the fastest prefill arithmetic here", choices=PRESETS
     )
     page_size: int = knob(16, "tokens per KV page", ge=1, le=64, integer=True)
     # auto: the model's dtype (exact). bfloat16 halves the K/V bytes, int8 quarters them (plus a scale
@@ -97,6 +111,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name, why in problems(self):
             raise ValueError(f"{name} {why}")
+        apply_preset(self)  # after the checks: the preset sets valid values only
         # Rules between fields, which no single field's spec can say:
         if self.disk_cache_gb > 0 and not self.disk_cache_dir:
             raise ValueError("a disk tier (disk_cache_gb > 0) needs disk_cache_dir")

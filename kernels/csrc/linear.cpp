@@ -1,40 +1,112 @@
-// radixserve_cpu::linear: a Linear layer on CPU, the weight prepacked for oneDNN.
+// radixserve_cpu::linear and ::int8_linear: a Linear layer on CPU, the product chosen by row count.
 //
-// Why an op of our own: oneDNN multiplies few-row products (a decode step: one row per running
-// request) ~1.3x faster than MKL's plain sgemm when the weight is reordered into its blocked
-// layout once, at load time. Inductor only uses such a packed weight for graphs whose weights are
-// frozen constants, and frozen graphs bypass its on-disk graph cache, so every restart would
-// recompile. As an opaque op taking the packed weight as an input, the captured graph keeps both:
-// the packed product and a graph the cache can hold. One or two rows keep the plain weight, where
-// MKL's matrix-vector product is faster than oneDNN's (measured at this model's shapes: 2 rows
-// 21.8 ms plain vs 26-28 ms packed per 120 layers; 3 rows and more favour the packed weight).
+// Why an op of our own: the choice depends on the step's row count, which a captured graph only knows
+// at run time; as one opaque op taking every weight copy as an input, the graph keeps all the paths
+// and a graph the inductor cache can hold (weights are inputs, not frozen constants).
+//
+// - 1 to kGemvMaxRows rows (decode, small verification batches): gemv.cpp, which streams the weight
+//   once at near the memory bandwidth on Intel and AMD alike; MKL's small-row sgemm does not on AMD,
+//   and oneDNN's packed product pays a per-call setup (issue 21).
+// - More rows: the weight prepacked for oneDNN (`packed`, made once at load time), which multiplies
+//   many rows faster than MKL's plain sgemm; without it, at::linear.
+// - More than `many_rows` rows (> 0; prefill, extend, long verification) with a cheaper copy of the
+//   weight: `qweight`/`qscale` (int8 per channel: activations quantized per row, torch._int_mm) or
+//   `fast_weight` (bf16: x rounded to bf16, oneDNN's bf16 product, fp32 out). Fewer rows stay exact.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include "gemv.h"
+
 namespace radixserve_cpu {
 namespace {
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& packed,
-                  const std::optional<at::Tensor>& bias) {
-  if (!packed.has_value() || x.dim() != 2 || x.size(0) <= 2) return at::linear(x, weight, bias);
+// quant.int8_linear for any row count: the same quantization, exact int32 sums, the same roundings.
+at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
+                       const std::optional<at::Tensor>& bias) {
+  if (x.size(0) <= kGemvMaxRows) return int8_gemv(x, qweight, scale, bias);
+  auto [q, xs] = quantize_rows(x);
+  at::Tensor out = at::_int_mm(q, qweight.t()).to(at::kFloat) * xs * scale;
+  return bias.has_value() ? out + *bias : out;
+}
+
+at::Tensor packed_matmul(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   // mkldnn::_linear_pointwise(Tensor X, Tensor W, Tensor? B, str attr, Scalar?[] scalars, str? algorithm)
-  torch::jit::Stack stack{x, *packed, bias, std::string("none"), c10::List<std::optional<at::Scalar>>(),
+  torch::jit::Stack stack{x, packed, bias, std::string("none"), c10::List<std::optional<at::Scalar>>(),
                           std::optional<std::string>(std::string(""))};
   op.callBoxed(&stack);
   return stack.back().toTensor();
+}
+
+at::Tensor linear_2d(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& packed,
+                     const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& qweight,
+                     const std::optional<at::Tensor>& qscale, const std::optional<at::Tensor>& fast_weight,
+                     int64_t many_rows) {
+  const int64_t M = x.size(0);
+  const auto dtype = weight.scalar_type();
+  const bool plain = weight.is_contiguous() && x.scalar_type() == dtype &&
+                     (dtype == at::kFloat || dtype == at::kBFloat16);
+  if (M >= 1 && M <= kGemvMaxRows && plain) return gemv(x, weight, bias);
+  if (many_rows > 0 && M > many_rows) {
+    if (qweight.has_value() && qscale.has_value()) return int8_matmul(x, *qweight, *qscale, bias);
+    if (fast_weight.has_value()) {
+      at::Tensor out = at::linear(x.to(fast_weight->scalar_type()), *fast_weight).to(x.scalar_type());
+      return bias.has_value() ? out + *bias : out;
+    }
+  }
+  if (packed.has_value() && M > 0) return packed_matmul(x, *packed, bias);
+  return at::linear(x, weight, bias);
+}
+
+template <typename F>
+at::Tensor on_rows(const at::Tensor& x, int64_t out_features, F f) {
+  if (x.dim() == 2) return f(x);
+  at::Tensor out = f(x.reshape({-1, x.size(-1)}));
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out_features;
+  return out.view(shape);
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& packed,
+                  const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& qweight,
+                  const std::optional<at::Tensor>& qscale, const std::optional<at::Tensor>& fast_weight,
+                  int64_t many_rows) {
+  return on_rows(x, weight.size(0), [&](const at::Tensor& x2) {
+    return linear_2d(x2, weight, packed, bias, qweight, qscale, fast_weight, many_rows);
+  });
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
+                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "radixserve_cpu: int8_linear wants fp32 activations");
+  return on_rows(x, qweight.size(0), [&](const at::Tensor& x2) {
+    return x2.size(0) == 0 ? at::empty({0, qweight.size(0)}, x2.options())
+                           : int8_matmul(x2, qweight, scale, bias);
+  });
 }
 
 }  // namespace
 }  // namespace radixserve_cpu
 
 TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
-  m.def("linear(Tensor x, Tensor weight, Tensor? packed, Tensor? bias) -> Tensor");
+  m.def(
+      "linear(Tensor x, Tensor weight, Tensor? packed, Tensor? bias, Tensor? qweight=None, "
+      "Tensor? qscale=None, Tensor? fast_weight=None, int many_rows=0) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor qweight, Tensor scale, Tensor? bias) -> Tensor");
+  m.def("gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("int8_gemv(Tensor x, Tensor qweight, Tensor scale, Tensor? bias) -> Tensor");
+  m.def("quantize_rows(Tensor x) -> (Tensor, Tensor)");
 }
 
 // The packed weight is a oneDNN (MkldnnCPU) tensor, which decides the dispatch key: the same kernel
 // serves both keys.
-TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) { m.impl("linear", &radixserve_cpu::linear); }
+TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {
+  m.impl("linear", &radixserve_cpu::linear);
+  m.impl("int8_linear", &radixserve_cpu::int8_linear);
+  m.impl("gemv", &radixserve_cpu::gemv);
+  m.impl("int8_gemv", &radixserve_cpu::int8_gemv);
+  m.impl("quantize_rows", &radixserve_cpu::quantize_rows);
+}
 TORCH_LIBRARY_IMPL(radixserve_cpu, MkldnnCPU, m) { m.impl("linear", &radixserve_cpu::linear); }

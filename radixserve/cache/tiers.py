@@ -64,6 +64,9 @@ def model_fingerprint(
     h = hashlib.blake2b(digest_size=KEY_BYTES)
     quantization = getattr(model, "quantization", None)
     h.update(f"{config!r}|{dtype}|{quantization}|{page_size}|kv={kv_dtype}".encode())
+    arithmetic = getattr(model, "arithmetic", "exact")  # a cheaper prefill writes other K/V
+    if arithmetic != "exact":
+        h.update(f"|arithmetic={arithmetic}".encode())
     params = sorted(model.named_parameters(), key=lambda kv: kv[0])
     for name, p in params:
         h.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())

@@ -7,6 +7,7 @@ drains, so the scheduler, the cache and the model are touched only by the thread
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import time
 import uuid
@@ -29,6 +30,7 @@ from radixserve.engine.request import Request, Status
 from radixserve.engine.scheduler import ScheduledBatch, Scheduler
 from radixserve.engine.stats import EngineStats
 from radixserve.errors import InvalidRequestError
+from radixserve.model import arithmetic
 from radixserve.model.attention import select_backend
 from radixserve.model.loader import load_model, load_tokenizer, resolve_model_path
 from radixserve.model.runner import ModelRunner, SeqChunk
@@ -38,6 +40,8 @@ from radixserve.sampling.grammar import GrammarCompiler, Matcher
 from radixserve.sampling.params import SamplingParams
 from radixserve.sampling.sampler import Sampler, compute_prompt_logprobs
 from radixserve.sampling.stop import GRAMMAR_COMPLETE, TokenStop, token_stop
+
+logger = logging.getLogger("radixserve.engine")
 
 
 class Engine:
@@ -52,9 +56,15 @@ class Engine:
             cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
         )
         self.dtype = getattr(torch, dtype_name)
+        if self.dtype == torch.bfloat16 and self.device.type == "cpu" and not arithmetic.lists_bf16():
+            logger.warning(
+                "dtype bfloat16 on a CPU that lists no bf16 instructions (avx512_bf16, amx_bf16): its "
+                "products are emulated, slower than float32; use dtype float32 (or --quantization int8)"
+            )
         path = resolve_model_path(model)
         self.model_path = path
         self.model = load_model(path, self.dtype, self.device, cfg.quantization)
+        arithmetic.apply(self.model, cfg.prefill_arithmetic, many_rows=cfg.max_running_requests)
         self.tokenizer = load_tokenizer(path)
         mcfg = self.model.config
         self.max_model_len = min(

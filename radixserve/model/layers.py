@@ -10,40 +10,75 @@ from torch import nn
 
 
 class Linear(nn.Linear):
-    """nn.Linear that, once ``prepack()``-ed on a CPU, multiplies three or more rows through a
-    oneDNN-blocked copy of its weight.
+    """nn.Linear whose product, once ``prepack()``-ed on a CPU, is chosen by the step's row count inside
+    one opaque op (``radixserve_cpu::linear``, kernels/csrc/linear.cpp), so a captured graph keeps every
+    path and takes each weight copy as an input:
 
-    Why: MKL's plain sgemm threads products with few rows poorly, and a decode step is exactly that
-    (one row per running request): the blocked copy makes 8-32-row products 1.3x faster here
-    (``benchmarks/engine_bench.py``). One or two rows keep the plain weight, where oneDNN is slower.
-    The copy costs one more weight's worth of memory, and must be made after the weights are final.
-    Where the C++ CPU kernels load, the choice is one opaque op (``radixserve_cpu::linear``), so a
-    captured graph can take the packed weight as an input.
+    - 1-8 rows (decode, small verification batches): the C++ few-row kernels (``csrc/gemv.cpp``), which
+      stream the weight once at near the memory bandwidth; no BLAS, whose small-row speed depends on
+      the CPU's vendor (MKL reads at a third of the bandwidth on AMD).
+    - more rows: a oneDNN-blocked copy of the fp32 weight (1.3x MKL's plain sgemm at 8-32 rows here,
+      ``benchmarks/engine_bench.py``); one more weight's worth of memory, made after the weights are final.
+    - more than ``many_rows`` rows, with a cheaper copy made by ``use_many_rows_arithmetic``
+      (``model/arithmetic.py``: int8 or bf16 for prefill): that copy. The fp32 weight stays for fewer rows.
+
+    Without the C++ kernels (no compiler), 3+ rows still go through the oneDNN copy from Python.
     """
 
     packed: torch.Tensor | None = None
     packed_linear: Any = None  # radixserve_cpu::linear, where the C++ CPU kernels load
+    # The many-rows copy (at most one of them) and the row count above which it is used (0: never).
+    qweight: torch.Tensor | None = None  # int8 [out, in], with qscale [out] (model/quant.py's scheme)
+    qscale: torch.Tensor | None = None
+    fast_weight: torch.Tensor | None = None  # bf16 [out, in]
+    many_rows: int = 0
 
     def prepack(self) -> None:
         w = self.weight
-        if w.device.type == "cpu" and w.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
+            return
+        if w.dtype == torch.float32 and torch.backends.mkldnn.is_available():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 8)
-            self.packed_linear = _packed_linear_op()
+        self.packed_linear = _packed_linear_op()
+
+    def use_many_rows_arithmetic(self, arithmetic: str, rows: int) -> None:
+        """Products of more than ``rows`` rows in ``arithmetic`` ("int8" or "bfloat16"): a copy of the
+        weight made now; needs the C++ kernels (``prepack`` first)."""
+        from radixserve.model.quant import quantize_rows
+
+        if self.packed_linear is None:
+            raise RuntimeError("many-rows arithmetic needs the C++ CPU kernels (radixserve_cpu::linear)")
+        w = self.weight.detach()
+        if arithmetic == "int8":
+            self.qweight, scale = quantize_rows(w)
+            self.qscale = scale.squeeze(1)
+        elif arithmetic == "bfloat16":
+            self.fast_weight = w.to(torch.bfloat16)
+        else:
+            raise ValueError(f"many-rows arithmetic must be int8 or bfloat16, got {arithmetic!r}")
+        self.many_rows = rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None:
-            return nn.functional.linear(x, self.weight, self.bias)
         if self.packed_linear is not None:  # one opaque op: a captured graph keeps the packed weight
-            out: torch.Tensor = self.packed_linear(x, self.weight, self.packed, self.bias)
+            out: torch.Tensor = self.packed_linear(
+                x,
+                self.weight,
+                self.packed,
+                self.bias,
+                self.qweight,
+                self.qscale,
+                self.fast_weight,
+                self.many_rows,
+            )
             return out
-        if x.dim() == 2 and x.shape[0] > 2:
+        if self.packed is not None and x.dim() == 2 and x.shape[0] > 2:
             out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             return out
         return nn.functional.linear(x, self.weight, self.bias)
 
 
 def _packed_linear_op() -> Any:
-    """``radixserve_cpu::linear`` (the choice below, as one op) where the C++ CPU kernels load."""
+    """``radixserve_cpu::linear`` (Linear's choice of product, as one op) where the C++ CPU kernels load."""
     from radixserve.kernels import cpu_build
 
     return torch.ops.radixserve_cpu.linear if cpu_build.load() else None

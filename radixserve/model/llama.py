@@ -76,6 +76,7 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     quantization: str | None = None  # "int8": the decoder Linears are int8 (model/quant.py)
+    arithmetic: str = "exact"  # of products with many rows (model/arithmetic.py)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -109,10 +110,12 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def prepack(self) -> None:
-        """Make the CPU matmul copies of every Linear weight (see ``layers.Linear``); after loading."""
+        """Make the CPU matmul copies of every Linear weight (see ``layers.Linear``), and pick each
+        int8 Linear's kernel (``quant.Int8Linear``); after loading."""
         for m in self.modules():
-            if isinstance(m, Linear):
-                m.prepack()
+            prepack = getattr(m, "prepack", None)
+            if prepack is not None and m is not self:
+                prepack()
 
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], skip: frozenset[str] = frozenset()

@@ -10,10 +10,13 @@ Why: on CPU a decode step is bound by reading the weights; int8 reads a quarter 
   other tokens in its step (``quantized::linear_dynamic``, the torch.ao kernel, takes one scale for the
   whole step, so a request's output would shift with its batchmates). ``benchmarks/quant_bench.py``
   times both kernels on the machine at hand; torchao was not installed or tried.
-- What is quantized: every Linear inside the decoder layers (q/k/v, o, gate/up, down). The embedding
-  and the LM head (tied to it in SmolLM2) stay fp32, as vLLM and SGLang keep an unquantized
-  checkpoint's head: the head is a sixth of SmolLM2-135M's weights, so the model shrinks ~2.5x while
-  its linear weights shrink 4x. The fp32 copy of a quantized weight is not kept.
+- What is quantized: every Linear inside the decoder layers (q/k/v, o, gate/up, down), and the LM
+  head: in SmolLM2-135M it is a sixth of the weights a decode step reads (113 of 538 MB). The
+  embedding stays fp32 for lookups (a tied head's int8 copy is its own tensor beside it; a lookup
+  reads a few rows, not the table). The fp32 copy of a quantized Linear weight is not kept.
+- Kernels: ``radixserve_cpu::int8_linear`` where the C++ kernels load (1-8 rows: ``csrc/gemv.cpp``,
+  VNNI where the CPU has it; more: ``torch._int_mm``), computing what ``int8_linear`` computes, the
+  same numbers at every row count; ``int8_linear`` itself where they do not.
 - Compiled step: the activation quantization and rescaling are plain tensor ops and ``_int_mm`` an
   aten op, so the captured graph (``model/capture.py``) fuses the element-wise work around it and
   computes what the eager path computes.
@@ -45,7 +48,7 @@ logger = logging.getLogger("radixserve.model")
 
 QUANTIZATIONS = ("int8",)
 # Bump when the quantized weights a source gives change, so stale cached copies are rebuilt.
-SCHEME_VERSION = 1
+SCHEME_VERSION = 2  # 2: the LM head is int8 too
 MARKER_NAME = "QUANTIZATION_COMPLETE"
 WEIGHTS_NAME = "int8.safetensors"
 QMAX = 127
@@ -88,6 +91,7 @@ class Int8Linear(nn.Module):
 
     qweight: torch.Tensor
     scale: torch.Tensor
+    op: Any = None  # radixserve_cpu::int8_linear, where the C++ CPU kernels load (``prepack``)
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -103,17 +107,29 @@ class Int8Linear(nn.Module):
         out.qweight, out.scale = qweight, scale.squeeze(1)
         return out
 
+    def prepack(self) -> None:
+        """Use the C++ op (``radixserve_cpu::int8_linear``) where it loads: the same numbers as
+        ``int8_linear`` (the same quantization, exact int32 sums, the same roundings), and 1-8 rows
+        without oneDNN's per-call setup (``csrc/gemv.cpp``)."""
+        from radixserve.kernels import cpu_build
+
+        if self.qweight.device.type == "cpu" and cpu_build.load():
+            self.op = torch.ops.radixserve_cpu.int8_linear
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.op is not None:
+            out: torch.Tensor = self.op(x, self.qweight, self.scale, self.bias)
+            return out
         return int8_linear(x, self.qweight, self.scale, self.bias)
 
 
 def quantized_linears(model: nn.Module) -> list[str]:
     """Names of the Linears ``--quantization int8`` turns into ``Int8Linear``: those of the decoder
-    layers (the LM head, often tied to the embedding, stays fp32)."""
+    layers and the LM head (whose fp32 weight, when tied, stays as the embedding's for lookups)."""
     return [
         name
         for name, m in model.named_modules()
-        if isinstance(m, nn.Linear | Int8Linear) and name.startswith("layers.")
+        if isinstance(m, nn.Linear | Int8Linear) and (name.startswith("layers.") or name == "lm_head")
     ]
 
 
@@ -200,9 +216,12 @@ def _read_cache(model: nn.Module, file: Path, names: list[str]) -> None:
 
 
 def weight_bytes(model: nn.Module) -> dict[str, int]:
-    """Bytes held for the weights: the decoder layers' linears and the whole model (a tied tensor once)."""
+    """Bytes held for the weights: the decoder layers' linears, the whole model (a tied tensor once),
+    and what one decode step reads (all but the embedding table, of which a lookup reads a few rows;
+    a tied fp32 head reads that table itself)."""
     seen: set[int] = set()
-    total = linears = 0
+    total = linears = embedding = 0
+    head = getattr(getattr(model, "lm_head", None), "weight", None)
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         if t.data_ptr() in seen or name.startswith("rotary."):
             continue
@@ -211,4 +230,6 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
         total += n
         if name.startswith("layers.") and name.rsplit(".", 2)[-2].endswith("proj"):
             linears += n
-    return {"linear_bytes": linears, "total_bytes": total}
+        if name == "embed_tokens.weight" and t is not head:
+            embedding += n
+    return {"linear_bytes": linears, "total_bytes": total, "step_bytes": total - embedding}

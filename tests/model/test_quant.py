@@ -94,6 +94,28 @@ def test_int8_copy_is_cached_reused_and_rebuilt_when_its_source_changes(
     assert torch.equal(third_down.qweight, down.qweight)
 
 
+@pytest.mark.parametrize("arch", ["llama", "llama-tied"])
+def test_int8_quantizes_the_lm_head_and_keeps_the_embedding_fp32(
+    tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str
+) -> None:
+    """The head's logits are int8_linear of the fp32 head's weight (rounded per channel), close to the
+    fp32 logits; the embedding (tied or not) keeps its fp32 values for lookups."""
+    _cache_in(tmp_path, monkeypatch)
+    fp32 = load_model(tiny_models[arch], torch.float32, CPU)
+    int8 = load_model(tiny_models[arch], torch.float32, CPU, "int8")
+    head = int8.lm_head
+    assert isinstance(head, Int8Linear)
+    assert int8.embed_tokens.weight.dtype == torch.float32
+    assert torch.equal(int8.embed_tokens.weight, fp32.embed_tokens.weight)
+    qw, sw = quantize_rows(fp32.lm_head.weight.detach())
+    assert torch.equal(head.qweight, qw) and torch.equal(head.scale, sw.squeeze(1))
+    hidden = torch.randn(5, fp32.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = int8.compute_logits(hidden), fp32.compute_logits(hidden)
+    torch.testing.assert_close(got, int8_linear(hidden, qw, sw.squeeze(1), None), rtol=1e-6, atol=1e-6)
+    assert 0 < float((got - want).abs().max() / want.abs().max()) < 0.03
+
+
 def test_int8_needs_cpu_and_float32(tiny_llama: Path) -> None:
     with pytest.raises(ValueError, match="runs on CPU in float32"):
         load_model(tiny_llama, torch.bfloat16, CPU, "int8")
@@ -170,11 +192,14 @@ def test_int8_serves_the_default_model_and_agrees_with_fp32() -> None:
 
 
 @pytest.mark.real_model
-def test_int8_holds_a_quarter_of_the_linear_weight_bytes() -> None:
+def test_int8_holds_a_quarter_of_the_linear_and_head_weight_bytes() -> None:
     from radixserve.model.loader import resolve_model_path
 
     path = resolve_model_path(None)
     fp32, int8 = (weight_bytes(load_model(path, torch.float32, CPU, q)) for q in (None, "int8"))
     ratio = fp32["linear_bytes"] / int8["linear_bytes"]
     assert 3.9 < ratio <= 4, (fp32, int8)  # int8 plus one fp32 scale per output channel
-    assert int8["total_bytes"] < fp32["total_bytes"] - 0.7 * fp32["linear_bytes"]
+    # The int8 LM head is a second copy of the tied embedding: more held, a quarter of it read per step.
+    head = load_model(path, torch.float32, CPU).lm_head.weight.numel()
+    assert int8["total_bytes"] < fp32["total_bytes"] - 0.7 * fp32["linear_bytes"] + 1.01 * head
+    assert 3.8 < fp32["step_bytes"] / int8["step_bytes"] <= 4, (fp32, int8)

@@ -1,0 +1,205 @@
+"""Cheaper arithmetic for steps with many rows (``prefill_arithmetic``): prefill, extend, long
+verification batches. Decode steps keep the weights' own (exact) arithmetic.
+
+Why: prefill is compute-bound (issue 21: 97% of the fp32 peak on an EPYC, 71% on a Xeon), and int8
+(``torch._int_mm``, VNNI) or bf16 products run several times faster than fp32 there (4.6x and 2.3x at
+512 rows on the EPYC). Decode is bound by reading the weights, which a cheaper product does not change.
+
+- Choices: ``exact`` (default), ``int8`` (per-row dynamic activation quantization and per-channel int8
+  weights: ``model/quant.py``'s scheme and code), ``bfloat16`` (a bf16 copy of the weights, x rounded to
+  bf16, fp32 out), ``auto`` (the fastest that really runs here, by a start-up timing; logged once).
+  The cheaper copy is made beside the fp32 weight (``layers.Linear.use_many_rows_arithmetic``): one more
+  copy of the decoder's linear weights in memory (a quarter of them for int8, half for bf16).
+- Row threshold: a product uses the cheaper copy above ``many_rows`` rows. The int8 product is faster
+  than fp32 from 8 rows up already (issue 21: 3.0x at 8 rows), so the threshold is set by exactness,
+  not speed: it is ``max_running_requests``, the most rows a step of decode tokens alone has, so such a
+  step stays exact; prefill chunks (up to 512 rows), mixed steps and long verifications above it do not.
+  The LM head runs on a few rows per step (each chunk's last token) and stays exact.
+- Safety: bf16 runs only where the CPU lists bf16 instructions (``avx512_bf16`` or ``amx_bf16``), and the
+  start-up probe runs every candidate product in a subprocess first: a CPU that lists AMX but traps
+  kills the subprocess, not the server, and the candidate is dropped (``bfloat16`` asked for explicitly
+  then gets a clear error).
+- Accuracy: approximate; ``benchmarks/step_bench.py`` times prefill at each arithmetic, and the
+  agreement of int8 prefill with fp32 is asserted in ``tests/model/test_arithmetic.py`` (>= 95% top-1).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from radixserve.model.layers import Linear
+from radixserve.model.llama import LlamaForCausalLM
+
+logger = logging.getLogger("radixserve.model")
+
+ARITHMETICS = ("exact", "int8", "bfloat16", "auto")
+CHEAPER = ("int8", "bfloat16")
+PROBE_ROWS = 256  # rows of the timed products: a prefill chunk's order of size
+PROBE_TIMEOUT_S = 120.0
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux lists them (empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def lists_bf16() -> bool:
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+def linear_shapes(model: nn.Module) -> list[tuple[int, int]]:
+    """The distinct (out, in) shapes of the decoder layers' Linears."""
+    shapes = {(m.out_features, m.in_features) for n, m in model.named_modules() if _is_decoder_linear(n, m)}
+    return sorted(shapes)
+
+
+def _is_decoder_linear(name: str, module: nn.Module) -> bool:
+    return isinstance(module, Linear) and name.startswith("layers.")
+
+
+def probe(candidates: list[str], shapes: list[tuple[int, int]], rows: int = PROBE_ROWS) -> dict[str, float]:
+    """Seconds for one product of ``rows`` rows by every weight of ``shapes``, per candidate ("exact",
+    "int8", "bfloat16"), timed in a subprocess. A candidate missing from the result did not run: its
+    product failed or killed the subprocess (an instruction the CPU lists but traps)."""
+    arg = json.dumps({"candidates": candidates, "shapes": shapes, "rows": rows})
+    code = "import sys; from radixserve.model.arithmetic import _probe_main; _probe_main(sys.argv[1])"
+    # The child imports this very package, wherever the caller's working directory is.
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code, arg],
+            capture_output=True,
+            text=True,
+            timeout=PROBE_TIMEOUT_S,
+            env=env,
+        )
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout if isinstance(exc.stdout, str) else (exc.stdout or b"").decode()
+        logger.warning("the arithmetic probe timed out after %.0f s", PROBE_TIMEOUT_S)
+    else:
+        out = done.stdout
+        if done.returncode != 0:
+            logger.warning(
+                "the arithmetic probe exited with %s (a candidate product failed or trapped): %s",
+                done.returncode,
+                done.stderr.strip().splitlines()[-1:] or "",
+            )
+    times: dict[str, float] = {}
+    for line in out.splitlines():
+        if line.startswith("{"):
+            entry = json.loads(line)
+            times[entry["candidate"]] = float(entry["seconds"])
+    return times
+
+
+def _probe_main(arg: str) -> None:
+    """The probe's subprocess: time each candidate, one JSON line each, flushed before the next starts."""
+    spec = json.loads(arg)
+    rows = int(spec["rows"])
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=gen) / k**0.5 for n, k in spec["shapes"]]
+    xs = {k: torch.randn(rows, k, generator=gen) for _, k in spec["shapes"]}
+    for candidate in spec["candidates"]:
+        products = []
+        for w in weights:
+            x = xs[w.shape[1]]
+            lin = Linear(w.shape[1], w.shape[0], bias=False)
+            lin.weight.data.copy_(w)
+            lin.prepack()
+            if candidate != "exact":
+                lin.use_many_rows_arithmetic(candidate, 0)
+            products.append((lin, x))
+        with torch.no_grad():
+            for lin, x in products:  # warm-up, and the first call a trapping instruction would die in
+                lin(x)
+            best = float("inf")
+            for _ in range(3):
+                start = time.perf_counter()
+                for lin, x in products:
+                    lin(x)
+                best = min(best, time.perf_counter() - start)
+        print(json.dumps({"candidate": candidate, "seconds": best}), flush=True)
+
+
+def resolve(arithmetic: str, model: nn.Module) -> str:
+    """The arithmetic to use for ``model``'s many-row products: ``exact``, ``int8`` or ``bfloat16``.
+    ValueError where the asked one cannot run here (naming why and the choices)."""
+    if arithmetic not in ARITHMETICS:
+        raise ValueError(f"prefill_arithmetic must be one of {', '.join(ARITHMETICS)}, got {arithmetic!r}")
+    if arithmetic == "exact":
+        return "exact"
+    linears = [m for n, m in model.named_modules() if _is_decoder_linear(n, m)]
+    fp32_cpu = bool(linears) and all(
+        m.weight.dtype == torch.float32 and m.weight.device.type == "cpu" and m.packed_linear is not None
+        for m in linears
+    )
+    if not fp32_cpu:
+        why = (
+            "the model's decoder weights are not plain float32 Linears on CPU with the C++ kernels loaded "
+            f"(quantization {getattr(model, 'quantization', None)}, its own arithmetic serves every step)"
+        )
+        if arithmetic == "auto" or (arithmetic == "int8" and getattr(model, "quantization", None) == "int8"):
+            logger.info("prefill_arithmetic %s: the weights' own, as %s", arithmetic, why)
+            return "exact"
+        raise ValueError(f"prefill_arithmetic {arithmetic} needs float32 weights on CPU: {why}")
+    if arithmetic == "int8":
+        return "int8"
+    if not lists_bf16():
+        if arithmetic == "bfloat16":
+            raise ValueError(
+                "prefill_arithmetic bfloat16: this CPU lists no bf16 instructions (avx512_bf16 or amx_bf16), "
+                "so bf16 products would be emulated, slower than fp32; use int8, exact or auto"
+            )
+        candidates = ["exact", "int8"]
+    else:
+        candidates = ["exact", "int8", "bfloat16"] if arithmetic == "auto" else ["exact", "bfloat16"]
+    times = probe(candidates, linear_shapes(model))
+    if arithmetic == "bfloat16":
+        if "bfloat16" not in times:
+            raise ValueError(
+                "prefill_arithmetic bfloat16: a bf16 product failed or trapped on this CPU in the start-up "
+                "probe (it lists bf16 but does not execute it); use int8, exact or auto"
+            )
+        return "bfloat16"
+    ran = {c: t for c, t in times.items() if c in candidates}
+    choice = min(ran, key=ran.__getitem__) if ran else "exact"
+    logger.info(
+        "prefill_arithmetic auto: %s (timed at %d rows over the decoder's weights: %s)",
+        choice,
+        PROBE_ROWS,
+        ", ".join(f"{c} {t * 1e3:.1f} ms" for c, t in sorted(ran.items())) or "no candidate ran",
+    )
+    return choice
+
+
+def apply(model: LlamaForCausalLM, arithmetic: str, many_rows: int) -> str:
+    """Resolve ``arithmetic`` and give every decoder Linear its cheaper copy for more than ``many_rows``
+    rows; returns the arithmetic in use (recorded as ``model.arithmetic``)."""
+    chosen = resolve(arithmetic, model)
+    if chosen != "exact":
+        for name, m in model.named_modules():
+            if _is_decoder_linear(name, m):
+                assert isinstance(m, Linear)
+                m.use_many_rows_arithmetic(chosen, many_rows)
+        logger.info(
+            "products of more than %d rows run in %s (approximate); fewer stay exact", many_rows, chosen
+        )
+    model.arithmetic = chosen
+    return chosen

@@ -1,0 +1,151 @@
+"""The few-row linear kernels (``kernels/csrc/gemv.cpp``) and ``radixserve_cpu::linear``'s choice by row
+count: fp32 equals ``F.linear`` within 1e-5 relative for M = 1..8 and through the dispatch at larger M,
+with K and N off every vector width, with and without bias; int8 weights compute exactly what
+``quant.int8_linear`` computes (the same quantization, exact int32 sums); bf16 weights within bf16's
+rounding; a row's result does not depend on its batchmates; the ops trace in a compiled graph."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from radixserve.kernels import cpu_build
+from radixserve.model import quant
+from radixserve.model.layers import Linear
+
+if not cpu_build.load() and shutil.which(os.environ.get("CXX", "c++")) is None:
+    pytest.skip("no C++ compiler to build the CPU kernels", allow_module_level=True)
+assert cpu_build.load(), "the CPU kernels failed to build with a compiler present"
+ops = torch.ops.radixserve_cpu
+SHAPES = [(37, 53), (100, 17), (576, 130), (1000, 7)]  # (K, N): none a multiple of 16 or 64
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(("k", "n"), SHAPES)
+def test_fp32_gemv_equals_f_linear_for_one_to_eight_rows(k: int, n: int, bias: bool) -> None:
+    gen = torch.Generator().manual_seed(k * n)
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    for m in range(1, 9):
+        x = torch.randn(m, k, generator=gen)
+        want = F.linear(x, w, b)
+        assert _rel(ops.gemv(x, w, b), want) < 1e-5, m
+        assert _rel(ops.linear(x, w, None, b), want) < 1e-5, m
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_dispatch_equals_f_linear_at_every_row_count(bias: bool) -> None:
+    """Through ``Linear`` (prepacked: gemv for 1-8 rows, oneDNN beyond), the plain product at any M."""
+    torch.manual_seed(1)
+    lin = Linear(200, 75, bias=bias)
+    xs = [torch.randn(m, 200) for m in (1, 2, 5, 8, 9, 16, 33, 130)]
+    plain = [F.linear(x, lin.weight, lin.bias) for x in xs]
+    with torch.no_grad():
+        lin.prepack()
+        assert lin.packed_linear is not None
+        for x, want in zip(xs, plain):
+            assert _rel(lin(x), want) < 1e-5, x.shape
+        # [batch, rows, K] inputs are flattened to rows
+        assert _rel(lin(xs[2].view(1, 5, 200)), plain[2].view(1, 5, 75)) < 1e-5
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(("k", "n"), SHAPES)
+def test_int8_gemv_computes_what_int8_linear_computes(k: int, n: int, bias: bool) -> None:
+    gen = torch.Generator().manual_seed(k + n)
+    w = torch.randn(n, k, generator=gen)
+    w[0] = 0  # an all-zero channel
+    qw, sw = quant.quantize_rows(w)
+    sw = sw.squeeze(1)
+    b = torch.randn(n, generator=gen) if bias else None
+    for m in [*range(1, 9), 9, 40]:
+        x = torch.randn(m, k, generator=gen) * 3
+        x[0, :5] = 0.0
+        want = quant.int8_linear(x, qw, sw, b)
+        got = ops.int8_linear(x, qw, sw, b)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+        # and within int8's error of the fp32 product
+        assert _rel(got, F.linear(x, w, b)) < 0.05
+
+
+def test_quantize_rows_matches_the_python_scheme_bit_for_bit() -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(11, 301, generator=gen) * 5
+    x[2] = 0
+    x[4, 7] = 127 * 0.5  # ties at .5 round to even in both
+    q, s = ops.quantize_rows(x)
+    want_q, want_s = quant.quantize_rows(x)
+    assert torch.equal(q, want_q) and torch.equal(s, want_s)
+
+
+def test_bf16_gemv_is_the_fp32_product_of_the_bf16_values_rounded_once() -> None:
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(130, 577, generator=gen).bfloat16()
+    b = torch.randn(130, generator=gen).bfloat16()
+    for m in (1, 3, 8):
+        x = torch.randn(m, 577, generator=gen).bfloat16()
+        got = ops.linear(x, w, None, b)
+        assert got.dtype == torch.bfloat16
+        want = F.linear(x.float(), w.float(), b.float())
+        assert _rel(got, want) < 2**-8  # one bf16 rounding of the fp32 result
+
+
+def test_a_rows_result_does_not_depend_on_its_batchmates() -> None:
+    """Each output sums in a fixed order whatever M is: row 0 alone equals row 0 among 8 (bit for bit)."""
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(90, 333, generator=gen)
+    qw, sw = quant.quantize_rows(w)
+    sw = sw.squeeze(1)
+    x = torch.randn(8, 333, generator=gen)
+    for m in range(2, 9):
+        assert torch.equal(ops.gemv(x[:1], w, None)[0], ops.gemv(x[:m], w, None)[0])
+        assert torch.equal(ops.int8_linear(x[:1], qw, sw, None)[0], ops.int8_linear(x[:m], qw, sw, None)[0])
+
+
+def test_gemv_refuses_what_it_does_not_take() -> None:
+    w = torch.randn(10, 20)
+    with pytest.raises(RuntimeError, match="1 to 8 rows"):
+        ops.gemv(torch.randn(9, 20), w, None)
+    with pytest.raises(RuntimeError, match="K = 21"):
+        ops.gemv(torch.randn(2, 21), w, None)
+
+
+def test_many_rows_arithmetic_applies_only_above_its_row_count() -> None:
+    """With an int8 copy for more than 16 rows, 16 rows are the fp32 product and 17 the int8 one."""
+    torch.manual_seed(6)
+    lin = Linear(96, 40, bias=True)
+    with torch.no_grad():
+        lin.prepack()
+        lin.use_many_rows_arithmetic("int8", 16)
+        assert lin.qweight is not None and lin.qscale is not None
+        for m, exact in ((1, True), (8, True), (16, True), (17, False), (64, False)):
+            x = torch.randn(m, 96)
+            got = lin(x)
+            int8 = quant.int8_linear(x, lin.qweight, lin.qscale, lin.bias)
+            if exact:
+                assert _rel(got, F.linear(x, lin.weight, lin.bias)) < 1e-5
+            else:
+                torch.testing.assert_close(got, int8, atol=1e-6, rtol=1e-6)
+
+
+def test_the_ops_trace_in_a_compiled_graph() -> None:
+    """Fake kernels let dynamo trace ``radixserve_cpu::linear`` and ``::int8_linear`` with dynamic rows."""
+    torch.manual_seed(7)
+    lin = Linear(64, 48, bias=False)
+    lin.prepack()
+    q = quant.Int8Linear.from_linear(Linear(48, 32, bias=True))
+    q.prepack()
+    assert q.op is not None
+    f = torch.compile(lambda x: q(lin(x)), dynamic=True, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        for m in (2, 5, 20):
+            x = torch.randn(m, 64)
+            torch.testing.assert_close(f(x), q(lin(x)))
