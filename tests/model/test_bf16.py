@@ -1,12 +1,8 @@
-"""``dtype="bfloat16"`` on CPU: the default (not eager) engine starts and serves. The C++ attention
-takes fp32 pages only, and its per-call reference fallback cannot be traced, so the step runs eagerly
-with one warning (not the GuardOnDataDependentSymNode failure at warm-up); the linear layers take bf16
-through the few-row kernels. Where the C++ attention takes bf16 pages, ``cpu.capturable`` says so and
-the step is captured again."""
+"""``dtype="bfloat16"`` on CPU: the default engine runs the captured step (the C++ attention takes bf16
+pages) and stays close to fp32."""
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import pytest
@@ -20,18 +16,22 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def test_bf16_engine_runs_by_default_and_gives_the_eager_tokens(
-    tiny_llama: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+def test_bf16_engine_is_captured_and_close_to_fp32(tiny_llama: Path) -> None:
+    """The C++ attention takes bf16 pages, so the default bf16 engine runs the captured step. bf16 is an
+    approximate mode: inductor keeps fused intermediates in fp32 where eager rounds each op to bf16, so
+    the captured and eager bf16 steps may pick other tokens on a near-uniform tiny model. What holds is
+    closeness to the fp32 reference: each prompt's first-token distribution within bf16's error."""
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, logprobs=5)
     prompts = [[1, 5, 9, 20, 33], [7, 7, 8]]
-    with caplog.at_level(logging.WARNING, logger="radixserve.engine"):
-        default = Engine(str(tiny_llama), dtype="bfloat16", kv_cache_gb=0.05)
-    assert default.model.embed_tokens.weight.dtype == torch.bfloat16
-    captured = default.runner.captured
-    if captured is None:  # the attention kernels do not take bf16 pages: eager, said once
-        assert any("do not take bfloat16 K/V pages" in r.getMessage() for r in caplog.records)
-    eager = Engine(str(tiny_llama), dtype="bfloat16", kv_cache_gb=0.05, enforce_eager=True)
-    for a, b in zip(default.generate(prompts, params), eager.generate(prompts, params)):
-        assert len(a.outputs[0].token_ids) == 6
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    bf16 = Engine(str(tiny_llama), dtype="bfloat16", kv_cache_gb=0.05)
+    assert bf16.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert bf16.runner.captured is not None
+    fp32 = Engine(str(tiny_llama), kv_cache_gb=0.05)
+    for a, b in zip(bf16.generate(prompts, params), fp32.generate(prompts, params)):
+        ref = b.outputs[0].logprobs
+        got = a.outputs[0].logprobs
+        assert ref is not None and got is not None
+        shared = set(got[0].top) & set(ref[0].top)
+        assert len(shared) >= 3
+        for token in shared:
+            assert abs(got[0].top[token] - ref[0].top[token]) < 0.05
