@@ -36,7 +36,15 @@ import torch
 logger = logging.getLogger("radixserve.kernels")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("ops.cpp", "plan.cpp", "attention.cpp", "decode_kernel.cpp", "gemm_kernel.cpp", "linear.cpp")
+SOURCES = (
+    "ops.cpp",
+    "plan.cpp",
+    "attention.cpp",
+    "decode_kernel.cpp",
+    "gemm_kernel.cpp",
+    "linear.cpp",
+    "gguf_linear.cpp",
+)
 HEADERS = ("radixserve_cpu.h", "kernel_common.h")
 DISABLE_ENV = "RADIXSERVE_CPU_KERNELS"
 COST = "CPU attention falls back to the torch reference kernels (slower)"
@@ -218,6 +226,12 @@ def _register_fakes() -> None:
         x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None
     ) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+    @torch.library.register_fake("radixserve_cpu::gguf_linear")
+    def _gguf_linear(
+        x: torch.Tensor, blocks: torch.Tensor, qtype: int, K: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        return x.new_empty((x.shape[0], blocks.shape[0]))
 
     @torch.library.register_fake("radixserve_cpu::plan")
     def _plan(
