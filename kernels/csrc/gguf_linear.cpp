@@ -12,9 +12,9 @@
 // Two paths, split by the rows M:
 // - few rows (a decode step): each weight row's blocks are decoded in registers and multiplied
 //   against every x row at once, so the weights are read once, at the memory's pace;
-// - many rows (prefill): a tile of kTileRows weight rows is decoded once into a thread-local fp32
-//   buffer (transposed, [K][kTileRows], L2-sized) and an outer-product micro-kernel multiplies every
-//   x row against it, so a block is decoded once per step, not once per x row.
+// - many rows (prefill): a tile of 16-64 weight rows is decoded once into a thread-local fp32
+//   buffer (L2-sized) and every x row is multiplied against it by sgemm, so a block is decoded once
+//   per step, not once per x row.
 // Both parallelise over output rows (at::parallel_for), and every ISA shares them through
 // at::vec::Vectorized<float>; only the block decoding has AVX-512 and AVX2 intrinsics.
 #include <ATen/ATen.h>
@@ -32,6 +32,11 @@
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
+
+// Fortran BLAS, column-major (LP64 MKL inside libtorch_cpu).
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc);
 
 namespace radixserve_cpu {
 namespace {
@@ -193,8 +198,8 @@ void run_few_rows(const Args& a, int64_t M) {
 
 // ---- many rows: decode a tile once, multiply every x row against it ------------------------------
 
-constexpr int64_t kTileRows = 2 * kVS;           // weight rows per tile: two vectors of outputs
-constexpr int kMicroRows = kVS == 16 ? 12 : 6;  // x rows per micro-kernel call (2 accumulators each)
+// Most weight rows a tile holds: 64 rows of K <= 1536 are <= 384 KiB of fp32, in L2.
+constexpr int64_t kMaxTileRows = 64;
 
 float* tile_buffer(int64_t n) {
   static thread_local std::vector<float> buf;
@@ -202,67 +207,44 @@ float* tile_buffer(int64_t n) {
   return buf.data();
 }
 
-// Weight rows [n0, n0 + rows) into tile[k * kTileRows + j] (rows past `rows` are zeros).
+// Weight rows [n0, n0 + rows) decoded into tile [rows, K].
 template <int64_t Q>
 void decode_tile(const Args& a, int64_t n0, int64_t rows, float* tile) {
   const int64_t nb = a.K / kBlock, bb = block_bytes(Q);
-  if (rows < kTileRows) std::fill(tile, tile + a.K * kTileRows, 0.f);
-  alignas(64) float w[kBlock];
   for (int64_t j = 0; j < rows; ++j) {
     const uint8_t* row = a.w + (n0 + j) * a.row_bytes;
+    float* dst = tile + j * a.K;
     for (int64_t b = 0; b < nb; ++b) {
       Vec v[kVecsPerBlock];
       decode<Q>(row + b * bb, v);
-      for (int64_t i = 0; i < kVecsPerBlock; ++i) v[i].store(w + i * kVS);
-      float* dst = tile + b * kBlock * kTileRows + j;
-      for (int64_t i = 0; i < kBlock; ++i) dst[i * kTileRows] = w[i];
+      for (int64_t i = 0; i < kVecsPerBlock; ++i) v[i].store(dst + b * kBlock + i * kVS);
     }
   }
 }
 
-// out[r, n0 + j] for R x rows and the tile's columns j < cols: acc[r] += x[r, k] * tile[k, :].
-template <int R>
-void micro(const Args& a, const float* x, const float* tile, float* out, int64_t n0, int64_t cols) {
-  Vec acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Vec(0.f);
-  for (int64_t k = 0; k < a.K; ++k) {
-    const Vec b0 = Vec::loadu(tile + k * kTileRows), b1 = Vec::loadu(tile + k * kTileRows + kVS);
-    for (int r = 0; r < R; ++r) {
-      const Vec xr(x[r * a.ldx + k]);
-      acc[r][0] = at::vec::fmadd(xr, b0, acc[r][0]);
-      acc[r][1] = at::vec::fmadd(xr, b1, acc[r][1]);
-    }
-  }
-  alignas(64) float row[kTileRows];
-  for (int r = 0; r < R; ++r) {
-    acc[r][0].store(row);
-    acc[r][1].store(row + kVS);
-    float* dst = out + r * a.N + n0;
-    for (int64_t j = 0; j < cols; ++j) dst[j] = row[j] + (a.bias != nullptr ? a.bias[n0 + j] : 0.f);
-  }
-}
-
-template <int R = kMicroRows>
-void micro_dispatch(int rows, const Args& a, const float* x, const float* tile, float* out, int64_t n0,
-                    int64_t cols) {
-  if constexpr (R > 1) {
-    if (rows < R) return micro_dispatch<R - 1>(rows, a, x, tile, out, n0, cols);
-  }
-  micro<R>(a, x, tile, out, n0, cols);
-}
-
+// Many rows are compute-bound: a decoded tile goes through the BLAS sgemm (single-threaded inside
+// this parallel region, as the attention's GEMM path calls it), whose micro-kernels run near the
+// FMA peak; decoding a tile costs ~1/M of its product.
 template <int64_t Q>
 void run_many_rows(const Args& a, int64_t M) {
-  const int64_t tiles = (a.N + kTileRows - 1) / kTileRows;
+  // Tiles of 16-64 rows, at least four per thread where N allows, so threads end together.
+  const int64_t per_thread = a.N / (4 * at::get_num_threads());
+  const int64_t tile_rows = std::clamp<int64_t>(per_thread / 16 * 16, 16, kMaxTileRows);
+  const int64_t tiles = (a.N + tile_rows - 1) / tile_rows;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    float* tile = tile_buffer(a.K * kTileRows);
+    float* tile = tile_buffer(a.K * tile_rows);
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * kTileRows, cols = std::min(kTileRows, a.N - n0);
-      decode_tile<Q>(a, n0, cols, tile);
-      for (int64_t m0 = 0; m0 < M; m0 += kMicroRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kMicroRows, M - m0));
-        micro_dispatch(rows, a, a.x + m0 * a.ldx, tile, a.out + m0 * a.N, n0, cols);
-      }
+      const int64_t n0 = t * tile_rows, rows = std::min(tile_rows, a.N - n0);
+      decode_tile<Q>(a, n0, rows, tile);
+      // Column-major: out^T[n0 : n0 + rows, :M] = tile (K x rows)^T * x^T (K x M).
+      const char ta = 'T', tb = 'N';
+      const int m = static_cast<int>(rows), n = static_cast<int>(M), k = static_cast<int>(a.K);
+      const int lda = k, ldb = static_cast<int>(a.ldx), ldc = static_cast<int>(a.N);
+      const float one = 1.f, zero = 0.f;
+      sgemm_(&ta, &tb, &m, &n, &k, &one, tile, &lda, a.x, &ldb, &zero, a.out + n0, &ldc);
+      if (a.bias != nullptr)
+        for (int64_t r = 0; r < M; ++r)
+          for (int64_t j = 0; j < rows; ++j) a.out[r * a.N + n0 + j] += a.bias[n0 + j];
     }
   });
 }
