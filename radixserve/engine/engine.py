@@ -52,7 +52,7 @@ class Engine:
             cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
         )
         self.dtype = getattr(torch, dtype_name)
-        path = resolve_model_path(model)
+        path = resolve_model_path(model, cfg.quantization)
         self.model_path = path
         self.model = load_model(path, self.dtype, self.device, cfg.quantization)
         self.tokenizer = load_tokenizer(path)

@@ -136,9 +136,8 @@ class GGUFLinear(nn.Module):
         self.qtypes: list[int] = []
         for i, group in enumerate(groups):
             qtype = group[0].qtype
-            data = torch.cat([p.data for p in group]) if qtype in BLOCK_BYTES else torch.cat(
-                [p.dense() for p in group]
-            )
+            tensors = [p.data if qtype in BLOCK_BYTES else p.dense() for p in group]
+            data = tensors[0] if len(tensors) == 1 else torch.cat(tensors)  # one part: no copy
             # Parameters (frozen), not buffers: the disk tier's model fingerprint hashes parameters.
             self.register_parameter(f"weight{i}", nn.Parameter(data.contiguous(), requires_grad=False))
             self.qtypes.append(qtype if qtype in BLOCK_BYTES else F32)
