@@ -207,7 +207,7 @@ def read_gguf(path: Path) -> GGUFFile:
         reader = GGUFReader(path)
     except Exception as exc:  # the reader raises what numpy and struct raise on bad bytes
         raise ValueError(
-            f"{path} is not a readable GGUF file (corrupted or truncated header): {type(exc).__name__}: {exc}"
+            f"{path} is not a readable GGUF file: it is truncated or corrupted ({type(exc).__name__}: {exc})"
         ) from exc
     tensors: dict[str, Any] = {}
     for t in reader.tensors:

@@ -137,8 +137,7 @@ def tokenizer_dir(path: Path) -> Path:
     """The folder holding the tokenizer of GGUF file ``path`` (made first if missing or stale)."""
     identity = _identity(path)
     where = hashlib.blake2b(json.dumps(identity).encode(), digest_size=6).hexdigest()
-    cache_root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    target = Path(cache_root) / "radixserve" / "models" / f"{path.stem}-gguf-tokenizer-{where}"
+    target = models_cache() / f"{path.stem}-gguf-tokenizer-{where}"
     if _is_current(target, identity):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -146,6 +145,12 @@ def tokenizer_dir(path: Path) -> Path:
         if not _is_current(target, identity):
             build_atomically(target, lambda staging: _write_tokenizer(path, staging, identity))
     return target
+
+
+def models_cache() -> Path:
+    """Where converted model files live, beside the default model's fp32 folder."""
+    cache_root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache_root) / "radixserve" / "models"
 
 
 def _identity(path: Path) -> dict[str, Any]:
