@@ -32,7 +32,9 @@ class EngineConfig:
     # gguf: a GGUF file's own blocks through the C++ gguf_linear op (model/gguf.py); exact, and the
     # default for a .gguf model.
     quantization: str | None = knob(
-        None, "weight quantization (default: none, the checkpoint's weights)", choices=(*QUANTIZATIONS, "gguf")
+        None,
+        "weight quantization (default: none, the checkpoint's weights)",
+        choices=(*QUANTIZATIONS, "gguf"),
     )
     page_size: int = knob(16, "tokens per KV page", ge=1, le=64, integer=True)
     kv_cache_gb: float = knob(1.0, "KV cache size in GiB", gt=0)

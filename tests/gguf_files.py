@@ -14,6 +14,8 @@ from safetensors.numpy import save_file
 from tiny_models import CHAT_TEMPLATE
 from tokenizer_util import SPECIAL_TOKENS, make_tokenizer
 
+from radixserve.model.gguf import BLOCK_BYTES
+
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2
 HEAD_DIM = HIDDEN // HEADS
 PLAIN = (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
@@ -71,7 +73,9 @@ def write_tiny_gguf(
     writer.add_chat_template(CHAT_TEMPLATE)
     hf: dict[str, np.ndarray] = {}
 
-    def add(name: str, hf_name: str, shape: tuple[int, ...], qtype: GGMLQuantizationType, heads: int = 0) -> None:
+    def add(
+        name: str, hf_name: str, shape: tuple[int, ...], qtype: GGMLQuantizationType, heads: int = 0
+    ) -> None:
         w = (rng.standard_normal(shape) * (0.02 if len(shape) == 2 else 1.0) + (len(shape) == 1)).astype(
             np.float32
         )
@@ -84,10 +88,21 @@ def write_tiny_gguf(
         pre, blk = f"model.layers.{i}.", f"blk.{i}."
         add(blk + "attn_norm.weight", pre + "input_layernorm.weight", (HIDDEN,), GGMLQuantizationType.F32)
         add(blk + "attn_q.weight", pre + "self_attn.q_proj.weight", (HIDDEN, HIDDEN), decoder, HEADS)
-        add(blk + "attn_k.weight", pre + "self_attn.k_proj.weight", (KV_HEADS * HEAD_DIM, HIDDEN), decoder, KV_HEADS)
+        add(
+            blk + "attn_k.weight",
+            pre + "self_attn.k_proj.weight",
+            (KV_HEADS * HEAD_DIM, HIDDEN),
+            decoder,
+            KV_HEADS,
+        )
         add(blk + "attn_v.weight", pre + "self_attn.v_proj.weight", (KV_HEADS * HEAD_DIM, HIDDEN), decoder)
         add(blk + "attn_output.weight", pre + "self_attn.o_proj.weight", (HIDDEN, HIDDEN), decoder)
-        add(blk + "ffn_norm.weight", pre + "post_attention_layernorm.weight", (HIDDEN,), GGMLQuantizationType.F32)
+        add(
+            blk + "ffn_norm.weight",
+            pre + "post_attention_layernorm.weight",
+            (HIDDEN,),
+            GGMLQuantizationType.F32,
+        )
         add(blk + "ffn_gate.weight", pre + "mlp.gate_proj.weight", (INTER, HIDDEN), decoder)
         add(blk + "ffn_up.weight", pre + "mlp.up_proj.weight", (INTER, HIDDEN), decoder)
         add(blk + "ffn_down.weight", pre + "mlp.down_proj.weight", (HIDDEN, INTER), decoder)
@@ -135,7 +150,7 @@ def write_fp32_folder(path: Path, weights: dict[str, np.ndarray]) -> Path:
 def random_blocks(qtype: GGMLQuantizationType, rows: int, blocks: int, seed: int = 0) -> torch.Tensor:
     """Random bytes as ``rows`` rows of ``blocks`` blocks, their fp16 scales random finite values."""
     rng = np.random.default_rng(seed)
-    size = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20, GGMLQuantizationType.Q8_0: 34}[qtype]
+    size = BLOCK_BYTES[int(qtype)]
     raw = rng.integers(0, 256, size=(rows, blocks, size), dtype=np.uint8)
     halves = 2 if qtype == GGMLQuantizationType.Q4_1 else 1
     scales = rng.standard_normal((rows, blocks, halves)).astype(np.float16)

@@ -37,7 +37,7 @@ from radixserve.model.default_model import (
 )
 from radixserve.model.gguf import GGUFEmbedding, GGUFFile, GGUFLinear, Weight, read_gguf
 from radixserve.model.layers import RotaryEmbedding
-from radixserve.model.llama import LlamaForCausalLM
+from radixserve.model.llama import DecoderLayer, LlamaForCausalLM
 
 QUANTIZATION = "gguf"
 TOKENIZER_MARKER = "TOKENIZER_COMPLETE"
@@ -79,7 +79,8 @@ def load_gguf_model(path: Path, dtype: torch.dtype, device: torch.device) -> Lla
         w = file.weight(name)
         if w.data.shape[0] != rows or w.cols != cols:
             raise ValueError(
-                f"GGUF tensor {name} in {path} is [{w.data.shape[0]}, {w.cols}], the config needs [{rows}, {cols}]"
+                f"GGUF tensor {name} in {path} is [{w.data.shape[0]}, {w.cols}]; the config needs "
+                f"[{rows}, {cols}]"
             )
         if heads:
             perm = _unpermute_rotary_rows(np.arange(rows), heads)
@@ -89,33 +90,39 @@ def load_gguf_model(path: Path, dtype: torch.dtype, device: torch.device) -> Lla
     def norm(name: str, size: int) -> nn.Parameter:
         w = file.weight(name)
         if tuple(w.data.shape) != (size,):
-            raise ValueError(f"GGUF tensor {name} in {path} has shape {list(w.data.shape)}, expected [{size}]")
+            raise ValueError(
+                f"GGUF tensor {name} in {path} has shape {list(w.data.shape)}, expected [{size}]"
+            )
         return nn.Parameter(w.dense(), requires_grad=False)
 
     for i, layer in enumerate(model.layers):
+        assert isinstance(layer, DecoderLayer)
         blk = f"blk.{i}"
-        attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj = GGUFLinear(
-            [
-                weight(f"{blk}.attn_q.weight", q_size, hidden, cfg.num_heads),
-                weight(f"{blk}.attn_k.weight", kv_size, hidden, cfg.num_kv_heads),
-                weight(f"{blk}.attn_v.weight", kv_size, hidden),
-            ]
-        )
-        attn.o_proj = GGUFLinear([weight(f"{blk}.attn_output.weight", hidden, q_size)])
-        mlp.gate_up_proj = GGUFLinear(
-            [weight(f"{blk}.ffn_gate.weight", inter, hidden), weight(f"{blk}.ffn_up.weight", inter, hidden)]
-        )
-        mlp.down_proj = GGUFLinear([weight(f"{blk}.ffn_down.weight", hidden, inter)])
+        qkv = [
+            weight(f"{blk}.attn_q.weight", q_size, hidden, cfg.num_heads),
+            weight(f"{blk}.attn_k.weight", kv_size, hidden, cfg.num_kv_heads),
+            weight(f"{blk}.attn_v.weight", kv_size, hidden),
+        ]
+        gate_up = [
+            weight(f"{blk}.ffn_gate.weight", inter, hidden),
+            weight(f"{blk}.ffn_up.weight", inter, hidden),
+        ]
+        # setattr: the modules' declared Linear slots now hold GGUFLinears.
+        setattr(layer.self_attn, "qkv_proj", GGUFLinear(qkv))  # noqa: B010
+        setattr(layer.self_attn, "o_proj", GGUFLinear([weight(f"{blk}.attn_output.weight", hidden, q_size)]))  # noqa: B010
+        setattr(layer.mlp, "gate_up_proj", GGUFLinear(gate_up))  # noqa: B010
+        setattr(layer.mlp, "down_proj", GGUFLinear([weight(f"{blk}.ffn_down.weight", hidden, inter)]))  # noqa: B010
         layer.input_layernorm.weight = norm(f"{blk}.attn_norm.weight", hidden)
         layer.post_attention_layernorm.weight = norm(f"{blk}.ffn_norm.weight", hidden)
     embedding = weight("token_embd.weight", cfg.vocab_size, hidden)
-    model.embed_tokens = GGUFEmbedding(embedding)  # type: ignore[assignment]
+    setattr(model, "embed_tokens", GGUFEmbedding(embedding))  # noqa: B010
     # Tied: the LM head's blocks are the embedding's own tensor, not a copy.
     head = embedding if tie else weight("output.weight", cfg.vocab_size, hidden)
-    model.lm_head = GGUFLinear([head])  # type: ignore[assignment]
+    setattr(model, "lm_head", GGUFLinear([head]))  # noqa: B010
     model.norm.weight = norm("output_norm.weight", hidden)
-    model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+    model.rotary = RotaryEmbedding(
+        cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+    )
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     assert not left, f"GGUF model left without weights: {left[:5]}"
     model.quantization = QUANTIZATION

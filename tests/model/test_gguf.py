@@ -18,6 +18,7 @@ from radixserve.cache.tiers import model_fingerprint
 from radixserve.config import EngineConfig
 from radixserve.model import gguf, gguf_load
 from radixserve.model.gguf import GGUFEmbedding, GGUFLinear, read_gguf
+from radixserve.model.llama import DecoderLayer
 from radixserve.model.loader import load_model
 
 Q = GGMLQuantizationType
@@ -56,6 +57,7 @@ def test_gguf_model_is_token_identical_to_its_fp32_dequantization(
     native = Engine(model=str(file), **options)
     assert native.config.quantization == "gguf" and native.model.quantization == "gguf"
     layer = native.model.layers[0]
+    assert isinstance(layer, DecoderLayer)
     assert isinstance(layer.self_attn.qkv_proj, GGUFLinear) and isinstance(layer.mlp.down_proj, GGUFLinear)
     assert isinstance(native.model.embed_tokens, GGUFEmbedding)
     if head is None:  # tied: the head multiplies the embedding's own blocks
@@ -117,7 +119,9 @@ def test_unsupported_tensor_type_is_refused_naming_it(tmp_path: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match=r"blk\.0\.attn_q\.weight .* type Q5_0.*supported types: .*Q4_0.*Q8_0"):
+    with pytest.raises(
+        ValueError, match=r"blk\.0\.attn_q\.weight .* type Q5_0.*supported types: .*Q4_0.*Q8_0"
+    ):
         read_gguf(file)
 
 

@@ -4,6 +4,8 @@ captured, with the prefix cache on and off."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from radixserve import Engine, SamplingParams
@@ -30,7 +32,7 @@ PROMPTS = [
     )
 ]
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-OPTIONS = {"page_size": 16, "kv_cache_gb": 0.25}
+OPTIONS: dict[str, Any] = {"page_size": 16, "kv_cache_gb": 0.25}
 
 
 @pytest.fixture(scope="module")
