@@ -6,12 +6,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize as reference_dequantize
 from gguf_files import random_blocks, write_fp32_folder, write_tiny_gguf
+from server_util import running_server
 
 from radixserve import Engine, SamplingParams
 from radixserve.cache.tiers import model_fingerprint
@@ -145,3 +147,23 @@ def test_corrupted_header_is_refused(tmp_path: Path) -> None:
     file.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="not a readable GGUF file: it is truncated or corrupted"):
         load_model(file, torch.float32, CPU)
+
+
+def test_a_gguf_file_is_served_with_its_chat_template(tmp_path: Path) -> None:
+    file = tmp_path / "tiny.gguf"
+    write_tiny_gguf(file)
+    config = EngineConfig(model=str(file), enforce_eager=True, num_pages=64, page_size=4)
+    with running_server(config, model_name="tiny") as url:
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 4,
+            "temperature": 0,
+        }
+        resp = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60, trust_env=False)
+        assert resp.status_code == 200, resp.text
+        # The prompt rendered through the GGUF's ChatML template: 3 special tokens, 'user', 'hello'...
+        engine = Engine(model=str(file), enforce_eager=True, num_pages=64, page_size=4)
+        want = len(engine.apply_chat_template(body["messages"]))  # type: ignore[arg-type]
+        assert resp.json()["usage"]["prompt_tokens"] == want
+        assert resp.json()["usage"]["completion_tokens"] == 4
