@@ -11,7 +11,8 @@
 //
 // Two paths, split by the rows M:
 // - few rows (a decode step): each weight row's blocks are decoded in registers and multiplied
-//   against every x row at once, so the weights are read once, at the memory's pace;
+//   against every x row at once, so the weights are read once (at 1-2 rows, several weight rows a
+//   pass; every x row's sums keep one order, so up to 8 rows a row does not depend on its batchmates);
 // - many rows (prefill): a tile of 16-64 weight rows is decoded once into a thread-local fp32
 //   buffer (L2-sized) and every x row is multiplied against it by sgemm, so a block is decoded once
 //   per step, not once per x row.
@@ -177,12 +178,52 @@ void few_rows(const Args& a, const float* x, float* out, int64_t n0, int64_t n1)
   }
 }
 
+// Weight rows decoded together when x has at most kMaxPairRows rows: one row's FMAs form one
+// dependent chain per x row, so at 1-2 rows several weight rows keep the FMA units busy, and each
+// block of x is loaded once for all of them.
+constexpr int kRowsTogether = kVS == 16 ? 4 : 2;
+constexpr int kMaxPairRows = 2;
+
+template <int64_t Q, int R>
+void few_rows_together(const Args& a, const float* x, float* out, int64_t n0, int64_t n1) {
+  const int64_t nb = a.K / kBlock, bb = block_bytes(Q);
+  int64_t n = n0;
+  for (; n + kRowsTogether <= n1; n += kRowsTogether) {
+    Vec acc[kRowsTogether][R][2];  // two per row, in few_rows' order: the same sums, bit for bit
+    for (int j = 0; j < kRowsTogether; ++j)
+      for (int r = 0; r < R; ++r) acc[j][r][0] = acc[j][r][1] = Vec(0.f);
+    for (int64_t b = 0; b < nb; ++b) {
+      Vec xs[kVecsPerBlock][R];
+      for (int64_t v = 0; v < kVecsPerBlock; ++v)
+        for (int r = 0; r < R; ++r) xs[v][r] = Vec::loadu(x + r * a.ldx + b * kBlock + v * kVS);
+      for (int j = 0; j < kRowsTogether; ++j) {
+        Vec w[kVecsPerBlock];
+        decode<Q>(a.w + (n + j) * a.row_bytes + b * bb, w);
+        for (int64_t v = 0; v < kVecsPerBlock; ++v)
+          for (int r = 0; r < R; ++r) acc[j][r][v & 1] = at::vec::fmadd(w[v], xs[v][r], acc[j][r][v & 1]);
+      }
+    }
+    for (int j = 0; j < kRowsTogether; ++j) {
+      const float bias = a.bias != nullptr ? a.bias[n + j] : 0.f;
+      for (int r = 0; r < R; ++r)
+        out[r * a.N + n + j] =
+            at::vec::vec_reduce_all<float>([](const Vec& p, const Vec& q) { return p + q; },
+                                           acc[j][r][0] + acc[j][r][1]) +
+            bias;
+    }
+  }
+  if (n < n1) few_rows<Q, R>(a, x, out, n, n1);
+}
+
 template <int64_t Q, int R = kMaxFewRows>
 void few_rows_dispatch(int rows, const Args& a, const float* x, float* out, int64_t n0, int64_t n1) {
   if constexpr (R > 1) {
     if (rows < R) return few_rows_dispatch<Q, R - 1>(rows, a, x, out, n0, n1);
   }
-  few_rows<Q, R>(a, x, out, n0, n1);
+  if constexpr (R <= kMaxPairRows)
+    few_rows_together<Q, R>(a, x, out, n0, n1);
+  else
+    few_rows<Q, R>(a, x, out, n0, n1);
 }
 
 template <int64_t Q>
