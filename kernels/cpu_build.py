@@ -46,6 +46,7 @@ SOURCES = (
     "gemm_kernel.cpp",
     "linear.cpp",
     "gemv.cpp",
+    "gguf_linear.cpp",
 )
 HEADERS = ("radixserve_cpu.h", "kernel_common.h", "gemv.h")
 DISABLE_ENV = "RADIXSERVE_CPU_KERNELS"
@@ -254,6 +255,12 @@ def _register_fakes() -> None:
         x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+    @torch.library.register_fake("radixserve_cpu::gguf_linear")
+    def _gguf_linear(
+        x: torch.Tensor, blocks: torch.Tensor, qtype: int, K: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        return x.new_empty((x.shape[0], blocks.shape[0]))
 
     @torch.library.register_fake("radixserve_cpu::plan")
     def _plan(

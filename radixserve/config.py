@@ -32,8 +32,12 @@ class EngineConfig:
     dtype: str = knob("auto", "auto: float32 on CPU, bfloat16 on CUDA", choices=DTYPES)
     # int8: the decoder layers' linear weights as int8 with per-channel scales, on CPU (model/quant.py).
     # Approximate: benchmarks/quant_bench.py measures its agreement with fp32 beside its speed.
+    # gguf: a GGUF file's own blocks through the C++ gguf_linear op (model/gguf.py); exact, and the
+    # default for a .gguf model.
     quantization: str | None = knob(
-        None, "weight quantization (default: none, the checkpoint's weights)", choices=QUANTIZATIONS
+        None,
+        "weight quantization (default: none, the checkpoint's weights)",
+        choices=(*QUANTIZATIONS, "gguf"),
     )
     # Cheaper products for steps with more rows than max_running_requests (prefill, extend, long
     # verifications; model/arithmetic.py); decode-only steps stay exact. Approximate: accuracy in
@@ -115,6 +119,18 @@ class EngineConfig:
         # Rules between fields, which no single field's spec can say:
         if self.disk_cache_gb > 0 and not self.disk_cache_dir:
             raise ValueError("a disk tier (disk_cache_gb > 0) needs disk_cache_dir")
+        if self.model is not None and str(self.model).endswith(".gguf"):
+            if self.quantization not in (None, "gguf"):
+                raise ValueError(
+                    f"quantization {self.quantization} does not apply to the GGUF file {self.model}: its "
+                    "weights are GGUF blocks (quantization gguf, the default for a .gguf model)"
+                )
+            self.quantization = "gguf"
+        elif self.model is not None and self.quantization == "gguf":
+            raise ValueError(
+                f"quantization gguf needs a .gguf model file (or no model: the embedded SmolLM2 Q4_1 file), "
+                f"got {self.model}"
+            )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

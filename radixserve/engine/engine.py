@@ -61,7 +61,7 @@ class Engine:
                 "dtype bfloat16 on a CPU that lists no bf16 instructions (avx512_bf16, amx_bf16): its "
                 "products are emulated, slower than float32; use dtype float32 (or --quantization int8)"
             )
-        path = resolve_model_path(model)
+        path = resolve_model_path(model, cfg.quantization)
         self.model_path = path
         self.model = load_model(path, self.dtype, self.device, cfg.quantization)
         arithmetic.apply(self.model, cfg.prefill_arithmetic, many_rows=cfg.max_running_requests)

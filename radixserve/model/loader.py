@@ -15,13 +15,18 @@ from radixserve.model.layers import RotaryEmbedding
 from radixserve.model.llama import LlamaForCausalLM
 
 
-def resolve_model_path(model: str | None) -> Path:
-    """The folder to load: ``model`` itself, or the converted default model (converted on first use)."""
+def resolve_model_path(model: str | None, quantization: str | None = None) -> Path:
+    """The folder (or GGUF file) to load: ``model`` itself, or the converted default model (converted on
+    first use); with ``quantization`` "gguf" and no model, the default model's own GGUF file."""
     if model is None:
-        from radixserve.model.default_model import prepare_default_model
+        from radixserve.model.default_model import find_default_gguf, prepare_default_model
 
-        return prepare_default_model(progress=True)
+        return find_default_gguf() if quantization == "gguf" else prepare_default_model(progress=True)
     path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ValueError(f"GGUF model file {model!r} not found")
+        return path
     if not (path / "config.json").is_file():
         raise ValueError(
             f"model path {model!r} is not a local HF model folder (no config.json there); "
@@ -37,7 +42,14 @@ def load_model(
     path: Path, dtype: torch.dtype, device: torch.device, quantization: str | None = None
 ) -> LlamaForCausalLM:
     """The model in ``path``; with ``quantization`` ("int8"), its decoder Linears quantized
-    (``model/quant.py``), from a cached int8 copy where one is current."""
+    (``model/quant.py``), from a cached int8 copy where one is current. A GGUF file keeps its blocks
+    (``model/gguf_load.py``)."""
+    if path.suffix == ".gguf":
+        from radixserve.model.gguf_load import load_gguf_model
+
+        return load_gguf_model(path, dtype, device)
+    if quantization == "gguf":
+        raise ValueError(f"quantization gguf needs a .gguf model file, got the folder {str(path)!r}")
     cfg = ModelConfig.from_dir(path)
     if quantization is not None:
         quant.check_supported(quantization, dtype, device)
@@ -67,4 +79,8 @@ def load_model(
 
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    if path.suffix == ".gguf":  # from the file's metadata, saved once to a cache folder
+        from radixserve.model.gguf_load import tokenizer_dir
+
+        path = tokenizer_dir(path)
     return AutoTokenizer.from_pretrained(str(path))

@@ -101,7 +101,7 @@ class AsyncEngine:
         log_level: str = "info",
         chat_template: str | None = None,
     ) -> None:
-        path = resolve_model_path(config.model)
+        path = resolve_model_path(config.model, config.quantization)
         tokenizer = load_tokenizer(path)
         if chat_template is not None:
             tokenizer.chat_template = chat_template

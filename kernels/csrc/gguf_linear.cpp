@@ -1,0 +1,339 @@
+// radixserve_cpu::gguf_linear: x [M, K] fp32 times a weight held as GGUF blocks, out [M, N] fp32.
+//
+// The weight stays in the file's own block format (uint8 [N, bytes_per_row]: row n is K/32 blocks of
+// 32 weights each); each block is decoded into fp32 registers where it is used and multiplied in
+// fp32. Why: a decode step on CPU is bound by reading the weights, and a Q4_1 block is 20 bytes for
+// 32 weights, a seventh of fp32's 128.
+//
+// Exactness: a decoded weight equals the reference dequantization bit for bit (q * d and (q - 8) * d
+// are exact products of a small integer and an fp16 scale, so q * d + m rounds once, fused or not),
+// so the product equals the fp32 model's up to the order of its sums.
+//
+// Two paths, split by the rows M:
+// - few rows (a decode step): each weight row's blocks are decoded in registers and multiplied
+//   against every x row at once, so the weights are read once (at 1-2 rows, several weight rows a
+//   pass; every x row's sums keep one order, so up to 8 rows a row does not depend on its batchmates);
+// - many rows (prefill): a tile of 16-64 weight rows is decoded once into a thread-local fp32
+//   buffer (L2-sized) and every x row is multiplied against it by sgemm, so a block is decoded once
+//   per step, not once per x row.
+// Both parallelise over output rows (at::parallel_for), and every ISA shares them through
+// at::vec::Vectorized<float>; only the block decoding has AVX-512 and AVX2 intrinsics.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
+// Fortran BLAS, column-major (LP64 MKL inside libtorch_cpu).
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc);
+
+namespace radixserve_cpu {
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kVS = Vec::size();
+constexpr int64_t kBlock = 32;                // weights per block, every supported type
+constexpr int64_t kVecsPerBlock = kBlock / kVS;  // 2 with AVX-512, 4 with AVX2 (and the scalar build)
+static_assert(kBlock % kVS == 0, "a block must hold whole vectors");
+
+// GGML type ids (gguf.GGMLQuantizationType).
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
+
+int64_t block_bytes(int64_t qtype) {
+  switch (qtype) {
+    case kQ4_0: return 18;  // fp16 d, 16 bytes of nibbles
+    case kQ4_1: return 20;  // fp16 d, fp16 m, 16 bytes of nibbles
+    case kQ8_0: return 34;  // fp16 d, 32 int8
+    default: TORCH_CHECK(false, "radixserve_cpu::gguf_linear: unsupported block type ", qtype,
+                         " (supported: Q4_0=2, Q4_1=3, Q8_0=8)");
+  }
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+}
+
+// The 32 weights of one block, as in gguf.quants: nibble blocks hold weight j in the low nibble of
+// byte j and weight j + 16 in its high nibble.
+template <int64_t Q>
+inline void decode_scalar(const uint8_t* b, float* w) {
+  const float d = half_at(b);
+  if constexpr (Q == kQ8_0) {
+    for (int64_t j = 0; j < kBlock; ++j) w[j] = static_cast<float>(static_cast<int8_t>(b[2 + j])) * d;
+  } else {
+    const uint8_t* qs = b + (Q == kQ4_1 ? 4 : 2);
+    const float m = Q == kQ4_1 ? half_at(b + 2) : 0.f;
+    for (int64_t j = 0; j < kBlock / 2; ++j) {
+      if constexpr (Q == kQ4_1) {
+        w[j] = static_cast<float>(qs[j] & 0x0F) * d + m;
+        w[j + 16] = static_cast<float>(qs[j] >> 4) * d + m;
+      } else {
+        w[j] = static_cast<float>((qs[j] & 0x0F) - 8) * d;
+        w[j + 16] = static_cast<float>((qs[j] >> 4) - 8) * d;
+      }
+    }
+  }
+}
+
+// The block's weights in kVecsPerBlock vectors (weights [v * kVS, (v + 1) * kVS) in w[v]).
+template <int64_t Q>
+inline void decode(const uint8_t* b, Vec* w) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 d = _mm512_set1_ps(half_at(b));
+  if constexpr (Q == kQ8_0) {
+    w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 2)))), d);
+    w[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 18)))), d);
+  } else {
+    const __m128i qs = _mm_loadu_si128((const __m128i*)(b + (Q == kQ4_1 ? 4 : 2)));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(qs, mask)));
+    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(qs, 4), mask)));
+    if constexpr (Q == kQ4_1) {
+      const __m512 m = _mm512_set1_ps(half_at(b + 2));
+      w[0] = _mm512_fmadd_ps(lo, d, m);
+      w[1] = _mm512_fmadd_ps(hi, d, m);
+    } else {
+      const __m512 eight = _mm512_set1_ps(8.f);
+      w[0] = _mm512_mul_ps(_mm512_sub_ps(lo, eight), d);
+      w[1] = _mm512_mul_ps(_mm512_sub_ps(hi, eight), d);
+    }
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256 d = _mm256_set1_ps(half_at(b));
+  if constexpr (Q == kQ8_0) {
+    for (int v = 0; v < 4; ++v)
+      w[v] = _mm256_mul_ps(
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(b + 2 + 8 * v)))), d);
+  } else {
+    const __m128i qs = _mm_loadu_si128((const __m128i*)(b + (Q == kQ4_1 ? 4 : 2)));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(qs, mask), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
+    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int v = 0; v < 4; ++v) {
+      const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[v]));
+      if constexpr (Q == kQ4_1)
+        w[v] = _mm256_fmadd_ps(q, d, _mm256_set1_ps(half_at(b + 2)));
+      else
+        w[v] = _mm256_mul_ps(_mm256_sub_ps(q, _mm256_set1_ps(8.f)), d);
+    }
+  }
+#else
+  float tmp[kBlock];
+  decode_scalar<Q>(b, tmp);
+  for (int64_t v = 0; v < kVecsPerBlock; ++v) w[v] = Vec::loadu(tmp + v * kVS);
+#endif
+}
+
+struct Args {
+  const float* x;  // [M, K], rows ldx apart
+  int64_t ldx;
+  const uint8_t* w;  // [N, row_bytes]
+  int64_t row_bytes, K, N;
+  const float* bias;  // [N] or nullptr
+  float* out;         // [M, N]
+};
+
+// ---- few rows: decode in registers ---------------------------------------------------------------
+
+// Most x rows one pass of the few-rows path takes: its accumulators (two per row) must stay in
+// registers, 32 vector registers with AVX-512, 16 with AVX2.
+constexpr int64_t kMaxFewRows = kVS == 16 ? 8 : 4;
+
+// out[r, n] for x rows [0, R) (at a.x) and weight rows [n0, n1). Two accumulators per row break the
+// chain of dependent FMAs that one would make.
+template <int64_t Q, int R>
+void few_rows(const Args& a, const float* x, float* out, int64_t n0, int64_t n1) {
+  const int64_t nb = a.K / kBlock, bb = block_bytes(Q);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = a.w + n * a.row_bytes;
+    Vec acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Vec(0.f);
+    for (int64_t b = 0; b < nb; ++b) {
+      Vec w[kVecsPerBlock];
+      decode<Q>(row + b * bb, w);
+      const float* xb = x + b * kBlock;
+      for (int64_t v = 0; v < kVecsPerBlock; ++v)
+        for (int r = 0; r < R; ++r)
+          acc[r][v & 1] = at::vec::fmadd(w[v], Vec::loadu(xb + r * a.ldx + v * kVS), acc[r][v & 1]);
+    }
+    const float bias = a.bias != nullptr ? a.bias[n] : 0.f;
+    for (int r = 0; r < R; ++r)
+      out[r * a.N + n] =
+          at::vec::vec_reduce_all<float>([](const Vec& p, const Vec& q) { return p + q; }, acc[r][0] + acc[r][1]) +
+          bias;
+  }
+}
+
+// Weight rows decoded together when x has at most kMaxPairRows rows: one row's FMAs form one
+// dependent chain per x row, so at 1-2 rows several weight rows keep the FMA units busy, and each
+// block of x is loaded once for all of them.
+constexpr int kRowsTogether = kVS == 16 ? 4 : 2;
+constexpr int kMaxPairRows = 2;
+
+template <int64_t Q, int R>
+void few_rows_together(const Args& a, const float* x, float* out, int64_t n0, int64_t n1) {
+  const int64_t nb = a.K / kBlock, bb = block_bytes(Q);
+  int64_t n = n0;
+  for (; n + kRowsTogether <= n1; n += kRowsTogether) {
+    Vec acc[kRowsTogether][R][2];  // two per row, in few_rows' order: the same sums, bit for bit
+    for (int j = 0; j < kRowsTogether; ++j)
+      for (int r = 0; r < R; ++r) acc[j][r][0] = acc[j][r][1] = Vec(0.f);
+    for (int64_t b = 0; b < nb; ++b) {
+      Vec xs[kVecsPerBlock][R];
+      for (int64_t v = 0; v < kVecsPerBlock; ++v)
+        for (int r = 0; r < R; ++r) xs[v][r] = Vec::loadu(x + r * a.ldx + b * kBlock + v * kVS);
+      for (int j = 0; j < kRowsTogether; ++j) {
+        Vec w[kVecsPerBlock];
+        decode<Q>(a.w + (n + j) * a.row_bytes + b * bb, w);
+        for (int64_t v = 0; v < kVecsPerBlock; ++v)
+          for (int r = 0; r < R; ++r) acc[j][r][v & 1] = at::vec::fmadd(w[v], xs[v][r], acc[j][r][v & 1]);
+      }
+    }
+    for (int j = 0; j < kRowsTogether; ++j) {
+      const float bias = a.bias != nullptr ? a.bias[n + j] : 0.f;
+      for (int r = 0; r < R; ++r)
+        out[r * a.N + n + j] =
+            at::vec::vec_reduce_all<float>([](const Vec& p, const Vec& q) { return p + q; },
+                                           acc[j][r][0] + acc[j][r][1]) +
+            bias;
+    }
+  }
+  if (n < n1) few_rows<Q, R>(a, x, out, n, n1);
+}
+
+template <int64_t Q, int R = kMaxFewRows>
+void few_rows_dispatch(int rows, const Args& a, const float* x, float* out, int64_t n0, int64_t n1) {
+  if constexpr (R > 1) {
+    if (rows < R) return few_rows_dispatch<Q, R - 1>(rows, a, x, out, n0, n1);
+  }
+  if constexpr (R <= kMaxPairRows)
+    few_rows_together<Q, R>(a, x, out, n0, n1);
+  else
+    few_rows<Q, R>(a, x, out, n0, n1);
+}
+
+template <int64_t Q>
+void run_few_rows(const Args& a, int64_t M) {
+  // Rows per task: enough that a task's weights (>= 16 rows of blocks) dwarf its scheduling.
+  at::parallel_for(0, a.N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxFewRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kMaxFewRows, M - m0));
+      few_rows_dispatch<Q>(rows, a, a.x + m0 * a.ldx, a.out + m0 * a.N, n0, n1);
+    }
+  });
+}
+
+// ---- many rows: decode a tile once, multiply every x row against it ------------------------------
+
+// Most weight rows a tile holds: 64 rows of K <= 1536 are <= 384 KiB of fp32, in L2.
+constexpr int64_t kMaxTileRows = 64;
+
+float* tile_buffer(int64_t n) {
+  static thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
+}
+
+// Weight rows [n0, n0 + rows) decoded into tile [rows, K].
+template <int64_t Q>
+void decode_tile(const Args& a, int64_t n0, int64_t rows, float* tile) {
+  const int64_t nb = a.K / kBlock, bb = block_bytes(Q);
+  for (int64_t j = 0; j < rows; ++j) {
+    const uint8_t* row = a.w + (n0 + j) * a.row_bytes;
+    float* dst = tile + j * a.K;
+    for (int64_t b = 0; b < nb; ++b) {
+      Vec v[kVecsPerBlock];
+      decode<Q>(row + b * bb, v);
+      for (int64_t i = 0; i < kVecsPerBlock; ++i) v[i].store(dst + b * kBlock + i * kVS);
+    }
+  }
+}
+
+// Many rows are compute-bound: a decoded tile goes through the BLAS sgemm (single-threaded inside
+// this parallel region, as the attention's GEMM path calls it), whose micro-kernels run near the
+// FMA peak; decoding a tile costs ~1/M of its product.
+template <int64_t Q>
+void run_many_rows(const Args& a, int64_t M) {
+  // Tiles of 16-64 rows, at least four per thread where N allows, so threads end together.
+  const int64_t per_thread = a.N / (4 * at::get_num_threads());
+  const int64_t tile_rows = std::clamp<int64_t>(per_thread / 16 * 16, 16, kMaxTileRows);
+  const int64_t tiles = (a.N + tile_rows - 1) / tile_rows;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    float* tile = tile_buffer(a.K * tile_rows);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * tile_rows, rows = std::min(tile_rows, a.N - n0);
+      decode_tile<Q>(a, n0, rows, tile);
+      // Column-major: out^T[n0 : n0 + rows, :M] = tile (K x rows)^T * x^T (K x M).
+      const char ta = 'T', tb = 'N';
+      const int m = static_cast<int>(rows), n = static_cast<int>(M), k = static_cast<int>(a.K);
+      const int lda = k, ldb = static_cast<int>(a.ldx), ldc = static_cast<int>(a.N);
+      const float one = 1.f, zero = 0.f;
+      sgemm_(&ta, &tb, &m, &n, &k, &one, tile, &lda, a.x, &ldb, &zero, a.out + n0, &ldc);
+      if (a.bias != nullptr)
+        for (int64_t r = 0; r < M; ++r)
+          for (int64_t j = 0; j < rows; ++j) a.out[r * a.N + n0 + j] += a.bias[n0 + j];
+    }
+  });
+}
+
+template <int64_t Q>
+void run(const Args& a, int64_t M) {
+  if (M <= kMaxFewRows)
+    run_few_rows<Q>(a, M);
+  else
+    run_many_rows<Q>(a, M);
+}
+
+at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& blocks_in, int64_t qtype, int64_t K,
+                       const std::optional<at::Tensor>& bias_in) {
+  const int64_t bb = block_bytes(qtype);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(1) == K,
+              "radixserve_cpu::gguf_linear: x must be float32 [M, ", K, "], got ", x_in.sizes(), " ",
+              x_in.scalar_type());
+  TORCH_CHECK(K % kBlock == 0, "radixserve_cpu::gguf_linear: K (", K, ") must be a multiple of 32");
+  TORCH_CHECK(blocks_in.dim() == 2 && blocks_in.scalar_type() == at::kByte && blocks_in.size(1) == K / kBlock * bb,
+              "radixserve_cpu::gguf_linear: blocks must be uint8 [N, ", K / kBlock * bb, "], got ", blocks_in.sizes(),
+              " ", blocks_in.scalar_type());
+  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  const at::Tensor blocks = blocks_in.contiguous();
+  const int64_t M = x.size(0), N = blocks.size(0);
+  at::Tensor bias;
+  if (bias_in.has_value()) {
+    bias = bias_in->contiguous();
+    TORCH_CHECK(bias.dim() == 1 && bias.size(0) == N && bias.scalar_type() == at::kFloat,
+                "radixserve_cpu::gguf_linear: bias must be float32 [", N, "]");
+  }
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const Args a{x.data_ptr<float>(), x.stride(0), blocks.data_ptr<uint8_t>(), bb * (K / kBlock), K, N,
+               bias.defined() ? bias.data_ptr<float>() : nullptr, out.data_ptr<float>()};
+  switch (qtype) {
+    case kQ4_0: run<kQ4_0>(a, M); break;
+    case kQ4_1: run<kQ4_1>(a, M); break;
+    default: run<kQ8_0>(a, M); break;
+  }
+  return out;
+}
+
+}  // namespace
+}  // namespace radixserve_cpu
+
+TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
+  m.def("gguf_linear(Tensor x, Tensor blocks, int qtype, int K, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) { m.impl("gguf_linear", &radixserve_cpu::gguf_linear); }

@@ -1,0 +1,234 @@
+"""GGUF-native weights (``--quantization gguf``): a GGUF file's tensors, read and checked, and the
+modules that keep its quantized blocks as they are in the file.
+
+Why: on CPU a decode step is bound by reading the weights; a Q4_1 block holds 32 weights in 20 bytes,
+a seventh of their fp32 bytes. The C++ op ``radixserve_cpu::gguf_linear`` (``kernels/csrc/gguf_linear.cpp``)
+decodes each block where it multiplies it, in fp32.
+
+- Block formats (``BLOCK_BYTES``): Q4_0, Q4_1, Q8_0, 32 weights a block, a row of a weight matrix a
+  whole number of blocks. ``dequantize`` decodes them in torch exactly as ``gguf.quants.dequantize``
+  does (bit for bit); F32, F16 and BF16 tensors are plain arrays.
+- Exactness: the op's decoded weights equal ``dequantize``'s, so a GGUF model's products equal those of
+  its fp32 dequantization (which is what the default model's fp32 folder holds) up to summation order.
+- Reading (``read_gguf``): every tensor's type, shape and byte range is checked against the header and
+  the file's size before any tensor data is touched, so a bad file fails with one ``ValueError`` and
+  nothing is loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+logger = logging.getLogger("radixserve.model")
+
+QK = 32  # weights per block, every supported block type
+# GGML type ids (gguf.GGMLQuantizationType), as the C++ op takes them.
+F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
+PLAIN_DTYPES = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
+TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", BF16: "BF16"}
+SUPPORTED = ", ".join(TYPE_NAMES.values())
+
+
+def row_bytes(qtype: int, cols: int) -> int:
+    """Bytes of one row of ``cols`` weights of type ``qtype``."""
+    if qtype in BLOCK_BYTES:
+        return cols // QK * BLOCK_BYTES[qtype]
+    return cols * PLAIN_DTYPES[qtype].itemsize
+
+
+def _half(raw: torch.Tensor) -> torch.Tensor:
+    """fp16 values from their 2 bytes ``[..., 2]`` uint8, as fp32 ``[..., 1]``."""
+    return raw.contiguous().view(torch.float16).float()
+
+
+def dequantize(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """fp32 ``[N, K]`` of a quantized tensor's rows ``blocks [N, K / 32 * block bytes]`` uint8, computed
+    as ``gguf.quants.dequantize`` computes it (the same fp32 operations, so bit for bit)."""
+    rows = blocks.shape[0]
+    b = blocks.reshape(rows, -1, BLOCK_BYTES[qtype])
+    d = _half(b[..., 0:2])
+    if qtype == Q8_0:
+        return (b[..., 2:].contiguous().view(torch.int8).float() * d).reshape(rows, -1)
+    qs = b[..., 4:] if qtype == Q4_1 else b[..., 2:]
+    # Weight j of a block is byte j's low nibble, weight j + 16 its high nibble.
+    q = torch.cat((qs & 0x0F, qs >> 4), dim=-1)
+    if qtype == Q4_1:
+        return (d * q.float() + _half(b[..., 2:4])).reshape(rows, -1)
+    return (d * (q.to(torch.int8) - 8).float()).reshape(rows, -1)
+
+
+def _op_loaded() -> bool:
+    """Whether ``radixserve_cpu::gguf_linear`` can run here; warns once (cpu_build) where it cannot."""
+    from radixserve.kernels import cpu_build
+
+    loaded = cpu_build.load()
+    global _warned
+    if not loaded and not _warned:
+        _warned = True
+        logger.warning(
+            "GGUF weights: the C++ gguf_linear op is unavailable, so every product dequantizes its "
+            "weight first (correct but much slower)"
+        )
+    return loaded
+
+
+_warned = False
+
+
+def gguf_linear(
+    x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None, use_op: bool
+) -> torch.Tensor:
+    """``x [..., K] @ W.T + bias`` with ``W`` the rows ``blocks`` of type ``qtype``: through the C++ op,
+    or (``use_op`` False) the reference: dequantize, then ``F.linear``."""
+    k = x.shape[-1]
+    rows = x.reshape(-1, k)
+    if use_op:
+        out: torch.Tensor = torch.ops.radixserve_cpu.gguf_linear(rows, blocks, qtype, k, bias)
+    else:
+        out = nn.functional.linear(rows, dequantize(blocks, qtype), bias)
+    return out.reshape(*x.shape[:-1], blocks.shape[0])
+
+
+@dataclass(frozen=True)
+class Weight:
+    """A GGUF weight in torch's order: ``data`` is ``[rows, row_bytes(qtype, cols)]`` uint8 for a
+    block type, else ``[rows, cols]`` (or ``[cols]``) of the plain dtype."""
+
+    qtype: int
+    data: torch.Tensor
+    cols: int
+
+    def rows_subset(self, index: torch.Tensor) -> Weight:
+        return Weight(self.qtype, self.data.index_select(0, index), self.cols)
+
+    def dense(self) -> torch.Tensor:
+        """The weight as fp32."""
+        if self.qtype in BLOCK_BYTES:
+            return dequantize(self.data, self.qtype)
+        return self.data.float()
+
+
+class GGUFLinear(nn.Module):
+    """A Linear whose weight stays in GGUF blocks (``gguf_linear``). A fused projection (q/k/v,
+    gate/up) is its parts' rows concatenated: parts of one block type become one block matrix (rows
+    of blocks concatenate along N); parts of different types run one product each. Plain-typed
+    parts (F32, F16, BF16) are held as fp32."""
+
+    def __init__(self, parts: list[Weight], bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.in_features = parts[0].cols
+        groups: list[list[Weight]] = []
+        for part in parts:
+            if part.cols != self.in_features:
+                raise ValueError(f"fused GGUF parts disagree on their input size ({part.cols})")
+            if groups and groups[-1][0].qtype == part.qtype:
+                groups[-1].append(part)
+            else:
+                groups.append([part])
+        self.qtypes: list[int] = []
+        for i, group in enumerate(groups):
+            qtype = group[0].qtype
+            tensors = [p.data if qtype in BLOCK_BYTES else p.dense() for p in group]
+            data = tensors[0] if len(tensors) == 1 else torch.cat(tensors)  # one part: no copy
+            # Parameters (frozen), not buffers: the disk tier's model fingerprint hashes parameters.
+            self.register_parameter(f"weight{i}", nn.Parameter(data.contiguous(), requires_grad=False))
+            self.qtypes.append(qtype if qtype in BLOCK_BYTES else F32)
+        self.out_features = sum(p.data.shape[0] for p in parts)
+        self.bias = nn.Parameter(bias.float(), requires_grad=False) if bias is not None else None
+        self.use_op = _op_loaded()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for i, qtype in enumerate(self.qtypes):
+            w = getattr(self, f"weight{i}")
+            bias = self.bias if len(self.qtypes) == 1 else None
+            if qtype == F32:
+                outs.append(nn.functional.linear(x, w, bias))
+            else:
+                outs.append(gguf_linear(x, w, qtype, bias, self.use_op))
+        if len(outs) == 1:
+            return outs[0]
+        out = torch.cat(outs, dim=-1)
+        return out if self.bias is None else out + self.bias
+
+
+class GGUFEmbedding(nn.Module):
+    """An embedding kept in the file's own type: only the looked-up rows are decoded."""
+
+    def __init__(self, weight: Weight) -> None:
+        super().__init__()
+        self.qtype = weight.qtype
+        self.weight = nn.Parameter(weight.data.contiguous(), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.weight.index_select(0, ids.reshape(-1))
+        dense = dequantize(rows, self.qtype) if self.qtype in BLOCK_BYTES else rows.float()
+        return dense.reshape(*ids.shape, -1)
+
+
+@dataclass
+class GGUFFile:
+    """A checked GGUF file: its metadata (big arrays left out) and its tensors, still in the file."""
+
+    path: Path
+    reader: Any  # gguf.GGUFReader
+    meta: dict[str, Any]
+    tensors: dict[str, Any]  # name -> gguf.ReaderTensor
+
+    def weight(self, name: str) -> Weight:
+        """The tensor ``name`` copied once out of the file, in torch's dimension order."""
+        t = self.tensors[name]
+        shape = [int(d) for d in reversed(t.shape)]  # GGUF lists dimensions fastest first
+        qtype = int(t.tensor_type)
+        array = np.ascontiguousarray(t.data)
+        data = torch.from_numpy(array.copy())
+        if qtype in BLOCK_BYTES:
+            data = data.reshape(-1, row_bytes(qtype, shape[-1]))
+        else:
+            data = data.reshape(shape)
+        return Weight(qtype, data, shape[-1])
+
+
+def read_gguf(path: Path) -> GGUFFile:
+    """Open and check ``path``: a readable header, supported tensor types, and every tensor's bytes
+    inside the file. Raises ``ValueError`` naming the problem; reads no tensor data."""
+    from gguf import GGUFReader
+
+    size = path.stat().st_size
+    try:
+        reader = GGUFReader(path)
+    except Exception as exc:  # the reader raises what numpy and struct raise on bad bytes
+        raise ValueError(
+            f"{path} is not a readable GGUF file: it is truncated or corrupted ({type(exc).__name__}: {exc})"
+        ) from exc
+    tensors: dict[str, Any] = {}
+    for t in reader.tensors:
+        qtype = int(t.tensor_type)
+        if qtype not in TYPE_NAMES:
+            raise ValueError(
+                f"GGUF tensor {t.name} in {path} has type {t.tensor_type.name}, which radixserve does not "
+                f"support; supported types: {SUPPORTED}"
+            )
+        cols = int(t.shape[0])
+        count = int(np.prod([int(d) for d in t.shape]))
+        if qtype in BLOCK_BYTES and cols % QK:
+            raise ValueError(f"GGUF tensor {t.name} in {path}: {cols} columns are not whole blocks of {QK}")
+        need = count // cols * row_bytes(qtype, cols)
+        start = int(t.data_offset)
+        if int(t.n_bytes) != need or start + need > size:
+            raise ValueError(
+                f"GGUF file {path} is truncated or corrupted: tensor {t.name} ({t.tensor_type.name}, shape "
+                f"{[int(d) for d in t.shape]}) needs bytes [{start}, {start + need}) but the file has {size}"
+            )
+        tensors[t.name] = t
+    from radixserve.model.default_model import _read_metadata
+
+    return GGUFFile(path, reader, _read_metadata(reader), tensors)
