@@ -37,7 +37,7 @@ def test_explicit_knobs_win_over_the_preset() -> None:
 
 def test_a_gguf_model_keeps_its_own_weights_under_fast() -> None:
     config = EngineConfig(model="/models/x.gguf", preset="fast")
-    assert config.quantization is None and config.prefill_arithmetic == "auto"
+    assert config.quantization == "gguf" and config.prefill_arithmetic == "auto"
 
 
 @pytest.mark.parametrize("preset", [None, "exact"])
