@@ -34,7 +34,7 @@ class Tier(Protocol):
     def contains(self, key: bytes) -> bool: ...
 
 
-class CacheNode(msgspec.Struct, array_like=True):
+class CacheNode(msgspec.Struct, array_like=True, kw_only=True):
     """One node of the snapshot. ``tokens``/``pages`` are the node's own; the ``subtree_`` totals
     include every descendant, shown or not."""
 
@@ -52,12 +52,12 @@ class CacheNode(msgspec.Struct, array_like=True):
     hidden_tokens: int
 
 
-class CacheNamespace(msgspec.Struct, array_like=True):
+class CacheNamespace(msgspec.Struct, array_like=True, kw_only=True):
     namespace: str | None  # the cache salt; None: requests without one
     root: CacheNode  # holds no tokens itself
 
 
-class CacheTree(msgspec.Struct, array_like=True):
+class CacheTree(msgspec.Struct, array_like=True, kw_only=True):
     page_size: int
     namespaces: list[CacheNamespace]
 
@@ -79,7 +79,7 @@ def snapshot(
     """The namespaces in scope of ``tree`` (None: the prefix cache is off, so an empty snapshot);
     ``stores`` are the lower tiers, fastest first (none without tiers)."""
     if tree is None:
-        return CacheTree(1, [])
+        return CacheTree(page_size=1, namespaces=[])
     now = time.monotonic()
     totals: dict[int, tuple[int, int]] = {}
     out = []
@@ -88,9 +88,9 @@ def snapshot(
             continue
         _sum_subtrees(root, totals)
         view = _view(root, totals, stores, now, depth, min_tokens)
-        out.append(CacheNamespace(ns if ns is None else str(ns), view))
+        out.append(CacheNamespace(namespace=ns if ns is None else str(ns), root=view))
     out.sort(key=lambda n: -n.root.subtree_tokens)
-    return CacheTree(tree.page_size, out)
+    return CacheTree(page_size=tree.page_size, namespaces=out)
 
 
 def _sum_subtrees(root: TreeNode, totals: dict[int, tuple[int, int]]) -> None:

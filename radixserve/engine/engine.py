@@ -220,30 +220,28 @@ class Engine:
 
     def stats(self) -> EngineStats:
         kv = self.kv_cache
+        spec = self.drafter.stats if self.drafter is not None else None
         return EngineStats(
-            len(self.scheduler.waiting),
-            len(self.scheduler.running),
-            kv.num_pages,
-            kv.num_free,
-            kv.num_cached,
-            kv.num_in_use,
-            kv.num_evictable,
-            kv.query_tokens,
-            kv.hit_tokens,
-            kv.evicted_pages,
-            self.scheduler.num_preemptions,
-            self.num_steps,
-            self.prompt_tokens,
-            self.generation_tokens,
-            kv.tier_stats(),
-            *self._spec_stats(),
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            num_pages=kv.num_pages,
+            free_pages=kv.num_free,
+            cached_pages=kv.num_cached,
+            in_use_pages=kv.num_in_use,
+            evictable_pages=kv.num_evictable,
+            prefix_query_tokens=kv.query_tokens,
+            prefix_hit_tokens=kv.hit_tokens,
+            evicted_pages=kv.evicted_pages,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self.num_steps,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            tiers=kv.tier_stats(),
+            spec_drafted=dict(spec.drafted) if spec else {},
+            spec_accepted=dict(spec.accepted) if spec else {},
+            spec_verify_steps=spec.verify_steps if spec else 0,
+            spec_emitted=spec.emitted if spec else 0,
         )
-
-    def _spec_stats(self) -> tuple[dict[str, int], dict[str, int], int, int]:
-        if self.drafter is None:
-            return {}, {}, 0, 0
-        s = self.drafter.stats
-        return dict(s.drafted), dict(s.accepted), s.verify_steps, s.emitted
 
     def check_integrity(self) -> None:
         self.kv_cache.check_integrity(self.scheduler.running)
@@ -349,17 +347,17 @@ class Engine:
                 stop = GRAMMAR_COMPLETE
             finish, stop_reason, hidden = stop if stop is not None else (None, None, False)
             out = StepOutput(
-                r.group_id,
-                r.index,
-                appended,
-                None,
-                None if pick.logprobs[0] is None else pick.logprobs[: len(appended)],  # type: ignore[arg-type]
-                finish,
-                stop_reason,
-                r.num_cached_tokens,
-                now,
-                r.prompt_logprobs if first else None,
-                hidden,
+                group_id=r.group_id,
+                index=r.index,
+                token_ids=appended,
+                text=None,
+                logprobs=None if pick.logprobs[0] is None else pick.logprobs[: len(appended)],  # type: ignore[arg-type]
+                finish_reason=finish,
+                stop_reason=stop_reason,
+                cached_tokens=r.num_cached_tokens,
+                time=now,
+                prompt_logprobs=r.prompt_logprobs if first else None,
+                hides_last_token=hidden,
             )
             if r.text is not None:
                 out = add_text(r.text, out)
@@ -470,15 +468,15 @@ class Engine:
                         text = None if req.text is None else ""
                         outputs.append(
                             StepOutput(
-                                req.group_id,
-                                req.index,
-                                [],
-                                text,
-                                None,
-                                "abort",
-                                None,
-                                req.num_cached_tokens,
-                                now,
+                                group_id=req.group_id,
+                                index=req.index,
+                                token_ids=[],
+                                text=text,
+                                logprobs=None,
+                                finish_reason="abort",
+                                stop_reason=None,
+                                cached_tokens=req.num_cached_tokens,
+                                time=now,
                             )
                         )
                         self._finish(req, "abort")

@@ -147,7 +147,7 @@ class AsyncEngine:
         while self._requests and self._client is not None and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         for rid in list(self._requests):
-            self._send(Abort(rid))
+            self._send(Abort(request_id=rid))
         deadline = time.monotonic() + 5.0  # aborted streams end at the engine's next step
         while self._requests and self._client is not None and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
@@ -238,7 +238,15 @@ class AsyncEngine:
         self._requests[rid] = req
         self._unscheduled.add(rid)
         try:
-            sent = self._send(AddRequest(rid, token_ids, params, cache_salt, priority))
+            sent = self._send(
+                AddRequest(
+                    request_id=rid,
+                    prompt_token_ids=token_ids,
+                    params=params,
+                    cache_salt=cache_salt,
+                    priority=priority,
+                )
+            )
         except OverflowError:  # msgpack carries 64-bit integers; no sensible request holds larger ones
             self._forget(rid)
             raise InvalidRequestError("an integer in the request is out of the 64-bit range") from None
@@ -258,7 +266,7 @@ class AsyncEngine:
                     yield assembler.add(step)
         finally:
             if not assembler.finished and not req.rejected:
-                self._send(Abort(rid))
+                self._send(Abort(request_id=rid))
             self._forget(rid)
             if not req.rejected:
                 self._report(rid, req, assembler.result)
@@ -273,7 +281,11 @@ class AsyncEngine:
 
     async def cache_tree(self, namespace_prefix: str | None, depth: int, min_tokens: int) -> CacheTree:
         """A snapshot of the prefix cache, taken in the engine process (Engine.cache_tree)."""
-        tree = await self._call(lambda call_id: TreeQuery(call_id, namespace_prefix, depth, min_tokens))
+        tree = await self._call(
+            lambda call_id: TreeQuery(
+                call_id=call_id, namespace_prefix=namespace_prefix, depth=depth, min_tokens=min_tokens
+            )
+        )
         assert isinstance(tree, CacheTree)
         return tree
 
@@ -296,7 +308,7 @@ class AsyncEngine:
         if client is not None:
             client.close()
         if self.on_kv_events is not None:  # its cache went with it
-            self.on_kv_events(KVEvents(b"", 0, [KVEvent("cleared", [])]))
+            self.on_kv_events(KVEvents(seed=b"", page_size=0, events=[KVEvent(kind="cleared", keys=[])]))
         if not self._accepting:
             return
         how = f"{'exited' if code == 0 else 'died'} ({describe_exit(code)})"  # 0: it drained after a signal
@@ -343,7 +355,7 @@ class AsyncEngine:
         call_id = next(self._call_ids)
         future: asyncio.Future[bool | CacheTree | None] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
-        msg = Call(call_id, method) if isinstance(method, str) else method(call_id)
+        msg = Call(call_id=call_id, method=method) if isinstance(method, str) else method(call_id)
         if not self._send(msg):
             del self._calls[call_id]
             raise EngineUnavailableError("the engine process is not available")
@@ -388,7 +400,7 @@ class AsyncEngine:
             if step.finish_reason is not None:
                 req.ended.add(out.index)
                 if out.finish_reason is None:  # a stop string ended it; the engine would go on
-                    self._send(Abort(out.group_id, out.index))
+                    self._send(Abort(request_id=out.group_id, index=out.index))
             batches.setdefault(out.group_id, []).append(step)
         for rid, steps in batches.items():
             self._requests[rid].queue.put_nowait(steps)
@@ -413,15 +425,15 @@ class AsyncEngine:
         times = req.token_times
         first = result.outputs[0]
         record = RequestRecord(
-            rid,
-            len(result.prompt_token_ids),
-            result.cached_tokens,
-            sum(len(o.token_ids) for o in result.outputs),
-            first.finish_reason or "abort",
-            req.arrival_time,
-            req.scheduled_time,
-            result.first_token_time,
-            result.finish_time or time.monotonic(),
-            [b - a for a, b in itertools.pairwise(times)],
+            request_id=rid,
+            prompt_tokens=len(result.prompt_token_ids),
+            cached_tokens=result.cached_tokens,
+            output_tokens=sum(len(o.token_ids) for o in result.outputs),
+            finish_reason=first.finish_reason or "abort",
+            arrival_time=req.arrival_time,
+            scheduled_time=req.scheduled_time,
+            first_token_time=result.first_token_time,
+            finish_time=result.finish_time or time.monotonic(),
+            token_gaps=[b - a for a, b in itertools.pairwise(times)],
         )
         self.on_finish(record)

@@ -97,15 +97,15 @@ class EngineLoop:
         cfg = engine.config
         self._send(
             Ready(
-                os.getpid(),
-                str(engine.model_path),
-                engine.max_model_len,
-                engine.model.config.vocab_size,
-                engine.eos_token_ids,
-                cfg.page_size,
-                engine.kv_cache.num_pages,
-                engine.max_batched_tokens,
-                engine.stats(),
+                pid=os.getpid(),
+                model_path=str(engine.model_path),
+                max_model_len=engine.max_model_len,
+                vocab_size=engine.model.config.vocab_size,
+                eos_token_ids=engine.eos_token_ids,
+                page_size=cfg.page_size,
+                num_pages=engine.kv_cache.num_pages,
+                max_batched_tokens=engine.max_batched_tokens,
+                stats=engine.stats(),
             )
         )
         progressed = True
@@ -127,7 +127,13 @@ class EngineLoop:
         progressed = bool(outputs) or engine.num_steps != steps
         events = None if self.kv_log is None else self.kv_log.drain()
         if progressed or engine.newly_scheduled or events is not None:
-            msg = StepOutputs(time.monotonic(), outputs, engine.newly_scheduled, engine.stats(), events)
+            msg = StepOutputs(
+                time=time.monotonic(),
+                outputs=outputs,
+                scheduled=engine.newly_scheduled,
+                stats=engine.stats(),
+                kv_events=events,
+            )
             self._send(msg)
         return progressed
 
@@ -164,20 +170,28 @@ class EngineLoop:
             error = f"{type(exc).__name__}: {exc}"
         events = None if self.kv_log is None else self.kv_log.drain()
         if events is not None:  # e.g. flush_cache's: sent first, so the caller sees them with its result
-            self._send(StepOutputs(time.monotonic(), [], [], self.engine.stats(), events))
-        self._send(CallResult(call_id, value, error, self.engine.stats()))
+            self._send(
+                StepOutputs(
+                    time=time.monotonic(),
+                    outputs=[],
+                    scheduled=[],
+                    stats=self.engine.stats(),
+                    kv_events=events,
+                )
+            )
+        self._send(CallResult(call_id=call_id, value=value, error=error, stats=self.engine.stats()))
 
     def _add(self, msg: AddRequest) -> None:
         rid = msg.request_id
         if self.stop.is_set():
-            self._send(RequestError(rid, "the engine is shutting down", unavailable=True))
+            self._send(RequestError(request_id=rid, message="the engine is shutting down", unavailable=True))
             return
         try:
             self.engine.add_request(msg.prompt_token_ids, msg.params, rid, msg.cache_salt, msg.priority)
         except InvalidRequestError as exc:
-            self._send(RequestError(rid, str(exc), exc.param, exc.code))
+            self._send(RequestError(request_id=rid, message=str(exc), param=exc.param, code=exc.code))
         except ValueError as exc:  # any other refusal is still the request's fault, not the engine's
-            self._send(RequestError(rid, str(exc)))
+            self._send(RequestError(request_id=rid, message=str(exc)))
 
     def _send(self, msg: FromEngine) -> None:
         self.outbox.send(self._encoder.encode(msg))
@@ -242,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
                 engine = Engine(**dataclasses.asdict(dataclasses.replace(config, detokenize=False)))
             except ValueError as exc:  # a configuration that cannot work: say why instead of a traceback
                 logger.error("cannot start the engine: %s", exc)
-                outbox.send(msgspec.msgpack.encode(StartFailed(str(exc))))
+                outbox.send(msgspec.msgpack.encode(StartFailed(message=str(exc))))
                 refused.append(str(exc))
                 return
             built.append(engine)
