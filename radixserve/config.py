@@ -70,7 +70,7 @@ class EngineConfig:
     kv_events: bool = knob(False, "publish the prefix cache's page inserts and evictions (KV events)")
     debug_checks: bool = knob(False, "check every cache invariant whenever the engine goes idle (slow)")
     # False: outputs carry token ids only (text None) and stop strings are left to the caller, who
-    # detokenizes; the server's engine process runs so, its front-end makes the text.
+    # detokenizes. The server's engine process always runs with True: it owns text and stop strings.
     detokenize: bool = knob(True, "make the outputs' text", cli=False)
     # Tiers beneath the device pool (docs/cache.md); 0 GB means no such tier.
     host_cache_gb: float = knob(0.0, "host-RAM KV tier beneath the device pool (0: off)", ge=0)

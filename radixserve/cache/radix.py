@@ -18,7 +18,7 @@ Only unlocked leaves are evicted, so whatever a locked node's path covers stays 
 ``last_access`` is a counter, not wall time, so eviction order is deterministic; ``last_used`` is the
 wall time of the same events, only for people to read (the dashboard), never for a decision.
 
-With ``lower`` tiers (host RAM, disk; see ``cache/tiers.py``) every node also carries the chain key of
+With lower ``tiers`` (host RAM, disk; see ``cache/tiers.py``) every node also carries the chain key of
 each of its pages (``hashes[i]`` is ``page_key`` of the key before it), so ``hashes`` always has one
 entry per page and the chain runs unbroken from the namespace's seed. ``backed_up`` records that the
 node's pages have a copy in the lower tiers; ``evict`` reports the pages it frees without one, with
@@ -143,7 +143,7 @@ class RadixCache:
         page_size: int,
         eviction_policy: str = "lru",
         on_free: Callable[[list[int]], None] | None = None,
-        lower: LowerTiers | None = None,
+        tiers: LowerTiers | None = None,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -152,7 +152,7 @@ class RadixCache:
         self.page_size = page_size
         self.eviction_policy = eviction_policy
         self.on_free = on_free
-        self.lower = lower
+        self.tiers = tiers
         self._clock = 0
         # Counts inserts that added tokens: a lookup that found nothing finds nothing more until it moves
         # (``continuation``'s callers skip the walk meanwhile).
@@ -161,7 +161,7 @@ class RadixCache:
         self._protected = 0
         self._roots: dict[Hashable, TreeNode] = {}
         self.listener: CacheListener | None = None
-        self._seed: bytes | None = lower.seed if lower is not None else None  # set: nodes carry keys
+        self._seed: bytes | None = tiers.seed if tiers is not None else None  # set: nodes carry keys
 
     def listen(self, listener: CacheListener, seed: bytes) -> bytes:
         """Report page insertions and removals to ``listener`` from now on; returns the chain's seed
@@ -345,7 +345,7 @@ class RadixCache:
         while heap and len(freed) < num_pages:
             _, _, leaf = heapq.heappop(heap)
             need = num_pages - len(freed)
-            if not leaf.backed_up and self.lower is not None:
+            if not leaf.backed_up and self.tiers is not None:
                 unbacked[0].extend(leaf.pages[-need:])
                 unbacked[1].extend(leaf.hashes[-need:])
             if self.listener is not None:
@@ -493,7 +493,7 @@ class RadixCache:
 
     def _lower_match(self, key: bytes, tokens: Sequence[int], start: int) -> tuple[list[bytes], list[int]]:
         """Keys and tiers of the pages of ``tokens`` from ``start`` on that the lower tiers hold, in a row."""
-        if self.lower is None:
+        if self.tiers is None:
             return [], []
         keys: list[bytes] = []
 
@@ -502,8 +502,8 @@ class RadixCache:
                 keys.append(k)
                 yield k
 
-        tiers = self.lower.lookup(chain())
-        return keys[: len(tiers)], tiers
+        found = self.tiers.lookup(chain())
+        return keys[: len(found)], found
 
     def _split(self, node: TreeNode, n: int) -> TreeNode:
         """Cut ``node`` after ``n`` tokens; the new upper node is returned, ``node`` keeps the tail.

@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 
+from radixserve.cache.kv_manager import KVCacheManager
 from radixserve.cache.page_pool import KVPool
 from radixserve.cache.tier_controller import make_tiers
 from radixserve.cache.tree_view import CacheTree, snapshot
 from radixserve.config import EngineConfig, context_within_pool
 from radixserve.engine.deltas import OutputAssembler, StepOutput, add_text
 from radixserve.engine.drafter import Drafter
-from radixserve.engine.kv_manager import KVCacheManager
 from radixserve.engine.next_tokens import pick_tokens
 from radixserve.engine.policy import PRIORITY_NAMES
 from radixserve.engine.prompt import Prompt, apply_chat_template, tokenize
@@ -89,12 +89,16 @@ class Engine:
                 write_policy=cfg.write_policy,
                 write_through_threshold=cfg.write_through_threshold,
             )
-        self.kv_cache = KVCacheManager(
+        self.kv_manager = KVCacheManager(
             num_pages, cfg.page_size, cfg.prefix_cache, cfg.eviction_policy, tiers, page_bytes
         )
         self.max_batched_tokens = cfg.max_batched_tokens or (8192 if self.device.type == "cuda" else 512)
         self.scheduler = Scheduler(
-            self.kv_cache, cfg.max_running_requests, self.max_batched_tokens, cfg.schedule_policy, cfg.aging_s
+            self.kv_manager,
+            cfg.max_running_requests,
+            self.max_batched_tokens,
+            cfg.schedule_policy,
+            cfg.aging_s,
         )
         capture = not cfg.enforce_eager and getattr(backend, "CAPTURABLE", False)
         self.runner = ModelRunner(self.model, self.pool, backend, self.device, capture)
@@ -102,7 +106,7 @@ class Engine:
         self.sampler = Sampler()
         self.drafter = None
         if cfg.speculative == "ngram":
-            self.drafter = Drafter(cfg.num_speculative_tokens, self.kv_cache.tree)
+            self.drafter = Drafter(cfg.num_speculative_tokens, self.kv_manager.tree)
         self._grammar: GrammarCompiler | None = None  # built on the first constrained request
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._groups: dict[str, list[Request]] = {}
@@ -219,7 +223,7 @@ class Engine:
         return self.generate([self.apply_chat_template(m) for m in conversations], sampling_params)
 
     def stats(self) -> EngineStats:
-        kv = self.kv_cache
+        kv = self.kv_manager
         spec = self.drafter.stats if self.drafter is not None else None
         return EngineStats(
             num_waiting=len(self.scheduler.waiting),
@@ -244,23 +248,23 @@ class Engine:
         )
 
     def check_integrity(self) -> None:
-        self.kv_cache.check_integrity(self.scheduler.running)
+        self.kv_manager.check_integrity(self.scheduler.running)
 
     def flush_cache(self) -> bool:
-        return self.kv_cache.flush()
+        return self.kv_manager.flush()
 
     def cache_tree(
         self, namespace_prefix: str | None = None, depth: int = 8, min_tokens: int = 0
     ) -> CacheTree:
         """A read-only snapshot of the prefix cache (cache/tree_view.py): the namespaces whose salt is
         ``namespace_prefix`` or starts with it and a "/" (None: all), ``depth`` levels deep."""
-        kv = self.kv_cache
+        kv = self.kv_manager
         stores = kv.tiers.stores if kv.tiers is not None else []
         return snapshot(kv.tree, stores, namespace_prefix, depth, min_tokens)
 
     def close(self) -> None:
         """Finish queued writes to the disk tier and stop the copy threads (the engine is done)."""
-        self.kv_cache.close()
+        self.kv_manager.close()
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
@@ -289,7 +293,7 @@ class Engine:
                 r.token_ids + r.draft_token_ids if r.draft_token_ids else r.token_ids,
                 r.num_computed_tokens,
                 n,
-                r.page_table,
+                r.pages.table,
                 self._wants_prompt_logprobs(r) or bool(r.draft_token_ids),  # drafts: a row per position
             )
             for r, n in zip(batch.requests, batch.num_new_tokens)
@@ -315,7 +319,7 @@ class Engine:
             r.num_computed_tokens += n
             self.prompt_tokens += n if r.num_computed_tokens <= r.num_prompt_tokens else 0
             if n > 1:  # a finished prefill chunk is shared at once with requests that arrive meanwhile
-                self.kv_cache.cache_computed(r)
+                self.kv_manager.cache_computed(r)
         if not rows:
             return []
         reqs = [batch.requests[i] for i in rows]
@@ -354,7 +358,7 @@ class Engine:
                 logprobs=None if pick.logprobs[0] is None else pick.logprobs[: len(appended)],  # type: ignore[arg-type]
                 finish_reason=finish,
                 stop_reason=stop_reason,
-                cached_tokens=r.num_cached_tokens,
+                cached_tokens=r.pages.num_cached_tokens,
                 time=now,
                 prompt_logprobs=r.prompt_logprobs if first else None,
                 hides_last_token=hidden,
@@ -380,7 +384,7 @@ class Engine:
         req.num_computed_tokens = min(req.num_computed_tokens + valid, req.num_tokens)
         self.drafter.record(req, num_verified - 1)
         req.draft_token_ids = []
-        self.kv_cache.shrink(req)
+        self.kv_manager.shrink(req)
 
     def _append_tokens(self, req: Request, tokens: list[int]) -> tuple[list[int], TokenStop | None]:
         """Append tokens up to the first that ends the sample on token-level checks."""
@@ -446,9 +450,9 @@ class Engine:
                 "context_length_exceeded",
             )
         pages = -(-total // self.config.page_size)
-        if pages > self.kv_cache.num_pages:
+        if pages > self.kv_manager.num_pages:
             raise InvalidRequestError(
-                f"the request needs {pages} KV pages but the pool has only {self.kv_cache.num_pages}"
+                f"the request needs {pages} KV pages but the pool has only {self.kv_manager.num_pages}"
             )
 
     def _drain_inbox(self) -> list[StepOutput]:
@@ -475,7 +479,7 @@ class Engine:
                                 logprobs=None,
                                 finish_reason="abort",
                                 stop_reason=None,
-                                cached_tokens=req.num_cached_tokens,
+                                cached_tokens=req.pages.num_cached_tokens,
                                 time=now,
                             )
                         )

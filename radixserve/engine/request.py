@@ -9,8 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from radixserve.cache.radix import TreeNode
-from radixserve.cache.tier_controller import Load
+from radixserve.cache.kv_manager import RequestPages
 from radixserve.engine.drafter import DraftState
 from radixserve.outputs import TokenLogprob
 from radixserve.sampling.detokenizer import TextStream
@@ -29,8 +28,8 @@ class Request:
     """One sample of one prompt. ``n > 1`` becomes n Requests sharing a ``group_id``.
 
     ``token_ids`` is the prompt followed by the generated tokens. The KV of the first
-    ``num_computed_tokens`` of them is in the pages of ``page_table``, of which the first
-    ``num_cached_tokens`` came from the prefix cache at admission.
+    ``num_computed_tokens`` of them is in the pages of ``pages.table``, of which the first
+    ``pages.num_cached_tokens`` came from the prefix cache at admission.
     """
 
     request_id: str
@@ -43,14 +42,11 @@ class Request:
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     status: Status = Status.WAITING
-    page_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
-    cache_node: TreeNode | None = None  # the locked radix node covering the shared prefix, if any
-    kv_load: Load | None = None  # while waiting: its prefix coming back from host/disk (``prefetch``)
+    pages: RequestPages = field(default_factory=RequestPages)  # written by the KVCacheManager alone
     text: TextStream | None = None  # detokenizes and checks stop strings, where the engine makes the text
     # A constrained request's matcher compiles on a worker thread: ``grammar_compile`` is pending until
     # the request is first sampled, then ``matcher`` holds the result (``Engine._matcher``).

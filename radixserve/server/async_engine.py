@@ -1,19 +1,19 @@
 """AsyncEngine: the server's front-end half. It owns an engine process and serves it to asyncio code.
 
-The front-end tokenizes prompts, sends token ids to the engine process (server/engine_process.py),
-and turns the token ids that come back into text, one ``TextStream`` per sample, where stop strings
-are checked too (``add_text``, the code the offline Engine uses). ``generate`` streams one request's
-deltas.
+The front-end tokenizes prompts and sends token ids to the engine process (server/engine_process.py).
+The engine process owns the text: it detokenizes and checks stop strings where it samples (as the
+offline Engine does, in ``Engine._postprocess``), so a stop string ends its sample in the step that
+completes it, and the outputs that come back carry their text deltas. ``generate`` streams one
+request's deltas.
 
 Invariants:
 - Everything here runs on the event loop; the engine process alone runs model code, so the loop
   never waits on compute. One task receives the process's messages (EngineClient).
 - Each submitted request has one entry in ``_requests``, registered before its AddRequest is sent
-  and removed when its consumer stops; outputs for a request without an entry are dropped, as are
-  outputs for a sample that has already ended here.
+  and removed when its consumer stops; outputs for a request without an entry are dropped.
 - A consumer that stops before its request finished (client disconnect, cancellation, aclose)
-  aborts the request; a sample that a stop string ended is aborted alone. Either way the engine
-  frees its pages at its next step.
+  aborts the request; the engine frees its pages at its next step. Nothing else is aborted: the
+  engine ends a sample itself on a stop string, so no token past one is generated.
 - When the engine process dies, every open request fails at once (EngineFailedError where the
   engine raised, i.e. exit code 1; EngineUnavailableError where it was killed), new requests get
   EngineUnavailableError, and a new process is started; ``healthy`` is True again when it is ready.
@@ -33,13 +33,12 @@ from dataclasses import dataclass, field
 from radixserve.cache.events import KVEvent, KVEvents
 from radixserve.cache.tree_view import CacheTree
 from radixserve.config import EngineConfig
-from radixserve.engine.deltas import OutputAssembler, StepOutput, add_text
+from radixserve.engine.deltas import OutputAssembler, StepOutput
 from radixserve.engine.prompt import Prompt, apply_chat_template, tokenize
 from radixserve.engine.stats import EngineStats
 from radixserve.errors import InvalidRequestError
 from radixserve.model.loader import load_tokenizer, resolve_model_path
 from radixserve.outputs import RequestOutput
-from radixserve.sampling.detokenizer import TextStream
 from radixserve.sampling.params import SamplingParams
 from radixserve.server.engine_api import (
     EngineFailedError,
@@ -72,14 +71,10 @@ STABLE_S = 60.0  # an engine process that served this long resets the restart ba
 
 @dataclass
 class _Request:
-    params: SamplingParams
-    prompt_token_ids: list[int]
     queue: asyncio.Queue[list[StepOutput] | BaseException]
     arrival_time: float
     scheduled_time: float | None = None
     token_times: list[float] = field(default_factory=list)
-    texts: dict[int, TextStream] = field(default_factory=dict)  # per sample, from its first output
-    ended: set[int] = field(default_factory=set)  # samples whose last output has been queued
     rejected: bool = False  # the engine refused it: nothing to abort, nothing to report
 
 
@@ -107,7 +102,7 @@ class AsyncEngine:
             tokenizer.chat_template = chat_template
         self.model = ModelInfo(path, tokenizer)
         self._tokenizer = tokenizer
-        self._config = dataclasses.replace(config, model=str(path), detokenize=False)
+        self._config = dataclasses.replace(config, model=str(path), detokenize=True)
         self.max_waiting_requests = max_waiting_requests or config.max_waiting_requests
         self.on_finish = on_finish
         # With the kv_events knob: each batch of the engine's KV events (cache/events.py), in order.
@@ -234,7 +229,7 @@ class AsyncEngine:
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
         token_ids = self.tokenize(prompt)
-        req = _Request(params, token_ids, asyncio.Queue(), time.monotonic())
+        req = _Request(asyncio.Queue(), time.monotonic())
         self._requests[rid] = req
         self._unscheduled.add(rid)
         try:
@@ -389,19 +384,9 @@ class AsyncEngine:
             if req is not None and req.scheduled_time is None:
                 req.scheduled_time = msg.time
         batches: dict[str, list[StepOutput]] = {}
-        for out in msg.outputs:
-            req = self._requests.get(out.group_id)
-            if req is None or out.index in req.ended:
-                continue
-            text = req.texts.get(out.index)
-            if text is None:
-                text = req.texts[out.index] = TextStream(self._tokenizer, req.params, req.prompt_token_ids)
-            step = add_text(text, out)
-            if step.finish_reason is not None:
-                req.ended.add(out.index)
-                if out.finish_reason is None:  # a stop string ended it; the engine would go on
-                    self._send(Abort(request_id=out.group_id, index=out.index))
-            batches.setdefault(out.group_id, []).append(step)
+        for out in msg.outputs:  # with their text: the engine process made it (and checked stop strings)
+            if out.group_id in self._requests:
+                batches.setdefault(out.group_id, []).append(out)
         for rid, steps in batches.items():
             self._requests[rid].queue.put_nowait(steps)
 

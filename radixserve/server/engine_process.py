@@ -14,7 +14,8 @@ Invariants:
   pins it). The front-end runs no model code.
 - The loop blocks on the socket only while the engine has nothing unfinished. Between two steps it
   takes every message that has arrived, so aborts and new requests wait at most one step.
-- The engine runs with ``detokenize=False``: its outputs carry token ids, never text.
+- The engine runs with ``detokenize=True``: it owns the text and the stop strings (a stop string ends
+  its sample in the step that completes it), and its outputs carry token ids and their text deltas.
 - A configuration that cannot work (the Engine raises ValueError, e.g. a KV pool smaller than one
   ``max_model_len`` request) is answered with ``StartFailed``, naming the flags to change, instead of
   ``Ready``; the process then exits 2 and the front-end does not restart it.
@@ -81,7 +82,7 @@ class EngineLoop:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(ToEngine)
         self.kv_log: KVEventLog | None = None
-        tree = engine.kv_cache.tree
+        tree = engine.kv_manager.tree
         if engine.config.kv_events and tree is not None:
             # Without lower tiers the seed only has to agree between replicas of one model.
             log = KVEventLog(b"", engine.config.page_size)
@@ -103,7 +104,7 @@ class EngineLoop:
                 vocab_size=engine.model.config.vocab_size,
                 eos_token_ids=engine.eos_token_ids,
                 page_size=cfg.page_size,
-                num_pages=engine.kv_cache.num_pages,
+                num_pages=engine.kv_manager.num_pages,
                 max_batched_tokens=engine.max_batched_tokens,
                 stats=engine.stats(),
             )
@@ -151,7 +152,7 @@ class EngineLoop:
         if isinstance(msg, AddRequest):
             self._add(msg)
         elif isinstance(msg, Abort):
-            self.engine.abort(msg.request_id, msg.index)
+            self.engine.abort(msg.request_id)
         elif isinstance(msg, Call):
             self._answer(msg.call_id, self._calls[msg.method])
         elif isinstance(msg, TreeQuery):
@@ -253,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
             # one that ever runs model code (module docstring).
             torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
             try:
-                engine = Engine(**dataclasses.asdict(dataclasses.replace(config, detokenize=False)))
+                engine = Engine(**dataclasses.asdict(dataclasses.replace(config, detokenize=True)))
             except ValueError as exc:  # a configuration that cannot work: say why instead of a traceback
                 logger.error("cannot start the engine: %s", exc)
                 outbox.send(msgspec.msgpack.encode(StartFailed(message=str(exc))))
@@ -265,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
                 os.getpid(),
                 engine.model_path,
                 torch.get_num_threads(),
-                engine.kv_cache.num_pages,
+                engine.kv_manager.num_pages,
             )
             EngineLoop(engine, inbox, outbox, stop).run()
         except BaseException as exc:

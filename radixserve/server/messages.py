@@ -7,7 +7,8 @@ that did something),
 ``RequestError`` and ``CallResult``. A message is one frame; the tag (the class name) says its type.
 
 Invariants:
-- Per-step traffic carries token ids, never text: the front-end tokenizes and detokenizes. Every
+- The front-end tokenizes; the engine process detokenizes and checks stop strings, so per-step
+  traffic carries token ids and their text deltas, and no message goes back for a stop string. Every
   struct on the wire but the request's ``SamplingParams`` is array-like: no field names travel. Each
   is keyword-only, so code names every field it sets (``tests/test_wire_structs.py``).
 - ZMQ keeps the order of one socket: an ``Abort`` sent after an ``AddRequest`` reaches the engine after
@@ -42,10 +43,9 @@ class AddRequest(_Message, kw_only=True):
 
 
 class Abort(_Message, kw_only=True):
-    """Stop a request: all its samples, or only sample ``index`` (one a stop string ended)."""
+    """Stop a request (all its samples): its client went away, or the server shuts down."""
 
     request_id: str
-    index: int | None = None
 
 
 class Call(_Message, kw_only=True):

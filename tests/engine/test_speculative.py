@@ -137,7 +137,7 @@ def test_rollback_frees_rejected_slots_and_churn_with_aborts_keeps_the_pool_whol
         rejected_steps += drafted > accepted
         # After every step, no running request holds a page past what its tokens need.
         for r in engine.scheduler.running:
-            assert len(r.page_table) <= -(-r.num_tokens // 4), "a rejected draft's page was kept"
+            assert len(r.pages.table) <= -(-r.num_tokens // 4), "a rejected draft's page was kept"
             assert not r.draft_token_ids
         assert after.free_pages + after.cached_pages + after.in_use_pages == after.num_pages
         engine.check_integrity()
