@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from radixserve.cache.page_pool import PageAllocator
-from radixserve.cache.radix import RadixCache, TreeNode
+from radixserve.cache.radix import RadixCache
+from radixserve.cache.radix_node import TreeNode
 from radixserve.cache.tier_controller import Load, TierController
 
 

@@ -30,7 +30,8 @@ from types import ModuleType
 import torch
 
 from radixserve.cache.page_pool import KVPool
-from radixserve.cache.radix import EvictResult, MatchResult, RadixCache, TreeNode
+from radixserve.cache.radix import RadixCache
+from radixserve.cache.radix_node import EvictResult, MatchResult, TreeNode
 from radixserve.cache.tiers import DiskStore, HostStore, KVStore, model_fingerprint
 
 logger = logging.getLogger(__name__)

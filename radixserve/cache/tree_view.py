@@ -18,7 +18,8 @@ from typing import Protocol
 
 import msgspec
 
-from radixserve.cache.radix import RadixCache, TreeNode
+from radixserve.cache.radix import RadixCache
+from radixserve.cache.radix_node import TreeNode
 
 MAX_CHILDREN = 16  # children shown per node; the rest are summed into hidden_children/hidden_tokens
 HEAD_TOKENS = 24  # tokens of a node's own key sent to show the start of its text

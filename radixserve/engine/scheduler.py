@@ -63,8 +63,8 @@ class Scheduler:
         queue = list(self.running)
         while queue and budget > 0:
             req = queue.pop(0)
-            n = min(req.num_pending_tokens + len(req.draft_token_ids), budget)
-            del req.draft_token_ids[max(0, n - req.num_pending_tokens) :]  # the drafts the budget allows
+            # Its drafts count against the budget; the Speculator keeps those it allowed (after_schedule).
+            n = min(req.num_pending_tokens + len(req.drafts), budget)
             while not self.kv_manager.grow(req, req.num_computed_tokens + n):
                 victim = queue.pop() if queue else req
                 self._preempt(victim)
@@ -139,7 +139,6 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        req.draft_token_ids = []
         self.kv_manager.release(req)
         req.num_preemptions += 1
         self.num_preemptions += 1

@@ -18,7 +18,8 @@ import torch
 from tiny_models import make_tiny_model
 
 from radixserve import Engine, SamplingParams
-from radixserve.cache.radix import EvictResult, RadixCache
+from radixserve.cache.radix import RadixCache
+from radixserve.cache.radix_node import EvictResult
 from radixserve.cache.tiers import DiskStore, HostStore, namespace_key, page_key
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

@@ -8,7 +8,7 @@ import time
 from concurrent.futures import Future
 
 from radixserve.cache.kv_manager import KVCacheManager
-from radixserve.engine.request import Request, Status
+from radixserve.engine.request import Constraint, Request, Status
 from radixserve.engine.scheduler import MIN_SHARED_TOKENS, ScheduledBatch, Scheduler
 from radixserve.sampling.grammar import Matcher
 from radixserve.sampling.params import SamplingParams
@@ -112,11 +112,12 @@ def test_pages_running_short_preempt_the_least_urgent_newest_request() -> None:
 def test_a_request_whose_grammar_still_compiles_waits_and_others_go_ahead() -> None:
     s = _scheduler()
     constrained = _req("constrained", list(range(3)))
-    constrained.grammar_compile = Future[Matcher]()
+    compiling = Future[Matcher]()
+    constrained.grammar = Constraint(compiling)
     s.add(constrained)
     s.add(_req("plain", list(range(10, 13))))
     assert list(_sizes(_step(s))) == ["plain"]
-    constrained.grammar_compile.set_result(None)  # type: ignore[arg-type]  # compiled (the matcher is unused here)
+    compiling.set_result(None)  # type: ignore[arg-type]  # compiled (the matcher is unused here)
     assert "constrained" in _sizes(_step(s))
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from radixserve import Engine, SamplingParams
-from radixserve.engine.drafter import NgramIndex
+from radixserve.engine.speculator import NgramIndex
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -138,7 +138,7 @@ def test_rollback_frees_rejected_slots_and_churn_with_aborts_keeps_the_pool_whol
         # After every step, no running request holds a page past what its tokens need.
         for r in engine.scheduler.running:
             assert len(r.pages.table) <= -(-r.num_tokens // 4), "a rejected draft's page was kept"
-            assert not r.draft_token_ids
+            assert not r.drafts
         assert after.free_pages + after.cached_pages + after.in_use_pages == after.num_pages
         engine.check_integrity()
     assert rejected_steps > 10  # the churn did roll back, many times
