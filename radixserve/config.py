@@ -57,7 +57,7 @@ class EngineConfig:
     aging_s: float = knob(30.0, "seconds of waiting worth one priority level", gt=0)
     # May change outputs: the forced tokens are appended without the model seeing each one first.
     jump_forward: bool = knob(False, "append grammar-forced tokens without a decode step each")
-    # Speculative decoding (engine/drafter.py): drafts from the radix tree and prompt lookup, verified in
+    # Speculative decoding (engine/speculator.py): drafts from the radix tree and prompt lookup, verified in
     # the next forward; greedy output is unchanged token for token, sampling keeps its distribution.
     speculative: str | None = knob(
         None, "speculative decoding: ngram (drafts from the radix tree and the prompt)", choices=("ngram",)

@@ -1,7 +1,7 @@
 """A read-only snapshot of the radix tree, for people: what the cache holds, how often it was hit, where
 its pages live. It is what ``GET /v1/cache/tree`` and the dashboard show (server/dashboard.py).
 
-The snapshot carries token ids, not text (the front-end detokenizes, as it does for every output), and
+The snapshot carries token ids, not text (the front-end detokenizes them for the dashboard), and
 only the namespaces asked for: with per-key salts a tenant's snapshot is taken of its own namespaces
 alone, so another tenant's tokens never leave the engine process.
 
