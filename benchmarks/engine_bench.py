@@ -25,7 +25,7 @@ def bare_loop(engine: Engine, prompts: list[list[int]], new_tokens: int) -> None
     """The engine's own model forward and KV pool, with no scheduler, sampler or detokenizer."""
     ps = engine.config.page_size
     seqs = [list(p) for p in prompts]
-    free = list(range(engine.kv_cache.num_pages))
+    free = list(range(engine.kv_manager.num_pages))
     tables = [[free.pop() for _ in range(-(-(len(p) + new_tokens) // ps))] for p in prompts]
     out = engine.runner.run([SeqChunk(s, 0, len(s), t) for s, t in zip(seqs, tables)])
     for _ in range(new_tokens - 1):

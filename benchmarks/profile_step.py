@@ -74,7 +74,7 @@ def main() -> None:
     engine = Engine(prefix_cache=False, kv_cache_gb=1.0)
     runner, ps = engine.runner, engine.config.page_size
     rng = random.Random(0)
-    free = list(range(engine.kv_cache.num_pages))
+    free = list(range(engine.kv_manager.num_pages))
     rng.shuffle(free)  # scattered pages, as after a while of serving
 
     def sequences(n: int, length: int, room: int) -> tuple[list[list[int]], list[list[int]]]:

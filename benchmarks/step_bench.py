@@ -87,7 +87,7 @@ class Steps:
     def __init__(self, engine: Engine, seed: int = 0) -> None:
         self.engine, self.runner, self.page_size = engine, engine.runner, engine.config.page_size
         self.rng = random.Random(seed)
-        self.free = list(range(engine.kv_cache.num_pages))
+        self.free = list(range(engine.kv_manager.num_pages))
         self.rng.shuffle(self.free)  # scattered pages, as after a while of serving
 
     def tokens(self, n: int) -> list[int]:

@@ -47,10 +47,10 @@ def ttft(engine: Engine, ids: list[int]) -> tuple[float, int]:
 
 def drop_device_copies(engine: Engine) -> None:
     """Evict every unlocked page from the device pool (write_through: they are already below)."""
-    assert engine.kv_cache.tree is not None
-    engine.kv_cache.tree.evict(engine.kv_cache.tree.evictable_pages)
-    if engine.kv_cache.tiers is not None:
-        engine.kv_cache.tiers.drain()
+    assert engine.kv_manager.tree is not None
+    engine.kv_manager.tree.evict(engine.kv_manager.tree.evictable_pages)
+    if engine.kv_manager.tiers is not None:
+        engine.kv_manager.tiers.drain()
 
 
 def ttft_by_tier(args: argparse.Namespace, disk_dir: Path) -> dict[str, Any]:

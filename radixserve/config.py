@@ -81,7 +81,7 @@ class EngineConfig:
     aging_s: float = knob(30.0, "seconds of waiting worth one priority level", gt=0)
     # May change outputs: the forced tokens are appended without the model seeing each one first.
     jump_forward: bool = knob(False, "append grammar-forced tokens without a decode step each")
-    # Speculative decoding (engine/drafter.py): drafts from the radix tree and prompt lookup, verified in
+    # Speculative decoding (engine/speculator.py): drafts from the radix tree and prompt lookup, verified in
     # the next forward; greedy output is unchanged token for token, sampling keeps its distribution.
     speculative: str | None = knob(
         None, "speculative decoding: ngram (drafts from the radix tree and the prompt)", choices=("ngram",)
@@ -94,7 +94,7 @@ class EngineConfig:
     kv_events: bool = knob(False, "publish the prefix cache's page inserts and evictions (KV events)")
     debug_checks: bool = knob(False, "check every cache invariant whenever the engine goes idle (slow)")
     # False: outputs carry token ids only (text None) and stop strings are left to the caller, who
-    # detokenizes; the server's engine process runs so, its front-end makes the text.
+    # detokenizes. The server's engine process always runs with True: it owns text and stop strings.
     detokenize: bool = knob(True, "make the outputs' text", cli=False)
     # Tiers beneath the device pool (docs/cache.md); 0 GB means no such tier.
     host_cache_gb: float = knob(0.0, "host-RAM KV tier beneath the device pool (0: off)", ge=0)

@@ -25,14 +25,14 @@ EventKind = Literal["stored", "removed", "cleared"]
 DEVICE_TIER = 0
 
 
-class KVEvent(msgspec.Struct, array_like=True):
+class KVEvent(msgspec.Struct, array_like=True, kw_only=True):
     """One run of keys that entered (``stored``) or left (``removed``) the tree, or ``cleared``."""
 
     kind: EventKind
     keys: list[bytes]
 
 
-class KVEvents(msgspec.Struct, array_like=True):
+class KVEvents(msgspec.Struct, array_like=True, kw_only=True):
     """The events of one engine since its last batch, in order."""
 
     seed: bytes  # the chain's seed: keys start from namespace_key(seed, cache_salt)
@@ -57,14 +57,14 @@ class KVEventLog:
         self._add("removed", keys)
 
     def cleared(self) -> None:
-        self._events = [KVEvent("cleared", [])]  # what came before no longer matters
+        self._events = [KVEvent(kind="cleared", keys=[])]  # what came before no longer matters
 
     def drain(self) -> KVEvents | None:
         """The buffered events as one batch, or None if there were none."""
         if not self._events:
             return None
         events, self._events = self._events, []
-        return KVEvents(self.seed, self.page_size, events)
+        return KVEvents(seed=self.seed, page_size=self.page_size, events=events)
 
     def _add(self, kind: EventKind, keys: Sequence[bytes]) -> None:
         if not keys:
@@ -72,4 +72,4 @@ class KVEventLog:
         if self._events and self._events[-1].kind == kind:
             self._events[-1].keys.extend(keys)
         else:
-            self._events.append(KVEvent(kind, list(keys)))
+            self._events.append(KVEvent(kind=kind, keys=list(keys)))

@@ -18,13 +18,14 @@ Only unlocked leaves are evicted, so whatever a locked node's path covers stays 
 ``last_access`` is a counter, not wall time, so eviction order is deterministic; ``last_used`` is the
 wall time of the same events, only for people to read (the dashboard), never for a decision.
 
-With ``lower`` tiers (host RAM, disk; see ``cache/tiers.py``) every node also carries the chain key of
+With lower ``tiers`` (host RAM, disk; see ``cache/tiers.py``) every node also carries the chain key of
 each of its pages (``hashes[i]`` is ``page_key`` of the key before it), so ``hashes`` always has one
 entry per page and the chain runs unbroken from the namespace's seed. ``backed_up`` records that the
 node's pages have a copy in the lower tiers; ``evict`` reports the pages it frees without one, with
 their keys, and leaves what to do with them to its caller (the tier controller's write policy).
 ``match_prefix`` reports the pages beyond the device match that the lower tiers hold, and which tier
-holds each. The tree records where pages live; it never copies one.
+holds each. The tree records where pages live; it never copies one. (Node and result types:
+``cache/radix_node.py``.)
 
 A ``CacheListener`` (``listen``) is told the chain key of every page as it enters the tree and as it
 leaves it (KV events, for a router that places requests by what each replica holds: docs/scaling.md).
@@ -37,101 +38,20 @@ from __future__ import annotations
 import heapq
 import time as _time
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
-from typing import NamedTuple, Protocol
+from collections.abc import Callable, Hashable, Iterator, Sequence
 
+from radixserve.cache.radix_node import (
+    CacheListener,
+    EvictResult,
+    InsertResult,
+    LowerTiers,
+    MatchResult,
+    TreeNode,
+    common_prefix,
+)
 from radixserve.cache.tiers import namespace_key, page_key
 
 _EVICTION_POLICIES = ("lru", "lfu", "priority")
-
-
-class LowerTiers(Protocol):
-    """What the tree needs of the stores beneath it (``TierController`` is one)."""
-
-    seed: bytes  # the model fingerprint: the root of every key chain
-
-    def lookup(self, keys: Iterable[bytes]) -> list[int]:
-        """For the leading keys held below, the index of the fastest tier holding each."""
-        ...
-
-
-class CacheListener(Protocol):
-    """Told which pages enter and leave the tree, by chain key; called on the stepping thread."""
-
-    def stored(self, keys: Sequence[bytes]) -> None: ...
-
-    def removed(self, keys: Sequence[bytes]) -> None: ...
-
-    def cleared(self) -> None:
-        """Every page left the tree at once (``reset``)."""
-        ...
-
-
-class TreeNode:
-    """One edge of the tree: a page-aligned run of tokens and the pages that hold their KV."""
-
-    __slots__ = (
-        "key",
-        "pages",
-        "parent",
-        "children",
-        "lock_ref",
-        "last_access",
-        "last_used",
-        "hit_count",
-        "priority",
-        "namespace",
-        "is_root",
-        "hashes",
-        "backed_up",
-    )
-
-    def __init__(
-        self,
-        key: tuple[int, ...],
-        pages: list[int],
-        parent: TreeNode | None,
-        namespace: Hashable,
-        *,
-        is_root: bool = False,
-    ) -> None:
-        self.key = key
-        self.pages = pages
-        self.parent = parent
-        self.children: dict[Hashable, TreeNode] = {}
-        self.lock_ref = 1 if is_root else 0
-        self.last_access = 0
-        self.last_used = 0.0  # time.monotonic() of the last match or insert, for people (the dashboard)
-        self.hit_count = 0
-        self.priority = 0
-        self.namespace = namespace
-        self.is_root = is_root
-        self.hashes: list[bytes] = []  # chain key of each page; empty without lower tiers
-        self.backed_up = False  # the pages have been copied to the lower tiers
-
-    def __repr__(self) -> str:
-        return f"TreeNode(key={self.key}, pages={self.pages}, lock_ref={self.lock_ref})"
-
-
-class MatchResult(NamedTuple):
-    node: TreeNode  # deepest node of the match (a root if none); lock it to keep ``pages`` valid
-    pages: list[int]  # pages covering the first ``num_tokens`` tokens
-    num_tokens: int  # == len(pages) * page_size
-    lower_keys: tuple[bytes, ...] = ()  # keys of the pages right after the match that lower tiers hold
-    lower_tiers: tuple[int, ...] = ()  # the fastest lower tier holding each of them
-
-
-class InsertResult(NamedTuple):
-    num_existing: int  # tokens of the inserted prefix already cached (page-aligned)
-    node: TreeNode  # node that ends the inserted key
-
-
-class EvictResult(NamedTuple):
-    num_pages: int  # pages freed (through ``on_free``)
-    # Of those, the pages with no copy in the lower tiers (never ``backed_up``) and their chain keys,
-    # for write-back. They are already on the free list, so copy them before anything allocates.
-    unbacked_pages: list[int]
-    unbacked_keys: list[bytes]
 
 
 class RadixCache:
@@ -143,7 +63,7 @@ class RadixCache:
         page_size: int,
         eviction_policy: str = "lru",
         on_free: Callable[[list[int]], None] | None = None,
-        lower: LowerTiers | None = None,
+        tiers: LowerTiers | None = None,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -152,16 +72,16 @@ class RadixCache:
         self.page_size = page_size
         self.eviction_policy = eviction_policy
         self.on_free = on_free
-        self.lower = lower
+        self.tiers = tiers
         self._clock = 0
         # Counts inserts that added tokens: a lookup that found nothing finds nothing more until it moves
-        # (``continuation``'s callers skip the walk meanwhile).
+        # (``cache/continuation.py``'s callers skip the walk meanwhile).
         self.num_growths = 0
         self._evictable = 0
         self._protected = 0
         self._roots: dict[Hashable, TreeNode] = {}
         self.listener: CacheListener | None = None
-        self._seed: bytes | None = lower.seed if lower is not None else None  # set: nodes carry keys
+        self._seed: bytes | None = tiers.seed if tiers is not None else None  # set: nodes carry keys
 
     def listen(self, listener: CacheListener, seed: bytes) -> bytes:
         """Report page insertions and removals to ``listener`` from now on; returns the chain's seed
@@ -221,41 +141,9 @@ class RadixCache:
             num_tokens += len(self._lower_match(key, tokens, num_tokens)[1]) * self.page_size
         return num_tokens
 
-    def continuation(self, tokens: Sequence[int], namespace: Hashable, max_tokens: int) -> list[int]:
-        """Up to ``max_tokens`` cached tokens that follow all of ``tokens`` in the tree, changing nothing.
-
-        For drafting (speculative decoding): what an earlier request computed after the same context.
-        ``tokens`` need not be page-aligned; where the path forks, the most recently used branch is
-        taken. Empty when the tree does not hold ``tokens`` whole with something after them.
-        """
-        node = self._roots.get(namespace)
-        i, end = 0, len(tokens)
-        while node is not None and i < end:
-            child = self._child_with(node, tokens, i)
-            if child is None:
-                return []
-            n = _common_prefix(child.key, tokens, i, end)
-            if i + n == end:  # the context ends inside (or at the end of) this edge
-                out = list(child.key[n : n + max_tokens])
-                node = child
-                break
-            if n < len(child.key):
-                return []
-            node, i = child, i + n
-        else:
-            out = []
-        while node is not None and len(out) < max_tokens and node.children:
-            node = max(node.children.values(), key=lambda c: c.last_access)
-            out.extend(node.key[: max_tokens - len(out)])
-        return out
-
-    def _child_with(self, node: TreeNode, tokens: Sequence[int], i: int) -> TreeNode | None:
-        """The child of ``node`` whose key starts as ``tokens[i:]`` does (the latest used, if several)."""
-        if len(tokens) - i >= self.page_size:
-            return node.children.get(self._child_key(tokens[i : i + self.page_size]))
-        rest = tuple(tokens[i:])
-        fits = [c for c in node.children.values() if c.key[: len(rest)] == rest]
-        return max(fits, key=lambda c: c.last_access, default=None)
+    def root(self, namespace: Hashable) -> TreeNode | None:
+        """The root of ``namespace``, if it has one, read-only (``cache/continuation.py`` walks from it)."""
+        return self._roots.get(namespace)
 
     def path(self, node: TreeNode) -> Iterator[TreeNode]:
         """``node`` and its ancestors, roots excluded."""
@@ -291,7 +179,7 @@ class RadixCache:
                 leaf.hashes = list(self._chain(key, leaf.key, 0, len(leaf.key)))
             if self.listener is not None:
                 self.listener.stored(leaf.hashes)
-            node.children[self._child_key(leaf.key)] = leaf
+            node.children[self.child_key(leaf.key)] = leaf
             self.num_growths += 1
             self._evictable += len(leaf.pages)
             leaf.priority = priority
@@ -345,7 +233,7 @@ class RadixCache:
         while heap and len(freed) < num_pages:
             _, _, leaf = heapq.heappop(heap)
             need = num_pages - len(freed)
-            if not leaf.backed_up and self.lower is not None:
+            if not leaf.backed_up and self.tiers is not None:
                 unbacked[0].extend(leaf.pages[-need:])
                 unbacked[1].extend(leaf.hashes[-need:])
             if self.listener is not None:
@@ -358,7 +246,7 @@ class RadixCache:
                 break
             freed += leaf.pages
             parent = self._parent(leaf)
-            del parent.children[self._child_key(leaf.key)]
+            del parent.children[self.child_key(leaf.key)]
             leaf.parent = None
             leaf.pages = []
             if self._is_evictable_leaf(parent):
@@ -412,7 +300,7 @@ class RadixCache:
         for node in self._nodes():
             for key, child in node.children.items():
                 assert child.parent is node, f"{child!r} does not point back to its parent {node!r}"
-                assert key == self._child_key(child.key), f"{child!r} is filed under key {key!r}"
+                assert key == self.child_key(child.key), f"{child!r} is filed under key {key!r}"
             if node.is_root:
                 continue
             assert node.key and len(node.key) % ps == 0, (
@@ -466,10 +354,10 @@ class RadixCache:
         key = self._last_key(node)
         i = 0
         while i < end:
-            child = node.children.get(self._child_key(tokens[i : i + ps]))
+            child = node.children.get(self.child_key(tokens[i : i + ps]))
             if child is None:
                 break
-            n = _common_prefix(child.key, tokens, i, end) // ps * ps
+            n = common_prefix(child.key, tokens, i, end) // ps * ps
             i += n
             if child.hashes:
                 key = child.hashes[n // ps - 1]
@@ -493,7 +381,7 @@ class RadixCache:
 
     def _lower_match(self, key: bytes, tokens: Sequence[int], start: int) -> tuple[list[bytes], list[int]]:
         """Keys and tiers of the pages of ``tokens`` from ``start`` on that the lower tiers hold, in a row."""
-        if self.lower is None:
+        if self.tiers is None:
             return [], []
         keys: list[bytes] = []
 
@@ -502,8 +390,8 @@ class RadixCache:
                 keys.append(k)
                 yield k
 
-        tiers = self.lower.lookup(chain())
-        return keys[: len(tiers)], tiers
+        found = self.tiers.lookup(chain())
+        return keys[: len(found)], found
 
     def _split(self, node: TreeNode, n: int) -> TreeNode:
         """Cut ``node`` after ``n`` tokens; the new upper node is returned, ``node`` keeps the tail.
@@ -521,11 +409,11 @@ class RadixCache:
         upper.backed_up = node.backed_up
         upper.hashes = node.hashes[: n // self.page_size]
         node.hashes = node.hashes[n // self.page_size :]
-        parent.children[self._child_key(upper.key)] = upper
+        parent.children[self.child_key(upper.key)] = upper
         node.key = node.key[n:]
         node.pages = node.pages[n // self.page_size :]
         node.parent = upper
-        upper.children[self._child_key(node.key)] = node
+        upper.children[self.child_key(node.key)] = node
         return upper
 
     def _root(self, namespace: Hashable) -> TreeNode:
@@ -541,7 +429,8 @@ class RadixCache:
             yield node
             stack.extend(node.children.values())
 
-    def _child_key(self, tokens: Sequence[int]) -> Hashable:
+    def child_key(self, tokens: Sequence[int]) -> Hashable:
+        """The key of a node's child whose key starts with ``tokens`` (a page of them)."""
         return tokens[0] if self.page_size == 1 else tuple(tokens[: self.page_size])
 
     def _eviction_key(self, node: TreeNode) -> tuple[int, int]:
@@ -568,14 +457,6 @@ class RadixCache:
     def _tick(self) -> int:
         self._clock += 1
         return self._clock
-
-
-def _common_prefix(key: tuple[int, ...], tokens: Sequence[int], start: int, end: int) -> int:
-    n = min(len(key), end - start)
-    for i in range(n):
-        if key[i] != tokens[start + i]:
-            return i
-    return n
 
 
 def _duplicates(pages: Sequence[int]) -> list[int]:

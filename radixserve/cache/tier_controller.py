@@ -8,8 +8,10 @@ it runs disk writes and loads on two background threads, so the stepping thread 
 
 The radix tree only records where each page lives (``TreeNode.backed_up`` and the chain keys the stores
 are addressed by) and reports what eviction freed without a copy. ``KVCacheManager`` decides which
-pages to load and puts landed loads into the tree; it tells the controller what happened (a chunk was
-cached, a path was hit, pages were evicted) and the policy decides what to copy.
+pages to load and allocates their device pages; the controller owns each ``Load`` from ``start_load`` to
+its release (``land`` puts its pages into the tree, ``abandon`` drops it). The manager tells the
+controller what happened (a chunk was cached, a path was hit, pages were evicted) and the policy
+decides what to copy.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from pathlib import Path
 import torch
 
 from radixserve.cache.page_pool import KVPool, PageCopier
-from radixserve.cache.radix import EvictResult, MatchResult, TreeNode
+from radixserve.cache.radix import RadixCache
+from radixserve.cache.radix_node import EvictResult, MatchResult, TreeNode
 from radixserve.cache.tiers import DiskStore, HostStore, KVStore, model_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -162,17 +165,44 @@ class TierController:
     def in_flight(self) -> list[Load]:
         return [x for x in self.loads if not x.ready]
 
-    def land(self, load: Load) -> bool:
-        """Mark ``load`` landed; True if every page arrived. The caller then puts them in the tree."""
+    def land(self, load: Load, tree: RadixCache, free: Callable[[list[int]], None]) -> None:
+        """Land a finished load: its pages join ``tree`` (all of them; those the tree already held are
+        handed to ``free``) and the load's lock moves to the node that ends them, kept for its request
+        until ``abandon``. A load that failed (a page gone, a broken store) frees all its pages instead,
+        and its request computes those tokens."""
         self.loading_pages -= len(load.pages)
         load.ready = True
         try:
             ok = load.future.result()
         except Exception:  # a broken store must cost a recompute, never the engine
             ok = False
-        if not ok:
+        if ok:
+            r = tree.insert(load.tokens, load.prefix_pages + load.pages, load.namespace)
+            if r.num_existing < len(load.tokens):
+                r.node.backed_up = True  # its pages came from the lower tiers
+            m = tree.match_prefix(load.tokens, load.namespace)
+            tree.lock(m.node)
+            tree.unlock(load.node)
+            load.node = m.node
+            first = len(load.prefix_pages)
+            free([p for p, t in zip(load.pages, m.pages[first:]) if p != t])
+        else:
             self.failed_loads += 1
-        return ok
+            free(load.pages)
+            load.pages = []
+        if load.abandoned:
+            self._release(load, tree)
+
+    def abandon(self, load: Load, tree: RadixCache) -> None:
+        """Its request was admitted (its own lock covers the pages now) or has gone: the load's lock is
+        dropped now if it has landed, else as it lands; the load is then gone."""
+        load.abandoned = True
+        if load.ready:
+            self._release(load, tree)
+
+    def _release(self, load: Load, tree: RadixCache) -> None:
+        tree.unlock(load.node)
+        self.loads.remove(load)
 
     def wait_for_loads(self, timeout: float) -> None:
         """Block until a load in flight finishes or ``timeout`` passes."""

@@ -1,7 +1,7 @@
 """A read-only snapshot of the radix tree, for people: what the cache holds, how often it was hit, where
 its pages live. It is what ``GET /v1/cache/tree`` and the dashboard show (server/dashboard.py).
 
-The snapshot carries token ids, not text (the API server detokenizes, as it does for every output), and
+The snapshot carries token ids, not text (the API server detokenizes them for the dashboard), and
 only the namespaces asked for: with per-key salts a tenant's snapshot is taken of its own namespaces
 alone, so another tenant's tokens never leave the engine process.
 
@@ -18,7 +18,8 @@ from typing import Protocol
 
 import msgspec
 
-from radixserve.cache.radix import RadixCache, TreeNode
+from radixserve.cache.radix import RadixCache
+from radixserve.cache.radix_node import TreeNode
 
 MAX_CHILDREN = 16  # children shown per node; the rest are summed into hidden_children/hidden_tokens
 HEAD_TOKENS = 24  # tokens of a node's own key sent to show the start of its text
@@ -38,7 +39,7 @@ class Tier(Protocol):
     def contains(self, key: bytes) -> bool: ...
 
 
-class CacheNode(msgspec.Struct, array_like=True):
+class CacheNode(msgspec.Struct, array_like=True, kw_only=True):
     """One node of the snapshot. ``tokens``/``pages`` are the node's own; the ``subtree_`` totals
     include every descendant, shown or not."""
 
@@ -57,12 +58,12 @@ class CacheNode(msgspec.Struct, array_like=True):
     context: list[int]  # the last CONTEXT_TOKENS tokens before the node's own (its ancestors' keys)
 
 
-class CacheNamespace(msgspec.Struct, array_like=True):
+class CacheNamespace(msgspec.Struct, array_like=True, kw_only=True):
     namespace: str | None  # the cache salt; None: requests without one
     root: CacheNode  # holds no tokens itself
 
 
-class CacheTree(msgspec.Struct, array_like=True):
+class CacheTree(msgspec.Struct, array_like=True, kw_only=True):
     page_size: int
     namespaces: list[CacheNamespace]
 
@@ -84,7 +85,7 @@ def snapshot(
     """The namespaces in scope of ``tree`` (None: the prefix cache is off, so an empty snapshot);
     ``stores`` are the lower tiers, fastest first (none without tiers)."""
     if tree is None:
-        return CacheTree(1, [])
+        return CacheTree(page_size=1, namespaces=[])
     now = time.monotonic()
     totals: dict[int, tuple[int, int]] = {}
     out = []
@@ -93,9 +94,9 @@ def snapshot(
             continue
         _sum_subtrees(root, totals)
         view = _view(root, [], totals, stores, now, depth, min_tokens)
-        out.append(CacheNamespace(ns if ns is None else str(ns), view))
+        out.append(CacheNamespace(namespace=ns if ns is None else str(ns), root=view))
     out.sort(key=lambda n: -n.root.subtree_tokens)
-    return CacheTree(tree.page_size, out)
+    return CacheTree(page_size=tree.page_size, namespaces=out)
 
 
 def _sum_subtrees(root: TreeNode, totals: dict[int, tuple[int, int]]) -> None:

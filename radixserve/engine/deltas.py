@@ -16,7 +16,7 @@ from radixserve.sampling.detokenizer import TextStream
 from radixserve.sampling.stop import TokenStop
 
 
-class StepOutput(msgspec.Struct, array_like=True):
+class StepOutput(msgspec.Struct, array_like=True, kw_only=True):
     """What one engine step produced for one sample: the new tokens (and text), and whether it ended.
 
     A msgspec Struct because the server's engine process sends these as they are (array-like: no

@@ -16,20 +16,20 @@ from typing import Any
 
 import torch
 
+from radixserve.cache.kv_manager import KVCacheManager
 from radixserve.cache.page_pool import KVPool
 from radixserve.cache.tier_controller import make_tiers
 from radixserve.cache.tree_view import CacheTree, snapshot
 from radixserve.config import EngineConfig, context_within_pool
+from radixserve.engine.checks import check_prompt, priority_value
 from radixserve.engine.deltas import OutputAssembler, StepOutput, add_text
-from radixserve.engine.drafter import Drafter
-from radixserve.engine.kv_manager import KVCacheManager
-from radixserve.engine.next_tokens import pick_tokens
-from radixserve.engine.policy import PRIORITY_NAMES
+from radixserve.engine.next_tokens import Picked, pick_tokens
 from radixserve.engine.prompt import Prompt, apply_chat_template, tokenize
-from radixserve.engine.request import Request, Status
+from radixserve.engine.prompt_logprobs import add_prompt_logprobs, wants_prompt_logprobs
+from radixserve.engine.request import Constraint, Request, Status
 from radixserve.engine.scheduler import ScheduledBatch, Scheduler
+from radixserve.engine.speculator import Speculator
 from radixserve.engine.stats import EngineStats
-from radixserve.errors import InvalidRequestError
 from radixserve.model import arithmetic
 from radixserve.model.attention import select_backend
 from radixserve.model.loader import load_model, load_tokenizer, resolve_model_path
@@ -38,7 +38,7 @@ from radixserve.outputs import RequestOutput
 from radixserve.sampling.detokenizer import TextStream
 from radixserve.sampling.grammar import GrammarCompiler, Matcher
 from radixserve.sampling.params import SamplingParams
-from radixserve.sampling.sampler import Sampler, compute_prompt_logprobs
+from radixserve.sampling.sampler import Sampler
 from radixserve.sampling.stop import GRAMMAR_COMPLETE, TokenStop, token_stop
 
 logger = logging.getLogger("radixserve.engine")
@@ -106,20 +106,24 @@ class Engine:
                 write_policy=cfg.write_policy,
                 write_through_threshold=cfg.write_through_threshold,
             )
-        self.kv_cache = KVCacheManager(
+        self.kv_manager = KVCacheManager(
             num_pages, cfg.page_size, cfg.prefix_cache, cfg.eviction_policy, tiers, page_bytes
         )
         self.max_batched_tokens = cfg.max_batched_tokens or (8192 if self.device.type == "cuda" else 512)
         self.scheduler = Scheduler(
-            self.kv_cache, cfg.max_running_requests, self.max_batched_tokens, cfg.schedule_policy, cfg.aging_s
+            self.kv_manager,
+            cfg.max_running_requests,
+            self.max_batched_tokens,
+            cfg.schedule_policy,
+            cfg.aging_s,
         )
         capture = not cfg.enforce_eager and backend.capturable
         self.runner = ModelRunner(self.model, self.pool, backend, self.device, capture)
         self.runner.warmup()
         self.sampler = Sampler()
-        self.drafter = None
+        self.speculator = None
         if cfg.speculative == "ngram":
-            self.drafter = Drafter(cfg.num_speculative_tokens, self.kv_cache.tree)
+            self.speculator = Speculator(cfg.num_speculative_tokens, self.kv_manager)
         self._grammar: GrammarCompiler | None = None  # built on the first constrained request
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._groups: dict[str, list[Request]] = {}
@@ -149,16 +153,17 @@ class Engine:
         params = params or SamplingParams()
         params.validate(self.model.config.vocab_size)
         token_ids = self.tokenize(prompt)
-        self._check_prompt(token_ids, params)
+        check_prompt(
+            token_ids,
+            params,
+            self.model.config.vocab_size,
+            self.max_model_len,
+            self.config.page_size,
+            self.kv_manager.num_pages,
+        )
         if params.constrained:
             self.grammar_compiler.validate(params)
-        if isinstance(priority, str):
-            if priority not in PRIORITY_NAMES:
-                raise InvalidRequestError(
-                    f"priority must be an integer or one of {sorted(PRIORITY_NAMES)}, got {priority!r}",
-                    "priority",
-                )
-            priority = PRIORITY_NAMES[priority]
+        priority = priority_value(priority)
         group_id = request_id or uuid.uuid4().hex
         now = time.monotonic()
         reqs = [
@@ -236,50 +241,48 @@ class Engine:
         return self.generate([self.apply_chat_template(m) for m in conversations], sampling_params)
 
     def stats(self) -> EngineStats:
-        kv = self.kv_cache
+        kv = self.kv_manager
+        spec = self.speculator.stats if self.speculator is not None else None
         return EngineStats(
-            len(self.scheduler.waiting),
-            len(self.scheduler.running),
-            kv.num_pages,
-            kv.num_free,
-            kv.num_cached,
-            kv.num_in_use,
-            kv.num_evictable,
-            kv.query_tokens,
-            kv.hit_tokens,
-            kv.evicted_pages,
-            self.scheduler.num_preemptions,
-            self.num_steps,
-            self.prompt_tokens,
-            self.generation_tokens,
-            kv.tier_stats(),
-            *self._spec_stats(),
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            num_pages=kv.num_pages,
+            free_pages=kv.num_free,
+            cached_pages=kv.num_cached,
+            in_use_pages=kv.num_in_use,
+            evictable_pages=kv.num_evictable,
+            prefix_query_tokens=kv.query_tokens,
+            prefix_hit_tokens=kv.hit_tokens,
+            evicted_pages=kv.evicted_pages,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self.num_steps,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            tiers=kv.tier_stats(),
+            spec_drafted=dict(spec.drafted) if spec else {},
+            spec_accepted=dict(spec.accepted) if spec else {},
+            spec_verify_steps=spec.verify_steps if spec else 0,
+            spec_emitted=spec.emitted if spec else 0,
         )
 
-    def _spec_stats(self) -> tuple[dict[str, int], dict[str, int], int, int]:
-        if self.drafter is None:
-            return {}, {}, 0, 0
-        s = self.drafter.stats
-        return dict(s.drafted), dict(s.accepted), s.verify_steps, s.emitted
-
     def check_integrity(self) -> None:
-        self.kv_cache.check_integrity(self.scheduler.running)
+        self.kv_manager.check_integrity(self.scheduler.running)
 
     def flush_cache(self) -> bool:
-        return self.kv_cache.flush()
+        return self.kv_manager.flush()
 
     def cache_tree(
         self, namespace_prefix: str | None = None, depth: int = 8, min_tokens: int = 0
     ) -> CacheTree:
         """A read-only snapshot of the prefix cache (cache/tree_view.py): the namespaces whose salt is
         ``namespace_prefix`` or starts with it and a "/" (None: all), ``depth`` levels deep."""
-        kv = self.kv_cache
+        kv = self.kv_manager
         stores = kv.tiers.stores if kv.tiers is not None else []
         return snapshot(kv.tree, stores, namespace_prefix, depth, min_tokens)
 
     def close(self) -> None:
         """Finish queued writes to the disk tier and stop the copy threads (the engine is done)."""
-        self.kv_cache.close()
+        self.kv_manager.close()
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
@@ -291,9 +294,11 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """One engine iteration: admit and abort, schedule, one forward, sample, postprocess."""
         outputs = self._drain_inbox()
-        if self.drafter is not None:
-            self.drafter.propose(self.scheduler.running)
+        if self.speculator is not None:
+            self.speculator.before_schedule(self.scheduler.running)
         batch = self.scheduler.schedule()
+        if self.speculator is not None:
+            self.speculator.after_schedule(batch)
         self.newly_scheduled = [
             g for g in dict.fromkeys(r.group_id for r in batch.requests) if g in self._unscheduled
         ]
@@ -305,11 +310,11 @@ class Engine:
         self.num_steps += 1
         chunks = [
             SeqChunk(
-                r.token_ids + r.draft_token_ids if r.draft_token_ids else r.token_ids,
+                r.token_ids + r.drafts if r.drafts else r.token_ids,
                 r.num_computed_tokens,
                 n,
-                r.page_table,
-                self._wants_prompt_logprobs(r) or bool(r.draft_token_ids),  # drafts: a row per position
+                r.pages.table,
+                wants_prompt_logprobs(r) or bool(r.drafts),  # drafts: a row per position
             )
             for r, n in zip(batch.requests, batch.num_new_tokens)
         ]
@@ -320,86 +325,79 @@ class Engine:
     def _postprocess(
         self, batch: ScheduledBatch, logits: torch.Tensor, all_logits: dict[int, torch.Tensor]
     ) -> list[StepOutput]:
-        rows = [
+        """What a forward's logits do to the batch, in order: score prompts, count (and cache) what was
+        computed, sample the rows that end at a new token, then each such request's tokens, stops,
+        output, text, drafts and finish."""
+        rows = [  # the requests whose step ends at a new token (not inside a prefill)
             i
             for i, (r, n) in enumerate(zip(batch.requests, batch.num_new_tokens))
-            if r.num_computed_tokens + n == r.num_tokens + len(r.draft_token_ids)
+            if r.num_computed_tokens + n == r.num_tokens + len(r.drafts)
         ]
         for i, logits_i in all_logits.items():
-            if not batch.requests[i].draft_token_ids:
-                self._add_prompt_logprobs(batch.requests[i], batch.num_new_tokens[i], logits_i)
-        for r, n in zip(batch.requests, batch.num_new_tokens):
-            if r.draft_token_ids:
-                continue  # what a verification computed counts once it is known what was accepted
-            r.num_computed_tokens += n
-            self.prompt_tokens += n if r.num_computed_tokens <= r.num_prompt_tokens else 0
-            if n > 1:  # a finished prefill chunk is shared at once with requests that arrive meanwhile
-                self.kv_cache.cache_computed(r)
+            if not batch.requests[i].drafts:
+                add_prompt_logprobs(batch.requests[i], batch.num_new_tokens[i], logits_i)
+        self._count_computed(batch)
         if not rows:
             return []
         reqs = [batch.requests[i] for i in rows]
-        if any(r.draft_token_ids for r in reqs):  # a row per drafted position, then the last
-            logits = torch.cat(
-                [all_logits[i] if batch.requests[i].draft_token_ids else logits[i : i + 1] for i in rows]
-            )
-        else:
-            logits = logits[rows]
         matchers = [self._matcher(r) for r in reqs]
-        picks = pick_tokens(self.sampler, reqs, matchers, logits, self._eos)
+        rows_logits = self._sampled_logits(batch, rows, logits, all_logits)
+        picks = pick_tokens(self.sampler, reqs, matchers, rows_logits, self._eos)
         now = time.monotonic()
         outputs = []
         for r, matcher, pick in zip(reqs, matchers, picks):
             first = r.num_output_tokens == 0
             if r.first_token_time is None:
                 r.first_token_time = now
-            tokens = list(pick.tokens)
-            if matcher is not None:
-                for t in tokens:
-                    matcher.accept(t)
-                if self.config.jump_forward:
-                    forced = matcher.forced_tokens()  # computed next step as one chunk, not one step each
-                    for t in forced:
-                        matcher.accept(t)
-                    tokens += forced
-            appended, stop = self._append_tokens(r, tokens)
+            appended, stop = self._append_tokens(r, self._constrain(matcher, pick.tokens))
             if stop is None and matcher is not None and matcher.is_terminated():
                 stop = GRAMMAR_COMPLETE
-            finish, stop_reason, hidden = stop if stop is not None else (None, None, False)
-            out = StepOutput(
-                r.group_id,
-                r.index,
-                appended,
-                None,
-                None if pick.logprobs[0] is None else pick.logprobs[: len(appended)],  # type: ignore[arg-type]
-                finish,
-                stop_reason,
-                r.num_cached_tokens,
-                now,
-                r.prompt_logprobs if first else None,
-                hidden,
-            )
+            out = self._step_output(r, appended, stop, pick, now, first)
             if r.text is not None:
-                out = add_text(r.text, out)
-                cut = len(appended) - len(out.token_ids)  # tokens after a stop string are dropped
-                if cut:
-                    del r.token_ids[-cut:]
-                    self.generation_tokens -= cut
-            if r.draft_token_ids:
-                self._settle_verification(r, len(pick.tokens), len(appended))
+                out = self._add_text(r, out)
+            if r.drafts:
+                assert self.speculator is not None
+                self.speculator.settle(r, len(pick.tokens), len(appended))
             outputs.append(out)
             if out.finish_reason is not None:
                 self._finish(r, out.finish_reason)
         return outputs
 
-    def _settle_verification(self, req: Request, num_verified: int, num_appended: int) -> None:
-        """After a step verified ``req``'s drafts: the KV of the pending token and of the accepted drafts
-        is valid (the last verified token is the new pending one); rejected drafts' pages are freed."""
-        assert self.drafter is not None
-        valid = min(num_verified, num_appended)
-        req.num_computed_tokens = min(req.num_computed_tokens + valid, req.num_tokens)
-        self.drafter.record(req, num_verified - 1)
-        req.draft_token_ids = []
-        self.kv_cache.shrink(req)
+    def _count_computed(self, batch: ScheduledBatch) -> None:
+        """The tokens each request computed count as computed; a finished prefill chunk goes into the
+        tree at once, shared with requests that arrive meanwhile. A verification's count waits until it
+        is known what was accepted (``Speculator.settle``)."""
+        for r, n in zip(batch.requests, batch.num_new_tokens):
+            if r.drafts:
+                continue
+            r.num_computed_tokens += n
+            self.prompt_tokens += n if r.num_computed_tokens <= r.num_prompt_tokens else 0
+            if n > 1:
+                self.kv_manager.cache_computed(r)
+
+    @staticmethod
+    def _sampled_logits(
+        batch: ScheduledBatch, rows: list[int], logits: torch.Tensor, all_logits: dict[int, torch.Tensor]
+    ) -> torch.Tensor:
+        """The logits to sample: one row per request of ``rows``, or for one with drafts a row per
+        drafted position and one after them."""
+        if not any(batch.requests[i].drafts for i in rows):
+            return logits[rows]
+        return torch.cat([all_logits[i] if batch.requests[i].drafts else logits[i : i + 1] for i in rows])
+
+    def _constrain(self, matcher: Matcher | None, tokens: list[int]) -> list[int]:
+        """The sampled ``tokens`` advance the grammar; with jump-forward, the tokens it then forces are
+        appended at once (computed next step as one chunk, not one step each)."""
+        tokens = list(tokens)
+        if matcher is not None:
+            for t in tokens:
+                matcher.accept(t)
+            if self.config.jump_forward:
+                forced = matcher.forced_tokens()
+                for t in forced:
+                    matcher.accept(t)
+                tokens += forced
+        return tokens
 
     def _append_tokens(self, req: Request, tokens: list[int]) -> tuple[list[int], TokenStop | None]:
         """Append tokens up to the first that ends the sample on token-level checks."""
@@ -412,11 +410,38 @@ class Engine:
                 return tokens[:n], stop
         return list(tokens), None
 
+    @staticmethod
+    def _step_output(
+        req: Request, appended: list[int], stop: TokenStop | None, pick: Picked, now: float, first: bool
+    ) -> StepOutput:
+        finish, stop_reason, hidden = stop if stop is not None else (None, None, False)
+        return StepOutput(
+            group_id=req.group_id,
+            index=req.index,
+            token_ids=appended,
+            text=None,
+            logprobs=None if pick.logprobs[0] is None else pick.logprobs[: len(appended)],  # type: ignore[arg-type]
+            finish_reason=finish,
+            stop_reason=stop_reason,
+            cached_tokens=req.pages.num_cached_tokens,
+            time=now,
+            prompt_logprobs=req.prompt_logprobs if first else None,
+            hides_last_token=hidden,
+        )
+
+    def _add_text(self, req: Request, out: StepOutput) -> StepOutput:
+        """``out`` with its text; a stop string ends the sample at the token that completes it, and the
+        tokens after that one are taken back, so the engine never keeps a token past a stop string."""
+        assert req.text is not None
+        with_text = add_text(req.text, out)
+        cut = len(out.token_ids) - len(with_text.token_ids)
+        if cut:
+            del req.token_ids[-cut:]
+            self.generation_tokens -= cut
+        return with_text
+
     def _matcher(self, req: Request) -> Matcher | None:
-        if req.grammar_compile is not None:
-            req.matcher = req.grammar_compile.result()  # scheduled only once compiled, so this never waits
-            req.grammar_compile = None
-        return req.matcher
+        return req.grammar.take() if req.grammar is not None else None
 
     # -- helpers ------------------------------------------------------------------------------------
     def _new_request(
@@ -447,28 +472,8 @@ class Engine:
         if self.config.detokenize:
             req.text = TextStream(self.tokenizer, params, token_ids)
         if params.constrained:
-            req.grammar_compile = self.grammar_compiler.submit(params)
+            req.grammar = Constraint(self.grammar_compiler.submit(params))
         return req
-
-    def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
-        if not token_ids:
-            raise InvalidRequestError("prompt is empty", "prompt")
-        vocab = self.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in token_ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
-        total = len(token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
-                f"exceeds the maximum context length of {self.max_model_len} tokens",
-                "max_tokens",
-                "context_length_exceeded",
-            )
-        pages = -(-total // self.config.page_size)
-        if pages > self.kv_cache.num_pages:
-            raise InvalidRequestError(
-                f"the request needs {pages} KV pages but the pool has only {self.kv_cache.num_pages}"
-            )
 
     def _drain_inbox(self) -> list[StepOutput]:
         outputs: list[StepOutput] = []
@@ -487,15 +492,15 @@ class Engine:
                         text = None if req.text is None else ""
                         outputs.append(
                             StepOutput(
-                                req.group_id,
-                                req.index,
-                                [],
-                                text,
-                                None,
-                                "abort",
-                                None,
-                                req.num_cached_tokens,
-                                now,
+                                group_id=req.group_id,
+                                index=req.index,
+                                token_ids=[],
+                                text=text,
+                                logprobs=None,
+                                finish_reason="abort",
+                                stop_reason=None,
+                                cached_tokens=req.pages.num_cached_tokens,
+                                time=now,
                             )
                         )
                         self._finish(req, "abort")
@@ -508,23 +513,3 @@ class Engine:
         if group is not None and all(r.status == Status.FINISHED for r in group):
             del self._groups[req.group_id]
             self._unscheduled.discard(req.group_id)
-
-    def _wants_prompt_logprobs(self, req: Request) -> bool:
-        if req.params.prompt_logprobs is None:
-            return False
-        return req.prompt_logprobs is None or len(req.prompt_logprobs) < req.num_prompt_tokens
-
-    def _add_prompt_logprobs(self, req: Request, n: int, logits: torch.Tensor) -> None:
-        """Logits at position j score token j+1; keep the ones that score prompt tokens."""
-        if req.prompt_logprobs is None:
-            req.prompt_logprobs = [None]  # the first token has nothing before it
-        start = req.num_computed_tokens
-        targets = req.token_ids[start + 1 : min(start + n + 1, req.num_prompt_tokens)]
-        skip = len(req.prompt_logprobs) - (start + 1)  # positions already scored before a preemption
-        logits, targets = logits[max(skip, 0) :], targets[max(skip, 0) :]
-        if not targets:
-            return
-        k = req.params.prompt_logprobs or 0
-        req.prompt_logprobs.extend(
-            compute_prompt_logprobs(logits[: len(targets)], torch.tensor(targets, device=logits.device), k)
-        )

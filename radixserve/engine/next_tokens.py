@@ -1,7 +1,7 @@
 """From a step's logits to each request's next tokens.
 
 A request without drafts gets one token from its one row of logits. A request with drafts
-(speculative decoding, ``engine/drafter.py``) has one row per drafted position plus one; each row is
+(speculative decoding, ``engine/speculator.py``) has one row per drafted position plus one; each row is
 sampled under the rules its position would have seen in plain decoding (penalties and ``min_tokens``
 count the drafts before it, the grammar mask has consumed them), and the verification
 (``sampling/rejection.py``) returns the accepted drafts plus one token.
@@ -40,8 +40,8 @@ def pick_tokens(
     logits: Tensor,
     eos_token_ids: Collection[int],
 ) -> list[Picked]:
-    """``logits`` holds each request's rows in order: ``len(req.draft_token_ids) + 1`` of them."""
-    drafts = [r.draft_token_ids for r in reqs]
+    """``logits`` holds each request's rows in order: ``len(req.drafts) + 1`` of them."""
+    drafts = [r.drafts for r in reqs]
     counts = [len(d) + 1 for d in drafts]
     outputs = [r.output_token_ids + d[:j] for r, d in zip(reqs, drafts) for j in range(len(d) + 1)]
     batch = SamplingBatch.build(

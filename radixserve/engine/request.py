@@ -1,21 +1,32 @@
-"""Request: the state of one sample as it moves through the engine (waiting -> running -> finished)."""
+"""Request: the state of one sample as it moves through the engine (waiting -> running -> finished).
+
+A core record (identity, tokens, progress, timing) plus typed sub-records, each written by one owner:
+``pages`` (``cache/kv_manager.py``'s ``RequestPages``: the page table, the tree lock, a load from the
+lower tiers), ``grammar`` (``Constraint``: the compile, then the matcher), ``spec``
+(``engine/speculator.py``'s ``Speculation``: drafts and the adaptive state) and ``text``
+(``TextStream``: detokenization and stop strings). Only ``RequestPages`` is needed at run time; the
+rest are types, so this module imports nothing it does not build.
+"""
 
 from __future__ import annotations
 
 import enum
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+from radixserve.cache.kv_manager import RequestPages
 
-from radixserve.cache.radix import TreeNode
-from radixserve.cache.tier_controller import Load
-from radixserve.engine.drafter import DraftState
-from radixserve.outputs import TokenLogprob
-from radixserve.sampling.detokenizer import TextStream
-from radixserve.sampling.grammar import Matcher
-from radixserve.sampling.params import SamplingParams
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    import torch
+
+    from radixserve.engine.speculator import Speculation
+    from radixserve.outputs import TokenLogprob
+    from radixserve.sampling.detokenizer import TextStream
+    from radixserve.sampling.grammar import Matcher
+    from radixserve.sampling.params import SamplingParams
 
 
 class Status(enum.Enum):
@@ -25,12 +36,31 @@ class Status(enum.Enum):
 
 
 @dataclass(slots=True, eq=False)
+class Constraint:
+    """A constrained request's grammar: ``compiling`` on a worker thread until the request is first
+    sampled (``Engine._matcher``), then ``matcher``. The scheduler waits for ``ready``."""
+
+    compiling: Future[Matcher] | None
+    matcher: Matcher | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.compiling is None or self.compiling.done()
+
+    def take(self) -> Matcher | None:
+        """The matcher, once compiled (called only when ``ready``, so it never waits)."""
+        if self.compiling is not None:
+            self.matcher, self.compiling = self.compiling.result(), None
+        return self.matcher
+
+
+@dataclass(slots=True, eq=False)
 class Request:
     """One sample of one prompt. ``n > 1`` becomes n Requests sharing a ``group_id``.
 
     ``token_ids`` is the prompt followed by the generated tokens. The KV of the first
-    ``num_computed_tokens`` of them is in the pages of ``page_table``, of which the first
-    ``num_cached_tokens`` came from the prefix cache at admission.
+    ``num_computed_tokens`` of them is in the pages of ``pages.table``, of which the first
+    ``pages.num_cached_tokens`` came from the prefix cache at admission.
     """
 
     request_id: str
@@ -43,27 +73,18 @@ class Request:
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     status: Status = Status.WAITING
-    page_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
-    cache_node: TreeNode | None = None  # the locked radix node covering the shared prefix, if any
-    kv_load: Load | None = None  # while waiting: its prefix coming back from host/disk (``prefetch``)
-    text: TextStream | None = None  # detokenizes and checks stop strings, where the engine makes the text
-    # A constrained request's matcher compiles on a worker thread: ``grammar_compile`` is pending until
-    # the request is first sampled, then ``matcher`` holds the result (``Engine._matcher``).
-    grammar_compile: Future[Matcher] | None = None
-    matcher: Matcher | None = None
-    # Speculative decoding (engine/drafter.py): the tokens drafted for this step, where they came from,
-    # and the request's adaptive state. Drafts are never part of ``token_ids``: they are verified in
-    # the step that computes them and only the accepted ones are appended.
-    draft_token_ids: list[int] = field(default_factory=list)
-    draft_source: str = "prompt"
-    draft_state: DraftState | None = None
     first_token_time: float | None = None
     finish_reason: str | None = None
+    pages: RequestPages = field(default_factory=RequestPages)  # written by the KVCacheManager alone
+    grammar: Constraint | None = None
+    # Written by the Speculator alone. Drafts are never part of ``token_ids``: they are verified in the
+    # step that computes them and only the accepted ones are appended.
+    spec: Speculation | None = None
+    text: TextStream | None = None  # where the engine makes the text: detokenizes, checks stop strings
 
     @property
     def num_tokens(self) -> int:
@@ -84,7 +105,16 @@ class Request:
     @property
     def grammar_ready(self) -> bool:
         """False while the request's constraint still compiles: it must not be scheduled yet."""
-        return self.grammar_compile is None or self.grammar_compile.done()
+        return self.grammar is None or self.grammar.ready
+
+    @property
+    def matcher(self) -> Matcher | None:
+        return self.grammar.matcher if self.grammar is not None else None
+
+    @property
+    def drafts(self) -> list[int]:
+        """The tokens drafted for this step (read-only here: the Speculator writes them)."""
+        return self.spec.drafts if self.spec is not None else []
 
     @property
     def num_pending_tokens(self) -> int:

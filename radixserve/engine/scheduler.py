@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from radixserve.engine.kv_manager import KVCacheManager
+from radixserve.cache.kv_manager import KVCacheManager
 from radixserve.engine.policy import order_waiting
 from radixserve.engine.request import Request, Status
 
@@ -32,13 +32,13 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(
         self,
-        kv_cache: KVCacheManager,
+        kv_manager: KVCacheManager,
         max_running_requests: int,
         max_batched_tokens: int,
         policy: str,
         aging_s: float = 30.0,
     ) -> None:
-        self.kv_cache = kv_cache
+        self.kv_manager = kv_manager
         self.max_running = max_running_requests
         self.max_batched_tokens = max_batched_tokens
         self.policy = policy
@@ -57,15 +57,15 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         budget = self.max_batched_tokens
         batch = ScheduledBatch([], [])
-        self.kv_cache.poll_loads()
+        self.kv_manager.poll_loads()
         # Most urgent first, so preemption victims come from the tail.
         self.running.sort(key=lambda r: (r.priority, r.arrival_time))
         queue = list(self.running)
         while queue and budget > 0:
             req = queue.pop(0)
-            n = min(req.num_pending_tokens + len(req.draft_token_ids), budget)
-            del req.draft_token_ids[max(0, n - req.num_pending_tokens) :]  # the drafts the budget allows
-            while not self.kv_cache.grow(req, req.num_computed_tokens + n):
+            # Its drafts count against the budget; the Speculator keeps those it allowed (after_schedule).
+            n = min(req.num_pending_tokens + len(req.drafts), budget)
+            while not self.kv_manager.grow(req, req.num_computed_tokens + n):
                 victim = queue.pop() if queue else req
                 self._preempt(victim)
                 if victim is req:
@@ -76,25 +76,25 @@ class Scheduler:
                 budget -= n
         self._admit(batch, budget)
         if not batch:
-            self.kv_cache.wait_for_loads(timeout=0.05)  # nothing to run but loads in flight: don't spin
+            self.kv_manager.wait_for_loads(timeout=0.05)  # nothing to run but loads in flight: don't spin
         return batch
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         if not self.waiting:
             return
         inflight = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
-        for req in order_waiting(self.waiting, self.policy, self.kv_cache.match, self.aging_s):
+        for req in order_waiting(self.waiting, self.policy, self.kv_manager.match, self.aging_s):
             if budget <= 0:
                 break
             if not req.grammar_ready:  # compiling on a worker thread; others go ahead meanwhile
                 continue
-            if self.kv_cache.prefetch(req):  # its prefix is coming back from host/disk; others go ahead
+            if self.kv_manager.prefetch(req):  # its prefix is coming back from host/disk; others go ahead
                 continue
-            cached = self.kv_cache.match_device(req)
+            cached = self.kv_manager.match_device(req)
             if self._shares_inflight_prefix(req, cached, inflight):
                 continue
             n = min(req.num_tokens - cached, budget)
-            while len(self.running) >= self.max_running or not self.kv_cache.admit(req, n):
+            while len(self.running) >= self.max_running or not self.kv_manager.admit(req, n):
                 victim = self._victim_for(req)
                 if victim is None:
                     return
@@ -110,7 +110,7 @@ class Scheduler:
             inflight.append(req)
 
     def _shares_inflight_prefix(self, req: Request, cached: int, inflight: list[Request]) -> bool:
-        if self.kv_cache.tree is None:
+        if self.kv_manager.tree is None:
             return False
         end = cached + MIN_SHARED_TOKENS
         if req.num_tokens - 1 < end:
@@ -139,8 +139,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        req.draft_token_ids = []
-        self.kv_cache.release(req)
+        self.kv_manager.release(req)
         req.num_preemptions += 1
         self.num_preemptions += 1
         req.status = Status.WAITING
@@ -150,8 +149,8 @@ class Scheduler:
         """Remove a finished or aborted request, keeping its computed KV in the tree."""
         if req.status == Status.RUNNING:
             self.running.remove(req)
-            self.kv_cache.release(req)
+            self.kv_manager.release(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-            self.kv_cache.forget_load(req)
+            self.kv_manager.forget_load(req)
         req.status = Status.FINISHED

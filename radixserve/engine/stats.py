@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 
-class EngineStats(msgspec.Struct, array_like=True):
+class EngineStats(msgspec.Struct, array_like=True, kw_only=True):
     """A snapshot of the engine's counters (a Struct: the engine process sends one after each step).
     All zero: nothing reported yet."""
 

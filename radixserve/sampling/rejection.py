@@ -1,6 +1,6 @@
 """Verifying drafted tokens against the model (speculative decoding).
 
-The drafts come from lookup (``engine/drafter.py``): a deterministic proposal, so the draft
+The drafts come from lookup (``engine/speculator.py``): a deterministic proposal, so the draft
 distribution q is a point mass on each drafted token. Speculative sampling (Leviathan et al., 2023;
 Chen et al., 2023) with such a q accepts the draft d at position j with probability
 min(1, p_j(d) / q(d)) = p_j(d); on a rejection it draws from the residual max(0, p_j - q), which is

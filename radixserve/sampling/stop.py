@@ -2,7 +2,7 @@
 
 The engine applies these to every sampled token (and ends a sample whose grammar is complete);
 stop strings need the text, so ``TextStream`` (sampling/detokenizer.py) checks them, wherever the
-text is made: in the engine for the offline API, in the server's front-end process otherwise.
+text is made: in the engine (``Engine._postprocess``), offline and in the server's engine process alike.
 """
 
 from __future__ import annotations

@@ -1,19 +1,19 @@
 """AsyncEngine: the API server's side of one engine process, which it owns and serves to asyncio code.
 
-The API server tokenizes prompts, sends token ids to the engine process (server/engine_process.py),
-and turns the token ids that come back into text, one ``TextStream`` per sample, where stop strings
-are checked too (``add_text``, the code the offline Engine uses). ``generate`` streams one request's
-deltas.
+The API server tokenizes prompts and sends token ids to the engine process (server/engine_process.py).
+The engine process owns the text: it detokenizes and checks stop strings where it samples (as the
+offline Engine does, in ``Engine._postprocess``), so a stop string ends its sample in the step that
+completes it, and the outputs that come back carry their text deltas. ``generate`` streams one
+request's deltas.
 
 Invariants:
 - Everything here runs on the event loop; the engine process alone runs model code, so the loop
   never waits on compute. One task receives the process's messages (EngineClient).
 - Each submitted request has one entry in ``_requests``, registered before its AddRequest is sent
-  and removed when its consumer stops; outputs for a request without an entry are dropped, as are
-  outputs for a sample that has already ended here.
+  and removed when its consumer stops; outputs for a request without an entry are dropped.
 - A consumer that stops before its request finished (client disconnect, cancellation, aclose)
-  aborts the request; a sample that a stop string ended is aborted alone. Either way the engine
-  frees its pages at its next step.
+  aborts the request; the engine frees its pages at its next step. Nothing else is aborted: the
+  engine ends a sample itself on a stop string, so no token past one is generated.
 - When the engine process dies, every open request fails at once (EngineFailedError where the
   engine raised, i.e. exit code 1; EngineUnavailableError where it was killed), new requests get
   EngineUnavailableError, and a new process is started; ``healthy`` is True again when it is ready.
@@ -33,13 +33,12 @@ from dataclasses import dataclass, field
 from radixserve.cache.events import KVEvent, KVEvents
 from radixserve.cache.tree_view import CacheTree
 from radixserve.config import EngineConfig
-from radixserve.engine.deltas import OutputAssembler, StepOutput, add_text
+from radixserve.engine.deltas import OutputAssembler, StepOutput
 from radixserve.engine.prompt import Prompt, tokenize
 from radixserve.engine.stats import EngineStats
 from radixserve.errors import InvalidRequestError
 from radixserve.model.loader import load_tokenizer, resolve_model_path
 from radixserve.outputs import RequestOutput
-from radixserve.sampling.detokenizer import TextStream
 from radixserve.sampling.params import SamplingParams
 from radixserve.server.engine_api import (
     EngineFailedError,
@@ -72,14 +71,10 @@ STABLE_S = 60.0  # an engine process that served this long resets the restart ba
 
 @dataclass
 class _Request:
-    params: SamplingParams
-    prompt_token_ids: list[int]
     queue: asyncio.Queue[list[StepOutput] | BaseException]
     arrival_time: float
     scheduled_time: float | None = None
     token_times: list[float] = field(default_factory=list)
-    texts: dict[int, TextStream] = field(default_factory=dict)  # per sample, from its first output
-    ended: set[int] = field(default_factory=set)  # samples whose last output has been queued
     rejected: bool = False  # the engine refused it: nothing to abort, nothing to report
 
 
@@ -110,7 +105,7 @@ class AsyncEngine:
         self.max_waiting_requests = max_waiting_requests or config.max_waiting_requests
         # The engine process refuses a request beyond this many waiting ones: it alone counts them.
         self._config = dataclasses.replace(
-            config, model=str(path), detokenize=False, max_waiting_requests=self.max_waiting_requests
+            config, model=str(path), detokenize=True, max_waiting_requests=self.max_waiting_requests
         )
         self.on_finish = on_finish
         # With the kv_events knob: each batch of the engine's KV events (cache/events.py), in order.
@@ -149,7 +144,7 @@ class AsyncEngine:
         while self._requests and self._client is not None and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         for rid in list(self._requests):
-            self._send(Abort(rid))
+            self._send(Abort(request_id=rid))
         deadline = time.monotonic() + 5.0  # aborted streams end at the engine's next step
         while self._requests and self._client is not None and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
@@ -225,10 +220,18 @@ class AsyncEngine:
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
         token_ids = self.tokenize(prompt)
-        req = _Request(params, token_ids, asyncio.Queue(), time.monotonic())
+        req = _Request(asyncio.Queue(), time.monotonic())
         self._requests[rid] = req
         try:
-            sent = self._send(AddRequest(rid, token_ids, params, cache_salt, priority))
+            sent = self._send(
+                AddRequest(
+                    request_id=rid,
+                    prompt_token_ids=token_ids,
+                    params=params,
+                    cache_salt=cache_salt,
+                    priority=priority,
+                )
+            )
         except OverflowError:  # msgpack carries 64-bit integers; no sensible request holds larger ones
             self._forget(rid)
             raise InvalidRequestError("an integer in the request is out of the 64-bit range") from None
@@ -248,7 +251,7 @@ class AsyncEngine:
                     yield assembler.add(step)
         finally:
             if not assembler.finished and not req.rejected:
-                self._send(Abort(rid))
+                self._send(Abort(request_id=rid))
             self._forget(rid)
             if not req.rejected:
                 self._report(rid, req, assembler.result)
@@ -263,7 +266,11 @@ class AsyncEngine:
 
     async def cache_tree(self, namespace_prefix: str | None, depth: int, min_tokens: int) -> CacheTree:
         """A snapshot of the prefix cache, taken in the engine process (Engine.cache_tree)."""
-        tree = await self._call(lambda call_id: TreeQuery(call_id, namespace_prefix, depth, min_tokens))
+        tree = await self._call(
+            lambda call_id: TreeQuery(
+                call_id=call_id, namespace_prefix=namespace_prefix, depth=depth, min_tokens=min_tokens
+            )
+        )
         assert isinstance(tree, CacheTree)
         return tree
 
@@ -286,7 +293,7 @@ class AsyncEngine:
         if client is not None:
             client.close()
         if self.on_kv_events is not None:  # its cache went with it
-            self.on_kv_events(KVEvents(b"", 0, [KVEvent("cleared", [])]))
+            self.on_kv_events(KVEvents(seed=b"", page_size=0, events=[KVEvent(kind="cleared", keys=[])]))
         if not self._accepting:
             return
         how = f"{'exited' if code == 0 else 'died'} ({describe_exit(code)})"  # 0: it drained after a signal
@@ -333,7 +340,7 @@ class AsyncEngine:
         call_id = next(self._call_ids)
         future: asyncio.Future[bool | CacheTree | None] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
-        msg = Call(call_id, method) if isinstance(method, str) else method(call_id)
+        msg = Call(call_id=call_id, method=method) if isinstance(method, str) else method(call_id)
         if not self._send(msg):
             del self._calls[call_id]
             raise EngineUnavailableError("the engine process is not available")
@@ -370,19 +377,9 @@ class AsyncEngine:
             if req is not None and req.scheduled_time is None:
                 req.scheduled_time = msg.time
         batches: dict[str, list[StepOutput]] = {}
-        for out in msg.outputs:
-            req = self._requests.get(out.group_id)
-            if req is None or out.index in req.ended:
-                continue
-            text = req.texts.get(out.index)
-            if text is None:
-                text = req.texts[out.index] = TextStream(self._tokenizer, req.params, req.prompt_token_ids)
-            step = add_text(text, out)
-            if step.finish_reason is not None:
-                req.ended.add(out.index)
-                if out.finish_reason is None:  # a stop string ended it; the engine would go on
-                    self._send(Abort(out.group_id, out.index))
-            batches.setdefault(out.group_id, []).append(step)
+        for out in msg.outputs:  # with their text: the engine process made it (and checked stop strings)
+            if out.group_id in self._requests:
+                batches.setdefault(out.group_id, []).append(out)
         for rid, steps in batches.items():
             self._requests[rid].queue.put_nowait(steps)
 
@@ -404,15 +401,15 @@ class AsyncEngine:
         times = req.token_times
         first = result.outputs[0]
         record = RequestRecord(
-            rid,
-            len(result.prompt_token_ids),
-            result.cached_tokens,
-            sum(len(o.token_ids) for o in result.outputs),
-            first.finish_reason or "abort",
-            req.arrival_time,
-            req.scheduled_time,
-            result.first_token_time,
-            result.finish_time or time.monotonic(),
-            [b - a for a, b in itertools.pairwise(times)],
+            request_id=rid,
+            prompt_tokens=len(result.prompt_token_ids),
+            cached_tokens=result.cached_tokens,
+            output_tokens=sum(len(o.token_ids) for o in result.outputs),
+            finish_reason=first.finish_reason or "abort",
+            arrival_time=req.arrival_time,
+            scheduled_time=req.scheduled_time,
+            first_token_time=result.first_token_time,
+            finish_time=result.finish_time or time.monotonic(),
+            token_gaps=[b - a for a, b in itertools.pairwise(times)],
         )
         self.on_finish(record)

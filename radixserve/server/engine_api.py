@@ -64,7 +64,7 @@ class Limits:
     max_waiting_requests: int  # beyond this many unscheduled requests, generate raises QueueFullError
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RequestRecord:
     """Timings and token counts of one finished request, for metrics and the request log."""
 

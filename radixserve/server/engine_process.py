@@ -14,7 +14,8 @@ Invariants:
   pins it). The API server runs no model code.
 - The loop blocks on the socket only while the engine has nothing unfinished. Between two steps it
   takes every message that has arrived, so aborts and new requests wait at most one step.
-- The engine runs with ``detokenize=False``: its outputs carry token ids, never text.
+- The engine runs with ``detokenize=True``: it owns the text and the stop strings (a stop string ends
+  its sample in the step that completes it), and its outputs carry token ids and their text deltas.
 - A configuration that cannot work (the Engine raises ValueError, e.g. a KV pool smaller than one
   ``max_model_len`` request) is answered with ``StartFailed``, naming the flags to change, instead of
   ``Ready``; the process then exits 2 and the API server does not restart it.
@@ -83,7 +84,7 @@ class EngineLoop:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(ToEngine)
         self.kv_log: KVEventLog | None = None
-        tree = engine.kv_cache.tree
+        tree = engine.kv_manager.tree
         if engine.config.kv_events and tree is not None:
             # Without lower tiers the seed only has to agree between replicas of one model.
             log = KVEventLog(b"", engine.config.page_size)
@@ -103,15 +104,15 @@ class EngineLoop:
         cfg = engine.config
         self._send(
             Ready(
-                os.getpid(),
-                str(engine.model_path),
-                engine.max_model_len,
-                engine.model.config.vocab_size,
-                engine.eos_token_ids,
-                cfg.page_size,
-                engine.kv_cache.num_pages,
-                engine.max_batched_tokens,
-                engine.stats(),
+                pid=os.getpid(),
+                model_path=str(engine.model_path),
+                max_model_len=engine.max_model_len,
+                vocab_size=engine.model.config.vocab_size,
+                eos_token_ids=engine.eos_token_ids,
+                page_size=cfg.page_size,
+                num_pages=engine.kv_manager.num_pages,
+                max_batched_tokens=engine.max_batched_tokens,
+                stats=engine.stats(),
             )
         )
         progressed = True
@@ -135,7 +136,13 @@ class EngineLoop:
         stats = engine.stats()
         self._waiting_at_step, self._added_since_step = stats.num_waiting, 0
         if progressed or engine.newly_scheduled or events is not None:
-            msg = StepOutputs(time.monotonic(), outputs, engine.newly_scheduled, stats, events)
+            msg = StepOutputs(
+                time=time.monotonic(),
+                outputs=outputs,
+                scheduled=engine.newly_scheduled,
+                stats=stats,
+                kv_events=events,
+            )
             self._send(msg)
         return progressed
 
@@ -153,7 +160,7 @@ class EngineLoop:
         if isinstance(msg, AddRequest):
             self._add(msg)
         elif isinstance(msg, Abort):
-            self.engine.abort(msg.request_id, msg.index)
+            self.engine.abort(msg.request_id)
         elif isinstance(msg, Call):
             self._answer(msg.call_id, self._calls[msg.method])
         elif isinstance(msg, TreeQuery):
@@ -172,13 +179,21 @@ class EngineLoop:
             error = f"{type(exc).__name__}: {exc}"
         events = None if self.kv_log is None else self.kv_log.drain()
         if events is not None:  # e.g. flush_cache's: sent first, so the caller sees them with its result
-            self._send(StepOutputs(time.monotonic(), [], [], self.engine.stats(), events))
-        self._send(CallResult(call_id, value, error, self.engine.stats()))
+            self._send(
+                StepOutputs(
+                    time=time.monotonic(),
+                    outputs=[],
+                    scheduled=[],
+                    stats=self.engine.stats(),
+                    kv_events=events,
+                )
+            )
+        self._send(CallResult(call_id=call_id, value=value, error=error, stats=self.engine.stats()))
 
     def _add(self, msg: AddRequest) -> None:
         rid = msg.request_id
         if self.stop.is_set():
-            self._send(RequestError(rid, "the engine is shutting down", unavailable=True))
+            self._send(RequestError(request_id=rid, message="the engine is shutting down", unavailable=True))
             return
         waiting = self._waiting_at_step + self._added_since_step
         limit = self.engine.config.max_waiting_requests
@@ -189,9 +204,9 @@ class EngineLoop:
             self.engine.add_request(msg.prompt_token_ids, msg.params, rid, msg.cache_salt, msg.priority)
             self._added_since_step += 1
         except InvalidRequestError as exc:
-            self._send(RequestError(rid, str(exc), exc.param, exc.code))
+            self._send(RequestError(request_id=rid, message=str(exc), param=exc.param, code=exc.code))
         except ValueError as exc:  # any other refusal is still the request's fault, not the engine's
-            self._send(RequestError(rid, str(exc)))
+            self._send(RequestError(request_id=rid, message=str(exc)))
 
     def _send(self, msg: FromEngine) -> None:
         self.outbox.send(self._encoder.encode(msg))
@@ -253,10 +268,10 @@ def main(argv: list[str] | None = None) -> None:
             # one that ever runs model code (module docstring).
             torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
             try:
-                engine = Engine(**dataclasses.asdict(dataclasses.replace(config, detokenize=False)))
+                engine = Engine(**dataclasses.asdict(dataclasses.replace(config, detokenize=True)))
             except ValueError as exc:  # a configuration that cannot work: say why instead of a traceback
                 logger.error("cannot start the engine: %s", exc)
-                outbox.send(msgspec.msgpack.encode(StartFailed(str(exc))))
+                outbox.send(msgspec.msgpack.encode(StartFailed(message=str(exc))))
                 refused.append(str(exc))
                 return
             built.append(engine)
@@ -265,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
                 os.getpid(),
                 engine.model_path,
                 torch.get_num_threads(),
-                engine.kv_cache.num_pages,
+                engine.kv_manager.num_pages,
             )
             EngineLoop(engine, inbox, outbox, stop).run()
         except BaseException as exc:

@@ -7,8 +7,10 @@ that did something),
 ``RequestError`` and ``CallResult``. A message is one frame; the tag (the class name) says its type.
 
 Invariants:
-- Per-step traffic carries token ids, never text: the API server tokenizes and detokenizes. Every
-  struct on the wire but the request's ``SamplingParams`` is array-like: no field names travel.
+- The API server tokenizes; the engine process detokenizes and checks stop strings, so per-step
+  traffic carries token ids and their text deltas, and no message goes back for a stop string. Every
+  struct on the wire but the request's ``SamplingParams`` is array-like: no field names travel. Each
+  is keyword-only, so code names every field it sets (``tests/test_wire_structs.py``).
 - ZMQ keeps the order of one socket: an ``Abort`` sent after an ``AddRequest`` reaches the engine after
   it, and every output the engine sent before it exits arrives before the API server sees the socket go.
 """
@@ -24,12 +26,13 @@ from radixserve.engine.stats import EngineStats
 from radixserve.sampling.params import SamplingParams
 
 
-class _Message(msgspec.Struct, tag=True, array_like=True):
-    """Tagged by class name, fields by position."""
+class _Message(msgspec.Struct, tag=True, array_like=True, kw_only=True):
+    """Tagged by class name, fields by position on the wire; built by keyword only (``kw_only`` is set
+    on each subclass, as msgspec does not inherit it), so no inserted field can shift a value."""
 
 
 # -- API server -> engine ---------------------------------------------------------------------------
-class AddRequest(_Message):
+class AddRequest(_Message, kw_only=True):
     """One prompt (n samples), already tokenized by the API server."""
 
     request_id: str
@@ -39,21 +42,20 @@ class AddRequest(_Message):
     priority: int | str = 0
 
 
-class Abort(_Message):
-    """Stop a request: all its samples, or only sample ``index`` (one a stop string ended)."""
+class Abort(_Message, kw_only=True):
+    """Stop a request (all its samples): its client went away, or the server shuts down."""
 
     request_id: str
-    index: int | None = None
 
 
-class Call(_Message):
+class Call(_Message, kw_only=True):
     """Run one of the engine's maintenance methods between two steps; answered by a CallResult."""
 
     call_id: int
     method: str  # "flush_cache" | "check_integrity"
 
 
-class TreeQuery(_Message):
+class TreeQuery(_Message, kw_only=True):
     """A snapshot of the prefix cache (Engine.cache_tree), answered by a CallResult holding a CacheTree.
     ``namespace_prefix`` limits it to one tenant's namespaces, in the engine process, so another tenant's
     tokens never cross (None: all)."""
@@ -64,7 +66,7 @@ class TreeQuery(_Message):
     min_tokens: int
 
 
-class Shutdown(_Message):
+class Shutdown(_Message, kw_only=True):
     """Finish what is queued (the API server has aborted what it gave up on), close the engine, exit."""
 
 
@@ -72,7 +74,7 @@ ToEngine = AddRequest | Abort | Call | TreeQuery | Shutdown
 
 
 # -- engine -> API server ---------------------------------------------------------------------------
-class Ready(_Message):
+class Ready(_Message, kw_only=True):
     """The engine is built and listening: the facts the API server needs from it."""
 
     pid: int
@@ -86,14 +88,14 @@ class Ready(_Message):
     stats: EngineStats
 
 
-class StartFailed(_Message):
+class StartFailed(_Message, kw_only=True):
     """Sent instead of Ready when the engine cannot be built as configured (e.g. a KV pool too small
     for ``max_model_len``); the process exits after it. The message names the flags to change."""
 
     message: str
 
 
-class StepOutputs(_Message):
+class StepOutputs(_Message, kw_only=True):
     """What one engine step did: per-sample outputs, which waiting requests it scheduled, its counters."""
 
     time: float  # time.monotonic() in the engine process (CLOCK_MONOTONIC: the API server's clock too)
@@ -103,7 +105,7 @@ class StepOutputs(_Message):
     kv_events: KVEvents | None = None  # with the kv_events knob: the tree's page changes since the last
 
 
-class RequestError(_Message):
+class RequestError(_Message, kw_only=True):
     """The engine refused a request. ``unavailable``: it is shutting down (503); ``queue_full``: its
     waiting requests are at ``max_waiting_requests`` (429); else the request is invalid (400, with the
     parameter and code that ``InvalidRequestError`` named)."""
@@ -116,7 +118,7 @@ class RequestError(_Message):
     queue_full: bool = False
 
 
-class CallResult(_Message):
+class CallResult(_Message, kw_only=True):
     call_id: int
     value: bool | CacheTree | None
     error: str | None

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from radixserve.engine.kv_manager import KVCacheManager
+from radixserve.cache.kv_manager import KVCacheManager
 from radixserve.engine.request import Request
 from radixserve.sampling.params import SamplingParams
 
@@ -41,14 +41,14 @@ def test_admit_allocates_private_pages_and_release_hands_whole_pages_to_the_tree
     kv = KVCacheManager(16, PAGE, prefix_cache=True)
     r = _req(list(range(10)))
     assert kv.admit(r, 10)
-    assert len(r.page_table) == 3 and kv.num_in_use == 3 and kv.num_free == 13
+    assert len(r.pages.table) == 3 and kv.num_in_use == 3 and kv.num_free == 13
     _check(kv, [r])
     _compute(kv, r, 10)  # two whole pages go to the tree at once; the partial third stays private
     assert (kv.num_cached, kv.num_in_use) == (2, 1)
     _check(kv, [r])
     kv.release(r)
     assert (kv.num_cached, kv.num_in_use, kv.num_free) == (2, 0, 14)
-    assert r.page_table == [] and r.cache_node is None
+    assert r.pages.table == [] and r.pages.node is None
     _check(kv, [])
 
 
@@ -61,7 +61,7 @@ def test_match_is_page_aligned_and_never_takes_the_last_token() -> None:
     assert kv.match(_req(list(range(13)), "e", prompt_logprobs=1)) == 0  # needs every position's logits
     b = _req(list(range(12)) + [99], "b")
     assert kv.admit(b, 1)
-    assert b.num_computed_tokens == b.num_cached_tokens == 12 and len(b.page_table) == 4
+    assert b.num_computed_tokens == b.pages.num_cached_tokens == 12 and len(b.pages.table) == 4
     assert kv.hit_tokens == 12 and kv.query_tokens == 12 + 13
     _check(kv, [b])
 
@@ -73,7 +73,7 @@ def test_a_duplicate_page_is_freed_for_the_trees_copy() -> None:
     kv.admit(b, 9)  # both compute the same prefix (nothing cached yet)
     _compute(kv, a, 9)
     _compute(kv, b, 9)
-    assert b.page_table[:2] == a.page_table[:2]  # b switched to the tree's pages
+    assert b.pages.table[:2] == a.pages.table[:2]  # b switched to the tree's pages
     assert kv.num_cached == 2 and kv.num_in_use == 2  # one partial page each
     _check(kv, [a, b])
 
@@ -90,7 +90,7 @@ def test_grow_evicts_unlocked_cached_pages_but_never_locked_ones() -> None:
     _check(kv, [holder, big])
     more = _req(list(range(200, 204)), "more")
     assert not kv.admit(more, 4)  # nothing left to evict: refused, holding nothing
-    assert more.page_table == [] and more.cache_node is None
+    assert more.pages.table == [] and more.pages.node is None
     _check(kv, [holder, big])
 
 

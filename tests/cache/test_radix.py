@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from radixserve.cache.page_pool import PageAllocator
-from radixserve.cache.radix import RadixCache, TreeNode
+from radixserve.cache.radix import RadixCache
+from radixserve.cache.radix_node import TreeNode
 
 
 class Freed:

@@ -54,7 +54,7 @@ def test_each_policy_copies_on_its_own_event_only(policy: WritePolicy) -> None:
     copied_on = []
     # A computed chunk enters the tree (write_through's event).
     ctl = _controller(policy)
-    tree = RadixCache(PAGE, on_free=lambda pages: None, lower=ctl)
+    tree = RadixCache(PAGE, on_free=lambda pages: None, tiers=ctl)
     node = tree.insert([1, 2, 3, 4], [5, 6]).node
     keys, pages = list(node.hashes), list(node.pages)
     ctl.on_cached(node, added_pages=True)
@@ -63,7 +63,7 @@ def test_each_policy_copies_on_its_own_event_only(policy: WritePolicy) -> None:
         assert node.backed_up
     # A path is hit, once and then twice (write_through_selective's, with threshold 2).
     ctl = _controller(policy)
-    tree = RadixCache(PAGE, on_free=lambda pages: None, lower=ctl)
+    tree = RadixCache(PAGE, on_free=lambda pages: None, tiers=ctl)
     tree.insert([1, 2, 3, 4], [5, 6])
     m = tree.match_prefix([1, 2, 3, 4])
     ctl.on_hit(tree.path(m.node))
@@ -74,7 +74,7 @@ def test_each_policy_copies_on_its_own_event_only(policy: WritePolicy) -> None:
         copied_on.append("hit")
     # The device evicts pages that have no copy below (write_back's).
     ctl = _controller(policy)
-    tree = RadixCache(PAGE, on_free=lambda pages: None, lower=ctl)
+    tree = RadixCache(PAGE, on_free=lambda pages: None, tiers=ctl)
     node = tree.insert([1, 2, 3, 4], [5, 6]).node
     keys = list(node.hashes)
     evicted = tree.evict(2)
@@ -117,12 +117,12 @@ def test_tier_page_copies_go_through_the_selected_backend(
     spy = _spy_backend(calls)
     monkeypatch.setattr("radixserve.engine.engine.select_backend", lambda name, device: spy)
     eng = Engine(str(tiny_llama), page_size=4, num_pages=40, host_cache_gb=200 * 1024 / 2**30)
-    tiers = eng.kv_cache.tiers
+    tiers = eng.kv_manager.tiers
     assert tiers is not None and tiers.backend is spy and eng.runner.backend is spy
     prompt = list(range(10, 90)) + [5]
     first = eng.generate([prompt], GREEDY)[0]
     assert "gather" in calls and "scatter" not in calls  # write-through copied the prefix down
-    tree = eng.kv_cache.tree
+    tree = eng.kv_manager.tree
     assert tree is not None
     seed = 0
     while tree.prefix_len(prompt):  # push the prefix off the device
@@ -152,7 +152,7 @@ def test_disk_dir_alone_gets_a_share_of_the_free_space(
     assert default_disk_bytes(tmp_path) == DISK_DEFAULT_MAX_BYTES == 64 * 2**30  # capped
     _free_space(monkeypatch, 50 * 2**20)
     eng = Engine(str(tiny_llama), page_size=4, num_pages=40, disk_cache_dir=str(tmp_path / "kv"))
-    tiers = eng.kv_cache.tiers
+    tiers = eng.kv_manager.tiers
     assert tiers is not None
     (disk,) = tiers.stores
     assert isinstance(disk, DiskStore) and disk.stats.capacity_bytes == 5 * 2**20

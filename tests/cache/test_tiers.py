@@ -18,7 +18,8 @@ import torch
 from tiny_models import make_tiny_model
 
 from radixserve import Engine, SamplingParams
-from radixserve.cache.radix import EvictResult, RadixCache
+from radixserve.cache.radix import RadixCache
+from radixserve.cache.radix_node import EvictResult
 from radixserve.cache.tiers import DiskStore, HostStore, namespace_key, page_key
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -47,11 +48,11 @@ def reference(model: Path, prompts: list[list[int]], **options: Any) -> list[lis
 def evict_from_device(eng: Engine, doc: list[int]) -> None:
     """Fill the device pool with other prompts until no page of ``doc`` is left on it."""
     seed = 1000
-    while eng.kv_cache.tree is not None and eng.kv_cache.tree.prefix_len(doc):
+    while eng.kv_manager.tree is not None and eng.kv_manager.tree.prefix_len(doc):
         eng.generate([tokens(100, seed)], GREEDY)
         seed += 1
-    if eng.kv_cache.tiers is not None:
-        eng.kv_cache.tiers.drain()
+    if eng.kv_manager.tiers is not None:
+        eng.kv_manager.tiers.drain()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -183,7 +184,7 @@ def _write_doc_to_disk(model: Path, kv: Path, prompt: list[int]) -> None:
 def _page_file(model: Path, kv: Path, doc: list[int], page: int) -> Path:
     """The disk file of page ``page`` of ``doc`` (keys from a throwaway engine's tree: same model, same
     chain)."""
-    tree = engine(model, 8, host_cache_gb=gb(1)).kv_cache.tree
+    tree = engine(model, 8, host_cache_gb=gb(1)).kv_manager.tree
     assert tree is not None
     keys = list(tree._chain(tree._last_key(tree._root(None)), doc, 0, len(doc)))
     return kv / f"{keys[page].hex()}.kv"
@@ -281,7 +282,7 @@ def test_every_tier_stays_within_its_capacity(policy: str, tiny_llama: Path, tmp
     prompts = [tokens(60, 100 + i) for i in range(12)]  # 12 x 15 pages: far more than 40 + 20 + 30
     for p in prompts:
         eng.generate([p, p], GREEDY)  # twice: a hit for write_through_selective
-        eng.kv_cache.tiers.drain()  # type: ignore[union-attr]
+        eng.kv_manager.tiers.drain()  # type: ignore[union-attr]
         eng.check_integrity()
         tiers = eng.stats().tiers
         assert tiers["host"]["used_bytes"] <= tiers["host"]["capacity_bytes"] == 20 * PAGE_BYTES
@@ -290,8 +291,8 @@ def test_every_tier_stays_within_its_capacity(policy: str, tiny_llama: Path, tmp
         assert len(list(kv.glob("*.kv"))) <= 30
     tiers = eng.stats().tiers
     assert tiers["device"]["evicted"] > 0 and tiers["host"]["evicted"] > 0 and tiers["disk"]["evicted"] > 0
-    assert eng.kv_cache.match(_req(eng, prompts[0])) == 0  # the oldest are gone from every tier
-    assert eng.kv_cache.match(_req(eng, prompts[-1])) > 0
+    assert eng.kv_manager.match(_req(eng, prompts[0])) == 0  # the oldest are gone from every tier
+    assert eng.kv_manager.match(_req(eng, prompts[-1])) > 0
     eng.close()
 
 
@@ -339,7 +340,7 @@ def test_a_request_waiting_on_a_load_does_not_hold_up_others(tiny_llama: Path) -
     doc = tokens(100, 9)
     eng.generate([doc + [1]], GREEDY)
     evict_from_device(eng, doc)
-    host = eng.kv_cache.tiers.stores[0]  # type: ignore[union-attr]
+    host = eng.kv_manager.tiers.stores[0]  # type: ignore[union-attr]
     gate = threading.Event()
     real_get = host.get
 
@@ -404,7 +405,7 @@ class FakeLower:
 
 def test_tree_keys_unbacked_eviction_and_lower_match() -> None:
     lower, freed = FakeLower(), list[int]()
-    tree = RadixCache(2, lower=lower, on_free=freed.extend)
+    tree = RadixCache(2, tiers=lower, on_free=freed.extend)
     tree.insert([1, 2, 3, 4, 5, 6], [10, 11, 12])
     k0 = page_key(namespace_key(lower.seed, None), [1, 2])
     keys = [k0, page_key(k0, [3, 4]), page_key(page_key(k0, [3, 4]), [5, 6])]

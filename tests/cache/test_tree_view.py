@@ -90,7 +90,7 @@ def test_a_lower_tier_holding_the_pages_is_named() -> None:
         def lookup(self, keys: Iterable[bytes]) -> list[int]:
             return []
 
-    tree = RadixCache(page_size=2, lower=Lower())
+    tree = RadixCache(page_size=2, tiers=Lower())
     tree.insert([1, 2, 3, 4], [0, 1])
     tree.insert([1, 2, 5, 6], [0, 2])  # splits [1, 2] off: the shared node
     shared = tree.match_prefix([1, 2]).node

@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 
-from radixserve.engine.kv_manager import KVCacheManager
-from radixserve.engine.request import Request, Status
+from radixserve.cache.kv_manager import KVCacheManager
+from radixserve.engine.request import Constraint, Request, Status
 from radixserve.engine.scheduler import MIN_SHARED_TOKENS, ScheduledBatch, Scheduler
 from radixserve.sampling.grammar import Matcher
 from radixserve.sampling.params import SamplingParams
@@ -31,12 +31,12 @@ def _step(s: Scheduler) -> ScheduledBatch:
     for r, n in zip(batch.requests, batch.num_new_tokens):
         r.num_computed_tokens += n
         if n > 1:
-            s.kv_cache.cache_computed(r)
+            s.kv_manager.cache_computed(r)
         if r.num_computed_tokens == r.num_tokens:
             r.token_ids.append(7)
             if r.num_output_tokens >= r.params.max_tokens:
                 s.finish(r)
-    s.kv_cache.check_integrity(s.running)
+    s.kv_manager.check_integrity(s.running)
     return batch
 
 
@@ -88,7 +88,7 @@ def test_an_urgent_arrival_preempts_a_less_urgent_running_request() -> None:
     s.add(_req("urgent", list(range(50, 53)), priority=0))
     assert list(_sizes(_step(s))) == ["urgent"]
     batch = next(r for r in s.waiting if r.request_id == "batch")
-    assert batch.status == Status.WAITING and batch.page_table == [] and batch.num_preemptions == 1
+    assert batch.status == Status.WAITING and batch.pages.table == [] and batch.num_preemptions == 1
     while s.has_work():
         _step(s)
     assert batch.num_output_tokens == 10  # resumed from its prefix in the tree and finished
@@ -106,17 +106,18 @@ def test_pages_running_short_preempt_the_least_urgent_newest_request() -> None:
         preempted += [r.request_id for r in s.waiting if r.request_id in before]
     assert preempted and preempted[0] == "new-batch"  # the least urgent goes first
     assert s.num_preemptions >= 1
-    assert s.kv_cache.num_in_use == 0  # everything finished and was handed back
+    assert s.kv_manager.num_in_use == 0  # everything finished and was handed back
 
 
 def test_a_request_whose_grammar_still_compiles_waits_and_others_go_ahead() -> None:
     s = _scheduler()
     constrained = _req("constrained", list(range(3)))
-    constrained.grammar_compile = Future[Matcher]()
+    compiling = Future[Matcher]()
+    constrained.grammar = Constraint(compiling)
     s.add(constrained)
     s.add(_req("plain", list(range(10, 13))))
     assert list(_sizes(_step(s))) == ["plain"]
-    constrained.grammar_compile.set_result(None)  # type: ignore[arg-type]  # compiled (the matcher is unused here)
+    compiling.set_result(None)  # type: ignore[arg-type]  # compiled (the matcher is unused here)
     assert "constrained" in _sizes(_step(s))
 
 
@@ -128,4 +129,4 @@ def test_a_prefix_in_flight_is_waited_for_instead_of_computed_twice() -> None:
     assert list(_sizes(_step(s))) == ["first"]  # second shares first's prefill: it waits
     batch = _step(s)
     second = next(r for r in batch.requests if r.request_id == "second")
-    assert second.num_cached_tokens == len(doc)  # and then reads it from the tree
+    assert second.pages.num_cached_tokens == len(doc)  # and then reads it from the tree

@@ -138,7 +138,7 @@ def test_disk_tier_pages_never_cross_between_fp32_and_int8(
     def cached_tokens(quantization: str | None) -> int:
         eng = Engine(str(tiny_llama), quantization=quantization, **options)
         out = eng.generate([prompt], GREEDY)[0]
-        tiers = eng.kv_cache.tiers
+        tiers = eng.kv_manager.tiers
         assert tiers is not None
         tiers.drain()
         eng.close()

@@ -73,9 +73,9 @@ def test_a_dropped_replica_is_never_scored_again() -> None:
 
 def test_a_replica_keyed_differently_is_refused() -> None:
     index = CacheIndex()
-    index.apply("a", [KVEvents(b"one", PS, [])])
+    index.apply("a", [KVEvents(seed=b"one", page_size=PS, events=[])])
     with pytest.raises(ValueError, match="keys its pages differently"):
-        index.apply("b", [KVEvents(b"two", PS, [])])
+        index.apply("b", [KVEvents(seed=b"two", page_size=PS, events=[])])
 
 
 def test_events_keep_their_order_within_a_batch() -> None:

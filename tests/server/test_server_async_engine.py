@@ -1,5 +1,5 @@
 """AsyncEngine without HTTP: streams, cancellation, bad input and shutdown draining, over the engine
-process; stop strings made in the front-end; the front-end/engine-process split itself."""
+process; stop strings checked in the engine process; the front-end/engine-process split itself."""
 
 from __future__ import annotations
 
@@ -199,11 +199,11 @@ def test_stop_string_ends_only_its_sample_as_offline(config: EngineConfig, engin
     assert ends == [0, 1]
 
 
-def test_front_end_tokenizes_and_the_engine_process_sends_no_text(
+def test_front_end_tokenizes_and_the_engine_process_makes_the_text(
     config: EngineConfig, engine: Engine, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The engine process is handed token ids and hands back token ids: every StepOutput it sends has
-    ``text`` None. The text a client sees is made in the front-end, and equals the offline engine's."""
+    """The engine process is handed token ids and hands back token ids with their text: the text a
+    client sees is the engine process's, joined, and equals the offline engine's."""
     sent: list[ToEngine] = []
     received: list[FromEngine] = []
     send, start = EngineClient.send, EngineClient.start
@@ -233,7 +233,8 @@ def test_front_end_tokenizes_and_the_engine_process_sends_no_text(
     assert add.prompt_token_ids == load_tokenizer(tiny_llama).encode(prompt) == expected.prompt_token_ids
     outputs = [o for m in received if isinstance(m, StepOutputs) for o in m.outputs]
     assert [t for o in outputs for t in o.token_ids] == expected.token_ids
-    assert outputs and all(o.text is None for o in outputs)
+    assert all(o.text is not None for o in outputs)
+    assert "".join(o.text or "" for o in outputs) == expected.text
 
 
 def test_engine_process_is_pinned_where_asked(config: EngineConfig) -> None:

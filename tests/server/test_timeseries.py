@@ -13,7 +13,18 @@ from radixserve.server.timeseries import TimeSeries, percentile
 
 def _record(ttft: float, gaps: list[float]) -> RequestRecord:
     now = time.monotonic()
-    return RequestRecord("r", 10, 0, len(gaps) + 1, "stop", now - ttft, now - ttft, now, now, gaps)
+    return RequestRecord(
+        request_id="r",
+        prompt_tokens=10,
+        cached_tokens=0,
+        output_tokens=len(gaps) + 1,
+        finish_reason="stop",
+        arrival_time=now - ttft,
+        scheduled_time=now - ttft,
+        first_token_time=now,
+        finish_time=now,
+        token_gaps=gaps,
+    )
 
 
 def test_percentile_is_nearest_rank() -> None:

@@ -1,7 +1,10 @@
-"""KVCacheManager: the pages of each request, shared through the radix tree when the prefix cache is on.
+"""KVCacheManager (``Engine.kv_manager``): the pages of each request, shared through the radix tree when
+the prefix cache is on.
 
-A request's ``page_table`` has two parts: the first ``num_tree_pages`` entries belong to the radix
-tree (they stay valid because the request holds a lock on ``cache_node``), the rest are private.
+A request's pages (``RequestPages``: ``req.pages``) are a ``table`` in two parts: the first entries
+belong to the radix tree (they stay valid because the request holds a lock on ``node``), the rest are
+private. This module knows a request only as a ``CachedRequest`` (the few fields it reads), so the
+cache layer imports nothing from the engine.
 Pages are handed to the tree only whole and already computed, so a shared page is never written;
 a match ending inside a page is recomputed from the page boundary.
 
@@ -10,8 +13,9 @@ continues in them first gets a *load*: device pages are allocated for those page
 is locked, and the controller's loader thread fills them; when it is done the pages join the tree (all
 of them, or none if a page had gone) and the load's lock is kept until the request is admitted, so
 nothing evicts them in between. Such a request is skipped by admission meanwhile (``prefetch``); others
-go ahead. What gets copied down, and when, is the controller's write policy: this class only tells it
-what happened (``on_cached``, ``on_hit``, ``on_evicted``).
+go ahead. The controller owns each load from start to release (``land``, ``abandon``); this class only
+starts them and hands them back. What gets copied down, and when, is the controller's write policy:
+this class only tells it what happened (``on_cached``, ``on_hit``, ``on_evicted``).
 
 Accounting invariant: free + cached (tree) + in-use (private, and pages being loaded) == total pages.
 """
@@ -19,11 +23,53 @@ Accounting invariant: free + cached (tree) + in-use (private, and pages being lo
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from radixserve.cache.page_pool import PageAllocator
 from radixserve.cache.radix import RadixCache
+from radixserve.cache.radix_node import TreeNode
 from radixserve.cache.tier_controller import Load, TierController
-from radixserve.engine.request import Request
+
+
+@dataclass(slots=True, eq=False)
+class RequestPages:
+    """The pages one request holds, written only by ``KVCacheManager``.
+
+    ``table`` maps the request's token positions to pool pages; its first entries are the tree's, held
+    through the lock on ``node``. ``num_cached_tokens`` of the request came from the cache at admission.
+    ``load``: while the request waits, its prefix coming back from host/disk (``prefetch``).
+    """
+
+    table: list[int] = field(default_factory=list)
+    node: TreeNode | None = None  # the locked radix node covering the shared prefix, if any
+    load: Load | None = None
+    num_cached_tokens: int = 0
+
+
+class _Params(Protocol):
+    @property
+    def prompt_logprobs(self) -> int | None: ...
+
+
+class CachedRequest(Protocol):
+    """What the manager reads of a request (``engine/request.py``'s ``Request`` is one)."""
+
+    pages: RequestPages
+    num_computed_tokens: int
+
+    @property
+    def token_ids(self) -> list[int]: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def cache_salt(self) -> str | None: ...
+    @property
+    def priority(self) -> int: ...
+    @property
+    def num_preemptions(self) -> int: ...
+    @property
+    def params(self) -> _Params: ...
 
 
 class KVCacheManager:
@@ -43,7 +89,9 @@ class KVCacheManager:
         self.tree = None
         if prefix_cache:
             self.tree = RadixCache(page_size, eviction_policy, self.allocator.free, self.tiers)
-        self._tree_pages: dict[Request, int] = {}
+        self._tree_pages: dict[
+            CachedRequest, int
+        ] = {}  # per request: its table's entries that are the tree's
         self._private = 0  # pages held privately by requests
         self.query_tokens = 0
         self.hit_tokens = 0
@@ -76,27 +124,27 @@ class KVCacheManager:
         return self.tree.evictable_pages if self.tree else 0
 
     # -- admission ------------------------------------------------------------------------------
-    def match(self, req: Request) -> int:
+    def match(self, req: CachedRequest) -> int:
         """Tokens of ``req`` whose KV is cached in any tier (page-aligned), without taking anything."""
         usable = self._usable(req)
         if self.tree is None or not usable:
             return 0
         return self.tree.prefix_len(req.token_ids[:usable], req.cache_salt, lower=self.tiers is not None)
 
-    def match_device(self, req: Request) -> int:
+    def match_device(self, req: CachedRequest) -> int:
         """Tokens of ``req`` whose KV the device pool holds (page-aligned), without taking anything."""
         usable = self._usable(req)
         if self.tree is None or not usable:
             return 0
         return self.tree.prefix_len(req.token_ids[:usable], req.cache_salt)
 
-    def _usable(self, req: Request) -> int:
+    def _usable(self, req: CachedRequest) -> int:
         if req.params.prompt_logprobs is not None:
             return 0  # prompt logprobs need the logits of every prompt position, so nothing is reused
         # At least one token must be computed to get logits, so the last token never counts as cached.
         return ((req.num_tokens - 1) // self.page_size) * self.page_size
 
-    def admit(self, req: Request, num_new_tokens: int) -> bool:
+    def admit(self, req: CachedRequest, num_new_tokens: int) -> bool:
         """Reuse the cached prefix of ``req`` and allocate pages for ``num_new_tokens`` beyond it.
 
         Returns False, holding nothing, when the pages cannot be had even after eviction.
@@ -110,10 +158,10 @@ class KVCacheManager:
             self.tree.lock(node)
             if self.tiers is not None:
                 self.tiers.on_hit(self.tree.path(node))
-        loaded = len(req.kv_load.pages) if req.kv_load is not None else 0
+        loaded = len(req.pages.load.pages) if req.pages.load is not None else 0
         self.forget_load(req)  # the request's own lock covers the loaded pages from now on
-        req.page_table = pages
-        req.cache_node = node
+        req.pages.table = pages
+        req.pages.node = node
         self._tree_pages[req] = len(pages)
         if not self.grow(req, cached + num_new_tokens):
             self._drop(req)
@@ -122,28 +170,28 @@ class KVCacheManager:
             self.query_tokens += req.num_tokens
             self.hit_tokens += cached
             self.device_hit_pages += cached // self.page_size - loaded
-            req.num_cached_tokens = cached
+            req.pages.num_cached_tokens = cached
         req.num_computed_tokens = cached
         return True
 
-    def grow(self, req: Request, num_tokens: int) -> bool:
-        """Make ``req.page_table`` cover ``num_tokens`` tokens, evicting cached pages if short."""
-        need = -(-num_tokens // self.page_size) - len(req.page_table)
+    def grow(self, req: CachedRequest, num_tokens: int) -> bool:
+        """Make ``req.pages.table`` cover ``num_tokens`` tokens, evicting cached pages if short."""
+        need = -(-num_tokens // self.page_size) - len(req.pages.table)
         if need <= 0:
             return True
         if not self._make_room(need):
             return False
-        req.page_table.extend(self.allocator.allocate(need))
+        req.pages.table.extend(self.allocator.allocate(need))
         self._private += need
         return True
 
-    def shrink(self, req: Request) -> None:
+    def shrink(self, req: CachedRequest) -> None:
         """Free the private pages past those ``req.token_ids`` needs: after a verification that
         rejected drafts, their slots go back (a rejected draft's KV is never read again)."""
         keep = max(-(-req.num_tokens // self.page_size), self._tree_pages.get(req, 0))
-        extra = req.page_table[keep:]
+        extra = req.pages.table[keep:]
         if extra:
-            del req.page_table[keep:]
+            del req.pages.table[keep:]
             self.allocator.free(extra)
             self._private -= len(extra)
 
@@ -156,14 +204,14 @@ class KVCacheManager:
         return self.allocator.can_allocate(need)
 
     # -- loads from the lower tiers -----------------------------------------------------------------
-    def prefetch(self, req: Request) -> bool:
+    def prefetch(self, req: CachedRequest) -> bool:
         """True while ``req`` must wait for its prefix to come back from the lower tiers.
 
         Starts the load when the lower tiers hold pages right after the device match. A load that
         cannot get device pages is not started: the request then computes those tokens instead.
         """
-        if req.kv_load is not None:
-            return not req.kv_load.ready
+        if req.pages.load is not None:
+            return not req.pages.load.ready
         usable = self._usable(req)
         if self.tiers is None or self.tree is None or not usable:
             return False
@@ -183,54 +231,30 @@ class KVCacheManager:
             self.tree.unlock(m.node)
             return False
         end = m.num_tokens + n * self.page_size
-        req.kv_load = self.tiers.start_load(m, tokens[:end], req.cache_salt, self.allocator.allocate(n))
+        req.pages.load = self.tiers.start_load(m, tokens[:end], req.cache_salt, self.allocator.allocate(n))
         return True
 
     def poll_loads(self) -> None:
         """Put the pages of finished loads into the tree (or free them, if a load failed)."""
         if self.tiers is not None:
+            assert self.tree is not None
             for load in self.tiers.finished_loads():
-                self._land(load)
+                self.tiers.land(load, self.tree, self.allocator.free)
 
     def wait_for_loads(self, timeout: float) -> None:
         """Block until a load in flight finishes or ``timeout`` passes (when there is nothing else to do)."""
         if self.tiers is not None:
             self.tiers.wait_for_loads(timeout)
 
-    def forget_load(self, req: Request) -> None:
-        """``req`` is admitted or gone: drop its load's lock (now, or when the load lands)."""
-        load, req.kv_load = req.kv_load, None
-        if load is None:
-            return
-        load.abandoned = True
-        if load.ready:
-            self._release(load)
-
-    def _land(self, load: Load) -> None:
-        assert self.tree is not None and self.tiers is not None
-        if self.tiers.land(load):
-            r = self.tree.insert(load.tokens, load.prefix_pages + load.pages, load.namespace)
-            if r.num_existing < len(load.tokens):
-                r.node.backed_up = True  # its pages came from the lower tiers
-            m = self.tree.match_prefix(load.tokens, load.namespace)
-            self.tree.lock(m.node)
-            self.tree.unlock(load.node)
-            load.node = m.node
-            first = len(load.prefix_pages)
-            self.allocator.free([p for p, t in zip(load.pages, m.pages[first:]) if p != t])
-        else:
-            self.allocator.free(load.pages)
-            load.pages = []
-        if load.abandoned:
-            self._release(load)
-
-    def _release(self, load: Load) -> None:
-        assert self.tree is not None and self.tiers is not None
-        self.tree.unlock(load.node)
-        self.tiers.loads.remove(load)
+    def forget_load(self, req: CachedRequest) -> None:
+        """``req`` is admitted or gone: its load's lock is dropped (now, or when the load lands)."""
+        load, req.pages.load = req.pages.load, None
+        if load is not None:
+            assert self.tiers is not None and self.tree is not None
+            self.tiers.abandon(load, self.tree)
 
     # -- handing pages to the tree ----------------------------------------------------------------
-    def cache_computed(self, req: Request) -> None:
+    def cache_computed(self, req: CachedRequest) -> None:
         """Insert the whole computed pages of ``req`` into the tree and switch it to the tree's pages.
 
         Where the tree already held a page for the same tokens (another request computed it), ours is
@@ -243,35 +267,35 @@ class KVCacheManager:
         if num_full <= owned:
             return
         key = req.token_ids[: num_full * self.page_size]
-        inserted = self.tree.insert(key, req.page_table[:num_full], req.cache_salt, req.priority)
+        inserted = self.tree.insert(key, req.pages.table[:num_full], req.cache_salt, req.priority)
         if self.tiers is not None:
             self.tiers.on_cached(inserted.node, added_pages=inserted.num_existing < len(key))
         result = self.tree.match_prefix(key, req.cache_salt)
         self.tree.lock(result.node)
-        if req.cache_node is not None:
-            self.tree.unlock(req.cache_node)
-        req.cache_node = result.node
-        duplicates = [p for p, t in zip(req.page_table[owned:num_full], result.pages[owned:]) if p != t]
+        if req.pages.node is not None:
+            self.tree.unlock(req.pages.node)
+        req.pages.node = result.node
+        duplicates = [p for p, t in zip(req.pages.table[owned:num_full], result.pages[owned:]) if p != t]
         self.allocator.free(duplicates)
-        req.page_table[:num_full] = result.pages
+        req.pages.table[:num_full] = result.pages
         self._private -= num_full - owned
         self._tree_pages[req] = num_full
 
-    def release(self, req: Request) -> None:
+    def release(self, req: CachedRequest) -> None:
         """Finish, abort or preempt: keep what was computed in the tree, free the rest, unlock."""
         self.cache_computed(req)
         self._drop(req)
         req.num_computed_tokens = 0
 
-    def _drop(self, req: Request) -> None:
+    def _drop(self, req: CachedRequest) -> None:
         owned = self._tree_pages.pop(req, 0)
-        private = req.page_table[owned:]
+        private = req.pages.table[owned:]
         self.allocator.free(private)
         self._private -= len(private)
-        if self.tree is not None and req.cache_node is not None:
-            self.tree.unlock(req.cache_node)
-        req.cache_node = None
-        req.page_table = []
+        if self.tree is not None and req.pages.node is not None:
+            self.tree.unlock(req.pages.node)
+        req.pages.node = None
+        req.pages.table = []
 
     # -- admin ------------------------------------------------------------------------------------
     def flush(self) -> bool:
@@ -304,8 +328,8 @@ class KVCacheManager:
         if self.tiers is not None:
             self.tiers.close()
 
-    def check_integrity(self, running: Iterable[Request]) -> None:
-        private = [p for r in running for p in r.page_table[self._tree_pages.get(r, 0) :]]
+    def check_integrity(self, running: Iterable[CachedRequest]) -> None:
+        private = [p for r in running for p in r.pages.table[self._tree_pages.get(r, 0) :]]
         assert len(private) == self._private, f"private page count {self._private} != {len(private)} held"
         loads = self.tiers.loads if self.tiers is not None else []
         loading = [p for x in loads if not x.ready for p in x.pages]
