@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
+from benchmarks.accuracy import TEXTS, Scored, agreement
 from benchmarks.common import write_results
-from benchmarks.quant_bench import TEXTS, Scored, agreement, alternate, decode_step
+from benchmarks.quant_bench import alternate
 from benchmarks.step_bench import Steps
 from radixserve import Engine, SamplingParams
 from radixserve.cache.page_pool import KVPool
@@ -57,7 +58,7 @@ def main() -> None:
     engines = {kv: Engine(prefix_cache=False, kv_cache_gb=1.0, kv_cache_dtype=kv) for kv in KV_DTYPES}
     scored = {kv: scores(e) for kv, e in engines.items()}
     steps = {
-        kv: decode_step(Steps(e), args.batch, args.context, args.repeats + 2) for kv, e in engines.items()
+        kv: Steps(e).decode_step(args.batch, args.context, args.repeats + 2)[0] for kv, e in engines.items()
     }
     times = alternate(steps, args.repeats)
     cfg = engines["float32"].model.config

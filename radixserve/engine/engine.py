@@ -31,8 +31,8 @@ from radixserve.engine.scheduler import ScheduledBatch, Scheduler
 from radixserve.engine.speculator import Speculator
 from radixserve.engine.stats import EngineStats
 from radixserve.model import arithmetic
-from radixserve.model.attention import select_backend
-from radixserve.model.loader import load_model, load_tokenizer, resolve_model_path
+from radixserve.model.attention import check_kv_dtype, select_backend
+from radixserve.model.loader import load_model, load_tokenizer, resolve_device_dtype, resolve_model_path
 from radixserve.model.runner import ModelRunner, SeqChunk
 from radixserve.outputs import RequestOutput
 from radixserve.sampling.detokenizer import TextStream
@@ -47,20 +47,8 @@ logger = logging.getLogger("radixserve.engine")
 class Engine:
     def __init__(self, model: str | None = None, **options: Any) -> None:
         self.config = cfg = EngineConfig.from_kwargs(model=model, **options)
-        self.device = torch.device(
-            "cuda"
-            if cfg.device == "auto" and torch.cuda.is_available()
-            else ("cpu" if cfg.device == "auto" else cfg.device)
-        )
-        dtype_name = (
-            cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
-        )
+        self.device, dtype_name = resolve_device_dtype(cfg.device, cfg.dtype)
         self.dtype = getattr(torch, dtype_name)
-        if self.dtype == torch.bfloat16 and self.device.type == "cpu" and not arithmetic.lists_bf16():
-            logger.warning(
-                "dtype bfloat16 on a CPU that lists no bf16 instructions (avx512_bf16, amx_bf16): its "
-                "products are emulated, slower than float32; use dtype float32 (or --quantization int8)"
-            )
         path = resolve_model_path(model, cfg.quantization)
         self.model_path = path
         self.model = load_model(path, self.dtype, self.device, cfg.quantization)
@@ -86,11 +74,7 @@ class Engine:
         shape = (mcfg.num_layers, num_pages, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim)
         # One backend for the whole engine: attention in the runner, page copies for the tiers.
         backend = select_backend(cfg.attention_backend, self.device)
-        if cfg.kv_cache_dtype != "auto" and self.kv_dtype not in backend.kv_dtypes:
-            raise ValueError(
-                f"kv_cache_dtype {self.kv_dtype} is not taken by the {backend.name} attention backend "
-                f"(it takes {', '.join(backend.kv_dtypes)})"
-            )
+        check_kv_dtype(backend, cfg.kv_cache_dtype)
         self.pool = KVPool(*shape, self.kv_dtype, self.device)
         tiers = None
         if cfg.prefix_cache:

@@ -263,3 +263,13 @@ def paged_attention(
     """``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]`` of the step's new tokens -> attention output ``[T, Hq, D]``;
     their K/V go into one layer's ``cache`` first."""
     return backend.attention(q, k, v, cache, meta.slot_mapping, meta.plan, scale)
+
+
+def check_kv_dtype(backend: AttentionBackend, kv_dtype: str) -> None:
+    """Refuse a KV dtype asked for that the backend's kernels do not take (``kv_dtypes``), naming those
+    it does. ``auto`` (the model's dtype) is not refused: a dtype the kernels lack runs the reference."""
+    if kv_dtype != "auto" and kv_dtype not in backend.kv_dtypes:
+        raise ValueError(
+            f"kv_cache_dtype {kv_dtype} is not taken by the {backend.name} attention backend "
+            f"(it takes {', '.join(backend.kv_dtypes)})"
+        )

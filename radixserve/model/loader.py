@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -9,10 +10,27 @@ import torch
 from safetensors import safe_open
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from radixserve.model import quant
+from radixserve.model import arithmetic, quant
 from radixserve.model.config import ModelConfig
 from radixserve.model.layers import RotaryEmbedding
 from radixserve.model.llama import LlamaForCausalLM
+
+logger = logging.getLogger("radixserve.engine")
+
+
+def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, str]:
+    """The engine's device and dtype name: ``auto`` is cuda where available, and bfloat16 there, float32
+    on CPU. bf16 on a CPU that lists no bf16 instructions runs, emulated, with one warning."""
+    dev = torch.device(
+        "cuda" if device == "auto" and torch.cuda.is_available() else device.replace("auto", "cpu")
+    )
+    name = dtype if dtype != "auto" else ("bfloat16" if dev.type == "cuda" else "float32")
+    if name == "bfloat16" and dev.type == "cpu" and not arithmetic.lists_bf16():
+        logger.warning(
+            "dtype bfloat16 on a CPU that lists no bf16 instructions (avx512_bf16, amx_bf16): its "
+            "products are emulated, slower than float32; use dtype float32 (or --quantization int8)"
+        )
+    return dev, name
 
 
 def resolve_model_path(model: str | None, quantization: str | None = None) -> Path:

@@ -198,7 +198,11 @@ class EngineLoop:
         waiting = self._waiting_at_step + self._added_since_step
         limit = self.engine.config.max_waiting_requests
         if waiting >= limit:
-            self._send(RequestError(rid, f"{waiting} requests are waiting (limit {limit})", queue_full=True))
+            self._send(
+                RequestError(
+                    request_id=rid, message=f"{waiting} requests are waiting (limit {limit})", queue_full=True
+                )
+            )
             return
         try:
             self.engine.add_request(msg.prompt_token_ids, msg.params, rid, msg.cache_salt, msg.priority)
