@@ -111,7 +111,9 @@ def serve_command(port: int, flags: list[str], threads: int | None, chunk_tokens
     if threads:
         cmd += ["--engine-threads", str(threads)]
     if chunk_tokens:
-        cmd += ["--max-batched-tokens", str(chunk_tokens)]
+        # A chunk's products take --prefill-arithmetic's cheaper copy only above --max-running-requests
+        # rows (model/arithmetic.py): 8 keeps every chunk of 32 above it, as a served prefill would be.
+        cmd += ["--max-batched-tokens", str(chunk_tokens), "--max-running-requests", "8"]
     return cmd + flags
 
 
