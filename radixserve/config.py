@@ -75,7 +75,7 @@ class EngineConfig:
     schedule_policy: str = knob("lpm", "admission order of waiting requests", choices=POLICIES)
     eviction_policy: str = knob("lru", "which cached prefixes go first", choices=EVICTION_POLICIES)
     attention_backend: str = knob("auto", "attention kernels", choices=BACKENDS)
-    # Run the model step eagerly instead of as a compiled graph (model/capture.py), which is used
+    # Run the model step eagerly instead of as a compiled graph (model/compiled.py), which is used
     # where the attention backend allows it (the C++ CPU kernels) and a C++ compiler is found.
     enforce_eager: bool = knob(False, "run the model step eagerly, not as a compiled graph")
     aging_s: float = knob(30.0, "seconds of waiting worth one priority level", gt=0)

@@ -1,6 +1,6 @@
 """Where radixserve keeps what it builds on the user's machine: converted models and their int8 copies
 (model/default_model.py, model/quant.py), compiled C++ kernels (kernels/cpu_build.py), inductor's
-caches (model/capture.py). One folder, ``${XDG_CACHE_HOME:-~/.cache}/radixserve``."""
+caches (model/compiled.py). One folder, ``${XDG_CACHE_HOME:-~/.cache}/radixserve``."""
 
 from __future__ import annotations
 

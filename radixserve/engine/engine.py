@@ -101,8 +101,8 @@ class Engine:
             cfg.schedule_policy,
             cfg.aging_s,
         )
-        capture = not cfg.enforce_eager and backend.capturable
-        self.runner = ModelRunner(self.model, self.pool, backend, self.device, capture)
+        compile_step = not cfg.enforce_eager and backend.compilable
+        self.runner = ModelRunner(self.model, self.pool, backend, self.device, compile_step)
         self.runner.warmup()
         self.sampler = Sampler()
         self.speculator = None

@@ -47,10 +47,10 @@ class AttentionBackend(Protocol):
     """
 
     name: ClassVar[str]
-    capturable: ClassVar[bool]
+    compilable: ClassVar[bool]
     """Whether ``attention`` (with ``plan``'s tensors as inputs) traces under ``torch.compile`` with
     ``fullgraph=True``: only real torch ops, with fake kernels, and no host syncs. The engine captures
-    the model step only with such a backend (``model/capture.py``)."""
+    the model step only with such a backend (``model/compiled.py``)."""
     kv_dtypes: ClassVar[tuple[str, ...]]
     """The KV cache dtypes (``kernels/kv_dtype.py``) whose pages ``attention`` reads and writes."""
 
@@ -101,7 +101,7 @@ class TorchBackend:
     """The pure-torch reference kernels: any device, every KV dtype; eager only (host-side plans)."""
 
     name: ClassVar[str] = "torch"
-    capturable: ClassVar[bool] = False
+    compilable: ClassVar[bool] = False
     kv_dtypes: ClassVar[tuple[str, ...]] = KV_DTYPES
 
     def plan_step(
@@ -135,11 +135,11 @@ class TorchBackend:
 
 
 class CpuBackend(TorchBackend):
-    """The C++ kernels on CPU tensors (pages read in place, one ragged op per layer); capturable.
+    """The C++ kernels on CPU tensors (pages read in place, one ragged op per layer); compilable.
     Making one builds or loads the ops (``cpu.ensure_loaded``), RuntimeError where they cannot be."""
 
     name: ClassVar[str] = "cpu"
-    capturable: ClassVar[bool] = True  # real torch ops with fake kernels (kernels/cpu_build.py)
+    compilable: ClassVar[bool] = True  # real torch ops with fake kernels (kernels/cpu_build.py)
 
     def __init__(self) -> None:
         cpu.ensure_loaded()
@@ -172,7 +172,7 @@ class TritonBackend:
     """The Triton kernels on CUDA (device-side plans). Triton is imported when one is made."""
 
     name: ClassVar[str] = "triton"
-    capturable: ClassVar[bool] = False
+    compilable: ClassVar[bool] = False
     kv_dtypes: ClassVar[tuple[str, ...]] = KV_DTYPES
 
     def __init__(self) -> None:

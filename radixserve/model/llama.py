@@ -3,7 +3,7 @@
 The model sees a flat batch of new tokens and an AttentionMetadata; it knows nothing of requests.
 Each decoder layer is handed its own K/V cache tensors (views of the pool made outside the layer)
 and nothing that tells layers apart, so all layers are one function of their inputs: compiled
-once, that function serves every layer (``model/capture.py``).
+once, that function serves every layer (``model/compiled.py``).
 """
 
 from __future__ import annotations

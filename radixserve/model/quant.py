@@ -18,7 +18,7 @@ Why: on CPU a decode step is bound by reading the weights; int8 reads a quarter 
   VNNI where the CPU has it; more: ``torch._int_mm``), computing what ``int8_linear`` computes, the
   same numbers at every row count; ``int8_linear`` itself where they do not.
 - Compiled step: the activation quantization and rescaling are plain tensor ops and ``_int_mm`` an
-  aten op, so the captured graph (``model/capture.py``) fuses the element-wise work around it and
+  aten op, so the captured graph (``model/compiled.py``) fuses the element-wise work around it and
   computes what the eager path computes.
 - Cache: ``${XDG_CACHE_HOME:-~/.cache}/radixserve/models/<model folder>-int8-<hash of its path>/``,
   beside the default model's fp32 conversion. Its marker records the scheme version and the name, size

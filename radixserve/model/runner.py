@@ -2,7 +2,7 @@
 
 The batch is flattened with the extend sequences (prefill chunks of two or more tokens) first and the
 single-token sequences last. The backend plans the step's attention once (``plan_step``); every layer
-reuses the plan. Where the step can be captured (``model/capture.py``), the decoder layers run as
+reuses the plan. Where the step can be captured (``model/compiled.py``), the decoder layers run as
 compiled code.
 """
 
@@ -17,7 +17,7 @@ import torch
 
 from radixserve.cache.page_pool import KVPool
 from radixserve.model.attention import AttentionBackend, AttentionMetadata
-from radixserve.model.capture import CapturedLayers
+from radixserve.model.compiled import CompiledLayers
 from radixserve.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -58,14 +58,14 @@ class ModelRunner:
         pool: KVPool,
         backend: AttentionBackend,
         device: torch.device,
-        capture: bool = False,
+        compile_step: bool = False,
     ) -> None:
         self.model = model
         self.pool = pool
         self.backend = backend
         self.device = device
         self.page_size = pool.page_size
-        self.captured = CapturedLayers.create(model.layers) if capture else None
+        self.compiled = CompiledLayers.create(model.layers) if compile_step else None
         # The thread that built the runner. On CPU, model code run from any other thread starts a
         # second OpenMP team; with more libgomp threads than cores, libgomp cuts every team's
         # spin-wait to ~100 spins, so each of a step's ~1,000 parallel regions ends in a futex
@@ -95,7 +95,7 @@ class ModelRunner:
     def warmup(self) -> None:
         """Compile before serving: a two-token and a one-token step (the graphs every step uses)
         over page 0, which holds nothing yet."""
-        if self.captured is not None:
+        if self.compiled is not None:
             self.run([SeqChunk([0, 0], 0, 2, [0, 0])])
             self.run([SeqChunk([0, 0], 1, 1, [0, 0])])
 
@@ -113,8 +113,8 @@ class ModelRunner:
         # no_grad, not inference_mode: compiled layers write the pool's K/V through views, which
         # inference tensors do not allow in a traced graph.
         with torch.no_grad():
-            if self.captured is not None:
-                last, all_logits = self.captured.run(self.forward, inputs, want_all)
+            if self.compiled is not None:
+                last, all_logits = self.compiled.run(self.forward, inputs, want_all)
             else:
                 last, all_logits = self.forward(inputs, want_all)
         logits = torch.empty_like(last)

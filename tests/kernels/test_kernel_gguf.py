@@ -65,7 +65,7 @@ def test_bad_arguments_raise() -> None:
 
 
 def test_gguf_linear_traces_under_torch_compile() -> None:
-    """The op's fake kernel lets dynamo trace it whole (the captured step, model/capture.py)."""
+    """The op's fake kernel lets dynamo trace it whole (the captured step, model/compiled.py)."""
     parts = [Weight(int(Q.Q4_1), random_blocks(Q.Q4_1, 48, K // 32, seed=i), K) for i in range(2)]
     parts.append(Weight(int(Q.Q8_0), random_blocks(Q.Q8_0, 24, K // 32), K))
     linear = GGUFLinear(parts)  # two block types: two products, concatenated

@@ -39,7 +39,7 @@ def test_each_registered_backend_satisfies_the_protocol(name: str) -> None:
     backend = get_backend(name)
     assert isinstance(backend, AttentionBackend)  # runtime_checkable: every method is there
     assert backend.name == name and get_backend(name) is backend  # one object per process
-    assert isinstance(backend.capturable, bool)
+    assert isinstance(backend.compilable, bool)
     assert set(backend.kv_dtypes) <= set(KV_DTYPES) and "float32" in backend.kv_dtypes
     for method in ("plan_step", "attention", "gather_pages", "scatter_pages"):
         want = inspect.signature(getattr(AttentionBackend, method)).parameters
@@ -49,8 +49,8 @@ def test_each_registered_backend_satisfies_the_protocol(name: str) -> None:
 
 
 def test_only_the_cpu_backend_is_captured() -> None:
-    assert REGISTRY["cpu"].capturable is True  # type: ignore[attr-defined]
-    assert REGISTRY["torch"].capturable is False  # type: ignore[attr-defined]
+    assert REGISTRY["cpu"].compilable is True  # type: ignore[attr-defined]
+    assert REGISTRY["torch"].compilable is False  # type: ignore[attr-defined]
 
 
 def test_unknown_backend_is_refused() -> None:

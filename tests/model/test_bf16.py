@@ -25,7 +25,7 @@ def test_bf16_engine_is_captured_and_close_to_fp32(tiny_llama: Path) -> None:
     prompts = [[1, 5, 9, 20, 33], [7, 7, 8]]
     bf16 = Engine(str(tiny_llama), dtype="bfloat16", kv_cache_gb=0.05)
     assert bf16.model.embed_tokens.weight.dtype == torch.bfloat16
-    assert bf16.runner.captured is not None
+    assert bf16.runner.compiled is not None
     fp32 = Engine(str(tiny_llama), kv_cache_gb=0.05)
     for a, b in zip(bf16.generate(prompts, params), fp32.generate(prompts, params)):
         ref = b.outputs[0].logprobs

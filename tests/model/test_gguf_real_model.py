@@ -47,7 +47,7 @@ def test_gguf_exact_is_token_identical_to_fp32(
     fp32_tokens: list[list[int]], eager: bool, prefix_cache: bool
 ) -> None:
     engine = Engine(quantization="gguf", enforce_eager=eager, prefix_cache=prefix_cache, **OPTIONS)
-    assert engine.model.quantization == "gguf" and (engine.runner.captured is None) == eager
+    assert engine.model.quantization == "gguf" and (engine.runner.compiled is None) == eager
     if prefix_cache:  # the shared prefix is cached first, so every prompt below extends over it
         engine.generate(PREFIX, SamplingParams(max_tokens=1))
     outputs = engine.generate(PROMPTS, GREEDY)

@@ -17,7 +17,7 @@ from benchmarks.accuracy import TEXTS, agreement, score
 from radixserve import Engine, SamplingParams
 from radixserve.cache.tiers import model_fingerprint
 from radixserve.config import EngineConfig
-from radixserve.model import capture, quant
+from radixserve.model import compiled, quant
 from radixserve.model.llama import DecoderLayer, LlamaForCausalLM
 from radixserve.model.loader import load_model
 from radixserve.model.quant import Int8Linear, int8_linear, quantize_rows, weight_bytes
@@ -150,7 +150,7 @@ def test_disk_tier_pages_never_cross_between_fp32_and_int8(
     assert cached_tokens("int8") > 0
 
 
-@pytest.mark.skipif(capture.find_compiler() is None, reason="no C++ compiler: no captured step")
+@pytest.mark.skipif(compiled.find_compiler() is None, reason="no C++ compiler: no captured step")
 def test_int8_captured_step_gives_the_eager_tokens(
     tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -159,11 +159,11 @@ def test_int8_captured_step_gives_the_eager_tokens(
     outs = {}
     for eager in (True, False):
         eng = Engine(str(tiny_llama), page_size=4, num_pages=64, quantization="int8", enforce_eager=eager)
-        assert eager or (eng.runner.captured is not None and eng.runner.captured.active)
+        assert eager or (eng.runner.compiled is not None and eng.runner.compiled.active)
         outs[eager] = [
             o.token_ids for o in eng.generate(prompts, SamplingParams(max_tokens=12, temperature=0))
         ]
-        assert eager or (eng.runner.captured is not None and eng.runner.captured.active)  # never fell back
+        assert eager or (eng.runner.compiled is not None and eng.runner.compiled.active)  # never fell back
         eng.close()
     assert outs[False] == outs[True]
 

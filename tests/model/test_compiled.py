@@ -18,12 +18,12 @@ import torch._inductor.compile_fx
 from radixserve import Engine, SamplingParams
 from radixserve.cache.page_pool import KVPool
 from radixserve.kernels import cpu_build
-from radixserve.model import capture
+from radixserve.model import compiled
 from radixserve.model.attention import get_backend
 from radixserve.model.loader import load_model
 from radixserve.model.runner import ModelRunner, SeqChunk
 
-if not cpu_build.load() or capture.find_compiler() is None:
+if not cpu_build.load() or compiled.find_compiler() is None:
     pytest.skip(
         "no C++ compiler: neither the CPU kernels nor the captured step exist", allow_module_level=True
     )
@@ -33,7 +33,7 @@ def _runner(path: Path, captured: bool, kv_dtype: str = "float32") -> ModelRunne
     model = load_model(path, torch.float32, torch.device("cpu"))
     c = model.config
     pool = KVPool(c.num_layers, 256, 4, c.num_kv_heads, c.head_dim, kv_dtype)
-    return ModelRunner(model, pool, get_backend("cpu"), torch.device("cpu"), capture=captured)
+    return ModelRunner(model, pool, get_backend("cpu"), torch.device("cpu"), compile_step=captured)
 
 
 def _steps() -> list[list[SeqChunk]]:
@@ -65,14 +65,14 @@ def _steps() -> list[list[SeqChunk]]:
 def test_captured_step_matches_eager_logits(tiny_models: dict[str, Path], kind: str, kv_dtype: str) -> None:
     eager = _runner(tiny_models[kind], False, kv_dtype)
     captured = _runner(tiny_models[kind], True, kv_dtype)
-    assert captured.captured is not None
+    assert captured.compiled is not None
     for step in _steps():
         want = eager.run(step).logits
         got = captured.run(
             [SeqChunk(list(c.token_ids), c.num_computed, c.num_new, c.page_table) for c in step]
         )
         torch.testing.assert_close(got.logits, want, atol=1e-4, rtol=1e-4)
-    assert captured.captured.active  # it ran compiled throughout, never fell back
+    assert captured.compiled.active  # it ran compiled throughout, never fell back
 
 
 def test_missing_compiler_runs_eagerly_with_one_log_line(
@@ -81,7 +81,7 @@ def test_missing_compiler_runs_eagerly_with_one_log_line(
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     with caplog.at_level(logging.WARNING, logger="radixserve.model"):
         engine = Engine(str(tiny_llama), page_size=4, num_pages=64)
-    assert engine.runner.captured is None
+    assert engine.runner.compiled is None
     lines = [r.getMessage() for r in caplog.records if r.name == "radixserve.model"]
     assert len(lines) == 1 and "no C++ compiler" in lines[0] and "eagerly" in lines[0]
     out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
@@ -92,7 +92,7 @@ def test_a_failing_compile_falls_back_to_eager(
     tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     eager, captured = _runner(tiny_models["qwen2"], False), _runner(tiny_models["qwen2"], True)
-    assert captured.captured is not None
+    assert captured.compiled is not None
     torch._dynamo.reset()  # nothing compiled earlier in this process may serve the step
 
     def no_linker(*args: object, **kwargs: object) -> None:
@@ -103,7 +103,7 @@ def test_a_failing_compile_falls_back_to_eager(
     with caplog.at_level(logging.WARNING, logger="radixserve.model"):
         got = captured.run(step).logits
     torch.testing.assert_close(got, eager.run(step).logits)
-    assert not captured.captured.active
+    assert not captured.compiled.active
     assert any("compiling the model step failed" in r.getMessage() for r in caplog.records)
     torch._dynamo.reset()
 
@@ -120,13 +120,13 @@ def test_real_model_greedy_is_token_identical_captured_and_eager() -> None:
     for eager in (True, False):
         for cache in (True, False):
             engine = Engine(kv_cache_gb=0.3, enforce_eager=eager, prefix_cache=cache)
-            assert (engine.runner.captured is None) == eager
+            assert (engine.runner.compiled is None) == eager
             tokens = [o.token_ids for o in engine.generate(prompts[:1], params)]  # alone
             tokens += [o.token_ids for o in engine.generate(prompts[1:8], params)]  # 7 at once
             tokens += [o.token_ids for o in engine.generate(prompts[8:], params)]  # 24 at once
             results[eager, cache] = tokens
             if not eager:
-                assert engine.runner.captured is not None and engine.runner.captured.active
+                assert engine.runner.compiled is not None and engine.runner.compiled.active
     assert results[False, True] == results[True, True]
     assert results[False, False] == results[True, False]
     assert results[False, True] == results[False, False]
@@ -137,5 +137,5 @@ def test_inductor_cache_lives_under_the_radixserve_cache(
 ) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    capture.CapturedLayers(torch.nn.ModuleList())
+    compiled.CompiledLayers(torch.nn.ModuleList())
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "radixserve" / "inductor")

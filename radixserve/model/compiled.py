@@ -1,5 +1,6 @@
-"""The model step captured as compiled code: every decoder layer through torch.compile (dynamo, then
-inductor's C++ codegen), one graph for all of them.
+"""The model step as compiled code: every decoder layer through torch.compile (dynamo, then
+inductor's C++ codegen), one graph for all of them. Not CUDA graphs: "compiled" here always means
+torch.compile (the docs' "captured step" is this compiled step).
 
 Why: an eager decode step on CPU runs ~1,800 small ops, each a Python call and an OpenMP parallel
 region ending in a barrier; the Python between them and the barriers cost about as much as the
@@ -57,7 +58,7 @@ def _shape_config() -> AbstractContextManager[Any]:
     return shape_config.patch(backed_size_oblivious=True, use_duck_shape=False)  # type: ignore[no-any-return,attr-defined]
 
 
-class CapturedLayers:
+class CompiledLayers:
     """Compiles ``layers`` in place; ``run`` calls the model through them, or eagerly after a failure."""
 
     def __init__(self, layers: nn.ModuleList) -> None:
@@ -79,7 +80,7 @@ class CapturedLayers:
             layer.compile(dynamic=True, fullgraph=True)
 
     @classmethod
-    def create(cls, layers: nn.ModuleList) -> CapturedLayers | None:
+    def create(cls, layers: nn.ModuleList) -> CompiledLayers | None:
         """Captured ``layers``, or None (logged once) where this machine cannot compile them."""
         if find_compiler() is None:
             logger.warning("no C++ compiler (%s) found: %s", os.environ.get("CXX", "g++"), COST)
