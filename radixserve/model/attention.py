@@ -93,16 +93,16 @@ class AttentionBackend(Protocol):
         ...
 
 
-def _scales(cache: LayerCache) -> dict[str, torch.Tensor | None]:
-    return {"k_scale": cache.k_scale, "v_scale": cache.v_scale}
+class KernelsBackend:
+    """A backend over a kernels module (``ops``) whose functions have the reference's names and
+    signatures: every method hands its call to the module, with the layer's int8 scales as keywords.
+    The subclasses only say which module, what it needs first, and what it takes."""
 
-
-class TorchBackend:
-    """The pure-torch reference kernels: any device, every KV dtype; eager only (host-side plans)."""
-
-    name: ClassVar[str] = "torch"
+    name: ClassVar[str]
     compilable: ClassVar[bool] = False
     kv_dtypes: ClassVar[tuple[str, ...]] = KV_DTYPES
+    plan_type: ClassVar[type] = PartsPlan  # what this module's plan_step makes
+    ops: ModuleType
 
     def plan_step(
         self,
@@ -112,83 +112,7 @@ class TorchBackend:
         num_extend: int,
         page_size: int,
     ) -> StepPlan:
-        return reference.plan_step(page_table, cu_q_lens, seq_lens, num_extend, page_size)
-
-    def attention(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cache: LayerCache,
-        slot_mapping: torch.Tensor,
-        plan: StepPlan,
-        scale: float,
-    ) -> torch.Tensor:
-        assert isinstance(plan, PartsPlan), "a plan made by another backend"
-        return reference.attention(q, k, v, cache.k, cache.v, slot_mapping, plan, scale, **_scales(cache))
-
-    def gather_pages(self, buffer: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-        return reference.gather_pages(buffer, pages)
-
-    def scatter_pages(self, buffer: torch.Tensor, pages: torch.Tensor, src: torch.Tensor) -> None:
-        reference.scatter_pages(buffer, pages, src)
-
-
-class CpuBackend(TorchBackend):
-    """The C++ kernels on CPU tensors (pages read in place, one ragged op per layer); compilable.
-    Making one builds or loads the ops (``cpu.ensure_loaded``), RuntimeError where they cannot be."""
-
-    name: ClassVar[str] = "cpu"
-    compilable: ClassVar[bool] = True  # real torch ops with fake kernels (kernels/cpu_build.py)
-
-    def __init__(self) -> None:
-        cpu.ensure_loaded()
-
-    def plan_step(
-        self,
-        page_table: torch.Tensor,
-        cu_q_lens: torch.Tensor,
-        seq_lens: torch.Tensor,
-        num_extend: int,
-        page_size: int,
-    ) -> StepPlan:
-        return cpu.plan_step(page_table, cu_q_lens, seq_lens, num_extend, page_size)
-
-    def attention(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cache: LayerCache,
-        slot_mapping: torch.Tensor,
-        plan: StepPlan,
-        scale: float,
-    ) -> torch.Tensor:
-        assert isinstance(plan, cpu.StepPlan), "a plan made by another backend"
-        return cpu.attention(q, k, v, cache.k, cache.v, slot_mapping, plan, scale, **_scales(cache))
-
-
-class TritonBackend:
-    """The Triton kernels on CUDA (device-side plans). Triton is imported when one is made."""
-
-    name: ClassVar[str] = "triton"
-    compilable: ClassVar[bool] = False
-    kv_dtypes: ClassVar[tuple[str, ...]] = KV_DTYPES
-
-    def __init__(self) -> None:
-        from radixserve.kernels import ops
-
-        self.ops: ModuleType = ops
-
-    def plan_step(
-        self,
-        page_table: torch.Tensor,
-        cu_q_lens: torch.Tensor,
-        seq_lens: torch.Tensor,
-        num_extend: int,
-        page_size: int,
-    ) -> StepPlan:
-        plan: PartsPlan = self.ops.plan_step(page_table, cu_q_lens, seq_lens, num_extend, page_size)
+        plan: StepPlan = self.ops.plan_step(page_table, cu_q_lens, seq_lens, num_extend, page_size)
         return plan
 
     def attention(
@@ -201,9 +125,9 @@ class TritonBackend:
         plan: StepPlan,
         scale: float,
     ) -> torch.Tensor:
-        assert isinstance(plan, PartsPlan), "a plan made by another backend"
+        assert isinstance(plan, self.plan_type), "a plan made by another backend"
         out: torch.Tensor = self.ops.attention(
-            q, k, v, cache.k, cache.v, slot_mapping, plan, scale, **_scales(cache)
+            q, k, v, cache.k, cache.v, slot_mapping, plan, scale, k_scale=cache.k_scale, v_scale=cache.v_scale
         )
         return out
 
@@ -213,6 +137,38 @@ class TritonBackend:
 
     def scatter_pages(self, buffer: torch.Tensor, pages: torch.Tensor, src: torch.Tensor) -> None:
         self.ops.scatter_pages(buffer, pages, src)
+
+
+class TorchBackend(KernelsBackend):
+    """The pure-torch reference kernels: any device, every KV dtype; eager only (host-side plans)."""
+
+    name: ClassVar[str] = "torch"
+    ops = reference
+
+
+class CpuBackend(KernelsBackend):
+    """The C++ kernels on CPU tensors (pages read in place, one ragged op per layer); compilable.
+    Making one builds or loads the ops (``cpu.ensure_loaded``), RuntimeError where they cannot be.
+    Its page copies are the reference's (``kernels/cpu.py`` re-exports them)."""
+
+    name: ClassVar[str] = "cpu"
+    compilable: ClassVar[bool] = True  # real torch ops with fake kernels (kernels/cpu_build.py)
+    plan_type: ClassVar[type] = cpu.StepPlan
+    ops = cpu
+
+    def __init__(self) -> None:
+        cpu.ensure_loaded()
+
+
+class TritonBackend(KernelsBackend):
+    """The Triton kernels on CUDA (device-side plans). Triton is imported when one is made."""
+
+    name: ClassVar[str] = "triton"
+
+    def __init__(self) -> None:
+        from radixserve.kernels import ops
+
+        self.ops = ops
 
 
 REGISTRY: dict[str, Callable[[], AttentionBackend]] = {
