@@ -67,11 +67,12 @@ def apply_preset(config: Any) -> dict[str, Any]:
         return {}
     fields = {f.name: f for f in dataclasses.fields(config)}
     picked = {}
-    for name, value in fast_settings(set(fields), config.model).items():
+    settings = fast_settings(set(fields), config.model)
+    for name, value in settings.items():
         if getattr(config, name) == fields[name].default:
             setattr(config, name, value)
             picked[name] = value
-    kept = sorted(set(fast_settings(set(fields), config.model)) - set(picked))
+    kept = sorted(set(settings) - set(picked))
     logger.info(
         "preset fast: %s%s",
         "; ".join(f"{n}={v} ({MEASURED.get((n, str(v)), 'not measured yet')})" for n, v in picked.items())
