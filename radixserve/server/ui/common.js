@@ -41,6 +41,13 @@ async function postJson(path, body, signal) {
   return response;
 }
 
+// Another method (DELETE): the parsed JSON answer, or an Error with the server's message.
+async function callJson(method, path) {
+  const response = await fetch(path, { method, headers: authHeaders() });
+  if (!response.ok) throw await apiError(response);
+  return response.json();
+}
+
 // Make an element: el("span", {class: "x"}, "text", child, ...).
 function el(tag, attrs, ...children) {
   const node = document.createElement(tag);

@@ -1,5 +1,5 @@
-// The cache dashboard: figures now, time series, tiers and the radix tree, refreshed every 2 s from
-// /v1/server/timeseries and /v1/cache/tree.
+// The cache dashboard: figures now, time series, tiers, the caller's pins and the radix tree, refreshed
+// every 2 s from /v1/server/timeseries, /v1/cache/pins and /v1/cache/tree.
 "use strict";
 
 const REFRESH_MS = 2000;
@@ -112,6 +112,54 @@ function showTiers(tiers) {
   $("tiers").replaceChildren(...rows);
 }
 
+// TTL left of each pin as of the last fetch; the cells count down between fetches (every second).
+let pinsFetched = 0;
+function ttlLeft(seconds) {
+  return duration(Math.max(0, seconds - (performance.now() - pinsFetched) / 1000));
+}
+
+function duration(s) {
+  if (s < 120) return Math.floor(s) + " s";
+  if (s < 7200) return Math.floor(s / 60) + " min " + Math.floor(s % 60) + " s";
+  return (s / 3600).toFixed(1) + " h";
+}
+
+function tickPins() {
+  for (const cell of document.querySelectorAll("#pins td[data-ttl-left]")) {
+    cell.textContent = ttlLeft(Number(cell.dataset.ttlLeft));
+  }
+}
+
+function showPins(list) {
+  pinsFetched = performance.now();
+  const pins = list.data;
+  if (!pins.length) {
+    $("pins").replaceChildren(el("tr", {}, el("td", { class: "muted" }, "No pins.")));
+    return;
+  }
+  const head = ["pin", "tokens", "tier", "hits", "TTL left", "TTL", "expires", ""];
+  const rows = [el("tr", {}, ...head.map((h) => el("th", { scope: "col" }, h)))];
+  for (const p of pins) {
+    const unpin = el("button", { type: "button", "aria-label": "Unpin " + p.id }, "Unpin");
+    unpin.addEventListener("click", async () => {
+      unpin.disabled = true;
+      try { await callJson("DELETE", "/v1/cache/pins/" + encodeURIComponent(p.id)); $("pins-error").textContent = ""; }
+      catch (e) { $("pins-error").textContent = e.message; }
+      refresh();
+    });
+    rows.push(el("tr", { "data-testid": "pin", "data-pin-id": p.id, "data-tokens": p.tokens, "data-tier": p.tier, "data-hits": p.hits },
+      el("th", { scope: "row", class: "mono" }, p.id),
+      el("td", {}, String(p.tokens)),
+      el("td", {}, el("span", { class: "tier tier-" + p.tier }, p.tier)),
+      el("td", {}, String(p.hits)),
+      el("td", { "data-ttl-left": p.ttl_left_s }, ttlLeft(p.ttl_left_s)),
+      el("td", {}, duration(p.ttl_s)),
+      el("td", {}, new Date(p.expires_at * 1000).toLocaleTimeString()),
+      el("td", {}, unpin)));
+  }
+  $("pins").replaceChildren(...rows);
+}
+
 function ago(seconds) {
   if (seconds < 60) return Math.round(seconds) + " s ago";
   if (seconds < 3600) return Math.round(seconds / 60) + " min ago";
@@ -160,7 +208,17 @@ function showTree(tree) {
   }
 }
 
+async function refreshPins() {
+  try {
+    showPins(await getJson("/v1/cache/pins"));
+    $("pins-error").textContent = "";
+  } catch (e) {
+    $("pins-error").textContent = e.message;
+  }
+}
+
 async function refresh() {
+  refreshPins();
   try {
     showSeries(await getJson("/v1/server/timeseries"));
     const query = new URLSearchParams({ depth: $("depth").value, min_tokens: $("min-tokens").value });
@@ -179,3 +237,4 @@ async function loop() {
 setUpKeyField();
 for (const id of ["api-key", "depth", "min-tokens"]) $(id).addEventListener("change", () => { lastTree = ""; refresh(); });
 loop();
+setInterval(tickPins, 1000);

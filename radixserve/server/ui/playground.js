@@ -1,5 +1,5 @@
 // The chat playground: a conversation streamed from /v1/chat/completions, a badge per answer
-// (TTFT, tok/s, cached tokens) and the last prompt with its cached part highlighted.
+// (TTFT, tok/s, cached tokens by tier, cache writes) and the last prompt with its cached part highlighted.
 "use strict";
 
 const conversation = []; // {role, content}, the system prompt excluded
@@ -60,14 +60,24 @@ async function readEvents(response, onChunk) {
   }
 }
 
+// The cached tokens by the tier that served them (device, host, disk): they sum to cached_tokens.
+function tierSplit(details) {
+  const by = details.cached_tokens_by_tier || {};
+  return { device: by.device || 0, host: by.host || 0, disk: by.disk || 0 };
+}
+
 function badgeText(t) {
   const parts = [];
   if (t.ttftMs !== null) parts.push("TTFT " + Math.round(t.ttftMs) + " ms");
   if (t.tokensPerS !== null) parts.push(t.tokensPerS.toFixed(1) + " tok/s");
   if (t.usage) {
     const u = t.usage;
-    const cached = u.prompt_tokens_details ? u.prompt_tokens_details.cached_tokens : 0;
+    const d = u.prompt_tokens_details || {};
+    const cached = d.cached_tokens || 0;
     parts.push("cached " + cached + " / " + u.prompt_tokens + " prompt tokens");
+    const split = Object.entries(tierSplit(d)).filter(([, n]) => n > 0).map(([tier, n]) => tier + " " + n);
+    if (split.length) parts.push("from " + split.join(", "));
+    if (d.cache_write_tokens !== undefined) parts.push("wrote " + d.cache_write_tokens + " to the cache");
   }
   if (t.stopped) parts.push("stopped");
   return parts.join(" · ");
@@ -108,8 +118,11 @@ async function generate() {
   if (n > 1 && t.last > t.first) t.tokensPerS = (n - 1) / ((t.last - t.first) / 1000);
   badge.textContent = badgeText(t);
   if (t.usage) {
-    badge.dataset.cachedTokens = t.usage.prompt_tokens_details.cached_tokens;
+    const d = t.usage.prompt_tokens_details || {};
+    badge.dataset.cachedTokens = d.cached_tokens || 0;
     badge.dataset.promptTokens = t.usage.prompt_tokens;
+    for (const [tier, n] of Object.entries(tierSplit(d))) badge.dataset["cached" + tier[0].toUpperCase() + tier.slice(1)] = n;
+    if (d.cache_write_tokens !== undefined) badge.dataset.cacheWrites = d.cache_write_tokens;
   }
   badge.dataset.done = t.stopped ? "stopped" : "finished";
   if (!answer && !t.stopped && !t.usage) { // refused (the error is shown): nothing to keep
@@ -119,7 +132,7 @@ async function generate() {
   }
   conversation.push({ role: "assistant", content: answer });
   setBusy(false);
-  if (t.usage) showPrompt(messages, t.usage.prompt_tokens_details.cached_tokens).catch((e) => {
+  if (t.usage) showPrompt(messages, (t.usage.prompt_tokens_details || {}).cached_tokens || 0).catch((e) => {
     $("prompt-text").textContent = "(could not render the prompt: " + e.message + ")";
   });
 }
