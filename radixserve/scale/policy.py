@@ -4,8 +4,11 @@ Order of signals, as sgl-router's cache-aware policy and llm-d's scorer weigh th
 1. **balance**: when the replicas' loads are too far apart (both the absolute gap
    ``balance_abs_threshold`` and the ratio ``balance_rel_threshold`` are passed, or one replica's KV
    use is above ``kv_use_threshold``), the least-loaded replica gets the request, whatever it caches;
-2. **cache**: else the replica holding the longest cached prefix of the prompt (at least
-   ``min_cached_pages`` pages; ties go to the less loaded);
+2. **cache** (or **pin**): else the replica holding the longest cached prefix of the prompt (at least
+   ``min_cached_pages`` pages; ties go to the one whose pin covers more of it, then to the less
+   loaded). A replica whose pin covers the prompt is a candidate even when its pool is over
+   ``kv_use_threshold`` (the pin is much of that use, and the one copy sure to stay); the reason is
+   "pin" when the chosen replica holds such a pin;
 3. **session**: else the replica this session id went to last;
 4. **load**: else the least-loaded replica (ties broken by a rotating counter, not by the list order,
    so cold prefixes spread out).
@@ -17,8 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-Reason = Literal["balance", "cache", "session", "load"]
-REASONS: tuple[Reason, ...] = ("balance", "cache", "session", "load")
+Reason = Literal["balance", "pin", "cache", "session", "load"]
+REASONS: tuple[Reason, ...] = ("balance", "pin", "cache", "session", "load")
 
 
 @dataclass(frozen=True)
@@ -61,10 +64,12 @@ def decide(
     session_replica: str | None,
     settings: RouterSettings,
     turn: int = 0,
+    pinned: Mapping[str, int] | None = None,
 ) -> Decision:
     """Rank ``candidates`` (non-empty) for one request. ``scores`` maps replicas to their cached
     pages of its prompt (missing: 0); ``session_replica`` is where its session went last, if known;
-    ``turn`` rotates ties among equally loaded replicas."""
+    ``turn`` rotates ties among equally loaded replicas; ``pinned`` maps replicas to the pages of the
+    prompt a pin keeps there (missing: 0)."""
     if not candidates:
         raise ValueError("no candidate replicas")
     load = {r: loads.get(r, Load(0)) for r in candidates}
@@ -81,10 +86,16 @@ def decide(
 
     if imbalance > settings.balance_abs_threshold and busiest > settings.balance_rel_threshold * idlest:
         return decision(by_load[0], "balance")
-    usable = [r for r in by_load if load[r].kv_use < settings.kv_use_threshold] or by_load
-    best = max(usable, key=lambda r: scores.get(r, 0))  # max keeps the first: the least loaded of ties
-    if scores.get(best, 0) >= settings.min_cached_pages:
-        return decision(best, "cache")
+    pins = pinned or {}
+    holds_pin = {r for r in by_load if pins.get(r, 0) >= settings.min_cached_pages}
+    usable = [r for r in by_load if load[r].kv_use < settings.kv_use_threshold or r in holds_pin] or by_load
+
+    def cached(r: str) -> int:  # a pinned prefix may sit in the host tier: it is cached all the same
+        return max(scores.get(r, 0), pins.get(r, 0))
+
+    best = max(usable, key=lambda r: (cached(r), pins.get(r, 0)))  # max keeps the first: least loaded
+    if cached(best) >= settings.min_cached_pages:
+        return Decision(ranked(best), "pin" if best in holds_pin else "cache", cached(best), imbalance)
     if session_replica in load:
         return decision(session_replica, "session")
     return decision(usable[0], "load")

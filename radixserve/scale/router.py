@@ -77,14 +77,15 @@ class CacheAwareRouter(_Targeted, RequestRouter):
     ) -> list[list[RunningReplica]]:
         by_id = {r.replica_id.unique_id: r for r in candidates}
         scores: dict[str, int] = {}
+        pinned: dict[str, int] = {}
         if key is not None and key.token_ids:
-            scores = await self._index.score.remote(key.token_ids, key.cache_salt)
+            scores, pinned = await self._index.lookup.remote(key.token_ids, key.cache_salt)
         loads = {
             rid: Load(self._ongoing.get(rid, 0), float((r.routing_stats or {}).get("kv_use", 0.0)))
             for rid, r in by_id.items()
         }
         session = None if key is None or key.session_id is None else self._sessions.get(key.session_id)
-        d = decide(list(by_id), scores, loads, session, self.settings, next(self._turn))
+        d = decide(list(by_id), scores, loads, session, self.settings, next(self._turn), pinned)
         if key is not None and key.session_id is not None:
             self._remember(key.session_id, d.ranked[0])
         router_metrics().decided(d.reason, d.cached_pages, d.imbalance)

@@ -95,6 +95,25 @@ def test_listening_on_a_tree_that_holds_pages_is_refused() -> None:
         tree.listen(KVEventLog(b"", PS), SEED)
 
 
+def test_the_index_knows_which_prefixes_are_pinned_and_forgets_a_pin_the_replica_dropped() -> None:
+    tree, log = tree_with_log()
+    index = CacheIndex()
+    system = list(range(200, 216))  # 4 pages
+    index.set_pins("a", {"pin-1": (None, system + [9])})  # sent before any event: keyed once one comes
+    tree.insert(system + [1, 2, 3, 4], list(range(5)))
+    index.apply("a", drain(log))
+    index.apply("b", [KVEvents(seed=SEED, page_size=PS, events=[])])
+    assert index.lookup(system + [1, 2, 3, 4, 5], None) == ({"a": 5, "b": 0}, {"a": 4, "b": 0})
+    assert index.lookup(system[:8], None) == ({"a": 2, "b": 0}, {"a": 0, "b": 0})  # not the whole pin
+    assert index.lookup(system, "tenant-b")[1] == {"a": 0, "b": 0}  # another namespace's prompt
+    assert index.pins() == {"a": 1, "b": 0}
+    tree.evict(5)  # demoted or dropped from the device: the pin still covers the prompt there
+    index.apply("a", drain(log))
+    assert index.lookup(system + [1], None) == ({"a": 0, "b": 0}, {"a": 4, "b": 0})
+    index.set_pins("a", {})  # expired or deleted on the replica
+    assert index.lookup(system + [1], None)[1] == {"a": 0, "b": 0}
+
+
 S = RouterSettings(balance_abs_threshold=4, balance_rel_threshold=1.5)
 
 
@@ -114,6 +133,23 @@ def test_imbalance_past_both_thresholds_overrides_the_cache() -> None:
 def test_a_full_pool_is_avoided_for_a_cache_hit() -> None:
     d = decide(["a", "b"], {"a": 2, "b": 7}, {"a": Load(0), "b": Load(0, kv_use=0.99)}, None, S)
     assert (d.ranked[0], d.reason) == ("a", "cache")
+
+
+def test_a_pin_holder_wins_ties_and_stays_a_candidate_with_a_full_pool() -> None:
+    loads = {"a": Load(0), "b": Load(1, kv_use=0.99)}  # b's pool is full (of its pin)
+    d = decide(["a", "b"], {"a": 4, "b": 4}, loads, None, S, pinned={"b": 4})
+    assert (d.ranked[0], d.reason, d.cached_pages) == ("b", "pin", 4)
+    # Without the pin, the full pool is avoided.
+    assert decide(["a", "b"], {"a": 4, "b": 4}, loads, None, S).ranked[0] == "a"
+    # A pinned prefix in the host tier (no device pages indexed) still draws its prompt.
+    d = decide(["a", "b"], {}, {"a": Load(0), "b": Load(2)}, None, S, pinned={"b": 3})
+    assert (d.ranked[0], d.reason) == ("b", "pin")
+    # A longer unpinned hit elsewhere (the pinned prompt plus a conversation) beats the pin.
+    d = decide(["a", "b"], {"a": 9, "b": 4}, {"a": Load(0), "b": Load(0)}, None, S, pinned={"b": 4})
+    assert (d.ranked[0], d.reason) == ("a", "cache")
+    # Balance still overrides a pin.
+    d = decide(["a", "b"], {"b": 4}, {"a": Load(0), "b": Load(6)}, None, S, pinned={"b": 4})
+    assert d.reason == "balance" and d.ranked[0] == "a"
 
 
 def test_a_session_sticks_when_nothing_is_cached_and_otherwise_the_least_loaded_goes() -> None:
