@@ -1,10 +1,11 @@
 """Pinning a shared system prompt (issue 23's benchmark), over HTTP on loopback.
 
 A chat workload with a long system prompt (default 1,500 tokens) shared by every "system" request,
-and unrelated "filler" chats between them that fill the KV pool. The pool is sized to hold the system
-prompt plus one filler and little more, and each round sends enough fillers to fill the whole pool
-(``fillers_for``), so the LRU evicts the unpinned system prompt every round: without a pin each system
-request recomputes it; with ``cache_control`` on the system block it stays on device.
+and unrelated "filler" chats between them that fill the KV pool. The pool is sized to hold the pinned
+system prompt plus one request of the longest context and little more (``pool_pages``), and each round
+sends enough fillers to fill the whole pool (``fillers_for``), so the LRU evicts the unpinned system
+prompt every round: without a pin each system request recomputes it; with ``cache_control`` on the
+system block it stays on device.
 
 Two phases in one run, each on a fresh server with the same flags (one server at a time, so they do
 not compete for the cores): ``unpinned`` (the system block without ``cache_control``) and ``pinned``
@@ -41,9 +42,8 @@ from benchmarks.servers import SERVED_NAME, free_port, serving
 
 PHASES = ("unpinned", "pinned")
 PIN = {"type": "ephemeral", "ttl": "1h"}
-# Room in the pool beyond the system prompt and one filler: the chat template's tokens around them,
-# the question, and the few generated tokens.
-MARGIN_TOKENS = 192
+# The chat template's tokens around a message, the question and the few generated tokens.
+TEMPLATE_TOKENS = 128
 
 
 @dataclass(frozen=True)
@@ -65,9 +65,16 @@ class Sample:
     error: str | None = None
 
 
+def context_tokens(system_tokens: int, filler_tokens: int) -> int:
+    """``--max-model-len``: the longer of a system request and a filler, with room to spare."""
+    return max(system_tokens, filler_tokens) + 2 * TEMPLATE_TOKENS
+
+
 def pool_pages(system_tokens: int, filler_tokens: int, page_size: int) -> int:
-    """A pool that holds the system prompt and one filler (with their template tokens), not much more."""
-    return -(-(system_tokens + filler_tokens + MARGIN_TOKENS) // page_size)
+    """A pool that holds the pinned system prompt and one request of ``context_tokens`` beside it (the
+    pin budget never takes that request's room), and little more."""
+    tokens = system_tokens + TEMPLATE_TOKENS + context_tokens(system_tokens, filler_tokens)
+    return -(-tokens // page_size)
 
 
 def fillers_for(num_pages: int, page_size: int, filler_tokens: int) -> int:
@@ -183,6 +190,7 @@ def server_command(model: str, port: int, args: argparse.Namespace) -> list[str]
     cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--model", model, "--port", str(port)]
     cmd += ["--served-model-name", SERVED_NAME, "--log-level", "warning"]
     cmd += ["--page-size", str(args.page_size), "--num-pages", str(args.num_pages)]
+    cmd += ["--max-model-len", str(context_tokens(args.system_tokens, args.filler_tokens))]
     cmd += ["--max-pinned-fraction", str(args.max_pinned_fraction)]
     if args.engine_threads is not None:
         cmd += ["--engine-threads", str(args.engine_threads)]
@@ -231,8 +239,13 @@ def main() -> None:
     a("--rounds", type=int, default=6, help="timed system requests per phase")
     a("--fillers", type=int, default=None, help="fillers per round (default: enough to fill the pool)")
     a("--page-size", type=int, default=16)
-    a("--num-pages", type=int, default=None, help="device pool (default: system prompt + one filler)")
-    a("--max-pinned-fraction", type=float, default=0.8, help="passed to both servers")
+    a("--num-pages", type=int, default=None, help="device pool (default: pool_pages)")
+    a(
+        "--max-pinned-fraction",
+        type=float,
+        default=0.6,
+        help="both servers (the default 0.25 is too small for a system prompt of half the pool)",
+    )
     a("--max-tokens", type=int, default=4)
     a("--engine-threads", type=int, default=None, help="torch threads of each engine process")
     a("--out", type=Path, default=RESULTS)
