@@ -47,3 +47,22 @@ def tab_to(page: Page, element_id: str, limit: int = 30) -> None:
             return
         page.keyboard.press("Tab")
     raise AssertionError(f"#{element_id} is not reachable with Tab")
+
+
+def send_chat(page: Page, text: str) -> None:
+    """Type ``text`` into the playground's composer and send it (Enter)."""
+    page.fill("#input", text)
+    page.press("#input", "Enter")
+
+
+def wait_answers(page: Page, n: int) -> None:
+    """Wait until the playground shows ``n`` finished (or stopped) answers."""
+    page.wait_for_function(
+        f"document.querySelectorAll('[data-testid=badge][data-done]').length >= {n}", timeout=60_000
+    )
+
+
+def badge_numbers(page: Page, index: int) -> dict[str, int]:
+    """The figures the ``index``-th answer's badge carries (its data attributes), as integers."""
+    attrs = page.locator("[data-testid=badge]").nth(index).evaluate("b => ({...b.dataset})")
+    return {k: int(v) for k, v in attrs.items() if v.lstrip("-").isdigit()}

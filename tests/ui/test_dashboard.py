@@ -143,3 +143,46 @@ def test_tree_route_needs_the_key_and_refuses_bad_input(url: str) -> None:
         shallow = client.get("/v1/cache/tree?depth=1", headers=auth(KEY_A)).json()
         [ns] = shallow["namespaces"]
         assert all(not c["children"] and c["hidden_children"] for c in ns["children"])
+
+
+PINNED = "Pinned handbook: the pager rota, the escalation ladder and the runbook index. " * 2
+
+
+def pin_rows(page: Page) -> list[dict[str, Any]]:
+    return list(
+        page.eval_on_selector_all(
+            "[data-testid=pin]",
+            """rows => rows.map(r => ({id: r.dataset.pinId, tokens: Number(r.dataset.tokens),
+                tier: r.dataset.tier, ttl: r.querySelector('td[data-ttl-left]').textContent}))""",
+        )
+    )
+
+
+def test_the_dashboard_lists_the_callers_pins_with_their_ttl_left_and_unpins(
+    browser: Browser, url: str
+) -> None:
+    with httpx.Client(base_url=url, timeout=60) as client:
+        body = {"prompt": PINNED, "pin": {"ttl_s": 100}}  # under 2 minutes: shown in seconds
+        r = client.post("/v1/cache/warm", json=body, headers=auth(KEY_A))
+        assert r.status_code == 200, r.text
+        pin = r.json()["pin"]
+        try:
+            page = open_dashboard(browser, url, KEY_A)
+            page.wait_for_selector("[data-testid=pin]")
+            [row] = pin_rows(page)
+            assert (row["id"], row["tokens"], row["tier"]) == (pin["id"], pin["tokens"], "device")
+            first = int(row["ttl"].removesuffix(" s"))  # "99 s": under the TTL, and counting down
+            assert 85 <= first < 100, row
+            cell = "document.querySelector('#pins td[data-ttl-left]').textContent"
+            page.wait_for_function(f"parseInt({cell}) < {first}", timeout=5_000)
+            # Key B sees none of A's pins, on the page or in the JSON behind it.
+            other = open_dashboard(browser, url, KEY_B)
+            other.wait_for_function("document.getElementById('pins').textContent.includes('No pins')")
+            assert pin["id"] not in other.content()
+            other.close()
+            page.click(f"[data-testid=pin][data-pin-id='{pin['id']}'] button")
+            page.wait_for_function("document.getElementById('pins').textContent.includes('No pins')")
+            assert client.get("/v1/cache/pins", headers=auth(KEY_A)).json()["data"] == []
+            page.close()
+        finally:
+            client.delete(f"/v1/cache/pins/{pin['id']}", headers=auth(KEY_A))

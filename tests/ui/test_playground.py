@@ -8,7 +8,16 @@ from typing import TYPE_CHECKING
 
 import httpx
 import pytest
-from browser_util import DESKTOP, PHONE, fits_width, screenshot, tab_to
+from browser_util import (
+    DESKTOP,
+    PHONE,
+    badge_numbers,
+    fits_width,
+    screenshot,
+    send_chat,
+    tab_to,
+    wait_answers,
+)
 from server_util import scrape, serving
 
 from radixserve.config import EngineConfig
@@ -55,17 +64,6 @@ def answers(page: Page) -> list[str]:
     return page.locator("#messages li.assistant .content").all_inner_texts()
 
 
-def send(page: Page, text: str) -> None:
-    page.fill("#input", text)
-    page.press("#input", "Enter")
-
-
-def wait_finished(page: Page, n: int) -> None:
-    page.wait_for_function(
-        f"document.querySelectorAll('[data-testid=badge][data-done]').length >= {n}", timeout=60_000
-    )
-
-
 def test_two_turns_stream_and_the_second_is_served_from_the_cache(page: Page) -> None:
     page.fill("#temperature", "0")
     page.fill("#max-tokens", "12")
@@ -73,15 +71,18 @@ def test_two_turns_stream_and_the_second_is_served_from_the_cache(page: Page) ->
     tab_to(page, "input")  # the composer is reachable by keyboard, and Enter sends
     page.keyboard.type("What is the capital of France?")
     page.keyboard.press("Enter")
-    wait_finished(page, 1)
+    wait_answers(page, 1)
     first = answers(page)[0]
     assert first.strip(), "no text streamed"
     assert page.evaluate("window.updates") >= 3, "the answer arrived in one piece, not streamed"
     badge = page.locator("[data-testid=badge]").nth(0)
     assert "TTFT" in badge.inner_text() and "tok/s" in badge.inner_text()
+    first_turn = badge_numbers(page, 0)  # a new prompt: written to the cache, read from nothing
+    assert 0 < first_turn["cacheWrites"] <= first_turn["promptTokens"] - first_turn["cachedTokens"]
+    assert f"wrote {first_turn['cacheWrites']} to the cache" in badge.inner_text()
 
-    send(page, "And of Italy?")
-    wait_finished(page, 2)
+    send_chat(page, "And of Italy?")
+    wait_answers(page, 2)
     badge = page.locator("[data-testid=badge]").nth(1)
     cached, prompt = (
         int(badge.get_attribute("data-cached-tokens") or 0),
@@ -89,6 +90,10 @@ def test_two_turns_stream_and_the_second_is_served_from_the_cache(page: Page) ->
     )
     assert 0 < cached < prompt, (cached, prompt)
     assert f"cached {cached} / {prompt} prompt tokens" in badge.inner_text()
+    # The split by tier: no host or disk tier here, so every cached token came from the device.
+    split = badge_numbers(page, 1)
+    assert (split["cachedDevice"], split["cachedHost"], split["cachedDisk"]) == (cached, 0, 0)
+    assert f"from device {cached}" in badge.inner_text() and "host" not in badge.inner_text()
     # The highlighted prompt: its cached part is the first turn, the new question is after it.
     mark = page.locator("[data-testid=cached-prompt]")
     mark.wait_for()
@@ -108,12 +113,12 @@ def test_stop_aborts_the_request_and_its_pages_return(page: Page, url: str) -> N
         aborted = start.get("radixserve:request_success_total{finished_reason=abort}", 0.0)
         page.fill("#temperature", "0")
         page.fill("#max-tokens", "400")
-        send(page, "Count from 1 to 300, one number per line.")
+        send_chat(page, "Count from 1 to 300, one number per line.")
         page.wait_for_function(
             "(document.querySelector('#messages li.assistant .content') || {}).textContent?.length > 10"
         )
         page.click("#stop")
-        wait_finished(page, 1)
+        wait_answers(page, 1)
         assert page.locator("[data-testid=badge]").get_attribute("data-done") == "stopped"
         for _ in range(100):  # the engine frees the pages at its next step
             m = scrape(client)
@@ -130,12 +135,12 @@ def test_stop_aborts_the_request_and_its_pages_return(page: Page, url: str) -> N
 
 def test_regenerate_replaces_the_last_answer(page: Page) -> None:
     page.fill("#max-tokens", "6")
-    send(page, "Say hello.")
-    wait_finished(page, 1)
+    send_chat(page, "Say hello.")
+    wait_answers(page, 1)
     assert page.is_enabled("#regenerate")
     with page.expect_request(lambda r: r.url.endswith("/v1/chat/completions")):
         page.click("#regenerate")
-    wait_finished(page, 1)
+    wait_answers(page, 1)
     assert page.locator("#messages li").count() == 2  # the question and one answer, not two
 
 
@@ -143,11 +148,11 @@ def test_a_regex_constraint_shapes_the_answer_and_a_bad_one_is_reported(page: Pa
     page.select_option("#constraint", "regex")
     page.fill("#constraint-text", "(yes|no)")
     page.fill("#max-tokens", "4")
-    send(page, "Is Paris in France? Answer yes or no.")
-    wait_finished(page, 1)
+    send_chat(page, "Is Paris in France? Answer yes or no.")
+    wait_answers(page, 1)
     assert answers(page)[-1] in ("yes", "no")
     page.select_option("#constraint", "json_schema")
     page.fill("#constraint-text", '{"type": "object"')  # not JSON: the page says so and sends nothing
-    send(page, "Again?")
+    send_chat(page, "Again?")
     page.wait_for_function("document.getElementById('status').textContent.startsWith('Error')")
     assert len(answers(page)) == 1
