@@ -54,7 +54,7 @@ def test_a_turn_served_from_the_host_tier_shows_host_in_its_badge(page: Page, ur
         for i in range(4):
             body = {
                 "model": MODEL_NAME,
-                "prompt": f"Filler {i}: " + "ledger entry %d; " % i * 30,
+                "prompt": f"Filler {i}: " + f"ledger entry {i}; " * 30,
                 "max_tokens": 1,
             }
             r = client.post("/v1/completions", json=body)
