@@ -12,12 +12,17 @@ Invariants:
   every Ray failure ends the stream with a typed error.
 - A consumer that stops early cancels the replica's stream, which aborts the request there.
 - ``stats()`` sums the replicas' latest stats (polled every ``STATS_PERIOD_S``).
+- Cache control: a warm goes where the router would send its prompt, or with ``replicas="all"`` to
+  every replica; a pin made by a request lives on the replica that served it. Pins are listed from
+  every replica; a pin's id names its replica (``replica.split_pin_id``), so a deletion goes to that
+  one only; an eviction by prefix goes to every replica (each frees what it holds).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncGenerator, Callable
@@ -25,12 +30,21 @@ from typing import Any
 
 import msgspec
 
+from radixserve.cache.pin_types import PinInfo, PinSpec, PrefixEviction, WarmResult
 from radixserve.engine.prompt import Prompt, tokenize
 from radixserve.engine.stats import EngineStats
+from radixserve.errors import InvalidRequestError
 from radixserve.model.loader import load_tokenizer, resolve_model_path
 from radixserve.outputs import RequestOutput
 from radixserve.sampling.params import SamplingParams
-from radixserve.scale.replica import Finished, GenerateCall, ReplicaError, RouteKey
+from radixserve.scale.replica import (
+    Finished,
+    GenerateCall,
+    ReplicaError,
+    RouteKey,
+    WarmCall,
+    split_pin_id,
+)
 from radixserve.scale.router_metrics import router_metrics
 from radixserve.server.engine_api import (
     EngineUnavailableError,
@@ -124,20 +138,94 @@ class ReplicaSetEngine:
     async def flush_cache(self) -> bool:
         """Flush every replica's cache; False if any refused (requests hold cached pages) or a call kept
         landing elsewhere; EngineUnavailableError (503) if replicas did not answer in time."""
+        answers, complete = await self._broadcast("flush_cache", RouteKey([], None))
+        return complete and all(answers.values())
+
+    async def _broadcast(
+        self,
+        method: str,
+        route: RouteKey,
+        make: Callable[[RouteKey], tuple[Any, ...]] = lambda r: (r,),
+        timeout_s: float | None = CALL_TIMEOUT_S,
+    ) -> tuple[dict[str, Any], bool]:
+        """Call ``method(*make(route targeted at r))`` on every replica the index knows: each one's
+        answer, and whether every replica answered (a targeted call may land elsewhere while a replica
+        is new: those are sent again, ``MAX_ATTEMPTS`` times); EngineUnavailableError (503) if replicas
+        did not answer within ``timeout_s``."""
         pending = set((await self._index.replicas.remote()).keys())
-        flushed = True
-        for _ in range(MAX_ATTEMPTS):  # a targeted call may land elsewhere while a replica is new
-            calls = (self._handle.flush_cache.remote(RouteKey([], None, target=r)) for r in pending)
+        answers: dict[str, Any] = {}
+        for _ in range(MAX_ATTEMPTS):
+            calls = (
+                getattr(self._handle, method).remote(*make(dataclasses.replace(route, target=r)))
+                for r in pending
+            )
             try:
-                answers = await asyncio.wait_for(asyncio.gather(*calls), CALL_TIMEOUT_S)
+                got = await asyncio.wait_for(asyncio.gather(*calls), timeout_s)
             except asyncio.TimeoutError:
-                raise EngineUnavailableError(f"replicas {sorted(pending)} did not answer the flush") from None
-            for rid, ok in answers:
-                flushed = flushed and ok
+                raise EngineUnavailableError(f"replicas {sorted(pending)} did not answer {method}") from None
+            for rid, answer in got:
+                answers.setdefault(rid, answer)
                 pending.discard(rid)
             if not pending:
-                return flushed
-        return False
+                return answers, True
+        return answers, False
+
+    # -- cache control ----------------------------------------------------------------------------
+    async def warm(
+        self, token_ids: list[int], cache_salt: str | None, pin: PinSpec | None, replicas: str | None = None
+    ) -> WarmResult:
+        """Warm where the router would send ``token_ids``, or with ``replicas="all"`` on every replica
+        (``warm_all``). No time limit: a warm is a prefill, as long as the prompt's."""
+        if replicas is not None:
+            if replicas != "all":
+                raise InvalidRequestError(
+                    f"replicas must be 'all' (or left out: the replica the router chooses), got {replicas!r}",
+                    "replicas",
+                    "invalid_value",
+                )
+            return (await self.warm_all(token_ids, cache_salt, pin))[0][1]
+        route = RouteKey(list(token_ids), cache_salt, SESSION_ID.get())
+        _, result = await self._handle.warm.remote(WarmCall(route, pin))
+        return _raised(result)
+
+    async def warm_all(
+        self, token_ids: list[int], cache_salt: str | None, pin: PinSpec | None
+    ) -> list[tuple[str, WarmResult]]:
+        """Warm on every replica: each replica's id and result, by id. A refusal by any is raised (the
+        others may have warmed: that changes nothing a client sees but the cost of a later request)."""
+        route = RouteKey(list(token_ids), cache_salt)
+        answers, _ = await self._broadcast("warm", route, lambda r: (WarmCall(r, pin),), timeout_s=None)
+        if not answers:
+            raise EngineUnavailableError("no engine replica has started")
+        return [(rid, _raised(answers[rid])) for rid in sorted(answers)]
+
+    async def pins(self, namespace: str | None) -> list[PinInfo]:
+        answers, _ = await self._broadcast("pins", RouteKey([], namespace))
+        return [p for rid in sorted(answers) for p in answers[rid]]
+
+    async def unpin(self, pin_id: str, namespace: str | None) -> bool:
+        parts = split_pin_id(pin_id)
+        if parts is None:
+            return False
+        replica, own = parts
+        if replica not in await self._index.replicas.remote():
+            return False  # its replica is gone, and its pins with it
+        served_by, found = await self._call_handle("unpin", RouteKey([], namespace, target=replica), own)
+        return bool(found) and served_by == replica
+
+    async def evict(self, token_ids: list[int], cache_salt: str | None) -> PrefixEviction:
+        """Every replica frees what it holds of the prefix: the sums."""
+        answers, _ = await self._broadcast("evict", RouteKey(list(token_ids), cache_salt))
+        freed: list[PrefixEviction] = [_raised(r) for r in answers.values()]
+        return PrefixEviction(
+            freed_pages=sum(f.freed_pages for f in freed), freed_tokens=sum(f.freed_tokens for f in freed)
+        )
+
+    async def _call_handle(self, method: str, *args: Any) -> Any:
+        try:
+            return await asyncio.wait_for(getattr(self._handle, method).remote(*args), CALL_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise EngineUnavailableError(f"no replica answered {method}") from None
 
     # -- requests ---------------------------------------------------------------------------------
     def generate(
@@ -147,11 +235,12 @@ class ReplicaSetEngine:
         request_id: str | None = None,
         cache_salt: str | None = None,
         priority: int | str = 0,
+        pin: PinSpec | None = None,
     ) -> RequestStream:
         stream = _RemoteStream()
         rid = request_id or uuid.uuid4().hex
         route = RouteKey(list(prompt_token_ids), cache_salt, SESSION_ID.get())
-        call = GenerateCall(route, params, rid, priority)
+        call = GenerateCall(route, params, rid, priority, pin)
         return stream.bind(self._generate(call, stream))
 
     async def _generate(
@@ -191,6 +280,10 @@ class ReplicaSetEngine:
                 if stream.final is None:
                     gen.cancel()
 
+    async def advance_pin_clock(self, seconds: float) -> None:
+        """Tests: move every replica's pin clock ahead (no route calls it)."""
+        await self._broadcast("advance_pin_clock", RouteKey([], None), lambda r: (r, seconds))
+
     async def _poll_stats(self) -> None:
         while True:
             try:
@@ -213,3 +306,10 @@ class ReplicaSetEngine:
             except Exception:
                 logger.exception("polling the replicas' stats failed")
             await asyncio.sleep(STATS_PERIOD_S)
+
+
+def _raised(answer: Any) -> Any:
+    """A replica's answer, or its ReplicaError raised as the engine error of that kind."""
+    if isinstance(answer, ReplicaError):
+        raise answer.exception()
+    return answer

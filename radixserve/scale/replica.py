@@ -10,6 +10,11 @@ Invariants:
   them, and every event of a request is published before its ``Finished`` item is sent: a client
   that waits for an answer and then asks a follow-up is routed on a cache state that includes it.
 - A replica registers with the index when it starts, so the ingress knows it before its first event.
+- Pin ids leave a replica as ``<replica id>.<engine's pin id>`` (``PIN_SEP``), so the ingress sends a
+  pin's deletion to the one replica that holds it, and ids of different replicas never collide. The
+  index's pins of this replica are what its engine's pin table holds (``_sync_pins``: after every
+  pin, unpin and eviction, and every ``PIN_SYNC_PERIOD_S`` while it holds any), each keyed by the
+  tokens of the request that made it.
 """
 
 from __future__ import annotations
@@ -21,10 +26,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import msgspec
+
 from radixserve.cache.events import KVEvents
+from radixserve.cache.pin_types import PinInfo, PinSpec, PrefixEviction, WarmResult
 from radixserve.config import EngineConfig
 from radixserve.engine.stats import EngineStats
-from radixserve.errors import InvalidRequestError
+from radixserve.errors import InvalidRequestError, PinBudgetError
 from radixserve.outputs import RequestOutput
 from radixserve.sampling.params import SamplingParams
 from radixserve.server.async_engine import AsyncEngine
@@ -39,6 +47,18 @@ from radixserve.server.engine_api import (
 logger = logging.getLogger("radixserve.scale")
 
 PUBLISH_PERIOD_S = 0.05  # events of long requests (chunked prefills) are published at least this often
+PIN_SYNC_PERIOD_S = 1.0  # how soon the index forgets a pin whose TTL passed
+PIN_SEP = "."  # between the replica id and the engine's pin id (Serve's replica ids have no dot)
+
+
+def replica_pin_id(replica: str, pin_id: str) -> str:
+    return f"{replica}{PIN_SEP}{pin_id}"
+
+
+def split_pin_id(pin_id: str) -> tuple[str, str] | None:
+    """The replica and the engine's pin id of a scaled-out pin id, or None for one that is not."""
+    replica, sep, own = pin_id.partition(PIN_SEP)
+    return (replica, own) if sep and replica and own else None
 
 
 @dataclass(frozen=True)
@@ -57,6 +77,13 @@ class GenerateCall:
     params: SamplingParams
     request_id: str
     priority: int | str = 0
+    pin: PinSpec | None = None
+
+
+@dataclass(frozen=True)
+class WarmCall:
+    route: RouteKey  # the router places a warm as it would the prompt (or ``target``: replicas "all")
+    pin: PinSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -68,7 +95,7 @@ class Finished:
     replica: str
 
 
-ErrorKind = Literal["invalid", "queue_full", "unavailable", "failed"]
+ErrorKind = Literal["invalid", "over_budget", "queue_full", "unavailable", "failed"]
 
 
 @dataclass(frozen=True)
@@ -82,6 +109,8 @@ class ReplicaError:
 
     @staticmethod
     def of(exc: BaseException) -> ReplicaError:
+        if isinstance(exc, PinBudgetError):  # before its base class: it is a 429, not a 400
+            return ReplicaError("over_budget", str(exc), exc.param, exc.code)
         if isinstance(exc, InvalidRequestError):
             return ReplicaError("invalid", str(exc), exc.param, exc.code)
         if isinstance(exc, QueueFullError):
@@ -91,6 +120,8 @@ class ReplicaError:
         return ReplicaError("failed", f"{type(exc).__name__}: {exc}")
 
     def exception(self) -> Exception:
+        if self.kind == "over_budget":
+            return PinBudgetError(self.message, self.param, self.code)
         if self.kind == "invalid":
             return InvalidRequestError(self.message, self.param, self.code)
         if self.kind == "queue_full":
@@ -101,6 +132,7 @@ class ReplicaError:
 
 
 StreamItem = RequestOutput | Finished | ReplicaError
+PinnedPrefix = tuple[str | None, list[int]]  # cache_index.PinnedPrefix: a pin's namespace and tokens
 
 
 class EngineReplica:
@@ -125,6 +157,8 @@ class EngineReplica:
         self._events: list[KVEvents] = []
         self.engine.on_kv_events = self._events.append
         self._publish_lock = asyncio.Lock()
+        self._pins: dict[str, PinnedPrefix] = {}  # engine pin id -> its namespace and request's tokens
+        self._pins_dirty = False
         self.index = index_actor(index_name)
         await self.index.register.remote(self.replica_id)
         await self.engine.start()
@@ -132,8 +166,9 @@ class EngineReplica:
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[StreamItem]:
         """Stream one request: its deltas, then ``Finished``; or a ``ReplicaError`` and nothing more."""
+        route = call.route
         stream = self.engine.generate(
-            call.route.token_ids, call.params, call.request_id, call.route.cache_salt, call.priority
+            route.token_ids, call.params, call.request_id, route.cache_salt, call.priority, call.pin
         )
         try:
             async for delta in stream:
@@ -144,8 +179,68 @@ class EngineReplica:
             return
         finally:
             await stream.aclose()  # a cancelled call (client gone) aborts the request in the engine
+        if result.cache_pin is not None:
+            self._remember_pin(result.cache_pin.id, route)
+            pin = msgspec.structs.replace(
+                result.cache_pin, id=replica_pin_id(self.replica_id, result.cache_pin.id)
+            )
+            result = dataclasses.replace(result, cache_pin=pin)
         await self._publish()
         yield Finished(result, self._records.pop(call.request_id, None), self.replica_id)
+
+    # -- cache control: the ingress's ReplicaSetEngine calls these (docs/scaling.md) ---------------
+    async def warm(self, call: WarmCall) -> tuple[str, WarmResult | ReplicaError]:
+        try:
+            result = await self.engine.warm(call.route.token_ids, call.route.cache_salt, call.pin)
+        except Exception as exc:
+            return self.replica_id, ReplicaError.of(exc)
+        if result.pin is not None:
+            self._remember_pin(result.pin.id, call.route)
+            result = msgspec.structs.replace(result, pin=self._outward(result.pin))
+        await self._publish()
+        return self.replica_id, result
+
+    async def pins(self, route: RouteKey) -> tuple[str, list[PinInfo]]:
+        """The pins of ``route.cache_salt`` and the namespaces under it, ids made scaled-out ones."""
+        return self.replica_id, [self._outward(p) for p in await self.engine.pins(route.cache_salt)]
+
+    async def unpin(self, route: RouteKey, pin_id: str) -> tuple[str, bool]:
+        """Drop this replica's pin ``pin_id`` (the engine's own id) if it is in the route's namespaces."""
+        found = await self.engine.unpin(pin_id, route.cache_salt)
+        self._pins_dirty = self._pins_dirty or found
+        await self._publish()
+        return self.replica_id, found
+
+    async def evict(self, route: RouteKey) -> tuple[str, PrefixEviction | ReplicaError]:
+        try:
+            freed = await self.engine.evict(route.token_ids, route.cache_salt)
+        except Exception as exc:
+            return self.replica_id, ReplicaError.of(exc)
+        self._pins_dirty = True  # the namespace's pins on the prefix were dropped first
+        await self._publish()
+        return self.replica_id, freed
+
+    async def advance_pin_clock(self, route: RouteKey, seconds: float) -> tuple[str, None]:
+        """Tests: move this engine's pin clock ahead, then tell the index which pins are left."""
+        await self.engine.advance_pin_clock(seconds)
+        await self._publish(sync_pins=True)
+        return self.replica_id, None
+
+    def _outward(self, pin: PinInfo) -> PinInfo:
+        return msgspec.structs.replace(pin, id=replica_pin_id(self.replica_id, pin.id))
+
+    def _remember_pin(self, pin_id: str, route: RouteKey) -> None:
+        self._pins[pin_id] = (route.cache_salt, list(route.token_ids))
+        self._pins_dirty = True
+
+    async def _sync_pins(self) -> None:
+        """Send the index the pins the engine still holds, each cut to its pinned tokens."""
+        held = {p.id: p.tokens for p in await self.engine.pins(None)}
+        self._pins = {pid: v for pid, v in self._pins.items() if pid in held}
+        await self.index.set_pins.remote(
+            self.replica_id, {pid: (salt, tokens[: held[pid]]) for pid, (salt, tokens) in self._pins.items()}
+        )
+        self._pins_dirty = False
 
     async def describe(self, route: RouteKey) -> tuple[str, Limits]:
         """This replica's id and its engine's limits (the ingress asks one replica at start)."""
@@ -170,7 +265,9 @@ class EngineReplica:
         if not self.engine.healthy:
             raise RuntimeError("the engine process is not serving")
 
-    async def _publish(self) -> None:
+    async def _publish(self, sync_pins: bool = False) -> None:
+        """Events first, then (if they changed, or ``sync_pins``) the pins: the index keys a pin by
+        the seed its first events carry."""
         async with self._publish_lock:  # one batch in flight: the index sees them in order
             if self._events:
                 batches, self._events[:] = list(self._events), []
@@ -179,12 +276,18 @@ class EngineReplica:
                 except BaseException:
                     self._events[:0] = batches  # keep the order for the next try
                     raise
+            if self._pins_dirty or (sync_pins and self._pins):
+                await self._sync_pins()
 
     async def _publish_periodically(self) -> None:
+        last_sync = 0.0
+        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(PUBLISH_PERIOD_S)
             try:
-                await self._publish()
+                sync = loop.time() - last_sync >= PIN_SYNC_PERIOD_S
+                await self._publish(sync_pins=sync)
+                last_sync = loop.time() if sync else last_sync
             except Exception:  # the index is a detached actor; a failed call is retried next period
                 logger.exception("publishing KV events failed")
 

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from playwright.sync_api import Browser, Page
 
 PAGE_SIZE = 4
-NUM_PAGES = 96  # 384 tokens: the conversation, or two fillers, not both
+NUM_PAGES = 96  # 384 tokens: the conversation (~250) or two fillers (~175 each), not both
 SYSTEM = "You are the archivist of the northern library. " * 6
 
 
@@ -54,7 +54,7 @@ def test_a_turn_served_from_the_host_tier_shows_host_in_its_badge(page: Page, ur
         for i in range(4):
             body = {
                 "model": MODEL_NAME,
-                "prompt": f"Filler {i}: " + f"ledger entry {i}; " * 30,
+                "prompt": f"Filler {i}: " + f"ledger entry {i}; " * 12,
                 "max_tokens": 1,
             }
             r = client.post("/v1/completions", json=body)
