@@ -453,5 +453,7 @@ class AsyncEngine:
             first_token_time=result.first_token_time,
             finish_time=result.finish_time or time.monotonic(),
             token_gaps=[b - a for a, b in itertools.pairwise(times)],
+            cached_tokens_by_tier=dict(result.cached_tokens_by_tier),
+            cache_write_tokens=result.cache_write_tokens,
         )
         self.on_finish(record)

@@ -22,7 +22,7 @@ The routes (app.py, api.py, chat.py, completions.py, generate.py, metrics.py, da
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -81,6 +81,8 @@ class RequestRecord:
     first_token_time: float | None
     finish_time: float
     token_gaps: list[float]  # seconds between consecutive tokens of the first sample
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # sums to cached_tokens
+    cache_write_tokens: int = 0  # prompt tokens newly added to the cache
 
     @property
     def ttft(self) -> float | None:
