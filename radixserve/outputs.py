@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from radixserve.cache.pin_types import PinRef
+
 
 @dataclass
 class TokenLogprob:
@@ -42,6 +44,11 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+    # Issue 23: where the cached tokens came from ("device", "host", "disk"; sums to ``cached_tokens``),
+    # the prompt tokens this request newly added to the cache, and its pin (cache/pins.py), if any.
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    cache_write_tokens: int = 0
+    cache_pin: PinRef | None = None
 
     @property
     def text(self) -> str:

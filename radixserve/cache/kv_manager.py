@@ -17,6 +17,11 @@ go ahead. The controller owns each load from start to release (``land``, ``aband
 starts them and hands them back. What gets copied down, and when, is the controller's write policy:
 this class only tells it what happened (``on_cached``, ``on_hit``, ``on_evicted``).
 
+Pins (``cache/pins.py``, ``self.pins``): a request granted a pin holds it in ``RequestPages.pin``; the
+pin is held in the tree as soon as the request's computed pages cover its prefix, and a pin still
+pending when its request ends goes with it. Every admission on a pinned path renews the pin's TTL;
+pins past their TTL are dropped before an eviction, so an expired pin's pages are evictable again.
+
 Accounting invariant: free + cached (tree) + in-use (private, and pages being loaded) == total pages.
 """
 
@@ -27,6 +32,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from radixserve.cache.page_pool import PageAllocator
+from radixserve.cache.pin_types import TIERS, PrefixEviction
+from radixserve.cache.pins import Pin, PinTable
 from radixserve.cache.radix import RadixCache
 from radixserve.cache.radix_node import TreeNode
 from radixserve.cache.tier_controller import Load, TierController
@@ -45,6 +52,10 @@ class RequestPages:
     node: TreeNode | None = None  # the locked radix node covering the shared prefix, if any
     load: Load | None = None
     num_cached_tokens: int = 0
+    # Of ``num_cached_tokens``, how many came from each tier ("device", "host", "disk") at admission.
+    cached_by_tier: dict[str, int] = field(default_factory=dict)
+    write_tokens: int = 0  # prompt tokens this request newly put into the tree
+    pin: Pin | None = None  # granted at add_request; held once the prefix is in the tree
 
 
 class _Params(Protocol):
@@ -62,6 +73,8 @@ class CachedRequest(Protocol):
     def token_ids(self) -> list[int]: ...
     @property
     def num_tokens(self) -> int: ...
+    @property
+    def num_prompt_tokens(self) -> int: ...
     @property
     def cache_salt(self) -> str | None: ...
     @property
@@ -89,6 +102,7 @@ class KVCacheManager:
         self.tree = None
         if prefix_cache:
             self.tree = RadixCache(page_size, eviction_policy, self.allocator.free, self.tiers)
+        self.pins: PinTable | None = None  # ``enable_pins``
         self._tree_pages: dict[
             CachedRequest, int
         ] = {}  # per request: its table's entries that are the tree's
@@ -97,6 +111,13 @@ class KVCacheManager:
         self.hit_tokens = 0
         self.evicted_pages = 0
         self.device_hit_pages = 0
+
+    def enable_pins(self, max_pinned_fraction: float, reserve_pages: int) -> PinTable | None:
+        """Let requests pin prefixes (cache/pins.py), within ``max_pinned_fraction`` of the pool per
+        tenant and never leaving fewer than ``reserve_pages`` unpinned; None without a prefix cache."""
+        if self.tree is not None:
+            self.pins = PinTable(self.tree, self.num_pages, max_pinned_fraction, reserve_pages)
+        return self.pins
 
     # -- sizes --------------------------------------------------------------------------------
     @property
@@ -158,7 +179,18 @@ class KVCacheManager:
             self.tree.lock(node)
             if self.tiers is not None:
                 self.tiers.on_hit(self.tree.path(node))
-        loaded = len(req.pages.load.pages) if req.pages.load is not None else 0
+            if self.pins is not None:
+                self.pins.hit(self.tree.path(node))
+        load = req.pages.load
+        loaded = len(load.pages) if load is not None else 0
+        by_tier = dict.fromkeys(TIERS, 0)
+        by_tier["device"] = cached
+        if load is not None:  # the loaded pages that the match covers came from the tier they were in
+            first = len(load.prefix_pages)
+            for i, tier in enumerate(load.tiers[:loaded]):
+                if (first + i + 1) * self.page_size <= cached:
+                    by_tier[tier] += self.page_size
+                    by_tier["device"] -= self.page_size
         self.forget_load(req)  # the request's own lock covers the loaded pages from now on
         req.pages.table = pages
         req.pages.node = node
@@ -171,6 +203,7 @@ class KVCacheManager:
             self.hit_tokens += cached
             self.device_hit_pages += cached // self.page_size - loaded
             req.pages.num_cached_tokens = cached
+            req.pages.cached_by_tier = by_tier
         req.num_computed_tokens = cached
         return True
 
@@ -197,6 +230,8 @@ class KVCacheManager:
 
     def _make_room(self, need: int) -> bool:
         if not self.allocator.can_allocate(need) and self.tree is not None:
+            if self.pins is not None:
+                self.pins.expire()  # an expired pin's pages are evictable again
             evicted = self.tree.evict(need - self.allocator.num_free)
             self.evicted_pages += evicted.num_pages
             if self.tiers is not None:  # before the caller allocates, and so may overwrite, those pages
@@ -268,6 +303,7 @@ class KVCacheManager:
             return
         key = req.token_ids[: num_full * self.page_size]
         inserted = self.tree.insert(key, req.pages.table[:num_full], req.cache_salt, req.priority)
+        req.pages.write_tokens += max(0, min(len(key), req.num_prompt_tokens) - inserted.num_existing)
         if self.tiers is not None:
             self.tiers.on_cached(inserted.node, added_pages=inserted.num_existing < len(key))
         result = self.tree.match_prefix(key, req.cache_salt)
@@ -280,6 +316,40 @@ class KVCacheManager:
         req.pages.table[:num_full] = result.pages
         self._private -= num_full - owned
         self._tree_pages[req] = num_full
+        pin = req.pages.pin
+        if pin is not None and pin.node is None and len(key) >= len(pin.tokens):
+            assert self.pins is not None
+            self.pins.hold(pin)
+
+    def end_pin(self, req: CachedRequest) -> None:
+        """``req`` has ended (finished or aborted, not preempted): its pin is held if its prefix is in
+        the tree, else it goes."""
+        pin, req.pages.pin = req.pages.pin, None
+        if pin is not None and self.pins is not None and not self.pins.hold(pin):
+            self.pins.drop_pending(pin)
+
+    def evict_prefix(self, tokens: list[int], namespace: str | None) -> PrefixEviction:
+        """Free the cached pages of the whole pages of ``tokens`` in ``namespace`` (and, when all of it
+        is cached, of what continues it) that no request holds and no other prefix shares; the
+        namespace's pins on them are dropped first."""
+        if self.tree is None or self.pins is None:
+            return PrefixEviction(freed_pages=0, freed_tokens=0)
+        whole = tokens[: len(tokens) // self.page_size * self.page_size]
+        node, num_tokens = self.tree.node_at(whole, namespace)
+        scope = {id(n) for n in self.tree.path(node)}
+        if num_tokens and num_tokens == len(whole):
+            stack = list(node.children.values())
+            while stack:
+                n = stack.pop()
+                scope.add(id(n))
+                stack.extend(n.children.values())
+        for pin in self.pins.within(namespace, scope):
+            self.pins.drop(pin)
+        evicted = self.tree.evict(self.num_pages, within=lambda n: id(n) in scope)
+        self.evicted_pages += evicted.num_pages
+        if self.tiers is not None:
+            self.tiers.on_evicted(evicted)
+        return PrefixEviction(freed_pages=evicted.num_pages, freed_tokens=evicted.num_pages * self.page_size)
 
     def release(self, req: CachedRequest) -> None:
         """Finish, abort or preempt: keep what was computed in the tree, free the rest, unlock."""
@@ -302,8 +372,11 @@ class KVCacheManager:
         """Drop every cached page; refused (False) while any request holds tree pages."""
         if self.tree is None:
             return True
-        if self.tree.protected_pages or (self.tiers is not None and self.tiers.loads):
+        held = any(r.pages.node is not None for r in self._tree_pages)
+        if held or (self.tiers is not None and self.tiers.loads):
             return False
+        if self.pins is not None:
+            self.pins.clear()  # the admin's flush drops pins too
         self.tree.reset()
         if self.tiers is not None:
             self.tiers.clear()
@@ -338,6 +411,8 @@ class KVCacheManager:
         if self.tree is not None:
             assert all(x.node.lock_ref > 0 for x in loads), "a load's path is not locked"
             self.tree.check_integrity(self.allocator.free_pages(), private + loading, self.num_pages)
+            if self.pins is not None:
+                self.pins.check_integrity()
             if self.tiers is not None:
                 self.tiers.check_integrity()
         else:

@@ -9,6 +9,9 @@ adapter id) has its own root, so two namespaces never share a page. Invariants, 
 - a node's ``lock_ref`` counts the locks taken on it or on a descendant, so
   ``lock_ref >= sum(child.lock_ref)``: a locked node's ancestors are all locked;
 - roots hold no tokens, keep ``lock_ref == 1`` and are never evicted;
+- a pin (``pin``) is a lock that also counts in ``pin_ref``, so ``lock_ref >= pin_ref >=
+  sum(child.pin_ref)``; ``pinned_pages`` sums, per namespace, the pages of nodes with ``pin_ref > 0``
+  and changes only when a pin count crosses 0 <-> 1 (a subset of ``protected_pages``);
 - ``evictable_pages`` sums the pages of unlocked nodes and ``protected_pages`` those of locked ones; both
   change only when a lock count crosses 0 <-> 1, or when pages enter or leave the tree;
 - no page appears twice in the tree. The tree owns its pages: it hands them back only through
@@ -79,6 +82,7 @@ class RadixCache:
         self.num_growths = 0
         self._evictable = 0
         self._protected = 0
+        self._pinned: Counter[Hashable] = Counter()  # per namespace: pages of pinned nodes
         self._roots: dict[Hashable, TreeNode] = {}
         self.listener: CacheListener | None = None
         self._seed: bytes | None = tiers.seed if tiers is not None else None  # set: nodes carry keys
@@ -107,6 +111,10 @@ class RadixCache:
     @property
     def total_pages(self) -> int:
         return self._evictable + self._protected
+
+    def pinned_pages(self, namespaces: Callable[[Hashable], bool] | None = None) -> int:
+        """Pages of pinned nodes, in the namespaces ``namespaces`` accepts (None: all)."""
+        return sum(n for ns, n in self._pinned.items() if namespaces is None or namespaces(ns))
 
     # ---- lookup and insertion ----
 
@@ -217,16 +225,51 @@ class RadixCache:
                 self._evictable += len(node.pages)
             node = self._parent(node)
 
+    def pin(self, node: TreeNode) -> None:
+        """Lock ``node`` as a pin: the same protection, also counted in ``pin_ref``/``pinned_pages``."""
+        self.lock(node)
+        while not node.is_root:
+            if node.pin_ref == 0:
+                self._pinned[node.namespace] += len(node.pages)
+            node.pin_ref += 1
+            node = self._parent(node)
+
+    def unpin(self, node: TreeNode) -> None:
+        """Undo one ``pin(node)``."""
+        self._check_attached(node)
+        if not node.is_root and node.pin_ref <= 0:
+            raise RuntimeError(f"unpin of an unpinned node {node!r}")
+        start = node
+        while not node.is_root:
+            node.pin_ref -= 1
+            if node.pin_ref == 0:
+                self._pinned[node.namespace] -= len(node.pages)
+                if not self._pinned[node.namespace]:
+                    del self._pinned[node.namespace]
+            node = self._parent(node)
+        self.unlock(start)
+
+    def node_at(self, tokens: Sequence[int], namespace: Hashable = None) -> tuple[TreeNode, int]:
+        """The node ending the cached page-aligned prefix of ``tokens`` (split there if need be), and
+        that prefix's length; no access or hit is recorded."""
+        node, num_tokens, _ = self._walk(tokens, namespace)
+        return node, num_tokens
+
     # ---- eviction ----
 
-    def evict(self, num_pages: int) -> EvictResult:
-        """Free up to ``num_pages`` pages from unlocked leaves, least valuable first.
+    def evict(self, num_pages: int, within: Callable[[TreeNode], bool] | None = None) -> EvictResult:
+        """Free up to ``num_pages`` pages from unlocked leaves, least valuable first; with ``within``,
+        only from the nodes it accepts (a leaf it accepts may expose a parent it accepts).
 
         A leaf larger than what is still needed loses only its last pages, so this frees exactly
         ``min(num_pages, evictable_pages)``. With lower tiers, the result also lists the freed pages
         that had no copy below.
         """
-        heap = [(self._eviction_key(n), id(n), n) for n in self._nodes() if self._is_evictable_leaf(n)]
+        heap = [
+            (self._eviction_key(n), id(n), n)
+            for n in self._nodes()
+            if self._is_evictable_leaf(n) and (within is None or within(n))
+        ]
         heapq.heapify(heap)
         freed: list[int] = []
         unbacked: tuple[list[int], list[bytes]] = ([], [])
@@ -249,7 +292,7 @@ class RadixCache:
             del parent.children[self.child_key(leaf.key)]
             leaf.parent = None
             leaf.pages = []
-            if self._is_evictable_leaf(parent):
+            if self._is_evictable_leaf(parent) and (within is None or within(parent)):
                 heapq.heappush(heap, (self._eviction_key(parent), id(parent), parent))
             elif parent.is_root and not parent.children and parent.namespace is not None:
                 del self._roots[parent.namespace]  # salts come and go; don't keep their empty roots
@@ -274,6 +317,10 @@ class RadixCache:
         """Each namespace's root, read-only: for views of the tree (cache/tree_view.py), never to edit it."""
         return dict(self._roots)
 
+    def nodes(self) -> Iterator[TreeNode]:
+        """Every node, roots included, read-only (for integrity checks of what refers to nodes)."""
+        return self._nodes()
+
     def all_pages(self) -> list[int]:
         return [p for node in self._nodes() for p in node.pages]
 
@@ -292,6 +339,7 @@ class RadixCache:
         """
         ps = self.page_size
         evictable = protected = 0
+        pinned: Counter[Hashable] = Counter()
         for ns, root in self._roots.items():
             assert root.is_root and root.parent is None, f"root of namespace {ns!r} is not a root"
             assert root.namespace == ns, f"root of namespace {ns!r} says namespace {root.namespace!r}"
@@ -315,6 +363,10 @@ class RadixCache:
                 assert node.hashes == chain, f"{node!r}: page keys do not continue its parent's chain"
             child_locks = sum(c.lock_ref for c in node.children.values())
             assert node.lock_ref >= child_locks, f"{node!r}: lock_ref below its children's sum {child_locks}"
+            child_pins = sum(c.pin_ref for c in node.children.values())
+            assert node.lock_ref >= node.pin_ref >= child_pins, f"{node!r}: pin_ref out of order"
+            if node.pin_ref:
+                pinned[node.namespace] += len(node.pages)
             if node.lock_ref:
                 protected += len(node.pages)
             else:
@@ -325,6 +377,7 @@ class RadixCache:
         assert protected == self._protected, (
             f"protected_pages is {self._protected}, the tree holds {protected}"
         )
+        assert pinned == self._pinned, f"pinned_pages is {dict(self._pinned)}, the tree holds {dict(pinned)}"
         tree = self.all_pages()
         assert len(set(tree)) == len(tree), f"pages held twice in the tree: {_duplicates(tree)}"
         if free_pages is None and total_pages is None:
@@ -402,6 +455,7 @@ class RadixCache:
         parent = self._parent(node)
         upper = TreeNode(node.key[:n], node.pages[: n // self.page_size], parent, node.namespace)
         upper.lock_ref = node.lock_ref
+        upper.pin_ref = node.pin_ref
         upper.last_access = node.last_access
         upper.last_used = node.last_used
         upper.hit_count = node.hit_count

@@ -51,6 +51,7 @@ class TreeNode:
         "is_root",
         "hashes",
         "backed_up",
+        "pin_ref",
     )
 
     def __init__(
@@ -75,6 +76,7 @@ class TreeNode:
         self.is_root = is_root
         self.hashes: list[bytes] = []  # chain key of each page; empty without lower tiers
         self.backed_up = False  # the pages have been copied to the lower tiers
+        self.pin_ref = 0  # pins on this node or a descendant (cache/pins.py); each pin also holds a lock
 
     def __repr__(self) -> str:
         return f"TreeNode(key={self.key}, pages={self.pages}, lock_ref={self.lock_ref})"

@@ -64,6 +64,7 @@ class Load:
     prefix_pages: list[int]  # the tree's pages before the loaded ones
     pages: list[int]  # device pages being filled; the tree's once landed
     future: Future[bool]
+    tiers: list[str]  # the store each page was found in ("host", "disk"), for cached_tokens_by_tier
     ready: bool = False  # landed: its pages are in the tree, or freed if it failed
     abandoned: bool = False  # its request was admitted or has gone: unlock as soon as it lands
 
@@ -152,7 +153,8 @@ class TierController:
         future = self._loader.submit(
             self._load, list(match.lower_keys), list(match.lower_tiers), partial(self._scatter, pages)
         )
-        load = Load(tokens, namespace, match.node, list(match.pages), pages, future)
+        tiers = [self.stores[t].name for t in match.lower_tiers]
+        load = Load(tokens, namespace, match.node, list(match.pages), pages, future, tiers)
         self.loads.append(load)
         self.loading_pages += len(pages)
         self.num_loads += 1

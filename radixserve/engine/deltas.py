@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from radixserve.cache.pin_types import PinRef
 from radixserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from radixserve.sampling.detokenizer import TextStream
 from radixserve.sampling.stop import TokenStop
@@ -36,6 +37,11 @@ class StepOutput(msgspec.Struct, array_like=True, kw_only=True):
     time: float
     prompt_logprobs: list[TokenLogprob | None] | None = None
     hides_last_token: bool = False
+    # Where the cached tokens were when the request was admitted ("device", "host", "disk"; sums to
+    # ``cached_tokens``), and the prompt tokens this request newly put into the cache (issue 23).
+    cached_tokens_by_tier: dict[str, int] = {}
+    cache_write_tokens: int = 0
+    cache_pin: PinRef | None = None  # the pin the request asked for, once it is held
 
 
 def add_text(stream: TextStream, step: StepOutput) -> StepOutput:
@@ -101,6 +107,9 @@ class OutputAssembler:
         res = self.result
         if step.index == 0:  # the prompt's own hit; later samples reuse what sample 0 computed
             res.cached_tokens = step.cached_tokens
+            res.cached_tokens_by_tier = dict(step.cached_tokens_by_tier)
+            res.cache_write_tokens = step.cache_write_tokens
+            res.cache_pin = step.cache_pin or res.cache_pin
         if step.prompt_logprobs is not None:
             res.prompt_logprobs = step.prompt_logprobs
         if step.token_ids and res.first_token_time is None:
@@ -121,4 +130,7 @@ class OutputAssembler:
             res.arrival_time,
             res.first_token_time,
             res.finish_time,
+            cached_tokens_by_tier=res.cached_tokens_by_tier,
+            cache_write_tokens=res.cache_write_tokens,
+            cache_pin=res.cache_pin,
         )

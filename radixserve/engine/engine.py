@@ -18,12 +18,14 @@ import torch
 
 from radixserve.cache.kv_manager import KVCacheManager
 from radixserve.cache.page_pool import KVPool
+from radixserve.cache.pin_types import PinSpec
 from radixserve.cache.tier_controller import make_tiers
 from radixserve.cache.tree_view import CacheTree, snapshot
 from radixserve.config import EngineConfig, context_within_pool
+from radixserve.engine.cache_control import CacheControl, cache_usage
 from radixserve.engine.checks import check_prompt, priority_value
 from radixserve.engine.deltas import OutputAssembler, StepOutput, add_text
-from radixserve.engine.next_tokens import Picked, pick_tokens
+from radixserve.engine.next_tokens import Picked, pick_tokens, sampled_logits
 from radixserve.engine.prompt import Prompt, apply_chat_template, tokenize
 from radixserve.engine.prompt_logprobs import add_prompt_logprobs, wants_prompt_logprobs
 from radixserve.engine.request import Constraint, Request, Status
@@ -93,6 +95,7 @@ class Engine:
         self.kv_manager = KVCacheManager(
             num_pages, cfg.page_size, cfg.prefix_cache, cfg.eviction_policy, tiers, page_bytes
         )
+        self.cache_control = CacheControl(self.kv_manager, cfg.max_pinned_fraction, self.max_model_len)
         self.max_batched_tokens = cfg.max_batched_tokens or (8192 if self.device.type == "cuda" else 512)
         self.scheduler = Scheduler(
             self.kv_manager,
@@ -132,8 +135,10 @@ class Engine:
         request_id: str | None = None,
         cache_salt: str | None = None,
         priority: int | str = 0,
+        pin: PinSpec | None = None,
+        warm: bool = False,
     ) -> str:
-        """Validate and queue one prompt (n samples). Raises InvalidRequestError on bad input; thread-safe."""
+        """Validate and queue one prompt (n samples); InvalidRequestError on bad input (pins: CacheControl)"""
         params = params or SamplingParams()
         params.validate(self.model.config.vocab_size)
         token_ids = self.tokenize(prompt)
@@ -154,6 +159,7 @@ class Engine:
             self._new_request(group_id, i, token_ids, params, priority, cache_salt, now)
             for i in range(params.n)
         ]
+        self.cache_control.prepare(reqs, pin, warm)
         self._inbox.put(("add", reqs))
         return group_id
 
@@ -243,6 +249,7 @@ class Engine:
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
             tiers=kv.tier_stats(),
+            **self.cache_control.stats(),
             spec_drafted=dict(spec.drafted) if spec else {},
             spec_accepted=dict(spec.accepted) if spec else {},
             spec_verify_steps=spec.verify_steps if spec else 0,
@@ -321,14 +328,14 @@ class Engine:
             if not batch.requests[i].drafts:
                 add_prompt_logprobs(batch.requests[i], batch.num_new_tokens[i], logits_i)
         self._count_computed(batch)
+        outputs, reqs = self.cache_control.finish_warms([batch.requests[i] for i in rows], self._finish)
+        rows = [i for i in rows if not batch.requests[i].warm]
         if not rows:
-            return []
-        reqs = [batch.requests[i] for i in rows]
+            return outputs
         matchers = [self._matcher(r) for r in reqs]
-        rows_logits = self._sampled_logits(batch, rows, logits, all_logits)
+        rows_logits = sampled_logits(batch.requests, rows, logits, all_logits)
         picks = pick_tokens(self.sampler, reqs, matchers, rows_logits, self._eos)
         now = time.monotonic()
-        outputs = []
         for r, matcher, pick in zip(reqs, matchers, picks):
             first = r.num_output_tokens == 0
             if r.first_token_time is None:
@@ -358,16 +365,6 @@ class Engine:
             self.prompt_tokens += n if r.num_computed_tokens <= r.num_prompt_tokens else 0
             if n > 1:
                 self.kv_manager.cache_computed(r)
-
-    @staticmethod
-    def _sampled_logits(
-        batch: ScheduledBatch, rows: list[int], logits: torch.Tensor, all_logits: dict[int, torch.Tensor]
-    ) -> torch.Tensor:
-        """The logits to sample: one row per request of ``rows``, or for one with drafts a row per
-        drafted position and one after them."""
-        if not any(batch.requests[i].drafts for i in rows):
-            return logits[rows]
-        return torch.cat([all_logits[i] if batch.requests[i].drafts else logits[i : i + 1] for i in rows])
 
     def _constrain(self, matcher: Matcher | None, tokens: list[int]) -> list[int]:
         """The sampled ``tokens`` advance the grammar; with jump-forward, the tokens it then forces are
@@ -411,6 +408,7 @@ class Engine:
             time=now,
             prompt_logprobs=req.prompt_logprobs if first else None,
             hides_last_token=hidden,
+            **cache_usage(req),
         )
 
     def _add_text(self, req: Request, out: StepOutput) -> StepOutput:
@@ -468,6 +466,7 @@ class Engine:
                 self._unscheduled.add(item[0].group_id)
                 for req in item:
                     self.scheduler.add(req)
+                outputs += self.cache_control.on_added(item, self._finish)
             elif item[0] in self._groups:
                 now = time.monotonic()
                 group_id, index = item
@@ -485,6 +484,7 @@ class Engine:
                                 stop_reason=None,
                                 cached_tokens=req.pages.num_cached_tokens,
                                 time=now,
+                                **cache_usage(req),
                             )
                         )
                         self._finish(req, "abort")

@@ -88,3 +88,13 @@ def pick_tokens(
 
 def _repeat(values: Sequence[T], counts: Sequence[int]) -> list[T]:
     return [v for v, c in zip(values, counts) for _ in range(c)]
+
+
+def sampled_logits(
+    reqs: Sequence[Request], rows: list[int], logits: Tensor, all_logits: dict[int, Tensor]
+) -> Tensor:
+    """The logits to sample: one row per request of ``rows`` (indices into ``reqs``, the step's batch),
+    or for one with drafts a row per drafted position and one after them."""
+    if not any(reqs[i].drafts for i in rows):
+        return logits[rows]
+    return torch.cat([all_logits[i] if reqs[i].drafts else logits[i : i + 1] for i in rows])

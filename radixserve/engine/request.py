@@ -85,6 +85,7 @@ class Request:
     # step that computes them and only the accepted ones are appended.
     spec: Speculation | None = None
     text: TextStream | None = None  # where the engine makes the text: detokenizes, checks stop strings
+    warm: bool = False  # prefill only (engine/cache_control.py): the prompt is cached, nothing sampled
 
     @property
     def num_tokens(self) -> int:

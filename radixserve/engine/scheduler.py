@@ -153,4 +153,5 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
             self.kv_manager.forget_load(req)
+        self.kv_manager.end_pin(req)  # held if its prefix is cached, else it goes
         req.status = Status.FINISHED

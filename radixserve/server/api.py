@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import msgspec
 from starlette.requests import Request
 
+from radixserve.cache.pin_types import PinSpec
 from radixserve.chat_template import template_source
 from radixserve.outputs import RequestOutput, TokenLogprob
 from radixserve.sampling.grammar import strict_schema
@@ -198,10 +199,12 @@ class ApiContext:
         rid: str,
         salt: str | None,
         priority: int | str,
+        pin: PinSpec | None = None,
     ) -> Submitted:
         """Start a request (the route tokenized its prompt, once); returns its first delta and its
-        stream, whose iteration yields that delta first (``RequestStream.first``)."""
-        stream = self.engine.generate(prompt_token_ids, params, rid, salt, priority)
+        stream, whose iteration yields that delta first (``RequestStream.first``). A pin over the
+        budget is a 429 (PinBudgetError), any other refusal a 400."""
+        stream = self.engine.generate(prompt_token_ids, params, rid, salt, priority, pin)
         try:
             first = await stream.first()
         except ValueError as exc:
@@ -221,13 +224,14 @@ class ApiContext:
         rid: str,
         salt: str | None,
         priority: int | str,
+        pin: PinSpec | None = None,
     ) -> list[Submitted]:
         """Start one request per prompt, all at once; if one is refused, abort the rest and raise."""
         if len(prompts) == 1:
-            return [await self.submit(prompts[0], params[0], rid, salt, priority)]
+            return [await self.submit(prompts[0], params[0], rid, salt, priority, pin)]
         results = await asyncio.gather(
             *(
-                self.submit(prompt, sp, f"{rid}-{i}", salt, priority)
+                self.submit(prompt, sp, f"{rid}-{i}", salt, priority, pin)
                 for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True))
             ),
             return_exceptions=True,

@@ -46,6 +46,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixserve.errors import InvalidRequestError
+from radixserve.server import cache_routes
 from radixserve.server import protocol as p
 from radixserve.server import protocol_chat as c
 from radixserve.server.api import ApiContext
@@ -270,6 +271,10 @@ def build_app(
         Route("/health", small.health, methods=["GET"]),
         Route("/metrics", metrics_route, methods=["GET"]),
         Route("/flush_cache", small.flush_cache, methods=["POST"]),
+        Route("/v1/cache/warm", route(cache_routes.warm), methods=["POST"]),
+        Route("/v1/cache/pins", route(cache_routes.list_pins), methods=["GET"]),
+        Route("/v1/cache/pins/{pin_id}", route(cache_routes.delete_pin), methods=["DELETE"]),
+        Route("/v1/cache/evict", route(cache_routes.evict), methods=["POST"]),
         Route("/openapi.json", small.openapi_json, methods=["GET"]),
         *(ui.routes() if ui is not None else []),
     ]

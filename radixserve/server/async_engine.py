@@ -31,15 +31,17 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from radixserve.cache.events import KVEvent, KVEvents
+from radixserve.cache.pin_types import PinInfo, PinSpec, PrefixEviction, WarmResult
 from radixserve.cache.tree_view import CacheTree
 from radixserve.config import EngineConfig
 from radixserve.engine.deltas import OutputAssembler, StepOutput
 from radixserve.engine.prompt import Prompt, tokenize
 from radixserve.engine.stats import EngineStats
-from radixserve.errors import InvalidRequestError
+from radixserve.errors import InvalidRequestError, PinBudgetError
 from radixserve.model.loader import load_tokenizer, resolve_model_path
 from radixserve.outputs import RequestOutput
 from radixserve.sampling.params import SamplingParams
+from radixserve.server.cache_calls import WARM_PARAMS, CacheCalls, warm_result
 from radixserve.server.engine_api import (
     EngineFailedError,
     EngineUnavailableError,
@@ -53,6 +55,7 @@ from radixserve.server.engine_client import EngineClient, describe_exit
 from radixserve.server.messages import (
     Abort,
     AddRequest,
+    CacheCallResult,
     Call,
     CallResult,
     FromEngine,
@@ -114,6 +117,7 @@ class AsyncEngine:
         self._requests: dict[str, _Request] = {}
         self._calls: dict[int, asyncio.Future[bool | CacheTree | None]] = {}
         self._call_ids = itertools.count()
+        self._cache_calls = CacheCalls(self._send, self._call_ids)
         self._client: EngineClient | None = None  # None while there is no ready engine process
         self._ready: Ready | None = None
         self._stats = EngineStats()
@@ -194,14 +198,16 @@ class AsyncEngine:
         request_id: str | None = None,
         cache_salt: str | None = None,
         priority: int | str = 0,
+        pin: PinSpec | None = None,
     ) -> RequestStream:
         """Submit one request and yield its deltas (one sample each) until every sample finished;
         the stream's ``result`` folds them into the whole output.
 
-        Raises InvalidRequestError (bad input, found by the engine), QueueFullError or
-        EngineUnavailableError before yielding; EngineUnavailableError after, if the engine dies."""
+        Raises InvalidRequestError (bad input, found by the engine; PinBudgetError for a pin over the
+        budget), QueueFullError or EngineUnavailableError before yielding; EngineUnavailableError
+        after, if the engine dies."""
         stream = RequestStream()
-        return stream.bind(self._generate(prompt, params, request_id, cache_salt, priority, stream))
+        return stream.bind(self._generate(prompt, params, request_id, cache_salt, priority, stream, pin))
 
     async def _generate(
         self,
@@ -211,6 +217,8 @@ class AsyncEngine:
         cache_salt: str | None,
         priority: int | str,
         stream: RequestStream,
+        pin: PinSpec | None = None,
+        warm: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
         if not self.healthy:
             raise EngineUnavailableError(
@@ -230,6 +238,8 @@ class AsyncEngine:
                     params=params,
                     cache_salt=cache_salt,
                     priority=priority,
+                    pin=pin,
+                    warm=warm,
                 )
             )
         except OverflowError:  # msgpack carries 64-bit integers; no sensible request holds larger ones
@@ -255,6 +265,31 @@ class AsyncEngine:
             self._forget(rid)
             if not req.rejected:
                 self._report(rid, req, assembler.result)
+
+    # -- cache control (docs/cache.md) --------------------------------------------------------------
+    async def warm(self, token_ids: list[int], cache_salt: str | None, pin: PinSpec | None) -> WarmResult:
+        """Compute the KV of the prompt's whole pages (a prefill-only request: nothing is sampled)."""
+        whole = len(token_ids) // self.limits().page_size * self.limits().page_size
+        if not whole and pin is None:
+            return WarmResult(tokens=len(token_ids), cached_tokens=0, computed_tokens=0)
+        stream = RequestStream()
+        gen = self._generate(token_ids[: whole or None], WARM_PARAMS, None, cache_salt, 0, stream, pin, True)
+        async for _ in stream.bind(gen):
+            pass
+        return warm_result(len(token_ids), whole, stream.result)
+
+    async def pins(self, namespace: str | None) -> list[PinInfo]:
+        return await self._cache_calls.pins(namespace)
+
+    async def unpin(self, pin_id: str, namespace: str | None) -> bool:
+        return await self._cache_calls.unpin(pin_id, namespace)
+
+    async def evict(self, token_ids: list[int], cache_salt: str | None) -> PrefixEviction:
+        return await self._cache_calls.evict(token_ids, cache_salt)
+
+    async def advance_pin_clock(self, seconds: float) -> None:
+        """Tests: move the engine's pin clock ahead, so TTLs pass without sleeping. No route calls it."""
+        await self._cache_calls.advance_clock(seconds)
 
     async def flush_cache(self) -> bool:
         """Drop every cached prefix page; False while requests hold cached pages."""
@@ -358,6 +393,8 @@ class AsyncEngine:
                     error = EngineUnavailableError(msg.message)
                 elif msg.queue_full:
                     error = QueueFullError(msg.message)
+                elif msg.over_budget:
+                    error = PinBudgetError(msg.message, msg.param, msg.code)
                 req.queue.put_nowait(error)
         elif isinstance(msg, CallResult):
             self._stats = msg.stats
@@ -367,6 +404,10 @@ class AsyncEngine:
                     future.set_result(msg.value)
                 else:
                     future.set_exception(RuntimeError(f"the engine's call failed: {msg.error}"))
+        elif isinstance(msg, CacheCallResult):
+            if msg.stats is not None:
+                self._stats = msg.stats
+            self._cache_calls.answer(msg)
 
     def _on_step(self, msg: StepOutputs) -> None:
         self._stats = msg.stats
@@ -391,6 +432,7 @@ class AsyncEngine:
             if not future.done():
                 future.set_exception(error)
         self._calls.clear()
+        self._cache_calls.fail_all(error)
 
     def _forget(self, rid: str) -> None:
         self._requests.pop(rid, None)
@@ -411,5 +453,7 @@ class AsyncEngine:
             first_token_time=result.first_token_time,
             finish_time=result.finish_time or time.monotonic(),
             token_gaps=[b - a for a, b in itertools.pairwise(times)],
+            cached_tokens_by_tier=dict(result.cached_tokens_by_tier),
+            cache_write_tokens=result.cache_write_tokens,
         )
         self.on_finish(record)

@@ -28,11 +28,21 @@ from radixserve.outputs import CompletionOutput, RequestOutput
 from radixserve.server import protocol as p
 from radixserve.server import protocol_chat as c
 from radixserve.server.api import ApiContext
+from radixserve.server.cache_pins import chat_pin
 from radixserve.server.chat_render import render_chat, tool_dict
 from radixserve.server.http_util import DONE, ApiError, event_stream, json_response, sse, usage
 from radixserve.server.openai_fields import CHAT_REFUSED
 from radixserve.server.reasoning import ReasoningStream, starts_in_reasoning
 from radixserve.server.tools import ParsedCall, ToolCallFormat, ToolCallStream
+
+
+def _render_ids(ctx: ApiContext, req: c.ChatCompletionRequest, messages: list[c.ChatMessage]) -> list[int]:
+    """``messages`` rendered as the request's prompt is, but without a generation prompt, as token ids:
+    where a ``cache_control`` block's prefix ends (cache_pins.py)."""
+    text = render_chat(
+        ctx.tokenizer, messages, req.tools, ctx.tool_format, False, False, req.chat_template_kwargs
+    )
+    return list(ctx.tokenizer.encode(text, add_special_tokens=False))
 
 
 @dataclass
@@ -144,10 +154,11 @@ async def chat(ctx: ApiContext, request: Request) -> Response:
     params.grammar = plan.grammar
     if plan.parse and not ctx.tool_format.skip_special_tokens:
         params.skip_special_tokens = False  # the format's markers are special tokens
+    pin = chat_pin(req.messages, token_ids, lambda ms: _render_ids(ctx, req, ms))
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     try:
         first, stream = await ctx.submit(
-            token_ids, params, rid, ctx.salt(request, req.cache_salt), req.priority
+            token_ids, params, rid, ctx.salt(request, req.cache_salt), req.priority, pin
         )
     except ApiError as exc:
         if plan.grammar is not None and exc.param == "grammar":  # the grammar is made of the tools' schemas
@@ -165,7 +176,7 @@ async def chat(ctx: ApiContext, request: Request) -> Response:
         return event_stream(_events(ctx, req, rid, first, stream, parser), [stream])
     [res] = await ctx.collect(request, [(first, stream)])
     choices = [_choice(ctx, o, parser()) for o in res.outputs]
-    usage_ = usage(len(token_ids), sum(len(o.token_ids) for o in res.outputs), res.cached_tokens)
+    usage_ = usage(len(token_ids), sum(len(o.token_ids) for o in res.outputs), [res])
     return json_response(
         c.ChatCompletionResponse(
             id=rid, created=int(time.time()), model=ctx.model_name, choices=choices, usage=usage_
@@ -206,7 +217,7 @@ async def _events(
 
     def chunk(choices: list[c.ChatChunkChoice], usage_: p.Usage | None = None) -> bytes:
         if continuous and usage_ is None:
-            usage_ = usage(len(first.prompt_token_ids), completion_tokens, last.cached_tokens)
+            usage_ = usage(len(first.prompt_token_ids), completion_tokens, [last])
         return sse(
             c.ChatCompletionChunk(
                 id=rid, created=created, model=ctx.model_name, choices=choices, usage=usage_
@@ -234,5 +245,5 @@ async def _events(
             reason = _finish_reason(o.finish_reason, calls_made[o.index] > 0)
             yield chunk([c.ChatChunkChoice(o.index, c.DeltaMessage(), None, reason, o.stop_reason)])
     if include_usage:
-        yield chunk([], usage(len(first.prompt_token_ids), completion_tokens, last.cached_tokens))
+        yield chunk([], usage(len(first.prompt_token_ids), completion_tokens, [last]))
     yield DONE

@@ -24,6 +24,7 @@ from radixserve.errors import InvalidRequestError
 from radixserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from radixserve.server import protocol as p
 from radixserve.server.api import ApiContext, Submitted
+from radixserve.server.cache_pins import pin_spec
 from radixserve.server.http_util import DONE, ApiError, event_stream, json_response, merge, sse, usage
 from radixserve.server.openai_fields import COMPLETION_REFUSED
 
@@ -82,7 +83,8 @@ async def completions(ctx: ApiContext, request: Request) -> Response:
         params.append(ctx.sampling(req, max_tokens, req.logprobs, prompt_logprobs))
     rid = f"cmpl-{uuid.uuid4().hex}"
     salt = ctx.salt(request, req.cache_salt)
-    submitted = await ctx.submit_all(prompts, params, rid, salt, req.priority)
+    pin = pin_spec(req.cache_pin, "cache_pin")
+    submitted = await ctx.submit_all(prompts, params, rid, salt, req.priority, pin)
     texts = [
         prompt if isinstance(prompt, str) else str(ctx.tokenizer.decode(ids))
         for prompt, ids in zip(given, prompts)
@@ -93,7 +95,7 @@ async def completions(ctx: ApiContext, request: Request) -> Response:
     results = await ctx.collect(request, submitted)
     out = [choices.choice(i, o, res) for i, res in enumerate(results) for o in res.outputs]
     completion_tokens = 0 if score_only else sum(len(o.token_ids) for r in results for o in r.outputs)
-    usage_ = usage(sum(map(len, prompts)), completion_tokens, sum(r.cached_tokens for r in results))
+    usage_ = usage(sum(map(len, prompts)), completion_tokens, results)
     return json_response(
         p.CompletionResponse(
             id=rid, created=int(time.time()), model=ctx.model_name, choices=out, usage=usage_
@@ -137,7 +139,7 @@ class _Choices:
         include_usage = options is not None and options.include_usage
         continuous = options is not None and options.continuous_usage_stats
         prompt_tokens = sum(len(first.prompt_token_ids) for first, _ in submitted)
-        cached = [first.cached_tokens for first, _ in submitted]
+        latest = [first for first, _ in submitted]  # each prompt's, for its cached tokens
         echoed: set[tuple[int, int]] = set()
         completion_tokens = 0
 
@@ -150,14 +152,14 @@ class _Choices:
 
         async for i, d in merge([stream for _, stream in submitted]):
             c = d.outputs[0]
-            cached[i] = d.cached_tokens
+            latest[i] = d
             completion_tokens += 0 if self.score_only else len(c.token_ids)
             echo_now = (i, c.index) not in echoed
             echoed.add((i, c.index))
             if c.text or c.token_ids or c.finish_reason is not None or (req.echo and echo_now):
                 res = d if d.prompt_logprobs is not None else submitted[i][0]
-                running = usage(prompt_tokens, completion_tokens, sum(cached)) if continuous else None
+                running = usage(prompt_tokens, completion_tokens, latest) if continuous else None
                 yield chunk([self.choice(i, c, res, with_prompt=echo_now)], running)
         if include_usage:
-            yield chunk([], usage(prompt_tokens, completion_tokens, sum(cached)))
+            yield chunk([], usage(prompt_tokens, completion_tokens, latest))
         yield DONE

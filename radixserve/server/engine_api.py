@@ -11,6 +11,8 @@ The routes (app.py, api.py, chat.py, completions.py, generate.py, metrics.py, da
   ``tokenize()``, ``flush_cache()``, ``cache_tree()`` (a snapshot of the prefix cache, for the
   dashboard), ``stats()``, ``healthy``, ``on_finish`` (a ``RequestRecord`` per finished request),
   ``start()`` and ``shutdown()``;
+- cache control (docs/cache.md): ``warm()``, ``pins()``, ``unpin()``, ``evict()``, and ``generate``'s
+  ``pin``;
 - the errors below (EngineFailedError is raised only by a request's stream), and ``InvalidRequestError``
   (radixserve/errors.py) for a refused request.
 
@@ -20,10 +22,11 @@ The routes (app.py, api.py, chat.py, completions.py, generate.py, metrics.py, da
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from radixserve.cache.pin_types import PinInfo, PinSpec, PrefixEviction, WarmResult
 from radixserve.engine.deltas import OutputAssembler
 from radixserve.engine.prompt import Prompt
 from radixserve.engine.stats import EngineStats
@@ -78,6 +81,8 @@ class RequestRecord:
     first_token_time: float | None
     finish_time: float
     token_gaps: list[float]  # seconds between consecutive tokens of the first sample
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # sums to cached_tokens
+    cache_write_tokens: int = 0  # prompt tokens newly added to the cache
 
     @property
     def ttft(self) -> float | None:
@@ -163,7 +168,29 @@ class ServingBackend(Protocol):
         request_id: str | None = None,
         cache_salt: str | None = None,
         priority: int | str = 0,
-    ) -> RequestStream: ...
+        pin: PinSpec | None = None,
+    ) -> RequestStream:
+        """``pin``: keep the prompt's prefix cached (the pin is reported in the result's ``cache_pin``);
+        a pin over the budget raises PinBudgetError (429) from ``first()``, and the request does not run."""
+        ...
+
+    async def warm(self, token_ids: list[int], cache_salt: str | None, pin: PinSpec | None) -> WarmResult:
+        """Compute the KV of the prompt's whole pages into the cache without generating; what was
+        cached already costs no forward pass. Refusals as ``generate``'s."""
+        ...
+
+    async def pins(self, namespace: str | None) -> list[PinInfo]:
+        """The pins of namespace ``namespace`` and those under it (``namespace/...``); None: all."""
+        ...
+
+    async def unpin(self, pin_id: str, namespace: str | None) -> bool:
+        """Drop pin ``pin_id`` if it is one of ``pins(namespace)``; False (nothing changed) otherwise."""
+        ...
+
+    async def evict(self, token_ids: list[int], cache_salt: str | None) -> PrefixEviction:
+        """Free the cached pages of the prefix ``token_ids`` in namespace ``cache_salt`` (and what
+        continues it) that no running request holds; the namespace's pins on them are dropped first."""
+        ...
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         """Text to token ids with the served tokenizer (ids pass through): the routes call it once per

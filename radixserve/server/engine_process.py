@@ -44,11 +44,14 @@ import msgspec
 import zmq
 
 from radixserve.cache.events import KVEventLog
+from radixserve.cache.pin_types import CacheOp
 from radixserve.config import EngineConfig
-from radixserve.errors import InvalidRequestError
+from radixserve.errors import InvalidRequestError, PinBudgetError
 from radixserve.server.messages import (
     Abort,
     AddRequest,
+    CacheCall,
+    CacheCallResult,
     Call,
     CallResult,
     FromEngine,
@@ -168,8 +171,31 @@ class EngineLoop:
                 msg.call_id,
                 lambda: self.engine.cache_tree(msg.namespace_prefix, msg.depth, msg.min_tokens),
             )
+        elif isinstance(msg, CacheCall):
+            self._cache_call(msg)
         elif isinstance(msg, Shutdown):
             self.stop.set()
+
+    def _cache_call(self, msg: CacheCall) -> None:
+        """A cache-control call (engine/cache_control.py), answered at once: it changes the tree only
+        between two steps."""
+        control = self.engine.cache_control
+        result = CacheCallResult(call_id=msg.call_id)
+        try:
+            op = CacheOp(msg.op)
+            if op is CacheOp.PINS:
+                result.pins = control.pins(msg.namespace)
+            elif op is CacheOp.UNPIN:
+                result.found = control.unpin(msg.pin_id or "", msg.namespace)
+            elif op is CacheOp.EVICT:
+                result.evicted = control.evict(msg.token_ids, msg.namespace)
+            else:
+                control.advance_clock(msg.seconds)
+        except Exception as exc:  # reported to the caller; the engine itself is fine
+            result.error = f"{type(exc).__name__}: {exc}"
+        self._send_events()  # an eviction's
+        result.stats = self.engine.stats()
+        self._send(result)
 
     def _answer(self, call_id: int, call: Callable[[], Any]) -> None:
         value, error = None, None
@@ -177,8 +203,13 @@ class EngineLoop:
             value = call()
         except Exception as exc:  # reported to the caller; the engine itself is fine
             error = f"{type(exc).__name__}: {exc}"
+        self._send_events()  # e.g. flush_cache's
+        self._send(CallResult(call_id=call_id, value=value, error=error, stats=self.engine.stats()))
+
+    def _send_events(self) -> None:
+        """The KV events a call caused, sent before its result, so that the caller sees them with it."""
         events = None if self.kv_log is None else self.kv_log.drain()
-        if events is not None:  # e.g. flush_cache's: sent first, so the caller sees them with its result
+        if events is not None:
             self._send(
                 StepOutputs(
                     time=time.monotonic(),
@@ -188,7 +219,6 @@ class EngineLoop:
                     kv_events=events,
                 )
             )
-        self._send(CallResult(call_id=call_id, value=value, error=error, stats=self.engine.stats()))
 
     def _add(self, msg: AddRequest) -> None:
         rid = msg.request_id
@@ -205,10 +235,20 @@ class EngineLoop:
             )
             return
         try:
-            self.engine.add_request(msg.prompt_token_ids, msg.params, rid, msg.cache_salt, msg.priority)
+            self.engine.add_request(
+                msg.prompt_token_ids, msg.params, rid, msg.cache_salt, msg.priority, msg.pin, msg.warm
+            )
             self._added_since_step += 1
         except InvalidRequestError as exc:
-            self._send(RequestError(request_id=rid, message=str(exc), param=exc.param, code=exc.code))
+            self._send(
+                RequestError(
+                    request_id=rid,
+                    message=str(exc),
+                    param=exc.param,
+                    code=exc.code,
+                    over_budget=isinstance(exc, PinBudgetError),  # 429, not 400
+                )
+            )
         except ValueError as exc:  # any other refusal is still the request's fault, not the engine's
             self._send(RequestError(request_id=rid, message=str(exc)))
 

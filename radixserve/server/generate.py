@@ -11,7 +11,8 @@ from starlette.responses import Response
 from radixserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from radixserve.server import protocol as p
 from radixserve.server.api import ApiContext
-from radixserve.server.http_util import DONE, ApiError, event_stream, json_response, sse
+from radixserve.server.cache_pins import pin_spec
+from radixserve.server.http_util import DONE, ApiError, event_stream, json_response, sse, usage
 
 
 async def generate(ctx: ApiContext, request: Request) -> Response:
@@ -24,7 +25,8 @@ async def generate(ctx: ApiContext, request: Request) -> Response:
     prompt_logprobs = req.top_logprobs_num if req.return_logprob and req.logprob_start_len >= 0 else None
     params = sp.engine_params(logprobs, prompt_logprobs)
     rid = req.rid or uuid.uuid4().hex
-    first, stream = await ctx.submit(token_ids, params, rid, ctx.salt(request, req.cache_salt), req.priority)
+    salt, pin = ctx.salt(request, req.cache_salt), pin_spec(req.cache_pin, "cache_pin")
+    first, stream = await ctx.submit(token_ids, params, rid, salt, req.priority, pin)
     if req.stream:
         return event_stream(_events(req, rid, first, stream), [stream])
     [res] = await ctx.collect(request, [(first, stream)])
@@ -39,6 +41,7 @@ def _response(
     res: RequestOutput,
     prompt_logprobs: list[TokenLogprob | None] | None,
 ) -> p.GenerateResponse:
+    cache = usage(0, 0, [res])
     meta = p.GenerateMeta(
         id=rid,
         prompt_tokens=len(res.prompt_token_ids),
@@ -46,6 +49,9 @@ def _response(
         cached_tokens=res.cached_tokens,
         finish_reason=o.finish_reason,
         stop_reason=o.stop_reason,
+        cached_tokens_by_tier=cache.prompt_tokens_details.cached_tokens_by_tier,
+        cache_write_tokens=res.cache_write_tokens,
+        cache_pin=cache.cache_pin,
     )
     if req.return_logprob:
         lps = o.logprobs or []

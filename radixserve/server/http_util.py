@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import msgspec
 from starlette.responses import Response, StreamingResponse
 
+from radixserve.cache.pin_types import TIERS
 from radixserve.errors import InvalidRequestError
 from radixserve.outputs import RequestOutput
 from radixserve.server import protocol as p
@@ -52,9 +53,10 @@ class ApiError(Exception):
 
     @classmethod
     def invalid(cls, exc: ValueError) -> ApiError:
-        """A refused request is a 400 with the parameter and code it named (InvalidRequestError)."""
+        """A refused request is a 400 with the parameter and code it named (InvalidRequestError; a pin
+        over the budget, PinBudgetError, is a 429)."""
         if isinstance(exc, InvalidRequestError):
-            return cls(400, str(exc), exc.param, exc.code)
+            return cls(exc.status, str(exc), exc.param, exc.code)
         return cls(400, str(exc))
 
 
@@ -77,9 +79,25 @@ def sse(obj: Any) -> bytes:
     return b"data: " + msgspec.json.encode(obj) + b"\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> p.Usage:
+def usage(prompt_tokens: int, completion_tokens: int, results: Sequence[RequestOutput]) -> p.Usage:
+    """Usage over the prompts' ``results`` (the latest output of each): cached tokens, by tier, the
+    tokens written to the cache, and the first pin."""
+    by_tier = dict.fromkeys(TIERS, 0)
+    for res in results:
+        for tier, n in res.cached_tokens_by_tier.items():
+            by_tier[tier] += n
+    details = p.PromptTokensDetails(
+        cached_tokens=sum(r.cached_tokens for r in results),
+        cached_tokens_by_tier=by_tier,
+        cache_write_tokens=sum(r.cache_write_tokens for r in results),
+    )
+    pin = next((r.cache_pin for r in results if r.cache_pin is not None), None)
     return p.Usage(
-        prompt_tokens, completion_tokens, prompt_tokens + completion_tokens, p.PromptTokensDetails(cached)
+        prompt_tokens,
+        completion_tokens,
+        prompt_tokens + completion_tokens,
+        details,
+        None if pin is None else p.UsagePin(id=pin.id, expires_at=pin.expires_at),
     )
 
 

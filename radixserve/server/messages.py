@@ -1,10 +1,10 @@
 """The messages between the API server and its engine process: msgpack-encoded msgspec Structs.
 
 One PUSH/PULL socket each way. API server -> engine: ``AddRequest``, ``Abort``, ``Call``, ``TreeQuery``,
-``Shutdown``.
+``Shutdown``, ``CacheCall``.
 Engine -> API server: ``Ready`` (once, first; or ``StartFailed`` instead), ``StepOutputs`` (after every step
-that did something),
-``RequestError`` and ``CallResult``. A message is one frame; the tag (the class name) says its type.
+that did something), ``RequestError``, ``CallResult`` and ``CacheCallResult``. A message is one frame; the
+tag (the class name) says its type.
 
 Invariants:
 - The API server tokenizes; the engine process detokenizes and checks stop strings, so per-step
@@ -20,6 +20,7 @@ from __future__ import annotations
 import msgspec
 
 from radixserve.cache.events import KVEvents
+from radixserve.cache.pin_types import PinInfo, PinSpec, PrefixEviction
 from radixserve.cache.tree_view import CacheTree
 from radixserve.engine.deltas import StepOutput
 from radixserve.engine.stats import EngineStats
@@ -33,13 +34,17 @@ class _Message(msgspec.Struct, tag=True, array_like=True, kw_only=True):
 
 # -- API server -> engine ---------------------------------------------------------------------------
 class AddRequest(_Message, kw_only=True):
-    """One prompt (n samples), already tokenized by the API server."""
+    """One prompt (n samples), already tokenized by the API server. ``pin``: keep the prompt's prefix
+    cached (cache/pins.py); ``warm``: a prefill-only request, which computes the prompt's whole pages
+    into the cache, samples nothing and ends with finish reason "warm"."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None = None
     priority: int | str = 0
+    pin: PinSpec | None = None
+    warm: bool = False
 
 
 class Abort(_Message, kw_only=True):
@@ -70,7 +75,24 @@ class Shutdown(_Message, kw_only=True):
     """Finish what is queued (the API server has aborted what it gave up on), close the engine, exit."""
 
 
-ToEngine = AddRequest | Abort | Call | TreeQuery | Shutdown
+class CacheCall(_Message, kw_only=True):
+    """A cache-control operation between two steps, answered by a CacheCallResult (engine/cache_control.py):
+
+    - ``pins``: the pins of the namespaces ``namespace`` or under it (``ns/...``; None: all);
+    - ``unpin``: drop pin ``pin_id`` if it is in those namespaces (else nothing: ``found`` False);
+    - ``evict``: free the cached prefix ``token_ids`` of namespace ``namespace`` exactly;
+    - ``advance_clock``: move the pin table's clock ``seconds`` ahead (tests: TTLs without sleeping).
+    """
+
+    call_id: int
+    op: str  # "pins" | "unpin" | "evict" | "advance_clock"
+    namespace: str | None = None
+    token_ids: list[int] = []
+    pin_id: str | None = None
+    seconds: float = 0.0
+
+
+ToEngine = AddRequest | Abort | Call | TreeQuery | Shutdown | CacheCall
 
 
 # -- engine -> API server ---------------------------------------------------------------------------
@@ -116,6 +138,7 @@ class RequestError(_Message, kw_only=True):
     code: str | None = None
     unavailable: bool = False
     queue_full: bool = False
+    over_budget: bool = False  # a pin over --max-pinned-fraction (429, PinBudgetError)
 
 
 class CallResult(_Message, kw_only=True):
@@ -125,4 +148,15 @@ class CallResult(_Message, kw_only=True):
     stats: EngineStats  # taken after the call, so a caller sees its effect in stats() at once
 
 
-FromEngine = Ready | StartFailed | StepOutputs | RequestError | CallResult
+class CacheCallResult(_Message, kw_only=True):
+    """The answer to a CacheCall: what its ``op`` returns (the others stay at their defaults)."""
+
+    call_id: int
+    error: str | None = None
+    pins: list[PinInfo] = []
+    found: bool = False  # unpin: the pin existed in the caller's namespaces and is gone
+    evicted: PrefixEviction | None = None
+    stats: EngineStats | None = None  # taken after the call
+
+
+FromEngine = Ready | StartFailed | StepOutputs | RequestError | CallResult | CacheCallResult

@@ -53,6 +53,11 @@ class _EngineCollector(Collector):
             "kv_pages_cached": ("KV pages in the prefix cache", s.cached_pages),
             "kv_pages_free": ("KV pages free", s.free_pages),
             "kv_pages_total": ("KV pages in the pool", s.num_pages),
+            "pinned_pages": (
+                "KV pages held by cache pins (and pins whose prefix is being computed)",
+                s.pinned_pages,
+            ),
+            "pins": ("Cache pins held or pending", s.num_pins),
             "prefix_cache_hit_rate": (
                 "Prompt tokens served from the prefix cache / prompt tokens looked up",
                 s.prefix_hit_rate,
@@ -162,6 +167,15 @@ class ServerMetrics:
         self.cached_tokens = Counter(
             PREFIX + "cached_tokens", "Prompt tokens served from the prefix cache", registry=r
         )
+        self.cached_by_tier = Counter(
+            PREFIX + "cached_tokens_by_tier",
+            "Prompt tokens served from the prefix cache, by the tier they were in at admission",
+            ["tier"],
+            registry=r,
+        )
+        self.cache_writes = Counter(
+            PREFIX + "cache_write_tokens", "Prompt tokens requests newly added to the cache", registry=r
+        )
         self.success = Counter(
             PREFIX + "request_success",
             "Finished requests by finish reason of the first sample",
@@ -174,6 +188,9 @@ class ServerMetrics:
         self.prompt_tokens.inc(rec.prompt_tokens)
         self.generation_tokens.inc(rec.output_tokens)
         self.cached_tokens.inc(rec.cached_tokens)
+        for tier, n in rec.cached_tokens_by_tier.items():
+            self.cached_by_tier.labels(tier=tier).inc(n)
+        self.cache_writes.inc(rec.cache_write_tokens)
         self.success.labels(finished_reason=rec.finish_reason).inc()
         self.e2e.observe(rec.finish_time - rec.arrival_time)
         if rec.queue_time is not None:

@@ -125,15 +125,33 @@ class SamplingFields(Struct, kw_only=True):
     speculative: bool = True
 
 
-class PromptTokensDetails(Struct):
+class PromptTokensDetails(Struct, kw_only=True):
     cached_tokens: int
+    # Where the cached tokens were at admission (sums to cached_tokens), and the prompt tokens this
+    # request newly added to the cache (docs/cache.md, "Cache control").
+    cached_tokens_by_tier: dict[str, int] = msgspec.field(default_factory=dict)
+    cache_write_tokens: int = 0
 
 
-class Usage(Struct):
+class PinRequest(Struct, kw_only=True, forbid_unknown_fields=True):
+    """``cache_pin`` (completions, /generate) and the warm's ``pin``: a TTL as ``ttl_s`` (seconds) or
+    ``ttl`` ("5m", "1h", "90s" or seconds); neither: 5 minutes."""
+
+    ttl_s: float | None = None
+    ttl: str | float | None = None
+
+
+class UsagePin(Struct, kw_only=True):
+    id: str
+    expires_at: float  # unix seconds
+
+
+class Usage(Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    cache_pin: UsagePin | None = None  # the pin this request asked for (cache_pin, cache_control)
 
 
 # -- /v1/completions ------------------------------------------------------------------------------
@@ -146,6 +164,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     echo: bool = False
     logprobs: TopLogprobs | None = None
     best_of: PositiveInt | None = None  # only best_of == n (nothing to choose) is served
+    cache_pin: PinRequest | None = None  # keep each prompt cached (docs/cache.md)
 
 
 class CompletionLogprobs(Struct):
@@ -233,6 +252,7 @@ class GenerateRequest(Struct, kw_only=True):
     rid: str | None = None
     cache_salt: str | None = None
     priority: Priority = 0
+    cache_pin: PinRequest | None = None  # keep the prompt cached (docs/cache.md)
 
 
 class GenerateMeta(Struct, kw_only=True, omit_defaults=True):
@@ -246,6 +266,9 @@ class GenerateMeta(Struct, kw_only=True, omit_defaults=True):
     output_top_logprobs: list[list[tuple[float, int]]] | None = None
     input_token_logprobs: list[tuple[float | None, int]] | None = None
     input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
+    cached_tokens_by_tier: dict[str, int] | None = None
+    cache_write_tokens: int | None = None
+    cache_pin: UsagePin | None = None
 
 
 class GenerateResponse(Struct):

@@ -15,9 +15,18 @@ from radixserve.server.protocol import MaxTokens, SamplingFields, TopLogprobs, U
 
 
 # -- requests -------------------------------------------------------------------------------------
+class CacheControl(Struct, kw_only=True):
+    """Anthropic's ``cache_control`` block: pin the prompt up to and including what carries it
+    (cache_pins.py). ``type`` must be "ephemeral"; ``ttl`` is "5m", "1h" or seconds (default 5m)."""
+
+    type: str
+    ttl: str | float | None = None
+
+
 class ContentPart(Struct):
     type: Literal["text"]
     text: str
+    cache_control: CacheControl | None = None
 
 
 class FunctionCall(Struct):
@@ -38,6 +47,7 @@ class ChatMessage(Struct, kw_only=True):
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool result: the call it answers
     reasoning_content: str | None = None  # an assistant's earlier reasoning, for templates that show it
+    cache_control: CacheControl | None = None  # pin the prompt up to the end of this message
 
 
 class FunctionDefinition(Struct, kw_only=True):

@@ -27,6 +27,10 @@ from radixserve.server.messages import FromEngine, RequestError
 # What a route may use of an AsyncEngine: the interface engine_api.py documents.
 INTERFACE = {
     "model",
+    "warm",
+    "pins",
+    "unpin",
+    "evict",
     "limits",
     "generate",
     "tokenize",
@@ -38,7 +42,16 @@ INTERFACE = {
     "start",
     "shutdown",
 }
-ROUTE_MODULES = ("app.py", "api.py", "chat.py", "completions.py", "generate.py", "metrics.py", "dashboard.py")
+ROUTE_MODULES = (
+    "app.py",
+    "api.py",
+    "chat.py",
+    "completions.py",
+    "generate.py",
+    "metrics.py",
+    "dashboard.py",
+    "cache_routes.py",
+)
 REWORDED = "a message worded in a way no parser has seen"
 
 

@@ -1,0 +1,80 @@
+"""The vocabulary of cache control (docs/cache.md, "Cache control"): what a pin asks for (``PinSpec``),
+what a caller learns of a pin (``PinRef``, ``PinInfo``), and what a warm or an eviction by prefix did
+(``WarmResult``, ``PrefixEviction``).
+
+msgspec Structs, array-like and keyword-only, because they cross the engine process's boundary as
+they are (server/messages.py). The rules a pin keeps are in ``cache/pins.py``.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+# The longest TTL a pin may ask for: a day. A pin is a promise to keep pages out of the shared pool;
+# longer than a day it stops being a cache hint and becomes storage, which the disk tier (and the
+# client re-warming on start) does better. Anthropic's longest cache TTL is an hour.
+MAX_PIN_TTL_S = 24 * 3600.0
+
+TIERS = ("device", "host", "disk")  # the keys of ``cached_tokens_by_tier``, fastest first
+
+
+class CacheOp(enum.Enum):
+    """The operations of a ``CacheCall`` (server/messages.py)."""
+
+    PINS = "pins"
+    UNPIN = "unpin"
+    EVICT = "evict"
+    ADVANCE_CLOCK = "advance_clock"
+
+
+class PinSpec(msgspec.Struct, array_like=True, kw_only=True):
+    """Keep the prompt's prefix cached for ``ttl_s`` seconds after its last hit (``num_tokens``: how much
+    of the prompt; a chat's ``cache_control`` block ends there).
+
+    ``param`` is the request field that asked (``cache_pin``, ``cache_control``, ``pin``), so that a
+    refusal names the field the client sent."""
+
+    ttl_s: float
+    param: str = "cache_pin"
+    num_tokens: int = 0  # pin the prompt's first num_tokens tokens (whole pages of them); 0: all of it
+
+
+class PinRef(msgspec.Struct, array_like=True, kw_only=True):
+    """A request's (or a warm's) pin: its usage reports ``id`` and ``expires_at``, a warm all four."""
+
+    id: str
+    expires_at: float  # unix seconds (the pin table's clock)
+    tokens: int = 0  # the pinned prefix's length (whole pages)
+    ttl_s: float = 0.0
+
+
+class PinInfo(msgspec.Struct, array_like=True, kw_only=True):
+    """One pin, as ``GET /v1/cache/pins`` lists it."""
+
+    id: str
+    tokens: int  # the pinned prefix's length (whole pages)
+    ttl_s: float
+    expires_at: float  # unix seconds; every hit moves it to hit time + ttl_s
+    ttl_left_s: float
+    created_at: float
+    hits: int  # requests (and warms) that matched the whole pinned prefix
+    tier: str  # where its pages are: "device" while pinned (pins stay on the device)
+
+
+class WarmResult(msgspec.Struct, array_like=True, kw_only=True):
+    """What a warm did: ``tokens`` of the prompt, of which ``cached_tokens`` were cached before and
+    ``computed_tokens`` were computed now (whole pages only: a part page is never cached)."""
+
+    tokens: int
+    cached_tokens: int
+    computed_tokens: int
+    pin: PinRef | None = None
+
+
+class PrefixEviction(msgspec.Struct, array_like=True, kw_only=True):
+    """What an eviction by prefix freed from the device pool."""
+
+    freed_pages: int
+    freed_tokens: int

@@ -1,0 +1,97 @@
+"""The cache-control routes (docs/cache.md, "Cache control"): ``POST /v1/cache/warm``, ``GET
+/v1/cache/pins``, ``DELETE /v1/cache/pins/{pin_id}``, ``POST /v1/cache/evict``.
+
+Every route works in the caller's namespace: the key's salt with ``--salt-per-key`` plus any
+``cache_salt`` (``ApiContext.salt``). A pin of another namespace is invisible: an unknown and a foreign
+pin id get the same 400 (``param: pin_id``, ``code: pin_not_found``), so a pin's existence never leaks.
+Listing and deleting see the caller's namespace and those under it (``salt/...``); warming and evicting
+act on one namespace exactly, as a request would.
+"""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from radixserve.server import protocol_cache as pc
+from radixserve.server.api import ApiContext
+from radixserve.server.cache_pins import pin_spec
+from radixserve.server.chat_render import render_chat
+from radixserve.server.http_util import ApiError, json_response
+
+
+def prompt_ids(ctx: ApiContext, req: pc.CachePrompt) -> list[int]:
+    """The token ids of the one prompt ``req`` names (400 naming the field otherwise)."""
+    given = [name for name in ("messages", "prompt", "prompt_token_ids") if getattr(req, name) is not None]
+    if len(given) != 1:
+        raise ApiError(400, "give exactly one of messages, prompt and prompt_token_ids", "messages")
+    if req.messages is not None:
+        text = render_chat(ctx.tokenizer, req.messages, None, ctx.tool_format, req.add_generation_prompt)
+        ids = list(ctx.tokenizer.encode(text, add_special_tokens=False))
+    elif req.prompt is not None:
+        ids = ctx.engine.tokenize(req.prompt)
+    else:
+        ids = list(req.prompt_token_ids or [])
+    if not ids:
+        raise ApiError(400, f"the {given[0]} is empty: there is nothing to cache", given[0], "empty_prompt")
+    vocab = ctx.engine.limits().vocab_size
+    bad = next((t for t in ids if t >= vocab), None)
+    if bad is not None:
+        raise ApiError(400, f"token id {bad} is outside the vocabulary (size {vocab})", given[0])
+    return ids
+
+
+async def warm(ctx: ApiContext, request: Request) -> Response:
+    req = await ctx.decode(request, pc.WarmRequest)
+    ids = prompt_ids(ctx, req)
+    pin = pin_spec(req.pin, "pin")
+    try:
+        result = await ctx.engine.warm(ids, ctx.salt(request, req.cache_salt), pin)
+    except ValueError as exc:  # InvalidRequestError (400) or PinBudgetError (429), nothing changed
+        raise ApiError.invalid(exc) from None
+    pin_out = None
+    if result.pin is not None:
+        ref = result.pin
+        pin_out = pc.WarmPin(id=ref.id, tokens=ref.tokens, ttl_s=ref.ttl_s, expires_at=ref.expires_at)
+    return json_response(
+        pc.WarmResponse(
+            tokens=result.tokens,
+            cached_tokens=result.cached_tokens,
+            computed_tokens=result.computed_tokens,
+            pin=pin_out,
+        )
+    )
+
+
+async def list_pins(ctx: ApiContext, request: Request) -> Response:
+    namespace = ctx.salt(request, request.query_params.get("cache_salt"))
+    pins = await ctx.engine.pins(namespace)
+    data = [
+        pc.PinEntry(
+            id=x.id,
+            tokens=x.tokens,
+            ttl_s=x.ttl_s,
+            expires_at=x.expires_at,
+            ttl_left_s=x.ttl_left_s,
+            created_at=x.created_at,
+            hits=x.hits,
+            tier=x.tier,
+        )
+        for x in pins
+    ]
+    return json_response(pc.PinList(data=data))
+
+
+async def delete_pin(ctx: ApiContext, request: Request) -> Response:
+    pin_id = request.path_params["pin_id"]
+    namespace = ctx.salt(request, request.query_params.get("cache_salt"))
+    if not await ctx.engine.unpin(pin_id, namespace):
+        raise ApiError(400, f"no pin {pin_id!r} in this namespace", "pin_id", "pin_not_found")
+    return json_response(pc.PinDeleted(id=pin_id))
+
+
+async def evict(ctx: ApiContext, request: Request) -> Response:
+    req = await ctx.decode(request, pc.EvictRequest)
+    ids = prompt_ids(ctx, req)
+    result = await ctx.engine.evict(ids, ctx.salt(request, req.cache_salt))
+    return json_response(pc.EvictResponse(freed_pages=result.freed_pages, freed_tokens=result.freed_tokens))
