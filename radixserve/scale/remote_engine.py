@@ -33,7 +33,6 @@ import msgspec
 from radixserve.cache.pin_types import PinInfo, PinSpec, PrefixEviction, WarmResult
 from radixserve.engine.prompt import Prompt, tokenize
 from radixserve.engine.stats import EngineStats
-from radixserve.errors import InvalidRequestError
 from radixserve.model.loader import load_tokenizer, resolve_model_path
 from radixserve.outputs import RequestOutput
 from radixserve.sampling.params import SamplingParams
@@ -171,19 +170,9 @@ class ReplicaSetEngine:
         return answers, False
 
     # -- cache control ----------------------------------------------------------------------------
-    async def warm(
-        self, token_ids: list[int], cache_salt: str | None, pin: PinSpec | None, replicas: str | None = None
-    ) -> WarmResult:
-        """Warm where the router would send ``token_ids``, or with ``replicas="all"`` on every replica
-        (``warm_all``). No time limit: a warm is a prefill, as long as the prompt's."""
-        if replicas is not None:
-            if replicas != "all":
-                raise InvalidRequestError(
-                    f"replicas must be 'all' (or left out: the replica the router chooses), got {replicas!r}",
-                    "replicas",
-                    "invalid_value",
-                )
-            return (await self.warm_all(token_ids, cache_salt, pin))[0][1]
+    async def warm(self, token_ids: list[int], cache_salt: str | None, pin: PinSpec | None) -> WarmResult:
+        """Warm where the router would send ``token_ids``. No time limit: a warm is a prefill, as long
+        as the prompt's."""
         route = RouteKey(list(token_ids), cache_salt, SESSION_ID.get())
         _, result = await self._handle.warm.remote(WarmCall(route, pin))
         return _raised(result)

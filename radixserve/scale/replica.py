@@ -24,12 +24,12 @@ import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
 from radixserve.cache.events import KVEvents
-from radixserve.cache.pin_types import PinInfo, PinSpec, PrefixEviction, WarmResult
+from radixserve.cache.pin_types import PinInfo, PinRef, PinSpec, PrefixEviction, WarmResult
 from radixserve.config import EngineConfig
 from radixserve.engine.stats import EngineStats
 from radixserve.errors import InvalidRequestError, PinBudgetError
@@ -133,6 +133,7 @@ class ReplicaError:
 
 StreamItem = RequestOutput | Finished | ReplicaError
 PinnedPrefix = tuple[str | None, list[int]]  # cache_index.PinnedPrefix: a pin's namespace and tokens
+_Pin = TypeVar("_Pin", PinInfo, PinRef)
 
 
 class EngineReplica:
@@ -181,10 +182,7 @@ class EngineReplica:
             await stream.aclose()  # a cancelled call (client gone) aborts the request in the engine
         if result.cache_pin is not None:
             self._remember_pin(result.cache_pin.id, route)
-            pin = msgspec.structs.replace(
-                result.cache_pin, id=replica_pin_id(self.replica_id, result.cache_pin.id)
-            )
-            result = dataclasses.replace(result, cache_pin=pin)
+            result = dataclasses.replace(result, cache_pin=self._outward(result.cache_pin))
         await self._publish()
         yield Finished(result, self._records.pop(call.request_id, None), self.replica_id)
 
@@ -226,7 +224,7 @@ class EngineReplica:
         await self._publish(sync_pins=True)
         return self.replica_id, None
 
-    def _outward(self, pin: PinInfo) -> PinInfo:
+    def _outward(self, pin: _Pin) -> _Pin:
         return msgspec.structs.replace(pin, id=replica_pin_id(self.replica_id, pin.id))
 
     def _remember_pin(self, pin_id: str, route: RouteKey) -> None:

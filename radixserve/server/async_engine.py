@@ -278,6 +278,12 @@ class AsyncEngine:
             pass
         return warm_result(len(token_ids), whole, stream.result)
 
+    async def warm_all(
+        self, token_ids: list[int], cache_salt: str | None, pin: PinSpec | None
+    ) -> list[tuple[str, WarmResult]]:
+        """``replicas: "all"`` on a single server: this engine is the only replica."""
+        return [("local", await self.warm(token_ids, cache_salt, pin))]
+
     async def pins(self, namespace: str | None) -> list[PinInfo]:
         return await self._cache_calls.pins(namespace)
 

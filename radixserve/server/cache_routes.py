@@ -10,9 +10,12 @@ act on one namespace exactly, as a request would.
 
 from __future__ import annotations
 
+from typing import Any
+
 from starlette.requests import Request
 from starlette.responses import Response
 
+from radixserve.cache.pin_types import WarmResult
 from radixserve.server import protocol_cache as pc
 from radixserve.server.api import ApiContext
 from radixserve.server.cache_pins import pin_spec
@@ -45,22 +48,29 @@ async def warm(ctx: ApiContext, request: Request) -> Response:
     req = await ctx.decode(request, pc.WarmRequest)
     ids = prompt_ids(ctx, req)
     pin = pin_spec(req.pin, "pin")
+    salt = ctx.salt(request, req.cache_salt)
     try:
-        result = await ctx.engine.warm(ids, ctx.salt(request, req.cache_salt), pin)
+        if req.replicas == "all":  # scaled out: every replica (a single server is its only one)
+            each = await ctx.engine.warm_all(ids, salt, pin)
+            parts = [pc.ReplicaWarmResponse(replica=name, **warm_fields(r)) for name, r in each]
+            return json_response(pc.WarmAllResponse(**warm_fields(each[0][1]), replicas=parts))
+        result = await ctx.engine.warm(ids, salt, pin)
     except ValueError as exc:  # InvalidRequestError (400) or PinBudgetError (429), nothing changed
         raise ApiError.invalid(exc) from None
+    return json_response(pc.WarmResponse(**warm_fields(result)))
+
+
+def warm_fields(result: WarmResult) -> dict[str, Any]:
     pin_out = None
     if result.pin is not None:
         ref = result.pin
         pin_out = pc.WarmPin(id=ref.id, tokens=ref.tokens, ttl_s=ref.ttl_s, expires_at=ref.expires_at)
-    return json_response(
-        pc.WarmResponse(
-            tokens=result.tokens,
-            cached_tokens=result.cached_tokens,
-            computed_tokens=result.computed_tokens,
-            pin=pin_out,
-        )
-    )
+    return {
+        "tokens": result.tokens,
+        "cached_tokens": result.cached_tokens,
+        "computed_tokens": result.computed_tokens,
+        "pin": pin_out,
+    }
 
 
 async def list_pins(ctx: ApiContext, request: Request) -> Response:

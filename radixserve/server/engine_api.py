@@ -11,8 +11,8 @@ The routes (app.py, api.py, chat.py, completions.py, generate.py, metrics.py, da
   ``tokenize()``, ``flush_cache()``, ``cache_tree()`` (a snapshot of the prefix cache, for the
   dashboard), ``stats()``, ``healthy``, ``on_finish`` (a ``RequestRecord`` per finished request),
   ``start()`` and ``shutdown()``;
-- cache control (docs/cache.md): ``warm()``, ``pins()``, ``unpin()``, ``evict()``, and ``generate``'s
-  ``pin``;
+- cache control (docs/cache.md): ``warm()`` (``warm_all()``: on every replica), ``pins()``, ``unpin()``,
+  ``evict()``, and ``generate``'s ``pin``;
 - the errors below (EngineFailedError is raised only by a request's stream), and ``InvalidRequestError``
   (radixserve/errors.py) for a refused request.
 
@@ -177,6 +177,13 @@ class ServingBackend(Protocol):
     async def warm(self, token_ids: list[int], cache_salt: str | None, pin: PinSpec | None) -> WarmResult:
         """Compute the KV of the prompt's whole pages into the cache without generating; what was
         cached already costs no forward pass. Refusals as ``generate``'s."""
+        ...
+
+    async def warm_all(
+        self, token_ids: list[int], cache_salt: str | None, pin: PinSpec | None
+    ) -> list[tuple[str, WarmResult]]:
+        """``warm`` on every replica (``replicas: "all"``; scaled out: docs/scaling.md): each replica's
+        name and result, in name order. A single server is its only replica, ``"local"``."""
         ...
 
     async def pins(self, namespace: str | None) -> list[PinInfo]:

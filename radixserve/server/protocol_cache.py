@@ -49,6 +49,18 @@ class WarmResponse(Struct, kw_only=True):
     pin: WarmPin | None
 
 
+class ReplicaWarmResponse(WarmResponse, kw_only=True):
+    """One replica's part of a warm with ``replicas: "all"`` (scaled out: docs/scaling.md)."""
+
+    replica: str
+
+
+class WarmAllResponse(WarmResponse, kw_only=True):
+    """A warm with ``replicas: "all"``: the first replica's figures (by id), then each replica's."""
+
+    replicas: list[ReplicaWarmResponse]
+
+
 class PinEntry(Struct, kw_only=True):
     id: str
     tokens: int

@@ -28,6 +28,7 @@ from radixserve.server.messages import FromEngine, RequestError
 INTERFACE = {
     "model",
     "warm",
+    "warm_all",
     "pins",
     "unpin",
     "evict",
