@@ -199,8 +199,11 @@ class ReplicaSetEngine:
         replica, own = parts
         if replica not in await self._index.replicas.remote():
             return False  # its replica is gone, and its pins with it
-        served_by, found = await self._call_handle("unpin", RouteKey([], namespace, target=replica), own)
-        return bool(found) and served_by == replica
+        for _ in range(MAX_ATTEMPTS):  # a targeted call may land elsewhere: that one's answer is no answer
+            served_by, found = await self._call_handle("unpin", RouteKey([], namespace, target=replica), own)
+            if served_by == replica:
+                return bool(found)
+        raise EngineUnavailableError(f"replica {replica} did not answer the unpin")
 
     async def evict(self, token_ids: list[int], cache_salt: str | None) -> PrefixEviction:
         """Every replica frees what it holds of the prefix: the sums."""

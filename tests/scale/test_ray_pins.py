@@ -73,12 +73,6 @@ def metric(client: httpx.Client, name: str) -> float:
     return scrape(client, auth(KEY_A)).get(name, 0.0)
 
 
-def routed(client: httpx.Client) -> dict[str, float]:
-    m = scrape(client, auth(KEY_A))
-    prefix = "radixserve:router_requests_total{replica="
-    return {k[len(prefix) : -1]: v for k, v in m.items() if k.startswith(prefix)}
-
-
 def test_a_pinned_prefix_on_one_replica_is_kept_while_both_replicas_serve_pressure(app: App) -> None:
     import ray
 
@@ -94,21 +88,19 @@ def test_a_pinned_prefix_on_one_replica_is_kept_while_both_replicas_serve_pressu
         # An unpinned control prefix, warmed on every replica: the pressure must evict it from both.
         every = post(c, "/v1/cache/warm", prompt=CONTROL, replicas="all")
         assert sorted(r["replica"] for r in every["replicas"]) == sorted(ray.get(index.replicas.remote()))
-        before = routed(c)
 
-        def pressure(i: int) -> None:  # distinct prompts of ~135 tokens: 6 of them fill a pool
+        def pressure(i: int) -> None:  # ~135 tokens each, from the first page on distinct: spread by load
             for j in range(6):
-                complete(c, f"Pressure {i}.{j}: " + f"crate {i} {j} of the cargo manifest; " * 4)
+                complete(c, f"{i}-{j}-pressure: " + f"crate {i} {j} of the cargo manifest; " * 4)
 
         threads = [threading.Thread(target=pressure, args=(i,)) for i in range(2)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        after = routed(c)
-        served = {r: after.get(r, 0) - before.get(r, 0) for r in after}
-        assert len(served) == 2 and min(served.values()) >= 3, served  # both pools were pressed
-        assert cached(complete(c, CONTROL + " Q?")) < PAGE  # evicted from both replicas
+        # Both pools were pressed: the control prefix is gone from both (the router would have sent it
+        # to a replica still holding it).
+        assert cached(complete(c, CONTROL + " Q?")) < PAGE
         pin_decisions = metric(c, "radixserve:router_decisions_total{reason=pin}")
         kept = complete(c, SYSTEM + " Q?")
         assert cached(kept) >= pin["tokens"], (cached(kept), pin)  # the pin kept every pinned page
