@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from radixserve.cache.page_pool import PageAllocator
+from radixserve.cache.pin_store import keep_pins_on_disk
 from radixserve.cache.pin_types import TIERS, PrefixEviction
 from radixserve.cache.pins import Pin, PinTable
 from radixserve.cache.radix import RadixCache
@@ -115,9 +116,14 @@ class KVCacheManager:
     def enable_pins(self, max_pinned_fraction: float, reserve_pages: int) -> PinTable | None:
         """Let requests pin prefixes (cache/pins.py), within ``max_pinned_fraction`` of the pool per
         tenant and never leaving fewer than ``reserve_pages`` unpinned; None without a prefix cache."""
-        if self.tree is not None:
-            self.pins = PinTable(self.tree, self.num_pages, max_pinned_fraction, reserve_pages)
-        return self.pins
+        tree, tiers = self.tree, self.tiers
+        if tree is None:
+            return None
+        pins = self.pins = PinTable(tree, self.num_pages, max_pinned_fraction, reserve_pages)
+        if tiers is not None:  # a pin's pages get a copy in every tier: they must outlive the device's
+            pins.on_hold = lambda node: tiers.persist(tree.path(node))
+            keep_pins_on_disk(pins, tree, self.allocator, tiers)
+        return pins
 
     # -- sizes --------------------------------------------------------------------------------
     @property

@@ -95,6 +95,9 @@ class PinTable:
         self._pins: dict[str, Pin] = {}
         self._by_prefix: dict[tuple[Hashable, tuple[int, ...]], Pin] = {}
         self._by_node: dict[int, list[Pin]] = {}  # id(node) -> the held pins ending there
+        # Told of changes (cache/pin_store.py: the pin file, and pages written through to disk).
+        self.on_change: Callable[[], None] | None = None
+        self.on_hold: Callable[[TreeNode], None] | None = None
 
     def now(self) -> float:
         return self._clock() + self._offset
@@ -110,7 +113,9 @@ class PinTable:
         return iter(list(self._pins.values()))
 
     # -- granting ----------------------------------------------------------------------------------
-    def grant(self, tokens: Sequence[int], namespace: Hashable, spec: PinSpec) -> Pin:
+    def grant(
+        self, tokens: Sequence[int], namespace: Hashable, spec: PinSpec, pin_id: str | None = None
+    ) -> Pin:
         """A pending pin on the whole pages of ``tokens`` (or the same prefix's existing pin, refreshed),
         within the budget: InvalidRequestError for a bad TTL or a prompt shorter than a page,
         PinBudgetError when the budget has no room; nothing changes then."""
@@ -129,11 +134,12 @@ class PinTable:
         pin = self._by_prefix.get((namespace, whole))
         if pin is None:
             self._check_budget(whole, namespace, spec.param)
-            pin = Pin(uuid.uuid4().hex, namespace, whole, spec.ttl_s, now, now + spec.ttl_s)
+            pin = Pin(pin_id or uuid.uuid4().hex, namespace, whole, spec.ttl_s, now, now + spec.ttl_s)
             self._pins[pin.id] = pin
             self._by_prefix[(namespace, whole)] = pin
         pin.ttl_s = max(pin.ttl_s, spec.ttl_s)
         pin.expires_at = max(pin.expires_at, now + pin.ttl_s)
+        self._changed()
         return pin
 
     def hold(self, pin: Pin) -> bool:
@@ -148,6 +154,9 @@ class PinTable:
         self.tree.pin(node)
         pin.node = node
         self._by_node.setdefault(id(node), []).append(pin)
+        if self.on_hold is not None:
+            self.on_hold(node)
+        self._changed()
         return True
 
     def hit(self, path: Iterable[TreeNode]) -> None:
@@ -155,10 +164,14 @@ class PinTable:
         if not self._by_node:
             return
         now = self.now()
+        hit = False
         for node in path:
             for pin in self._by_node.get(id(node), ()):
                 pin.hits += 1
                 pin.expires_at = now + pin.ttl_s
+                hit = True
+        if hit:
+            self._changed()
 
     # -- dropping ----------------------------------------------------------------------------------
     def drop(self, pin: Pin) -> None:
@@ -173,6 +186,7 @@ class PinTable:
                 del self._by_node[id(pin.node)]
             self.tree.unpin(pin.node)
             pin.node = None
+        self._changed()
 
     def drop_pending(self, pin: Pin) -> None:
         """The request that would have made the prefix has ended without it: a pending pin goes."""
@@ -190,6 +204,10 @@ class PinTable:
     def clear(self) -> None:
         for pin in list(self._pins.values()):
             self.drop(pin)
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     # -- looking -----------------------------------------------------------------------------------
     def find(self, pin_id: str, namespace_prefix: str | None) -> Pin | None:

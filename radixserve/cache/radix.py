@@ -43,6 +43,7 @@ import time as _time
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterator, Sequence
 
+from radixserve.cache.radix_check import check_tree
 from radixserve.cache.radix_node import (
     CacheListener,
     EvictResult,
@@ -335,61 +336,10 @@ class RadixCache:
         """Raise AssertionError on any broken invariant (see the module docstring).
 
         With ``free_pages`` and/or ``total_pages``, also check that every page lies exactly once in the free
-        list, the tree or ``request_pages``, and that together they are ``range(total_pages)``.
+        list, the tree or ``request_pages``, and that together they are ``range(total_pages)``
+        (``cache/radix_check.py``).
         """
-        ps = self.page_size
-        evictable = protected = 0
-        pinned: Counter[Hashable] = Counter()
-        for ns, root in self._roots.items():
-            assert root.is_root and root.parent is None, f"root of namespace {ns!r} is not a root"
-            assert root.namespace == ns, f"root of namespace {ns!r} says namespace {root.namespace!r}"
-            assert root.lock_ref == 1, f"root of namespace {ns!r} has lock_ref {root.lock_ref}, want 1"
-            assert not root.key and not root.pages, f"root of namespace {ns!r} holds tokens"
-        for node in self._nodes():
-            for key, child in node.children.items():
-                assert child.parent is node, f"{child!r} does not point back to its parent {node!r}"
-                assert key == self.child_key(child.key), f"{child!r} is filed under key {key!r}"
-            if node.is_root:
-                continue
-            assert node.key and len(node.key) % ps == 0, (
-                f"{node!r}: key length not a positive multiple of {ps}"
-            )
-            assert len(node.pages) == len(node.key) // ps, f"{node!r}: {len(node.pages)} pages for its key"
-            assert node.namespace == self._parent(node).namespace, (
-                f"{node!r} is in another namespace than its parent"
-            )
-            if self._seed is not None:
-                chain = list(self._chain(self._last_key(self._parent(node)), node.key, 0, len(node.key)))
-                assert node.hashes == chain, f"{node!r}: page keys do not continue its parent's chain"
-            child_locks = sum(c.lock_ref for c in node.children.values())
-            assert node.lock_ref >= child_locks, f"{node!r}: lock_ref below its children's sum {child_locks}"
-            child_pins = sum(c.pin_ref for c in node.children.values())
-            assert node.lock_ref >= node.pin_ref >= child_pins, f"{node!r}: pin_ref out of order"
-            if node.pin_ref:
-                pinned[node.namespace] += len(node.pages)
-            if node.lock_ref:
-                protected += len(node.pages)
-            else:
-                evictable += len(node.pages)
-        assert evictable == self._evictable, (
-            f"evictable_pages is {self._evictable}, the tree holds {evictable}"
-        )
-        assert protected == self._protected, (
-            f"protected_pages is {self._protected}, the tree holds {protected}"
-        )
-        assert pinned == self._pinned, f"pinned_pages is {dict(self._pinned)}, the tree holds {dict(pinned)}"
-        tree = self.all_pages()
-        assert len(set(tree)) == len(tree), f"pages held twice in the tree: {_duplicates(tree)}"
-        if free_pages is None and total_pages is None:
-            return
-        everywhere = [*tree, *(free_pages or ()), *request_pages]
-        dup = _duplicates(everywhere)
-        assert not dup, f"pages in more than one place (tree/free/requests): {dup}"
-        if total_pages is not None:
-            missing = set(range(total_pages)) - set(everywhere)
-            assert not missing, f"pages leaked (in neither tree, free list nor requests): {sorted(missing)}"
-            extra = set(everywhere) - set(range(total_pages))
-            assert not extra, f"pages outside range({total_pages}): {sorted(extra)}"
+        check_tree(self, free_pages, request_pages, total_pages)
 
     # ---- internals ----
 
@@ -511,7 +461,3 @@ class RadixCache:
     def _tick(self) -> int:
         self._clock += 1
         return self._clock
-
-
-def _duplicates(pages: Sequence[int]) -> list[int]:
-    return sorted(p for p, n in Counter(pages).items() if n > 1)

@@ -139,6 +139,30 @@ class TierController:
         if self.policy is WritePolicy.WRITE_BACK and evicted.unbacked_pages:
             self.backup(evicted.unbacked_keys, self._gather(evicted.unbacked_pages))
 
+    def persist(self, nodes: Iterable[TreeNode]) -> None:
+        """Write the pages of ``nodes`` to every store, whatever the policy (a pin's pages: they must
+        survive a restart, cache/pin_store.py)."""
+        for node in nodes:
+            pages = self._gather(node.pages).to("cpu")
+            for key, page in zip(node.hashes, pages):
+                for tier in range(len(self.stores)):
+                    if not self.stores[tier].contains(key):
+                        self._store(tier, key, page, cascade=False)
+            node.backed_up = True
+
+    def load_now(self, keys: list[bytes], tiers: list[int], pages: list[int]) -> bool:
+        """Fill device ``pages`` with ``keys`` on this thread (start-up only: cache/pin_store.py)."""
+        return self._load(keys, tiers, partial(self._scatter, pages))
+
+    def submit_write(self, job: Callable[[], None]) -> None:
+        """Run ``job`` on the writer thread, after the writes queued before it (small files, e.g. pins)."""
+        self._writer.submit(job)
+
+    @property
+    def disk_dir(self) -> Path | None:
+        """The disk store's directory, if there is one."""
+        return next((s.dir for s in self.stores if isinstance(s, DiskStore)), None)
+
     def _backup(self, node: TreeNode) -> None:
         if not node.backed_up:
             self.backup(node.hashes, self._gather(node.pages))
@@ -270,26 +294,27 @@ class TierController:
         sink(torch.stack(pages))
         return True
 
-    def _store(self, tier: int, key: bytes, page: torch.Tensor) -> None:
-        """Put now into an in-memory store; queue the put for the writer thread otherwise."""
+    def _store(self, tier: int, key: bytes, page: torch.Tensor, cascade: bool = True) -> None:
+        """Put now into an in-memory store; queue the put for the writer thread otherwise. ``cascade``:
+        the policy may copy it further down (else only this store gets it)."""
         if self.stores[tier].in_memory:
-            self._put(tier, key, page)
+            self._put(tier, key, page, cascade)
             return
         with self._pending_lock:
             if self._pending >= self.max_pending:
                 self.dropped_writes += 1
                 return
             self._pending += 1
-        self._writer.submit(self._put_queued, tier, key, page)
+        self._writer.submit(self._put_queued, tier, key, page, cascade)
 
-    def _put_queued(self, tier: int, key: bytes, page: torch.Tensor) -> None:
+    def _put_queued(self, tier: int, key: bytes, page: torch.Tensor, cascade: bool) -> None:
         try:
-            self._put(tier, key, page)
+            self._put(tier, key, page, cascade)
         finally:
             with self._pending_lock:
                 self._pending -= 1
 
-    def _put(self, tier: int, key: bytes, page: torch.Tensor) -> None:
+    def _put(self, tier: int, key: bytes, page: torch.Tensor, cascade: bool = True) -> None:
         store = self.stores[tier]
         start = time.perf_counter()
         evicted = store.put(key, page)
@@ -297,10 +322,10 @@ class TierController:
         below = tier + 1
         if below == len(self.stores):
             return
-        if self.policy is WritePolicy.WRITE_BACK:
+        if self.policy is WritePolicy.WRITE_BACK:  # a store's victims go down whatever ``cascade`` says
             for k, p in evicted:
                 self._store(below, k, p)
-        elif not self.stores[below].contains(key):
+        elif cascade and not self.stores[below].contains(key):
             self._store(below, key, page)
 
 

@@ -7,6 +7,7 @@ from typing import Any
 import msgspec
 
 from radixserve.server import protocol as p
+from radixserve.server import protocol_cache as pc
 from radixserve.server import protocol_chat as c
 
 OPENAI_ERRORS = (400, 401, 404, 413, 429, 503)  # 404: an unknown model
@@ -28,6 +29,12 @@ _SCHEMA_TYPES: tuple[Any, ...] = (
     p.DetokenizeResponse,
     p.FlushCacheResponse,
     p.HealthResponse,
+    pc.WarmRequest,
+    pc.WarmResponse,
+    pc.PinList,
+    pc.PinDeleted,
+    pc.EvictRequest,
+    pc.EvictResponse,
 )
 
 
@@ -100,6 +107,22 @@ def openapi_schema(model_name: str, title: str = "radixserve", version: str = "0
         {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
     ]
     model["get"]["responses"].update(_errors(404))
+    salt = {"name": "cache_salt", "in": "query", "required": False, "schema": {"type": "string"}}
+    pins = _get("The caller's cache pins", _ref(pc.PinList))
+    pins["get"]["parameters"] = [salt]
+    unpin = {
+        "delete": {
+            "summary": "Drop one of the caller's cache pins",
+            "parameters": [
+                {"name": "pin_id", "in": "path", "required": True, "schema": {"type": "string"}},
+                salt,
+            ],
+            "responses": {
+                "200": {"description": "OK", "content": _json(_ref(pc.PinDeleted))},
+                **_errors(400, 401),
+            },
+        }
+    }
     health["get"]["security"] = []
     health["get"]["responses"].update(_errors(503))
     return {
@@ -140,6 +163,21 @@ def openapi_schema(model_name: str, title: str = "radixserve", version: str = "0
             "/health": health,
             "/metrics": _get("Prometheus metrics", {"type": "string"}, "text/plain"),
             "/flush_cache": flush,
+            "/v1/cache/warm": _post(
+                "Compute a prompt's KV without generating; pin it",
+                pc.WarmRequest,
+                _ref(pc.WarmResponse),
+                False,
+            ),
+            "/v1/cache/pins": pins,
+            "/v1/cache/pins/{pin_id}": unpin,
+            "/v1/cache/evict": _post(
+                "Free a cached prefix of the caller's",
+                pc.EvictRequest,
+                _ref(pc.EvictResponse),
+                False,
+                (400, 401, 413, 503),
+            ),
         },
         "components": {
             "schemas": components,

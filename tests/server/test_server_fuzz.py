@@ -29,10 +29,13 @@ def fuzz_url(tiny_llama: Path) -> Iterator[str]:
 
 POSITIVE, NEGATIVE = schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE
 WITH_BODY = ["/v1/chat/completions", "/v1/completions", "/generate"]
+CACHE_BODY = ["/v1/cache/warm", "/v1/cache/evict"]
 CASES = (
     [("POST", path, mode) for path in WITH_BODY for mode in (POSITIVE, NEGATIVE)]
     + [("GET", path, POSITIVE) for path in ("/v1/models", "/health", "/metrics")]
     + [("POST", "/flush_cache", POSITIVE)]
+    + [("POST", path, mode) for path in CACHE_BODY for mode in (POSITIVE, NEGATIVE)]
+    + [("GET", "/v1/cache/pins", POSITIVE), ("DELETE", "/v1/cache/pins/{pin_id}", POSITIVE)]
 )
 
 
@@ -62,7 +65,7 @@ def test_no_server_errors(api_schema: Any, method: str, path: str, mode: schemat
     headers = {"Authorization": f"Bearer {KEY}"}
 
     @settings(
-        max_examples=25 if path in WITH_BODY else 3,
+        max_examples=25 if path in WITH_BODY else 10 if path.startswith("/v1/cache/") else 3,
         deadline=None,
         database=None,
         suppress_health_check=list(HealthCheck),
