@@ -43,8 +43,14 @@ def app(tiny_llama: Path) -> Iterator[App]:
         enforce_eager=True,
     )
     keys = {"api_key": [KEY_A, KEY_B], "salt_per_key": True}
-    with local_ray(num_cpus=4, port=port), deployed(config, "cache_aware", port, "pins", **keys) as app:
-        yield app
+    with pytest.MonkeyPatch.context() as env:
+        # Calls to one named replica (pins, unpin, replicas "all") need its queue-length probe to answer;
+        # on a loaded CI machine Serve's 0.1 s deadline is missed for seconds at a time. Ray's workers
+        # inherit these from the driver.
+        env.setenv("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "1.0")
+        env.setenv("RAY_SERVE_MAX_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "5.0")
+        with local_ray(num_cpus=4, port=port), deployed(config, "cache_aware", port, "pins", **keys) as app:
+            yield app
 
 
 def post(client: httpx.Client, path: str, key: str = KEY_A, **body: Any) -> dict[str, Any]:
@@ -89,15 +95,30 @@ def test_a_pinned_prefix_on_one_replica_is_kept_while_both_replicas_serve_pressu
         every = post(c, "/v1/cache/warm", prompt=CONTROL, replicas="all")
         assert sorted(r["replica"] for r in every["replicas"]) == sorted(ray.get(index.replicas.remote()))
 
-        def pressure(i: int) -> None:  # ~135 tokens each, from the first page on distinct: spread by load
+        # Pressure on both pools, for certain: distinct prompts of ~135 tokens (6 fill a pool) warmed on
+        # every replica, and as many requests spread by the router, two at a time.
+        def pressure(i: int) -> None:
             for j in range(6):
-                complete(c, f"{i}-{j}-pressure: " + f"crate {i} {j} of the cargo manifest; " * 4)
+                text = f"{i}-{j}-pressure: " + f"crate {i} {j} of the cargo manifest; " * 4
+                if i == 0:
+                    post(c, "/v1/cache/warm", prompt=text, replicas="all")
+                else:
+                    complete(c, text)
 
-        threads = [threading.Thread(target=pressure, args=(i,)) for i in range(2)]
+        failures: list[BaseException] = []
+
+        def run(i: int) -> None:
+            try:
+                pressure(i)
+            except BaseException as exc:  # a thread's failure must fail the test
+                failures.append(exc)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+        assert not failures, failures
         # Both pools were pressed: the control prefix is gone from both (the router would have sent it
         # to a replica still holding it).
         assert cached(complete(c, CONTROL + " Q?")) < PAGE
