@@ -92,7 +92,7 @@ class KVCacheManager:
         self.page_bytes = page_bytes  # bytes of one device page (K and V, all layers), for tier_stats
         self.allocator = PageAllocator(num_pages)
         self.tiers = tiers if prefix_cache else None
-        self.scores = scores  # the prompt scores beside the pool's pages (None: prompt logprobs reuse nothing)
+        self.scores = scores  # prompt scores beside the pool's pages (None: prompt logprobs reuse nothing)
         self.tree = None
         if prefix_cache:
             self.tree = RadixCache(page_size, eviction_policy, self.allocator.free, self.tiers)

@@ -17,6 +17,12 @@ Invariants:
 - A page's scores travel with its KV in the tiers: ``record_bytes`` per page, appended to the pool's
   byte record (``KVPool.read_pages``).
 
+The last prompt position of a scoring request has no next token yet (it is sampled), so the whole
+logprob row predicted there is kept too, for the few latest such positions (``MAX_ROWS``, device only):
+a request that extends that prompt (a DSL ``select``'s choices after the prompt it scored first) reads
+its boundary token from it even when the token is not in the top-k. Such a row is
+dropped as soon as its slot is written again.
+
 Only requests that ask for prompt logprobs compute every position's logits; ordinary prefills compute
 the LM head at their last position only, so their pages hold no scores (they would cost an LM-head
 product per prompt token).
@@ -24,6 +30,8 @@ product per prompt token).
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -31,6 +39,8 @@ import torch
 # Top alternatives kept per position: OpenAI's completions allow logprobs <= 5 and lm-eval asks for 1
 # (its is-greedy check), so 5 serves both; a request for more recomputes. Each costs 8 bytes a token.
 TOP_K = 5
+# Whole logprob rows kept at the end of scored prompts (a vocabulary of floats each, so only a few).
+MAX_ROWS = 32
 
 
 class ScoreTable:
@@ -44,6 +54,9 @@ class ScoreTable:
         self.next_lp = torch.full(shape, float("nan"), dtype=torch.float32, device=device)
         self.top_ids = torch.full((*shape, TOP_K), -1, dtype=torch.int32, device=device)
         self.top_lps = torch.full((*shape, TOP_K), float("nan"), dtype=torch.float32, device=device)
+        # slot -> logprob row [vocab] where the next token was unknown, latest last (``MAX_ROWS``).
+        self.rows: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._rows_lock = threading.Lock()  # the loader thread drops rows of the pages it fills
 
     @staticmethod
     def record_bytes(page_size: int) -> int:
@@ -58,6 +71,13 @@ class ScoreTable:
         """Mark flat ``slots`` (page * page_size + offset) unknown: their KV was written without logits."""
         self.next_lp.view(-1)[slots] = float("nan")
         self.top_lps.view(-1, TOP_K)[slots] = float("nan")
+        self._drop_rows(slots)
+
+    def _drop_rows(self, slots: torch.Tensor) -> None:
+        with self._rows_lock:
+            if self.rows:
+                for slot in slots.tolist():
+                    self.rows.pop(slot, None)
 
     def store(self, slots: torch.Tensor, logprobs: torch.Tensor, next_ids: torch.Tensor) -> None:
         """Store the predictions made at flat ``slots``: ``logprobs [n, vocab]`` (log_softmax of the
@@ -70,6 +90,12 @@ class ScoreTable:
         self.next_lp.view(-1)[slots] = chosen
         self.top_ids.view(-1, TOP_K)[slots, : top_ids.shape[1]] = top_ids.to(torch.int32)
         self.top_lps.view(-1, TOP_K)[slots, : top_lps.shape[1]] = top_lps
+        self._drop_rows(slots)
+        with self._rows_lock:
+            for i in (~known).nonzero().flatten().tolist():
+                self.rows[int(slots[i])] = logprobs[i].clone()
+            while len(self.rows) > MAX_ROWS:
+                self.rows.popitem(last=False)
 
     def merge(self, src: list[int], dst: list[int]) -> None:
         """Copy into pages ``dst`` the scores that pages ``src`` (computed again for the same tokens, so
@@ -104,6 +130,11 @@ class ScoreTable:
         in_top = (top_ids == want[:, None]) & ~top_lps.isnan()
         from_top = torch.where(in_top, top_lps, torch.full_like(top_lps, float("nan"))).nansum(1)
         lp = torch.where(next_id == want, next_lp, torch.where(in_top.any(1), from_top, float("nan")))
+        with self._rows_lock:
+            for i, slot in enumerate(slots.tolist() if self.rows else []):
+                row = self.rows.get(slot)
+                if row is not None and lp[i].isnan():
+                    lp[i] = row[want[i]]
         known = ~lp.isnan()
         if k:
             known &= ~top_lps[:, :k].isnan().any(1)
@@ -140,10 +171,13 @@ class ScoreTable:
         return torch.cat([p.view(torch.uint8) for p in parts], dim=1)
 
     def write_pages(self, pages: torch.Tensor, records: torch.Tensor) -> None:
-        """The inverse of ``read_pages``."""
+        """The inverse of ``read_pages`` (whole rows are not in a record: those pages have none)."""
+        ps = self.page_size
+        self._drop_rows((pages[:, None] * ps + torch.arange(ps, device=pages.device)).flatten())
         start = 0
         for t in self._parts():
             nbytes = t[0].numel() * t.element_size()
-            part = records[:, start : start + nbytes].contiguous().view(t.dtype).view(len(pages), *t.shape[1:])
+            part = records[:, start : start + nbytes].contiguous().view(t.dtype)
+            part = part.view(len(pages), *t.shape[1:])
             t.index_copy_(0, pages, part)
             start += nbytes

@@ -75,7 +75,7 @@ class Engine:
         # One backend for the whole engine: attention in the runner, page copies for the tiers.
         backend = select_backend(cfg.attention_backend, self.device)
         check_kv_dtype(backend, cfg.kv_cache_dtype)
-        self.pool = KVPool(*shape, self.kv_dtype, self.device)
+        self.pool = pool = KVPool(*shape, self.kv_dtype, self.device)
         tiers = None
         if cfg.prefix_cache:
             tiers = make_tiers(
@@ -91,7 +91,7 @@ class Engine:
                 write_through_threshold=cfg.write_through_threshold,
             )
         self.kv_manager = KVCacheManager(
-            num_pages, cfg.page_size, cfg.prefix_cache, cfg.eviction_policy, tiers, page_bytes, self.pool.scores
+            num_pages, cfg.page_size, cfg.prefix_cache, cfg.eviction_policy, tiers, page_bytes, pool.scores
         )
         self.max_batched_tokens = cfg.max_batched_tokens or (8192 if self.device.type == "cuda" else 512)
         self.scheduler = Scheduler(
@@ -312,9 +312,9 @@ class Engine:
     def _postprocess(
         self, batch: ScheduledBatch, logits: torch.Tensor, all_logits: dict[int, torch.Tensor]
     ) -> list[StepOutput]:
-        """What a forward's logits do to the batch (prompts were scored: ``score_step``), in order: count
-        (and cache) what was computed, sample the rows that end at a new token, then each such request's tokens, stops,
-        output, text, drafts and finish."""
+        """What a forward's logits do to the batch (its prompts were scored: ``score_step``), in order:
+        count (and cache) what was computed, sample the rows that end at a new token, then each such
+        request's tokens, stops, output, text, drafts and finish."""
         rows = [  # the requests whose step ends at a new token (not inside a prefill)
             i
             for i, (r, n) in enumerate(zip(batch.requests, batch.num_new_tokens))

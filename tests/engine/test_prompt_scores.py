@@ -70,11 +70,12 @@ def test_shared_prefix_scores_equal_no_cache_and_compute_only_the_suffix(
 ) -> None:
     engine = Engine(str(model), **OPTIONS)
     first = PREFIX + SUFFIXES[0]
-    assert _computed(engine, lambda: _same(_score(engine, first, k), _score(reference, first, k))) == len(first)
+    n = _computed(engine, lambda: _same(_score(engine, first, k), _score(reference, first, k)))
+    assert n == len(first)
     for suffix in SUFFIXES[1:]:
         prompt = PREFIX + suffix
         got: list[TokenLogprob | None] = []
-        n = _computed(engine, lambda p=prompt: got.extend(_score(engine, p, k)))  # type: ignore[misc]
+        n = _computed(engine, lambda p=prompt, out=got: out.extend(_score(engine, p, k)))  # type: ignore[misc]
         _same(got, _score(reference, prompt, k))
         # Only the suffix and the rest of the prefix's last, partly shared page are computed.
         assert n == len(prompt) - len(PREFIX) // PAGE * PAGE

@@ -1,7 +1,8 @@
 """Real clients against a real server, unchanged: LangChain (``langchain-openai``) with bound tools, streaming
 and the batched ``OpenAI`` LLM; EleutherAI lm-evaluation-harness (``local-completions`` with its default
 tokenized requests) on a local task, whose loglikelihoods equal our own /v1/completions echo logprobs and
-are the same with the prefix cache on and off (prompt logprobs reuse cached prefixes). Tiny Qwen2 with Qwen2.5's template; nothing is downloaded."""
+are the same with the prefix cache on and off (prompt logprobs reuse cached prefixes). Tiny Qwen2 with
+Qwen2.5's template; nothing is downloaded."""
 
 from __future__ import annotations
 
@@ -192,6 +193,7 @@ def test_lm_eval_local_completions_runs_and_agrees_with_our_logprobs(
 
 
 # -- lm-eval with the prefix cache on and off (issue 24) -----------------------------------------
+
 
 def _evaluate(url: str, tokenizer: Path, tasks: Path) -> dict[str, list[dict[str, Any]]]:
     lm_eval = client_package("lm_eval")
