@@ -80,7 +80,8 @@ def test_shared_prefix_scores_equal_no_cache_and_compute_only_the_suffix(
         # Only the suffix and the rest of the prefix's last, partly shared page are computed.
         assert n == len(prompt) - len(PREFIX) // PAGE * PAGE
         boundary = len(PREFIX) // PAGE * PAGE  # its logprob came from the cached page before it
-        assert got[boundary] is not None and got[boundary].logprob < 0
+        entry = got[boundary]
+        assert entry is not None and entry.logprob < 0
 
 
 def test_a_page_diverging_at_its_boundary_reads_the_top_k_or_recomputes(
