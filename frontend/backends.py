@@ -105,12 +105,13 @@ class Backend(ABC):
         """The logprobs of the tokens of each choice appended to ``prompt``.
 
         The choice's tokens are those after the longest common prefix with the prompt's own tokens, so a
-        token that merges across the boundary is scored as part of the choice.
+        token that merges across the boundary is scored as part of the choice. The prompt is scored
+        first, alone: its pages then hold its KV and its logprobs, so each choice, sent after it (all
+        at once), computes only its own tokens (and the rest of the prompt's last, partly filled page).
         """
-        with concurrent.futures.ThreadPoolExecutor(len(choices) + 1) as pool:
-            base_f = pool.submit(self.prompt_logprobs, prompt)
+        base = [t for t, _ in self.prompt_logprobs(prompt)]
+        with concurrent.futures.ThreadPoolExecutor(len(choices)) as pool:
             scored = list(pool.map(self.prompt_logprobs, [prompt + c for c in choices]))
-            base = [t for t, _ in base_f.result()]
         out = []
         for choice, entries in zip(choices, scored, strict=True):
             k = 0

@@ -27,7 +27,7 @@ Accounting invariant: free + cached (tree) + in-use (private, and pages being lo
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sized
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -37,6 +37,7 @@ from radixserve.cache.pin_types import TIERS, PrefixEviction
 from radixserve.cache.pins import Pin, PinTable
 from radixserve.cache.radix import RadixCache
 from radixserve.cache.radix_node import TreeNode
+from radixserve.cache.scores import ScoreTable
 from radixserve.cache.tier_controller import Load, TierController
 
 
@@ -62,6 +63,8 @@ class RequestPages:
 class _Params(Protocol):
     @property
     def prompt_logprobs(self) -> int | None: ...
+    @property
+    def prompt_logprobs_start(self) -> int: ...
 
 
 class CachedRequest(Protocol):
@@ -84,6 +87,8 @@ class CachedRequest(Protocol):
     def num_preemptions(self) -> int: ...
     @property
     def params(self) -> _Params: ...
+    @property
+    def prompt_logprobs(self) -> Sized | None: ...  # the prompt positions scored so far
 
 
 class KVCacheManager:
@@ -95,11 +100,13 @@ class KVCacheManager:
         eviction_policy: str = "lru",
         tiers: TierController | None = None,
         page_bytes: int = 0,
+        scores: ScoreTable | None = None,
     ) -> None:
         self.page_size = page_size
         self.page_bytes = page_bytes  # bytes of one device page (K and V, all layers), for tier_stats
         self.allocator = PageAllocator(num_pages)
         self.tiers = tiers if prefix_cache else None
+        self.scores = scores  # prompt scores beside the pool's pages (None: prompt logprobs reuse nothing)
         self.tree = None
         if prefix_cache:
             self.tree = RadixCache(page_size, eviction_policy, self.allocator.free, self.tiers)
@@ -163,11 +170,22 @@ class KVCacheManager:
         usable = self._usable(req)
         if self.tree is None or not usable:
             return 0
-        return self.tree.prefix_len(req.token_ids[:usable], req.cache_salt)
+        return self._scored(req, self.tree.prefix_len(req.token_ids[:usable], req.cache_salt))
+
+    def _scored(self, req: CachedRequest, cached: int) -> int:
+        """``cached`` cut to what a request that wants prompt logprobs can take: the prefix whose needed
+        logprobs (from ``prompt_logprobs_start`` or the first not yet scored) the pages' scores hold."""
+        k = req.params.prompt_logprobs
+        if k is None or not cached:
+            return cached
+        if self.scores is None:
+            return 0
+        assert self.tree is not None
+        need_from = max(req.params.prompt_logprobs_start, len(req.prompt_logprobs or ()))
+        pages = self.tree.peek_pages(req.token_ids[:cached], req.cache_salt)
+        return self.scores.known_prefix(pages, req.token_ids, cached, need_from, k)
 
     def _usable(self, req: CachedRequest) -> int:
-        if req.params.prompt_logprobs is not None:
-            return 0  # prompt logprobs need the logits of every prompt position, so nothing is reused
         # At least one token must be computed to get logits, so the last token never counts as cached.
         return ((req.num_tokens - 1) // self.page_size) * self.page_size
 
@@ -299,7 +317,8 @@ class KVCacheManager:
         """Insert the whole computed pages of ``req`` into the tree and switch it to the tree's pages.
 
         Where the tree already held a page for the same tokens (another request computed it), ours is
-        a duplicate: it is freed and the tree's is used from now on.
+        a duplicate: it is freed and the tree's is used from now on, with the prompt scores it lacked
+        and ours hold.
         """
         if self.tree is None:
             return
@@ -317,7 +336,10 @@ class KVCacheManager:
         if req.pages.node is not None:
             self.tree.unlock(req.pages.node)
         req.pages.node = result.node
-        duplicates = [p for p, t in zip(req.pages.table[owned:num_full], result.pages[owned:]) if p != t]
+        pairs = [(p, t) for p, t in zip(req.pages.table[owned:num_full], result.pages[owned:]) if p != t]
+        duplicates = [p for p, _ in pairs]
+        if self.scores is not None:  # the tree's copy keeps the scores ours computed
+            self.scores.merge(duplicates, [t for _, t in pairs])
         self.allocator.free(duplicates)
         req.pages.table[:num_full] = result.pages
         self._private -= num_full - owned

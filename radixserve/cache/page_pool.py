@@ -4,9 +4,10 @@ Every page is in exactly one place: the allocator's free list, the radix tree, o
 request's private tail. The allocator only knows the first; ``RadixCache.check_integrity`` checks all three.
 
 The pool owns the KV dtype (``kernels/kv_dtype.py``): float32, bfloat16, or int8 with one fp32 scale
-per (token, KV head) for K and for V beside the pages. A page leaves the device (for the host or
-disk tier) as one byte record, ``page_bytes`` long, holding its K, V and scales of every layer, so
-it describes itself wherever it goes.
+per (token, KV head) for K and for V beside the pages. It also holds the prompt scores of every
+position (``scores``: ``cache/scores.py``). A page leaves the device (for the host or disk tier) as
+one byte record, ``page_bytes`` long, holding its K, V and scales of every layer and then its scores,
+so it describes itself wherever it goes.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Protocol
 
 import torch
 
+from radixserve.cache.scores import ScoreTable
 from radixserve.kernels.kv_dtype import KV_DTYPES, TORCH_DTYPES, LayerCache
 
 
@@ -73,14 +75,16 @@ class KVPool:
         self.num_layers = num_layers
         self.num_pages = num_pages
         self.page_size = page_size
-        self.page_bytes = self.bytes_per_page(num_layers, page_size, num_kv_heads, head_dim, kv_dtype)
+        self.scores = ScoreTable(num_pages, page_size, device)
+        kv_bytes = self.bytes_per_page(num_layers, page_size, num_kv_heads, head_dim, kv_dtype)
+        self.page_bytes = kv_bytes + ScoreTable.record_bytes(page_size)  # a tier record's length
 
     @staticmethod
     def bytes_per_page(
         num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, kv_dtype: str
     ) -> int:
         """One page's K and V of every layer, with the int8 scales: what ``--kv-cache-gb`` is divided by,
-        and the length of a page's record in the tiers."""
+        and, with the page's scores (``ScoreTable.record_bytes``), the length of its record in the tiers."""
         rows = 2 * num_layers * page_size * num_kv_heads  # K and V rows of head_dim values
         size = torch.empty(0, dtype=TORCH_DTYPES[kv_dtype]).element_size()
         scales = 4 if kv_dtype == "int8" else 0
@@ -104,6 +108,7 @@ class KVPool:
         for buffer in self.buffers():
             part = copier.gather_pages(buffer, idx).transpose(0, 1).contiguous()  # [n, layers, ...]
             parts.append(part.view(len(pages), -1).view(torch.uint8))
+        parts.append(self.scores.read_pages(idx))
         return torch.cat(parts, dim=1)
 
     def write_pages(self, copier: PageCopier, pages: list[int], records: torch.Tensor) -> None:
@@ -121,6 +126,7 @@ class KVPool:
             part = records[:, start : start + nbytes].contiguous().view(buffer.dtype).view(shape)
             copier.scatter_pages(buffer, idx, part.transpose(0, 1))
             start += nbytes
+        self.scores.write_pages(idx, records[:, start:])
 
 
 class PageAllocator:

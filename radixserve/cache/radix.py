@@ -150,6 +150,16 @@ class RadixCache:
             num_tokens += len(self._lower_match(key, tokens, num_tokens)[1]) * self.page_size
         return num_tokens
 
+    def peek_pages(self, tokens: Sequence[int], namespace: Hashable = None) -> list[int]:
+        """The device pages ``match_prefix`` would return, changing nothing (as ``prefix_len``)."""
+        node, num_tokens, _ = self._walk(tokens, namespace, split=False)
+        pages = [p for n in reversed(list(self.path(node))) for p in n.pages]
+        rest = num_tokens // self.page_size - len(pages)
+        if rest:  # the match ends inside a child of ``node``
+            start = len(pages) * self.page_size
+            pages += node.children[self.child_key(tokens[start : start + self.page_size])].pages[:rest]
+        return pages
+
     def root(self, namespace: Hashable) -> TreeNode | None:
         """The root of ``namespace``, if it has one, read-only (``cache/continuation.py`` walks from it)."""
         return self._roots.get(namespace)

@@ -1,7 +1,8 @@
 """Host-RAM and disk KV stores beneath the device pool, behind one small storage interface.
 
 A page of KV travels between tiers as one CPU tensor, the pool's byte record of the page (K, V and,
-for int8 KV, their scales, of every layer; ``KVPool.read_pages``), under a 16-byte key: a hash chain
+for int8 KV, their scales, of every layer, then the prompt scores of its positions:
+``KVPool.read_pages``), under a 16-byte key: a hash chain
 over the page's whole token prefix, seeded with the model fingerprint and the namespace
 (``namespace_key`` then ``page_key`` per page). Equal keys mean the same model, namespace and tokens
 up to the page's end, hence the same KV, so a key can be looked up in any store without the tree that
@@ -184,8 +185,10 @@ class HostStore:
 
 
 # Header: magic, fingerprint, key, payload length, CRC32 of the payload; padded to 64 bytes.
-# The magic's last two digits are the format version: 02 since a payload is the pool's byte record.
-_MAGIC = b"RSKVPG02"
+# The magic's last two digits are the format version: 02 since a payload is the pool's byte record,
+# 03 since that record ends with the page's prompt scores (cache/scores.py). Files of an older version
+# are deleted when the directory is indexed (counted in ``rejected``); their pages are recomputed.
+_MAGIC = b"RSKVPG03"
 _HEADER = struct.Struct(f"<8s{KEY_BYTES}s{KEY_BYTES}sQI")
 _HEADER_BYTES = 64
 

@@ -27,7 +27,7 @@ from radixserve.engine.checks import check_prompt, priority_value
 from radixserve.engine.deltas import OutputAssembler, StepOutput, add_text
 from radixserve.engine.next_tokens import Picked, pick_tokens, sampled_logits
 from radixserve.engine.prompt import Prompt, apply_chat_template, tokenize
-from radixserve.engine.prompt_logprobs import add_prompt_logprobs, wants_prompt_logprobs
+from radixserve.engine.prompt_logprobs import prepare_scoring, score_step
 from radixserve.engine.request import Constraint, Request, Status
 from radixserve.engine.scheduler import ScheduledBatch, Scheduler
 from radixserve.engine.speculator import Speculator
@@ -77,7 +77,7 @@ class Engine:
         # One backend for the whole engine: attention in the runner, page copies for the tiers.
         backend = select_backend(cfg.attention_backend, self.device)
         check_kv_dtype(backend, cfg.kv_cache_dtype)
-        self.pool = KVPool(*shape, self.kv_dtype, self.device)
+        self.pool = pool = KVPool(*shape, self.kv_dtype, self.device)
         tiers = None
         if cfg.prefix_cache:
             tiers = make_tiers(
@@ -93,7 +93,7 @@ class Engine:
                 write_through_threshold=cfg.write_through_threshold,
             )
         self.kv_manager = KVCacheManager(
-            num_pages, cfg.page_size, cfg.prefix_cache, cfg.eviction_policy, tiers, page_bytes
+            num_pages, cfg.page_size, cfg.prefix_cache, cfg.eviction_policy, tiers, page_bytes, pool.scores
         )
         self.cache_control = CacheControl(self.kv_manager, cfg.max_pinned_fraction, self.max_model_len)
         self.max_batched_tokens = cfg.max_batched_tokens or (8192 if self.device.type == "cuda" else 512)
@@ -299,34 +299,34 @@ class Engine:
                 self.check_integrity()
             return outputs
         self.num_steps += 1
+        firsts = prepare_scoring(batch, self.pool.scores)  # where each request's prompt logprobs start
         chunks = [
             SeqChunk(
                 r.token_ids + r.drafts if r.drafts else r.token_ids,
                 r.num_computed_tokens,
                 n,
                 r.pages.table,
-                wants_prompt_logprobs(r) or bool(r.drafts),  # drafts: a row per position
+                first is not None or bool(r.drafts),  # drafts: a row per position
+                r.num_computed_tokens if first is None else first,
             )
-            for r, n in zip(batch.requests, batch.num_new_tokens)
+            for r, n, first in zip(batch.requests, batch.num_new_tokens, firsts)
         ]
         result = self.runner.run(chunks)
+        score_step(self.pool.scores, batch, firsts, result.all_logits)
         outputs += self._postprocess(batch, result.logits, result.all_logits)
         return outputs
 
     def _postprocess(
         self, batch: ScheduledBatch, logits: torch.Tensor, all_logits: dict[int, torch.Tensor]
     ) -> list[StepOutput]:
-        """What a forward's logits do to the batch, in order: score prompts, count (and cache) what was
-        computed, sample the rows that end at a new token, then each such request's tokens, stops,
-        output, text, drafts and finish."""
+        """What a forward's logits do to the batch (its prompts were scored: ``score_step``), in order:
+        count (and cache) what was computed, sample the rows that end at a new token, then each such
+        request's tokens, stops, output, text, drafts and finish."""
         rows = [  # the requests whose step ends at a new token (not inside a prefill)
             i
             for i, (r, n) in enumerate(zip(batch.requests, batch.num_new_tokens))
             if r.num_computed_tokens + n == r.num_tokens + len(r.drafts)
         ]
-        for i, logits_i in all_logits.items():
-            if not batch.requests[i].drafts:
-                add_prompt_logprobs(batch.requests[i], batch.num_new_tokens[i], logits_i)
         self._count_computed(batch)
         outputs, reqs = self.cache_control.finish_warms([batch.requests[i] for i in rows], self._finish)
         rows = [i for i in rows if not batch.requests[i].warm]

@@ -32,12 +32,14 @@ class SeqChunk:
     num_new: int
     page_table: list[int]
     want_all_logits: bool = False  # prompt logprobs need every position's logits
+    logits_from: int = 0  # with want_all_logits: the first position whose logits are wanted
 
 
 @dataclass(slots=True)
 class RunnerOutput:
     logits: torch.Tensor  # [num_chunks, vocab]: the logits after each chunk's last token
-    all_logits: dict[int, torch.Tensor]  # chunk index -> [num_new, vocab] where want_all_logits
+    # chunk index -> [rows, vocab] where want_all_logits: the positions from logits_from to the chunk's end
+    all_logits: dict[int, torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -74,12 +76,15 @@ class ModelRunner:
         self._warned_thread = device.type != "cpu"
 
     def forward(
-        self, inputs: StepInputs, want_all: list[bool]
+        self, inputs: StepInputs, want_all: list[int | None]
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """The logits after each chunk's last token, and every position's for the chunks in ``want_all``."""
+        """The logits after each chunk's last token, and for each chunk whose ``want_all`` entry is a
+        number those of its positions from that many rows in."""
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.pool, self.backend)
         spans = [
-            (i, start, end) for i, (want, (start, end)) in enumerate(zip(want_all, inputs.spans)) if want
+            (i, start + skip, end)
+            for i, (skip, (start, end)) in enumerate(zip(want_all, inputs.spans))
+            if skip is not None
         ]
         if not spans:
             return self.model.compute_logits(hidden.index_select(0, inputs.last_rows)), {}
@@ -109,7 +114,7 @@ class ModelRunner:
         order = sorted(range(len(chunks)), key=lambda i: chunks[i].num_new == 1)
         ordered = [chunks[i] for i in order]
         inputs = self.prepare(ordered)
-        want_all = [c.want_all_logits for c in ordered]
+        want_all = [max(c.logits_from - c.num_computed, 0) if c.want_all_logits else None for c in ordered]
         # no_grad, not inference_mode: compiled layers write the pool's K/V through views, which
         # inference tensors do not allow in a traced graph.
         with torch.no_grad():

@@ -53,6 +53,9 @@ class SamplingParams:
     # False: no drafted tokens for this request when the server speculates (--speculative); seeded
     # sampling never speculates, so that its output depends on its seed alone.
     speculative: bool = knob(True, "let the server draft and verify tokens for this request")
+    # With prompt_logprobs: the first prompt position scored (SGLang's logprob_start_len); the positions
+    # before it are neither computed (no LM head) nor returned (None in ``prompt_logprobs``).
+    prompt_logprobs_start: int = knob(0, "first prompt position scored", ge=0, integer=True)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

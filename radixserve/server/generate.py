@@ -24,6 +24,8 @@ async def generate(ctx: ApiContext, request: Request) -> Response:
     logprobs = req.top_logprobs_num if req.return_logprob else None
     prompt_logprobs = req.top_logprobs_num if req.return_logprob and req.logprob_start_len >= 0 else None
     params = sp.engine_params(logprobs, prompt_logprobs)
+    if prompt_logprobs is not None:  # the positions before it are neither computed nor returned
+        params.prompt_logprobs_start = req.logprob_start_len
     rid = req.rid or uuid.uuid4().hex
     salt, pin = ctx.salt(request, req.cache_salt), pin_spec(req.cache_pin, "cache_pin")
     first, stream = await ctx.submit(token_ids, params, rid, salt, req.priority, pin)

@@ -58,7 +58,8 @@ def test_match_is_page_aligned_and_never_takes_the_last_token() -> None:
     assert kv.match(_req(list(range(12)) + [99], "b")) == 12
     assert kv.match(_req(list(range(12)), "c")) == 8  # its last token must be computed for logits
     assert kv.match(_req(list(range(6)) + [99] * 6, "d")) == 4  # diverges inside page 2
-    assert kv.match(_req(list(range(13)), "e", prompt_logprobs=1)) == 0  # needs every position's logits
+    # Prompt logprobs need scores beside the pages; a manager without a score table reuses nothing.
+    assert kv.match_device(_req(list(range(13)), "e", prompt_logprobs=1)) == 0
     b = _req(list(range(12)) + [99], "b")
     assert kv.admit(b, 1)
     assert b.num_computed_tokens == b.pages.num_cached_tokens == 12 and len(b.pages.table) == 4

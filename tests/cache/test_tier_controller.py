@@ -42,9 +42,10 @@ def _held(ctl: TierController, pages: list[int], keys: list[bytes]) -> bool:
         got = host.get(key)
         if got is None:
             return False
-        # a page's record: its K of every layer, then its V, as bytes
+        # a page's record: its K of every layer, then its V, as bytes, then its prompt scores
         want = torch.cat((ctl.pool.k_buffer[:, page].flatten(), ctl.pool.v_buffer[:, page].flatten()))
-        assert torch.equal(got, want.view(torch.uint8)), "a copied page differs from the device page"
+        scores = ctl.pool.scores.read_pages(torch.tensor([page]))[0]
+        assert torch.equal(got, torch.cat((want.view(torch.uint8), scores))), "a copied page differs"
     return True
 
 

@@ -20,15 +20,17 @@ from tiny_models import make_tiny_model
 from radixserve import Engine, SamplingParams
 from radixserve.cache.radix import RadixCache
 from radixserve.cache.radix_node import EvictResult
+from radixserve.cache.scores import ScoreTable
 from radixserve.cache.tiers import DiskStore, HostStore, namespace_key, page_key
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 PAGE = 4
 PAGE_BYTES = 2 * 2 * PAGE * 2 * 16 * 4  # K+V, 2 layers, 4 tokens, 2 kv heads, head_dim 16, float32
+RECORD_BYTES = PAGE_BYTES + ScoreTable.record_bytes(PAGE)  # a page in the tiers: its KV, then its scores
 
 
 def gb(pages: int) -> float:
-    return pages * PAGE_BYTES / 2**30
+    return pages * RECORD_BYTES / 2**30
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -285,7 +287,7 @@ def test_every_tier_stays_within_its_capacity(policy: str, tiny_llama: Path, tmp
         eng.kv_manager.tiers.drain()  # type: ignore[union-attr]
         eng.check_integrity()
         tiers = eng.stats().tiers
-        assert tiers["host"]["used_bytes"] <= tiers["host"]["capacity_bytes"] == 20 * PAGE_BYTES
+        assert tiers["host"]["used_bytes"] <= tiers["host"]["capacity_bytes"] == 20 * RECORD_BYTES
         on_disk = sum(f.stat().st_size for f in kv.glob("*.kv"))
         assert on_disk == tiers["disk"]["used_bytes"] <= tiers["disk"]["capacity_bytes"]
         assert len(list(kv.glob("*.kv"))) <= 30
@@ -383,6 +385,24 @@ def test_stores_roundtrip_and_lru(tmp_path: Path) -> None:
     assert not disk.contains(keys[0]) and len(list(tmp_path.glob("*.kv"))) == 2
     reopened = DiskStore(tmp_path, 2 * (PAGE_BYTES + 64), fp, shape, torch.float32)
     assert torch.equal(reopened.get(keys[2]), pages[2])  # type: ignore[arg-type]
+    reopened.check_integrity()
+
+
+def test_a_page_of_the_older_format_is_refused_cleanly(tmp_path: Path) -> None:
+    """Format 02 records had no prompt scores: such a file is deleted when the directory is indexed
+    (its page is recomputed), never read as a page of the current format."""
+    shape = (2, 2, PAGE, 2, 16)
+    fp, key = b"f" * 16, b"k" * 16
+    disk = DiskStore(tmp_path, 4 * (PAGE_BYTES + 64), fp, shape, torch.float32)
+    disk.put(key, torch.randn(shape))
+    path = disk.path(key)
+    data = bytearray(path.read_bytes())
+    assert data[:8] == b"RSKVPG03"
+    data[:8] = b"RSKVPG02"
+    path.write_bytes(bytes(data))
+    reopened = DiskStore(tmp_path, 4 * (PAGE_BYTES + 64), fp, shape, torch.float32)
+    assert not reopened.contains(key) and reopened.get(key) is None and not path.exists()
+    assert reopened.stats.rejected == 1
     reopened.check_integrity()
 
 

@@ -240,3 +240,40 @@ def test_engine_error_names_the_step(engine: rf.LocalEngine) -> None:
         match=r"step 5 \(gen 'a'\): the engine rejected the request: .*maximum context length",
     ):
         too_long.run(backend=engine)
+
+
+@pytest.mark.parametrize("page_size", [1, PAGE])
+def test_select_after_a_long_prompt_computes_the_prompt_once_and_the_choices(
+    tmp_path_factory: pytest.TempPathFactory, page_size: int
+) -> None:
+    """Issue 24: the choices reuse the prompt's cached KV and logprobs, so each costs its own tokens (and,
+    with pages of several tokens, the rest of the prompt's last page)."""
+    from tiny_models import make_tiny_model
+
+    model = make_tiny_model(tmp_path_factory.mktemp("long"), "llama", context=2048)
+    be = rf.LocalEngine(str(model), num_pages=4096, page_size=page_size)
+    try:
+        doc = " ".join(f"item {i} of the list is {i * 7 % 13}." for i in range(22))
+        choices = ["red", "green", "blue sky", "a very dark shade of purple"]
+
+        @rf.function
+        def pick(s: rf.ProgramState) -> None:
+            s += rf.user(doc) + rf.assistant(rf.select("c", choices=choices))
+
+        prompt = be.chat_template.render([{"role": "user", "content": doc}], "assistant")
+        base = be.engine.tokenize(prompt)
+        assert 450 <= len(base) <= 700
+        own = 0  # the tokens of each choice: those after its common prefix with the prompt's
+        for c in choices:
+            ids = be.engine.tokenize(prompt + c)
+            k = next((i for i, (a, b) in enumerate(zip(base, ids)) if a != b), min(len(base), len(ids)))
+            own += len(ids) - k + (k - k // page_size * page_size)  # and its first page's cached part
+        before = be.engine.stats().prompt_tokens
+        state = pick.run(backend=be)
+        assert state["c"] in choices
+        computed = be.engine.stats().prompt_tokens - before
+        assert computed <= len(base) + own, (computed, len(base), own)
+        if page_size == 1:
+            assert computed == len(base) + own
+    finally:
+        be.close()

@@ -91,6 +91,7 @@ def test_kv_cache_dtype_fp4_is_refused_naming_the_choices(capsys: pytest.Capture
 
 def test_pool_bytes_count_the_int8_scales() -> None:
     from radixserve.cache.page_pool import KVPool
+    from radixserve.cache.scores import ScoreTable
 
     f32 = KVPool.bytes_per_page(2, 4, 3, 16, "float32")
     assert f32 == 2 * 2 * 4 * 3 * 16 * 4
@@ -98,12 +99,14 @@ def test_pool_bytes_count_the_int8_scales() -> None:
     assert KVPool.bytes_per_page(2, 4, 3, 16, "int8") == 2 * 2 * 4 * 3 * (16 + 4)  # values + one scale
     pool = KVPool(2, 5, 4, 3, 16, "int8")
     assert pool.k_scale is not None and pool.k_scale.shape == (2, 5, 4, 3)
-    assert pool.page_bytes == KVPool.bytes_per_page(2, 4, 3, 16, "int8")
+    # a tier record: the KV with its scales, then the page's prompt scores
+    assert pool.page_bytes == KVPool.bytes_per_page(2, 4, 3, 16, "int8") + ScoreTable.record_bytes(4)
     pool.k_buffer.random_(-127, 127)
     pool.v_buffer.random_(-127, 127)
     pool.k_scale.uniform_()
     assert pool.v_scale is not None
     pool.v_scale.uniform_()
+    pool.scores.next_lp.uniform_()
     backend = get_backend("torch")
     records = pool.read_pages(backend, [3, 1])
     assert records.shape == (2, pool.page_bytes) and records.dtype == torch.uint8
@@ -111,3 +114,4 @@ def test_pool_bytes_count_the_int8_scales() -> None:
     other.write_pages(backend, [0, 2], records)  # a page's record carries its scales with it
     for a, b in zip(pool.buffers(), other.buffers()):
         assert torch.equal(a[:, [3, 1]], b[:, [0, 2]])
+    assert torch.equal(pool.scores.next_lp[[3, 1]], other.scores.next_lp[[0, 2]])  # and its prompt scores

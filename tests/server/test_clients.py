@@ -1,7 +1,8 @@
 """Real clients against a real server, unchanged: LangChain (``langchain-openai``) with bound tools, streaming
 and the batched ``OpenAI`` LLM; EleutherAI lm-evaluation-harness (``local-completions`` with its default
-tokenized requests) on a local task, whose loglikelihoods equal our own /v1/completions echo logprobs.
-Tiny Qwen2 with Qwen2.5's template; nothing is downloaded."""
+tokenized requests) on a local task, whose loglikelihoods equal our own /v1/completions echo logprobs and
+are the same with the prefix cache on and off (prompt logprobs reuse cached prefixes). Tiny Qwen2 with
+Qwen2.5's template; nothing is downloaded."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ import httpx
 import jsonschema
 import pytest
 from pydantic import BaseModel, Field, SecretStr
-from server_util import MODEL_NAME, tool_server
+from server_util import MODEL_NAME, serving, tool_server
+
+from radixserve.config import EngineConfig
 
 INSTALL = "pip install -e '.[dev]' (make install does)"
 
@@ -187,3 +190,52 @@ def test_lm_eval_local_completions_runs_and_agrees_with_our_logprobs(
                 "stop": kwargs["until"],
             }
             assert sample["resps"] == [[c.post("/v1/completions", json=body).json()["choices"][0]["text"]]]
+
+
+# -- lm-eval with the prefix cache on and off (issue 24) -----------------------------------------
+
+
+def _evaluate(url: str, tokenizer: Path, tasks: Path) -> dict[str, list[dict[str, Any]]]:
+    lm_eval = client_package("lm_eval")
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    from lm_eval.tasks import TaskManager
+
+    lm = LocalCompletionsAPI(
+        base_url=f"{url}/v1/completions",
+        model=MODEL_NAME,
+        tokenizer=str(tokenizer),
+        tokenizer_backend="huggingface",
+        max_length=2048,
+        max_retries=1,
+    )
+    results = lm_eval.simple_evaluate(
+        model=lm, tasks=list(TASKS), task_manager=TaskManager(include_path=str(tasks)), log_samples=True
+    )
+    assert results is not None
+    return results["samples"]
+
+
+def test_lm_eval_loglikelihoods_equal_with_the_cache_on_and_off(
+    tool_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(var, "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    write_tasks(tmp_path)
+    runs, hits = {}, {}
+    for cache in (True, False):
+        config = EngineConfig(str(tool_model), page_size=4, num_pages=2048, prefix_cache=cache)
+        with serving(config) as served:
+            runs[cache] = _evaluate(served.url, tool_model, tmp_path)
+            hits[cache] = served.engine.stats().prefix_hit_tokens
+    assert hits[True] > 0 and hits[False] == 0  # the choices of an item reused its context
+    for task in TASKS:
+        on, off = runs[True][task], runs[False][task]
+        assert len(on) == len(off) == len(TASKS[task][0])
+        for a, b in zip(on, off, strict=True):
+            assert a["arguments"] == b["arguments"]
+            if TASKS[task][1].startswith("output_type: multiple_choice"):
+                for [(ll_a, greedy_a)], [(ll_b, greedy_b)] in zip(a["resps"], b["resps"], strict=True):
+                    assert ll_a == pytest.approx(ll_b, abs=1e-5) and greedy_a == greedy_b
+            else:
+                assert a["resps"] == b["resps"]
