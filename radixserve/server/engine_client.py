@@ -95,6 +95,8 @@ class EngineClient:
             f"ipc://{self._dir}/output",
             "--log-level",
             self.log_level,
+            "--parent-pid",
+            str(os.getpid()),
         ]
         cmd += ["--threads", str(self.threads)] if self.threads else []
         cmd += ["--cpus", ",".join(map(str, self.cpus))] if self.cpus else []

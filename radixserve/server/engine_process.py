@@ -77,13 +77,20 @@ class EngineLoop:
     """Receive, step, send: the engine process's loop."""
 
     def __init__(
-        self, engine: Engine, inbox: zmq.Socket[bytes], outbox: zmq.Socket[bytes], stop: threading.Event
+        self,
+        engine: Engine,
+        inbox: zmq.Socket[bytes],
+        outbox: zmq.Socket[bytes],
+        stop: threading.Event,
+        parent: int | None = None,
     ) -> None:
         self.engine = engine
         self.inbox = inbox
         self.outbox = outbox
         self.stop = stop  # set by a signal or a Shutdown message
-        self._parent = os.getppid()
+        # The API server's pid, as it passed it (--parent-pid): read here, after a model load of seconds
+        # to minutes, it would already be init's if the server died meanwhile, and the loop never ended.
+        self._parent = os.getppid() if parent is None else parent
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(ToEngine)
         self.kv_log: KVEventLog | None = None
@@ -266,6 +273,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--cpus", default=None, help="pin the process to these CPUs, e.g. 0-3,8 (default: no pinning)"
     )
     p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--parent-pid",
+        type=int,
+        default=None,
+        help="the API server's pid: exit once it is gone (default: the parent at start)",
+    )
     return p.parse_args(argv)
 
 
@@ -282,6 +295,7 @@ def parse_cpus(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> None:
     args = _parse_args(argv)
+    parent = args.parent_pid or os.getppid()  # see EngineLoop._parent
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -326,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
                 torch.get_num_threads(),
                 engine.kv_manager.num_pages,
             )
-            EngineLoop(engine, inbox, outbox, stop).run()
+            EngineLoop(engine, inbox, outbox, stop, parent).run()
         except BaseException as exc:
             logger.exception("the engine failed")
             failed.append(exc)
@@ -338,6 +352,10 @@ def main(argv: list[str] | None = None) -> None:
     worker = threading.Thread(target=run, name="radixserve-engine-loop")
     worker.start()
     worker.join()
+    if os.getppid() != parent:
+        # Nobody is left to read the last outputs, and zmq's term can wait forever on a PUSH socket
+        # whose peer never bound (seen on orphans whose API server died during the load).
+        os._exit(0)
     ctx.destroy(linger=1000)  # give the last outputs a moment to leave; never hang on a gone peer
     if failed:
         sys.exit(1)

@@ -7,6 +7,8 @@ import json
 import logging
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -14,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 from server_util import MODEL_NAME, Served, scrape, serving
 
@@ -169,3 +172,45 @@ def test_an_exception_in_the_engine_is_a_500_then_it_serves_again(
             assert s.engine.engine_pid not in (None, pid)
             r = c.post("/v1/completions", json={**LONG, "max_tokens": 3})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_an_engine_process_whose_api_server_dies_while_it_loads_exits(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """The API server can die before the engine is built (a killed server, a Ray replica torn down at
+    start-up). The engine process must still notice and exit: it compares its parent with the one it
+    had at start, not with the one it had once loaded (which is already init's)."""
+    config = msgspec.json.encode(EngineConfig(model=str(tiny_llama), num_pages=64)).decode()
+    launcher = (
+        "import os, subprocess, sys\n"
+        "p = subprocess.Popen([sys.executable, '-m', 'radixserve.server.engine_process',"
+        " '--config', sys.argv[1],"
+        " '--input', sys.argv[2], '--output', sys.argv[3], '--log-level', 'warning',"
+        " '--parent-pid', str(os.getpid())],"
+        " stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+        "print(p.pid, flush=True)\n"
+    )
+    addr = f"ipc://{tmp_path}/sock"
+    out = subprocess.run(
+        [sys.executable, "-c", launcher, config, addr + "-in", addr + "-out"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    pid = int(out.stdout.split()[0])  # its parent (the launcher) has exited: it is an orphan now
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.5)
+    alive = _alive(pid)
+    if alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, "the orphaned engine process kept running"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
