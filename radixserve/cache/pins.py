@@ -263,8 +263,7 @@ class PinTable:
     # -- the budget --------------------------------------------------------------------------------
     def _check_budget(self, whole: tuple[int, ...], namespace: Hashable, param: str) -> None:
         ps = self.page_size
-        _, num_pinned = self._pinned_prefix(whole, namespace)
-        need = (len(whole) - num_pinned) // ps
+        need = (len(whole) - self._pinned_len(whole, namespace)) // ps
         tenant = tenant_of(namespace)
         mine, everyone = self.pages(tenant), self.pages(everyone=True)
         if mine + need > self.tenant_pages:
@@ -283,7 +282,7 @@ class PinTable:
                 "pin_budget_exceeded",
             )
 
-    def _pinned_prefix(self, whole: tuple[int, ...], namespace: Hashable) -> tuple[TreeNode | None, int]:
+    def _pinned_len(self, whole: tuple[int, ...], namespace: Hashable) -> int:
         """How much of ``whole`` the tree already holds pinned (pins are closed under prefixes)."""
         node = self.tree.root(namespace)
         i = 0
@@ -293,4 +292,4 @@ class PinTable:
                 break
             i += len(child.key)
             node = child
-        return node, i
+        return i
