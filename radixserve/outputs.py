@@ -42,6 +42,9 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+    # Disaggregated serving (radixserve/disagg): prompt tokens whose KV was moved from a prefill engine
+    # rather than found in the decode engine's cache (those are ``cached_tokens``) or computed there.
+    kv_transfer_tokens: int = 0
 
     @property
     def text(self) -> str:

@@ -36,6 +36,7 @@ class StepOutput(msgspec.Struct, array_like=True, kw_only=True):
     time: float
     prompt_logprobs: list[TokenLogprob | None] | None = None
     hides_last_token: bool = False
+    kv_transfer_tokens: int = 0  # disaggregated serving: prompt tokens whose KV a prefill engine sent
 
 
 def add_text(stream: TextStream, step: StepOutput) -> StepOutput:
@@ -101,6 +102,7 @@ class OutputAssembler:
         res = self.result
         if step.index == 0:  # the prompt's own hit; later samples reuse what sample 0 computed
             res.cached_tokens = step.cached_tokens
+            res.kv_transfer_tokens = step.kv_transfer_tokens
         if step.prompt_logprobs is not None:
             res.prompt_logprobs = step.prompt_logprobs
         if step.token_ids and res.first_token_time is None:
@@ -121,4 +123,5 @@ class OutputAssembler:
             res.arrival_time,
             res.first_token_time,
             res.finish_time,
+            kv_transfer_tokens=res.kv_transfer_tokens,
         )
