@@ -78,7 +78,9 @@ class KVReceiver:
                     os.unlink(path)
             else:
                 data = (
-                    np.frombuffer(frames[1].buffer, dtype=np.uint8).copy() if len(frames) > 1 else np.empty(0, np.uint8)
+                    np.frombuffer(frames[1].buffer, dtype=np.uint8).copy()
+                    if len(frames) > 1
+                    else np.empty(0, np.uint8)
                 )
             records = torch.from_numpy(data)
             if header.page_bytes and records.numel() == header.num_pages * header.page_bytes:

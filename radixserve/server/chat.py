@@ -165,7 +165,8 @@ async def chat(ctx: ApiContext, request: Request) -> Response:
         return event_stream(_events(ctx, req, rid, first, stream, parser), [stream])
     [res] = await ctx.collect(request, [(first, stream)])
     choices = [_choice(ctx, o, parser()) for o in res.outputs]
-    usage_ = usage(len(token_ids), sum(len(o.token_ids) for o in res.outputs), res.cached_tokens)
+    completion_tokens = sum(len(o.token_ids) for o in res.outputs)
+    usage_ = usage(len(token_ids), completion_tokens, res.cached_tokens, res.kv_transfer_tokens)
     return json_response(
         c.ChatCompletionResponse(
             id=rid, created=int(time.time()), model=ctx.model_name, choices=choices, usage=usage_
@@ -206,7 +207,9 @@ async def _events(
 
     def chunk(choices: list[c.ChatChunkChoice], usage_: p.Usage | None = None) -> bytes:
         if continuous and usage_ is None:
-            usage_ = usage(len(first.prompt_token_ids), completion_tokens, last.cached_tokens)
+            usage_ = usage(
+                len(first.prompt_token_ids), completion_tokens, last.cached_tokens, last.kv_transfer_tokens
+            )
         return sse(
             c.ChatCompletionChunk(
                 id=rid, created=created, model=ctx.model_name, choices=choices, usage=usage_
@@ -234,5 +237,10 @@ async def _events(
             reason = _finish_reason(o.finish_reason, calls_made[o.index] > 0)
             yield chunk([c.ChatChunkChoice(o.index, c.DeltaMessage(), None, reason, o.stop_reason)])
     if include_usage:
-        yield chunk([], usage(len(first.prompt_token_ids), completion_tokens, last.cached_tokens))
+        yield chunk(
+            [],
+            usage(
+                len(first.prompt_token_ids), completion_tokens, last.cached_tokens, last.kv_transfer_tokens
+            ),
+        )
     yield DONE

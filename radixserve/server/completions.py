@@ -93,7 +93,8 @@ async def completions(ctx: ApiContext, request: Request) -> Response:
     results = await ctx.collect(request, submitted)
     out = [choices.choice(i, o, res) for i, res in enumerate(results) for o in res.outputs]
     completion_tokens = 0 if score_only else sum(len(o.token_ids) for r in results for o in r.outputs)
-    usage_ = usage(sum(map(len, prompts)), completion_tokens, sum(r.cached_tokens for r in results))
+    moved = sum(r.kv_transfer_tokens for r in results)
+    usage_ = usage(sum(map(len, prompts)), completion_tokens, sum(r.cached_tokens for r in results), moved)
     return json_response(
         p.CompletionResponse(
             id=rid, created=int(time.time()), model=ctx.model_name, choices=out, usage=usage_
@@ -138,6 +139,7 @@ class _Choices:
         continuous = options is not None and options.continuous_usage_stats
         prompt_tokens = sum(len(first.prompt_token_ids) for first, _ in submitted)
         cached = [first.cached_tokens for first, _ in submitted]
+        moved = [first.kv_transfer_tokens for first, _ in submitted]
         echoed: set[tuple[int, int]] = set()
         completion_tokens = 0
 
@@ -150,14 +152,16 @@ class _Choices:
 
         async for i, d in merge([stream for _, stream in submitted]):
             c = d.outputs[0]
-            cached[i] = d.cached_tokens
+            cached[i], moved[i] = d.cached_tokens, d.kv_transfer_tokens
             completion_tokens += 0 if self.score_only else len(c.token_ids)
             echo_now = (i, c.index) not in echoed
             echoed.add((i, c.index))
             if c.text or c.token_ids or c.finish_reason is not None or (req.echo and echo_now):
                 res = d if d.prompt_logprobs is not None else submitted[i][0]
-                running = usage(prompt_tokens, completion_tokens, sum(cached)) if continuous else None
+                running = (
+                    usage(prompt_tokens, completion_tokens, sum(cached), sum(moved)) if continuous else None
+                )
                 yield chunk([self.choice(i, c, res, with_prompt=echo_now)], running)
         if include_usage:
-            yield chunk([], usage(prompt_tokens, completion_tokens, sum(cached)))
+            yield chunk([], usage(prompt_tokens, completion_tokens, sum(cached), sum(moved)))
         yield DONE

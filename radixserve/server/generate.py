@@ -46,6 +46,7 @@ def _response(
         cached_tokens=res.cached_tokens,
         finish_reason=o.finish_reason,
         stop_reason=o.stop_reason,
+        kv_transfer_tokens=res.kv_transfer_tokens,
     )
     if req.return_logprob:
         lps = o.logprobs or []

@@ -77,10 +77,10 @@ def sse(obj: Any) -> bytes:
     return b"data: " + msgspec.json.encode(obj) + b"\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> p.Usage:
-    return p.Usage(
-        prompt_tokens, completion_tokens, prompt_tokens + completion_tokens, p.PromptTokensDetails(cached)
-    )
+def usage(prompt_tokens: int, completion_tokens: int, cached: int, moved: int = 0) -> p.Usage:
+    """``moved``: prompt tokens whose KV a prefill engine sent (disaggregated serving)."""
+    details = p.PromptTokensDetails(cached, kv_transfer_tokens=moved)
+    return p.Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens, details)
 
 
 async def merge(streams: Sequence[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[int, T], None]:

@@ -127,6 +127,8 @@ class SamplingFields(Struct, kw_only=True):
 
 class PromptTokensDetails(Struct):
     cached_tokens: int
+    # Disaggregated serving: prompt tokens whose KV was moved from a prefill engine (0 colocated).
+    kv_transfer_tokens: int = 0
 
 
 class Usage(Struct):
@@ -242,6 +244,7 @@ class GenerateMeta(Struct, kw_only=True, omit_defaults=True):
     cached_tokens: int
     finish_reason: str | None
     stop_reason: str | int | None = None
+    kv_transfer_tokens: int = 0  # disaggregated serving: prompt tokens whose KV was moved
     output_token_logprobs: list[tuple[float, int]] | None = None
     output_top_logprobs: list[list[tuple[float, int]]] | None = None
     input_token_logprobs: list[tuple[float | None, int]] | None = None
