@@ -17,6 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 from collections.abc import AsyncIterator
@@ -206,3 +207,22 @@ def build_disaggregated_application(
         options.config, index_name, options.engine_threads, options.chat_template, prefill, kv_timeout_s
     )
     return ingress_deployment().bind(decode, options, index_name)
+
+
+def run_disaggregated(args: argparse.Namespace, address: str | None) -> None:
+    """``radixserve serve --prefill-replicas N --decode-replicas M``: scale-out's launch with this
+    application (each count >= 1)."""
+    from radixserve.scale.launch import run_scaled
+
+    num_prefill, num_decode = args.prefill_replicas, args.decode_replicas
+    if num_prefill < 1 or num_decode < 1:
+        raise SystemExit("--prefill-replicas and --decode-replicas must both be >= 1")
+    if args.disaggregate is not None:
+        raise SystemExit(
+            "--disaggregate (one host, no Ray) and --prefill/--decode-replicas exclude each other"
+        )
+
+    def build(options: ScaleOptions) -> Any:
+        return build_disaggregated_application(options, num_prefill, num_decode, kv_timeout_s=args.kv_timeout)
+
+    run_scaled(args, address, build, num_prefill + num_decode)

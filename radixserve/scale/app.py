@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,12 +141,19 @@ def ingress_deployment() -> Any:
     )
 
 
-def run(options: ScaleOptions, host: str, port: int, blocking: bool = True) -> None:
-    """Start the application on the connected Ray cluster with an HTTP proxy on ``host:port``."""
+def run(
+    options: ScaleOptions,
+    host: str,
+    port: int,
+    blocking: bool = True,
+    build: Callable[[ScaleOptions], Any] = build_application,
+) -> None:
+    """Start the application (``build(options)``: by default ``build_application``'s) on the
+    connected Ray cluster with an HTTP proxy on ``host:port``."""
     from ray import serve
 
     serve.start(http_options={"host": host, "port": port})
-    serve.run(build_application(options), name=APP_NAME, route_prefix="/", blocking=blocking)
+    serve.run(build(options), name=APP_NAME, route_prefix="/", blocking=blocking)
 
 
 def app_builder(args: dict[str, Any]) -> Any:

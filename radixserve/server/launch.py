@@ -105,6 +105,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="how KV pages move between them: shm (shared memory, one host) or tcp (ZMQ)",
     )
     d.add_argument(
+        "--prefill-replicas",
+        type=int,
+        default=0,
+        help="with --decode-replicas: prefill engines as Ray Serve replicas (pages over ZMQ TCP)",
+    )
+    d.add_argument("--decode-replicas", type=int, default=0, help="decode engines as Ray Serve replicas")
+    d.add_argument(
         "--kv-timeout", type=float, default=60.0, help="seconds a decode engine waits for a prompt's KV pages"
     )
     a(

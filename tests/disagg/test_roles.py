@@ -192,3 +192,15 @@ def test_verify_refuses_a_corrupt_or_misshapen_chunk() -> None:
         verify(header, records, b"g", 12)
     with pytest.raises(KVTransferError, match="records"):
         verify(msgspec.structs.replace(header, num_pages=3), records, b"f", 12)
+
+
+def test_the_split_flag_takes_two_positive_counts() -> None:
+    from radixserve.cli import build_parser
+    from radixserve.disagg.coordinator import parse_split
+
+    assert parse_split("2:3") == (2, 3)
+    for bad in ("1", "0:1", "1:0", "a:b", "1:2:3"):
+        with pytest.raises(ValueError, match="--disaggregate takes PREFILL:DECODE"):
+            parse_split(bad)
+    args = build_parser().parse_args(["serve", "--disaggregate", "1:2", "--kv-transport", "tcp"])
+    assert args.disaggregate == (1, 2) and args.kv_transport == "tcp"
