@@ -32,7 +32,7 @@ MODEL_NAME = "tiny"
 @dataclass
 class Served:
     url: str
-    engine: AsyncEngine
+    engine: Any  # the AsyncEngine of ``serving``, or the backend handed to ``serving_backend``
     loop: asyncio.AbstractEventLoop  # the server's (and the engine's) event loop, in another thread
 
 
