@@ -36,6 +36,7 @@ from radixserve.disagg.transfer import KVTransferError, TransferHeader, layout_f
 from radixserve.disagg.transport import KVReceiver
 from radixserve.engine.checks import priority_value
 from radixserve.engine.deltas import StepOutput
+from radixserve.errors import InvalidRequestError
 from radixserve.sampling.params import SamplingParams
 from radixserve.server.messages import AddRequest, FromEngine, KVReceived, KVReserved, RequestError
 
@@ -121,6 +122,11 @@ class DecodeRole:
         kv = self.engine.kv_manager
         ps = self.engine.config.page_size
         n = len(msg.prompt_token_ids)
+        try:
+            priority_value(msg.priority)
+        except InvalidRequestError:
+            self._add(msg)  # refused there, with the engine's own error
+            return
         if msg.request_id in self.reservations or n > self.engine.max_model_len:
             self._add(msg)  # refused there, as it would be colocated
             return

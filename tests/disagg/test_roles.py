@@ -52,7 +52,9 @@ class Pair:
 
     def _add(self, msg: AddRequest) -> bool:
         self.added.append(msg)
-        self.d_engine.add_request(msg.prompt_token_ids, msg.params, msg.request_id, msg.cache_salt)
+        self.d_engine.add_request(
+            msg.prompt_token_ids, msg.params, msg.request_id, msg.cache_salt, msg.priority
+        )
         return True
 
     def serve(self, rid: str, prompt: list[int]) -> list[int]:
@@ -204,3 +206,22 @@ def test_the_split_flag_takes_two_positive_counts() -> None:
             parse_split(bad)
     args = build_parser().parse_args(["serve", "--disaggregate", "1:2", "--kv-transport", "tcp"])
     assert args.disaggregate == (1, 2) and args.kv_transport == "tcp"
+
+
+def test_a_bad_priority_is_refused_before_any_page_is_reserved(
+    engines: tuple[Engine, Engine, Engine],
+) -> None:
+    from radixserve.errors import InvalidRequestError
+
+    p, d, _ = engines
+    pair = Pair(p, d, "shm")
+    try:
+        msg = AddRequest(
+            request_id="bad", prompt_token_ids=list(range(1, 40)), params=GREEDY, priority="urgent"
+        )
+        with pytest.raises(InvalidRequestError, match="priority"):
+            pair.decode.add_request(msg)  # handed to the engine's own admission, which refuses it
+        assert not pair.decode.reservations and not pair.to_server
+        pair.check()
+    finally:
+        pair.close()
