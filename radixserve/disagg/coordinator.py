@@ -96,8 +96,8 @@ class DisaggregatedEngine:
     """P prefill and D decode engine processes behind the interface the routes use.
 
     ``transport``: how pages travel (``shm`` on one host, ``tcp``); ``kv_timeout_s``: how long a
-    decode engine's reservation waits for its pages. The other arguments are ``AsyncEngine``'s, for
-    every engine process.
+    decode engine's reservation waits for its next chunk of pages. The other arguments are
+    ``AsyncEngine``'s, for every engine process.
     """
 
     def __init__(
@@ -110,7 +110,7 @@ class DisaggregatedEngine:
         log_level: str = "info",
         chat_template: str | None = None,
         transport: str = "shm",
-        kv_timeout_s: float = 60.0,
+        kv_timeout_s: float = 120.0,
     ) -> None:
         if not config.prefix_cache:
             raise ValueError("--disaggregate needs the prefix cache: pages move between radix trees")

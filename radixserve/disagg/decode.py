@@ -11,9 +11,10 @@ computes the rest (at most a page and a token) and samples the first token here.
 
 Invariants:
 - Every reservation ends once: all pages written (the request is added), or freed with a
-  ``RequestError`` (``unavailable``: a 503) on a refused chunk, a ``CancelTransfer``, or after
-  ``timeout_s``; an ``Abort`` frees it silently. free + cached + in-use == total holds throughout
-  (``check_integrity`` counts reservations with the running requests).
+  ``RequestError`` (``unavailable``: a 503) on a refused chunk, a ``CancelTransfer``, or when no chunk
+  came for ``timeout_s`` (from the reservation, then from the last chunk); an ``Abort`` frees it
+  silently. free + cached + in-use == total holds throughout (``check_integrity`` counts
+  reservations with the running requests).
 - A request with nothing to receive (its prompt cached here, too short, or asking for prompt logprobs,
   which need every position computed here) is added at once, as in a colocated engine.
 - The request's outputs report ``kv_transfer_tokens``, and ``cached_tokens`` without them: only what
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("radixserve.disagg")
 
-DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_TIMEOUT_S = 120.0
 
 
 @dataclass(eq=False)
@@ -214,6 +215,7 @@ class DecodeRole:
         engine.pool.write_pages(
             engine.runner.backend, res.pages.table[first : first + header.num_pages], records
         )
+        res.deadline = time.monotonic() + self.timeout_s  # a transfer that makes progress is not stalled
         res.received.update(range(first, first + header.num_pages))
         res.bytes += records.numel()
         res.chunk_seconds.append(max(0.0, time.time() - header.sent_at))

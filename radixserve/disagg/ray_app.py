@@ -99,7 +99,7 @@ class DecodeReplica(EngineReplica):
         engine_threads: int | None,
         chat_template: str | None,
         prefill: Any,
-        kv_timeout_s: float = 60.0,
+        kv_timeout_s: float = 120.0,
     ) -> None:
         import ray
 
@@ -185,7 +185,7 @@ def build_disaggregated_application(
     num_prefill: int,
     num_decode: int,
     index_name: str | None = None,
-    kv_timeout_s: float = 60.0,
+    kv_timeout_s: float = 120.0,
 ) -> Any:
     """The bound Serve application: the ingress over ``num_decode`` decode replicas, which call
     ``num_prefill`` prefill replicas."""

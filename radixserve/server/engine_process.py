@@ -85,7 +85,7 @@ class RoleOptions:
     role: str  # "prefill" | "decode"
     transport: str = "shm"  # "shm" (one host) | "tcp" (across hosts)
     host: str = "127.0.0.1"  # the decode engine's transfer address, with tcp
-    timeout_s: float = 60.0  # a decode engine's reservation waits this long for its pages
+    timeout_s: float = 120.0  # a decode engine's reservation waits this long for its next chunk
 
 
 class EngineLoop:
@@ -289,7 +289,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--role", choices=["prefill", "decode"], default=None, help="a disaggregated role")
     p.add_argument("--kv-transport", choices=TRANSPORTS, default="shm", help="how KV pages travel")
     p.add_argument("--kv-host", default="127.0.0.1", help="the decode engine's KV address, with tcp")
-    p.add_argument("--kv-timeout", type=float, default=60.0, help="seconds a reservation waits for its KV")
+    p.add_argument("--kv-timeout", type=float, default=120.0, help="seconds a reservation waits for a chunk")
     return p.parse_args(argv)
 
 

@@ -112,7 +112,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     d.add_argument("--decode-replicas", type=int, default=0, help="decode engines as Ray Serve replicas")
     d.add_argument(
-        "--kv-timeout", type=float, default=60.0, help="seconds a decode engine waits for a prompt's KV pages"
+        "--kv-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a decode engine waits for the next chunk of a prompt's KV pages (then a 503)",
     )
     a(
         "--allowed-origins",
