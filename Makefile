@@ -34,7 +34,7 @@ typecheck: install
 	$(BIN)/mypy -p radixserve -p benchmarks
 	# Test folders have no __init__.py (pytest imports them by path); the conftest.py of kernels and ui
 	# would clash with the top-level one, so those folders are checked on their own.
-	MYPYPATH=tests $(BIN)/mypy tests/*.py tests/bench tests/cache tests/engine tests/frontend tests/model tests/sampling tests/scale tests/server examples
+	MYPYPATH=tests $(BIN)/mypy tests/*.py tests/bench tests/cache tests/disagg tests/engine tests/frontend tests/model tests/sampling tests/scale tests/server examples
 	MYPYPATH=tests $(BIN)/mypy tests/kernels
 	MYPYPATH=tests $(BIN)/mypy tests/ui
 

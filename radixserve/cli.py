@@ -35,6 +35,11 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
+    if args.prefill_replicas or args.decode_replicas:  # disaggregated, on Ray Serve (docs/scaling.md)
+        from radixserve.disagg.ray_app import run_disaggregated
+
+        run_disaggregated(args, None)
+        return
     if args.replicas > 1:  # replicas on a local Ray instance (radixserve/scale, docs/scaling.md)
         from radixserve.scale.launch import run_scaled
 

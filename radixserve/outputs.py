@@ -49,6 +49,9 @@ class RequestOutput:
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     cache_write_tokens: int = 0
     cache_pin: PinRef | None = None
+    # Disaggregated serving (radixserve/disagg): prompt tokens whose KV was moved from a prefill engine
+    # rather than found in the decode engine's cache (those are ``cached_tokens``) or computed there.
+    kv_transfer_tokens: int = 0
 
     @property
     def text(self) -> str:

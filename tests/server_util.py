@@ -32,7 +32,7 @@ MODEL_NAME = "tiny"
 @dataclass
 class Served:
     url: str
-    engine: AsyncEngine
+    engine: Any  # the AsyncEngine of ``serving``, or the backend handed to ``serving_backend``
     loop: asyncio.AbstractEventLoop  # the server's (and the engine's) event loop, in another thread
 
 
@@ -69,6 +69,14 @@ def serving(
     engine = AsyncEngine(
         config, max_waiting_requests, chat_template=chat_template, engine_threads=engine_threads
     )
+    with serving_backend(engine, model_name, **app_options) as served:
+        yield served
+
+
+@contextmanager
+def serving_backend(engine: Any, model_name: str = MODEL_NAME, **app_options: Any) -> Iterator[Served]:
+    """The app over ``engine`` (an AsyncEngine, or another backend with ``check_integrity``: a
+    DisaggregatedEngine) under uvicorn; the page check of ``running_server`` when the block ends."""
     app = build_app(engine, model_name, **app_options)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -102,7 +110,7 @@ def tool_server(model: Path, **app_options: Any) -> AbstractContextManager[str]:
     return running_server(config, chat_template=HERMES_TEMPLATE, **app_options)
 
 
-def assert_pages_whole(engine: AsyncEngine, loop: asyncio.AbstractEventLoop) -> None:
+def assert_pages_whole(engine: Any, loop: asyncio.AbstractEventLoop) -> None:
     """Once idle, free + cached == total with no page in use, and the engine's own page-by-page check
     (a debug call into the engine process, run on ``loop``, the engine's) passes."""
     deadline = time.monotonic() + 30

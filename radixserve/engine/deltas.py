@@ -42,6 +42,7 @@ class StepOutput(msgspec.Struct, array_like=True, kw_only=True):
     cached_tokens_by_tier: dict[str, int] = {}
     cache_write_tokens: int = 0
     cache_pin: PinRef | None = None  # the pin the request asked for, once it is held
+    kv_transfer_tokens: int = 0  # disaggregated serving: prompt tokens whose KV a prefill engine sent
 
 
 def add_text(stream: TextStream, step: StepOutput) -> StepOutput:
@@ -110,6 +111,7 @@ class OutputAssembler:
             res.cached_tokens_by_tier = dict(step.cached_tokens_by_tier)
             res.cache_write_tokens = step.cache_write_tokens
             res.cache_pin = step.cache_pin or res.cache_pin
+            res.kv_transfer_tokens = step.kv_transfer_tokens
         if step.prompt_logprobs is not None:
             res.prompt_logprobs = step.prompt_logprobs
         if step.token_ids and res.first_token_time is None:
@@ -133,4 +135,5 @@ class OutputAssembler:
             cached_tokens_by_tier=res.cached_tokens_by_tier,
             cache_write_tokens=res.cache_write_tokens,
             cache_pin=res.cache_pin,
+            kv_transfer_tokens=res.kv_transfer_tokens,
         )

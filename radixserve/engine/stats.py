@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import msgspec
 
 
@@ -41,3 +43,18 @@ class EngineStats(msgspec.Struct, array_like=True, kw_only=True):
     @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+
+def sum_stats(snapshots: Iterable[EngineStats]) -> EngineStats:
+    """Several engines' stats, summed (tiers left out); per-key counters (speculation's, by draft
+    source) summed key by key: the view of replicas, or of disaggregated engines, as one."""
+    total = EngineStats()
+    fields = [f for f in EngineStats.__struct_fields__ if f != "tiers"]
+    for s in snapshots:
+        for f in fields:
+            mine, theirs = getattr(total, f), getattr(s, f)
+            if isinstance(mine, dict):
+                setattr(total, f, {k: mine.get(k, 0) + theirs.get(k, 0) for k in mine.keys() | theirs.keys()})
+            else:
+                setattr(total, f, mine + theirs)
+    return total

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,19 +95,28 @@ class Ingress:
 
 def build_application(options: ScaleOptions, index_name: str | None = None) -> Any:
     """The bound Serve application (``serve.run`` it)."""
+    index_name = index_name or options.index_name
+    replicas = engine_deployment(options, EngineReplica, index_name, options.replicas).bind(
+        options.config, index_name, options.engine_threads, options.chat_template
+    )
+    return ingress_deployment().bind(replicas, options, index_name)
+
+
+def engine_deployment(options: ScaleOptions, cls: type, index_name: str, num_replicas: int) -> Any:
+    """The engine replicas' deployment (``cls``: EngineReplica, or disaggregation's decode replica),
+    routed by ``options.router``; ``.bind`` it to the class's arguments."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    deployment: Any = serve.deployment  # Ray's stubs type neither its overloads nor pydantic's fields
     router_config: Any = RequestRouterConfig
-    index_name = index_name or options.index_name
     router_kwargs: dict[str, Any] = {}
     if options.router == "cache_aware":
         router_kwargs = {"index_name": index_name, **options.router_settings}
-    replicas = deployment(
-        EngineReplica,
+    deployment: Any = serve.deployment
+    return deployment(
+        cls,
         name=REPLICAS_NAME,
-        num_replicas=options.replicas,
+        num_replicas=num_replicas,
         ray_actor_options={"num_cpus": options.replica_cpus},
         max_ongoing_requests=options.max_ongoing_requests,
         health_check_period_s=2,
@@ -115,22 +125,35 @@ def build_application(options: ScaleOptions, index_name: str | None = None) -> A
             request_router_kwargs=router_kwargs,
             request_routing_stats_period_s=options.stats_period_s,
         ),
-    ).bind(options.config, index_name, options.engine_threads, options.chat_template)
-    ingress = deployment(
+    )
+
+
+def ingress_deployment() -> Any:
+    """The ingress's deployment; ``.bind(replicas, options, index_name)``."""
+    from ray import serve
+
+    deployment: Any = serve.deployment  # Ray's stubs type neither its overloads nor pydantic's fields
+    return deployment(
         serve.ingress()(Ingress),
         name=INGRESS_NAME,
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=1024,
     )
-    return ingress.bind(replicas, options, index_name)
 
 
-def run(options: ScaleOptions, host: str, port: int, blocking: bool = True) -> None:
-    """Start the application on the connected Ray cluster with an HTTP proxy on ``host:port``."""
+def run(
+    options: ScaleOptions,
+    host: str,
+    port: int,
+    blocking: bool = True,
+    build: Callable[[ScaleOptions], Any] = build_application,
+) -> None:
+    """Start the application (``build(options)``: by default ``build_application``'s) on the
+    connected Ray cluster with an HTTP proxy on ``host:port``."""
     from ray import serve
 
     serve.start(http_options={"host": host, "port": port})
-    serve.run(build_application(options), name=APP_NAME, route_prefix="/", blocking=blocking)
+    serve.run(build(options), name=APP_NAME, route_prefix="/", blocking=blocking)
 
 
 def app_builder(args: dict[str, Any]) -> Any:

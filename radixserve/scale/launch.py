@@ -7,8 +7,10 @@ import argparse
 import json
 import logging
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from radixserve.server.launch import engine_config_from_args
 
@@ -27,9 +29,16 @@ def add_scale_arguments(parser: argparse.ArgumentParser) -> None:
     a("--replica-cpus", type=float, default=1.0, help="Ray CPUs reserved by each replica")
 
 
-def run_scaled(args: argparse.Namespace, address: str | None) -> None:
+def run_scaled(
+    args: argparse.Namespace,
+    address: str | None,
+    build: Callable[[Any], Any] | None = None,
+    num_replicas: int | None = None,
+) -> None:
     """Run the Serve application until interrupted: on a new local Ray instance (``address`` None)
-    or on the cluster at ``address``, whose Serve proxy then listens on ``--host``/``--port``."""
+    or on the cluster at ``address``, whose Serve proxy then listens on ``--host``/``--port``.
+    ``build`` makes another application from the ScaleOptions (disaggregated serving's), of
+    ``num_replicas`` replicas in all (for the local instance's CPUs)."""
     import ray
 
     from radixserve.model.default_model import DEFAULT_MODEL_NAME
@@ -64,7 +73,8 @@ def run_scaled(args: argparse.Namespace, address: str | None) -> None:
         chat_template=template,
     )
     if address is None:
-        ray.init(num_cpus=max(1, int(args.replicas * args.replica_cpus + 0.999)), include_dashboard=False)
+        replicas = num_replicas or args.replicas
+        ray.init(num_cpus=max(1, int(replicas * args.replica_cpus + 0.999)), include_dashboard=False)
     else:
         ray.init(address=address)
     # Ray's core worker installs a native SIGTERM handler that prints a stack trace and aborts the
@@ -72,7 +82,10 @@ def run_scaled(args: argparse.Namespace, address: str | None) -> None:
     # after ray.init, ours replaces it: SIGTERM is an interrupt, like Ctrl-C, and ends in a drain.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        run(options, args.host, args.port, blocking=True)
+        if build is None:
+            run(options, args.host, args.port, blocking=True)
+        else:
+            run(options, args.host, args.port, blocking=True, build=build)
     except KeyboardInterrupt:
         logging.getLogger("radixserve.scale").info("shutting down")
     finally:

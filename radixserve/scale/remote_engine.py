@@ -32,7 +32,7 @@ import msgspec
 
 from radixserve.cache.pin_types import PinInfo, PinSpec, PrefixEviction, WarmResult
 from radixserve.engine.prompt import Prompt, tokenize
-from radixserve.engine.stats import EngineStats
+from radixserve.engine.stats import EngineStats, sum_stats
 from radixserve.model.loader import load_tokenizer, resolve_model_path
 from radixserve.outputs import RequestOutput
 from radixserve.sampling.params import SamplingParams
@@ -121,18 +121,7 @@ class ReplicaSetEngine:
     def stats(self) -> EngineStats:
         """The replicas' latest stats, summed (tiers left out); per-key counters (speculation's, by
         draft source) summed key by key."""
-        total = EngineStats()
-        fields = [f for f in EngineStats.__struct_fields__ if f != "tiers"]
-        for s in self._stats.values():
-            for f in fields:
-                mine, theirs = getattr(total, f), getattr(s, f)
-                if isinstance(mine, dict):
-                    setattr(
-                        total, f, {k: mine.get(k, 0) + theirs.get(k, 0) for k in mine.keys() | theirs.keys()}
-                    )
-                else:
-                    setattr(total, f, mine + theirs)
-        return total
+        return sum_stats(self._stats.values())
 
     async def flush_cache(self) -> bool:
         """Flush every replica's cache; False if any refused (requests hold cached pages) or a call kept

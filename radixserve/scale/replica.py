@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -145,6 +145,7 @@ class EngineReplica:
         index_name: str,
         engine_threads: int | None = None,
         chat_template: str | None = None,
+        process_args: Sequence[str] = (),
     ) -> None:
         from ray import serve
 
@@ -152,7 +153,9 @@ class EngineReplica:
 
         self.replica_id: str = serve.get_replica_context().replica_id.unique_id
         config = dataclasses.replace(config, kv_events=config.prefix_cache)
-        self.engine = AsyncEngine(config, engine_threads=engine_threads, chat_template=chat_template)
+        self.engine = AsyncEngine(
+            config, engine_threads=engine_threads, chat_template=chat_template, process_args=process_args
+        )
         self._records: dict[str, RequestRecord] = {}
         self.engine.on_finish = lambda rec: self._records.__setitem__(rec.request_id, rec)
         self._events: list[KVEvents] = []

@@ -98,6 +98,7 @@ class AsyncEngine:
         engine_cpus: Sequence[int] | None = None,
         log_level: str = "info",
         chat_template: str | None = None,
+        process_args: Sequence[str] = (),
     ) -> None:
         path = resolve_model_path(config.model, config.quantization)
         tokenizer = load_tokenizer(path)
@@ -113,7 +114,12 @@ class AsyncEngine:
         self.on_finish = on_finish
         # With the kv_events knob: each batch of the engine's KV events (cache/events.py), in order.
         self.on_kv_events: Callable[[KVEvents], None] | None = None
+        # Disaggregated serving (radixserve/disagg): the role's messages (KVReserved, KVReceived,
+        # PrefillDone), and the engine process's death (with its exit status), after its requests failed.
+        self.on_role_message: Callable[[FromEngine], None] | None = None
+        self.on_engine_exit: Callable[[int], None] | None = None
         self._process_options = (engine_threads, engine_cpus, log_level)
+        self._process_args = list(process_args)  # more engine-process flags (radixserve/disagg's roles)
         self._requests: dict[str, _Request] = {}
         self._calls: dict[int, asyncio.Future[bool | CacheTree | None]] = {}
         self._call_ids = itertools.count()
@@ -318,7 +324,7 @@ class AsyncEngine:
     # -- the engine process -----------------------------------------------------------------------
     async def _launch(self) -> None:
         threads, cpus, log_level = self._process_options
-        client = EngineClient(self._config, threads, cpus, log_level)
+        client = EngineClient(self._config, threads, cpus, log_level, self._process_args)
         try:
             ready = await client.start(self._on_message, self._on_exit)
         except BaseException:
@@ -347,6 +353,8 @@ class AsyncEngine:
         message = f"the engine process {how}; it is being restarted"
         # Exit code 1: the engine raised (engine_process.py), a bug; anything else came from outside.
         self._fail_all(EngineFailedError(message) if code == 1 else EngineUnavailableError(message))
+        if self.on_engine_exit is not None:
+            self.on_engine_exit(code)
         lived = time.monotonic() - self._started_at
         self._quick_deaths = 0 if lived >= STABLE_S else self._quick_deaths + 1
         self._restarter = asyncio.create_task(self._restart())
@@ -374,6 +382,11 @@ class AsyncEngine:
 
     def _send(self, msg: ToEngine) -> bool:
         return self._client is not None and self._client.send(msg)
+
+    def send(self, msg: ToEngine) -> bool:
+        """Queue a message for the engine process outside a request's stream (a disaggregated role's
+        ``PrefillKV`` or ``CancelTransfer``); False while there is no process to take it."""
+        return self._send(msg)
 
     async def _call(self, method: str | Callable[[int], TreeQuery]) -> bool | CacheTree | None:
         """Run one of the engine's calls between two steps: a ``Call`` by method name, or the message
@@ -414,6 +427,8 @@ class AsyncEngine:
             if msg.stats is not None:
                 self._stats = msg.stats
             self._cache_calls.answer(msg)
+        elif self.on_role_message is not None:
+            self.on_role_message(msg)
 
     def _on_step(self, msg: StepOutputs) -> None:
         self._stats = msg.stats

@@ -55,8 +55,10 @@ class EngineClient:
         threads: int | None = None,
         cpus: Sequence[int] | None = None,
         log_level: str = "info",
+        extra_args: Sequence[str] = (),
     ) -> None:
         self.config = config
+        self.extra_args = list(extra_args)  # more flags of the engine process (a disaggregated role)
         self.threads = threads
         self.cpus = cpus
         self.log_level = log_level
@@ -100,6 +102,7 @@ class EngineClient:
         ]
         cmd += ["--threads", str(self.threads)] if self.threads else []
         cmd += ["--cpus", ",".join(map(str, self.cpus))] if self.cpus else []
+        cmd += self.extra_args
         # The child must import the code this process runs (a source tree, a test's sys.path), and
         # live in a session of its own, so a terminal's Ctrl-C reaches only the API server, which
         # drains and then stops the engine.

@@ -23,6 +23,9 @@ Invariants:
   beyond ``max_waiting_requests`` is answered with a ``RequestError`` (``queue_full``: a 429).
 - A bad request is answered with a ``RequestError`` and never reaches the scheduler; an exception
   anywhere else ends the process (exit code 1, traceback on stderr) and the API server restarts it.
+- ``--role prefill`` or ``--role decode`` (disaggregated serving: radixserve/disagg) hands the
+  role's messages to a ``PrefillRole`` or ``DecodeRole`` that runs on this loop, between two steps;
+  without ``--role`` the process is the colocated engine it always was.
 - SIGTERM, SIGINT and ``Shutdown`` all mean: accept nothing new, finish what is queued, close the
   engine (queued disk-tier writes land), exit 0. If the API-server process goes away, it exits at once.
 """
@@ -46,6 +49,9 @@ import zmq
 from radixserve.cache.events import KVEventLog
 from radixserve.cache.pin_types import CacheOp
 from radixserve.config import EngineConfig
+from radixserve.disagg.decode import DecodeRole
+from radixserve.disagg.prefill import PrefillRole
+from radixserve.disagg.transport import TRANSPORTS, KVReceiver, KVSender
 from radixserve.errors import InvalidRequestError, PinBudgetError
 from radixserve.server.messages import (
     Abort,
@@ -54,7 +60,9 @@ from radixserve.server.messages import (
     CacheCallResult,
     Call,
     CallResult,
+    CancelTransfer,
     FromEngine,
+    PrefillKV,
     Ready,
     RequestError,
     Shutdown,
@@ -73,6 +81,16 @@ IDLE_POLL_MS = 1000  # while idle, look up this often whether the API server is 
 STALLED_POLL_MS = 1  # work is queued but the last step could do none (a grammar still compiling)
 
 
+@dataclasses.dataclass(frozen=True)
+class RoleOptions:
+    """A disaggregated engine's role (radixserve/disagg) and how its KV pages travel."""
+
+    role: str  # "prefill" | "decode"
+    transport: str = "shm"  # "shm" (one host) | "tcp" (across hosts)
+    host: str = "127.0.0.1"  # the decode engine's transfer address, with tcp
+    timeout_s: float = 120.0  # a decode engine's reservation waits this long for its next chunk
+
+
 class EngineLoop:
     """Receive, step, send: the engine process's loop."""
 
@@ -82,6 +100,7 @@ class EngineLoop:
         inbox: zmq.Socket[bytes],
         outbox: zmq.Socket[bytes],
         stop: threading.Event,
+        role: RoleOptions | None = None,
         parent: int | None = None,
     ) -> None:
         self.engine = engine
@@ -108,6 +127,18 @@ class EngineLoop:
             "flush_cache": engine.flush_cache,
             "check_integrity": engine.check_integrity,  # a debug call: raises if the page accounting is off
         }
+        self.prefill: PrefillRole | None = None
+        self.decode: DecodeRole | None = None
+        self._poller = zmq.Poller()
+        self._poller.register(inbox, zmq.POLLIN)
+        ctx = inbox.context
+        if role is not None and role.role == "prefill":
+            self.prefill = PrefillRole(engine, self._send, KVSender(ctx))
+        elif role is not None:
+            receiver = KVReceiver(ctx, role.transport, role.host)
+            self.decode = DecodeRole(engine, self._send, self._add, receiver, role.timeout_s)
+            self._poller.register(receiver.socket, zmq.POLLIN)
+            self._calls["check_integrity"] = self.decode.check_integrity  # reservations hold pages too
 
     def run(self) -> None:
         engine = self.engine
@@ -131,6 +162,8 @@ class EngineLoop:
             if self.stop.is_set() and not busy:
                 return
             self._receive(0 if busy and progressed else STALLED_POLL_MS if busy else IDLE_POLL_MS)
+            if self.decode is not None:
+                self.decode.poll()
             if os.getppid() != self._parent:
                 logger.warning("the API-server process is gone; closing the engine")
                 return
@@ -142,6 +175,10 @@ class EngineLoop:
         steps = engine.num_steps
         outputs = engine.step()
         progressed = bool(outputs) or engine.num_steps != steps
+        if self.prefill is not None:
+            outputs = self.prefill.after_step(outputs)
+        elif self.decode is not None:
+            outputs = self.decode.after_step(outputs)
         events = None if self.kv_log is None else self.kv_log.drain()
         stats = engine.stats()
         self._waiting_at_step, self._added_since_step = stats.num_waiting, 0
@@ -157,7 +194,7 @@ class EngineLoop:
         return progressed
 
     def _receive(self, timeout_ms: int) -> None:
-        if not self.inbox.poll(timeout_ms):
+        if not self._poller.poll(timeout_ms):
             return
         while True:
             try:
@@ -168,9 +205,17 @@ class EngineLoop:
 
     def _handle(self, msg: ToEngine) -> None:
         if isinstance(msg, AddRequest):
-            self._add(msg)
+            if self.decode is not None and not self.stop.is_set():
+                self.decode.add_request(msg)  # its pages come first (or it is added at once)
+            else:
+                self._add(msg)
         elif isinstance(msg, Abort):
-            self.engine.abort(msg.request_id)
+            if self.decode is None or not self.decode.abort(msg.request_id):
+                self.engine.abort(msg.request_id)
+        elif isinstance(msg, PrefillKV) and self.prefill is not None:
+            self.prefill.handle(msg)
+        elif isinstance(msg, CancelTransfer) and self.decode is not None:
+            self.decode.cancel(msg.request_id, msg.message)
         elif isinstance(msg, Call):
             self._answer(msg.call_id, self._calls[msg.method])
         elif isinstance(msg, TreeQuery):
@@ -227,11 +272,12 @@ class EngineLoop:
                 )
             )
 
-    def _add(self, msg: AddRequest) -> None:
+    def _add(self, msg: AddRequest) -> bool:
+        """Add the request to the engine, or answer why not (False)."""
         rid = msg.request_id
         if self.stop.is_set():
             self._send(RequestError(request_id=rid, message="the engine is shutting down", unavailable=True))
-            return
+            return False
         waiting = self._waiting_at_step + self._added_since_step
         limit = self.engine.config.max_waiting_requests
         if waiting >= limit:
@@ -240,7 +286,7 @@ class EngineLoop:
                     request_id=rid, message=f"{waiting} requests are waiting (limit {limit})", queue_full=True
                 )
             )
-            return
+            return False
         try:
             self.engine.add_request(
                 msg.prompt_token_ids, msg.params, rid, msg.cache_salt, msg.priority, msg.pin, msg.warm
@@ -256,11 +302,21 @@ class EngineLoop:
                     over_budget=isinstance(exc, PinBudgetError),  # 429, not 400
                 )
             )
+            return False
         except ValueError as exc:  # any other refusal is still the request's fault, not the engine's
             self._send(RequestError(request_id=rid, message=str(exc)))
+            return False
+        return True
 
     def _send(self, msg: FromEngine) -> None:
         self.outbox.send(self._encoder.encode(msg))
+
+    def close(self) -> None:
+        """Release a role's transfer sockets (and the shared-memory socket's directory)."""
+        if self.decode is not None:
+            self.decode.receiver.close()
+        if self.prefill is not None:
+            self.prefill.sender.close()
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -279,6 +335,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="the API server's pid: exit once it is gone (default: the parent at start)",
     )
+    p.add_argument("--role", choices=["prefill", "decode"], default=None, help="a disaggregated role")
+    p.add_argument("--kv-transport", choices=TRANSPORTS, default="shm", help="how KV pages travel")
+    p.add_argument("--kv-host", default="127.0.0.1", help="the decode engine's KV address, with tcp")
+    p.add_argument("--kv-timeout", type=float, default=120.0, help="seconds a reservation waits for a chunk")
     return p.parse_args(argv)
 
 
@@ -340,7 +400,14 @@ def main(argv: list[str] | None = None) -> None:
                 torch.get_num_threads(),
                 engine.kv_manager.num_pages,
             )
-            EngineLoop(engine, inbox, outbox, stop, parent).run()
+            role = None
+            if args.role is not None:
+                role = RoleOptions(args.role, args.kv_transport, args.kv_host, args.kv_timeout)
+            loop = EngineLoop(engine, inbox, outbox, stop, role, parent)
+            try:
+                loop.run()
+            finally:
+                loop.close()
         except BaseException as exc:
             logger.exception("the engine failed")
             failed.append(exc)

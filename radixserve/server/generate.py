@@ -54,6 +54,7 @@ def _response(
         cached_tokens_by_tier=cache.prompt_tokens_details.cached_tokens_by_tier,
         cache_write_tokens=res.cache_write_tokens,
         cache_pin=cache.cache_pin,
+        kv_transfer_tokens=res.kv_transfer_tokens,
     )
     if req.return_logprob:
         lps = o.logprobs or []

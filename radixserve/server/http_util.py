@@ -81,7 +81,8 @@ def sse(obj: Any) -> bytes:
 
 def usage(prompt_tokens: int, completion_tokens: int, results: Sequence[RequestOutput]) -> p.Usage:
     """Usage over the prompts' ``results`` (the latest output of each): cached tokens, by tier, the
-    tokens written to the cache, and the first pin."""
+    tokens written to the cache, the tokens whose KV a prefill engine sent (disaggregated serving), and
+    the first pin."""
     by_tier = dict.fromkeys(TIERS, 0)
     for res in results:
         for tier, n in res.cached_tokens_by_tier.items():
@@ -90,6 +91,7 @@ def usage(prompt_tokens: int, completion_tokens: int, results: Sequence[RequestO
         cached_tokens=sum(r.cached_tokens for r in results),
         cached_tokens_by_tier=by_tier,
         cache_write_tokens=sum(r.cache_write_tokens for r in results),
+        kv_transfer_tokens=sum(r.kv_transfer_tokens for r in results),
     )
     pin = next((r.cache_pin for r in results if r.cache_pin is not None), None)
     return p.Usage(

@@ -7,11 +7,16 @@ import logging
 import os
 from pathlib import Path
 
+from prometheus_client.registry import Collector
+
 from radixserve.config import EngineConfig
+from radixserve.disagg.coordinator import DisaggregatedEngine, parse_split
+from radixserve.disagg.transport import TRANSPORTS
 from radixserve.knobs import add_arguments, values
 from radixserve.model.default_model import DEFAULT_MODEL_NAME
 from radixserve.server.app import DEFAULT_MAX_BODY_BYTES, serve
 from radixserve.server.async_engine import AsyncEngine
+from radixserve.server.engine_api import ServingBackend
 from radixserve.server.engine_process import parse_cpus
 from radixserve.server.reasoning import REASONING_PARSERS
 from radixserve.server.tools import TOOL_CALL_PARSERS
@@ -83,6 +88,35 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="turn off the browser pages (/ and /dashboard) and /v1/cache/tree, /v1/server/timeseries",
     )
+    d = parser.add_argument_group(
+        "disaggregation", "prefill and decode in separate engines (docs/scaling.md)"
+    )
+    d.add_argument(
+        "--disaggregate",
+        type=parse_split,
+        default=None,
+        metavar="P:D",
+        help="run P prefill and D decode engine processes behind this server, e.g. 1:1 (default: off)",
+    )
+    d.add_argument(
+        "--kv-transport",
+        choices=TRANSPORTS,
+        default="shm",
+        help="how KV pages move between them: shm (shared memory, one host) or tcp (ZMQ)",
+    )
+    d.add_argument(
+        "--prefill-replicas",
+        type=int,
+        default=0,
+        help="with --decode-replicas: prefill engines as Ray Serve replicas (pages over ZMQ TCP)",
+    )
+    d.add_argument("--decode-replicas", type=int, default=0, help="decode engines as Ray Serve replicas")
+    d.add_argument(
+        "--kv-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a decode engine waits for the next chunk of a prompt's KV pages (then a 503)",
+    )
     a(
         "--allowed-origins",
         default=None,
@@ -110,13 +144,33 @@ def run_from_args(args: argparse.Namespace) -> None:
     origins = (
         [o.strip() for o in args.allowed_origins.split(",") if o.strip()] if args.allowed_origins else None
     )
-    engine = AsyncEngine(
-        engine_config_from_args(args),
-        engine_threads=args.engine_threads,
-        engine_cpus=args.engine_cpus,
-        log_level=args.log_level,
-        chat_template=template,
-    )
+    engine: ServingBackend
+    collectors: list[Collector] = []
+    if args.disaggregate is not None:
+        if args.engine_cpus is not None:
+            raise SystemExit(
+                "--engine-cpus pins one engine process; with --disaggregate use --engine-threads"
+            )
+        num_prefill, num_decode = args.disaggregate
+        engine = disagg = DisaggregatedEngine(
+            engine_config_from_args(args),
+            num_prefill,
+            num_decode,
+            engine_threads=args.engine_threads,
+            log_level=args.log_level,
+            chat_template=template,
+            transport=args.kv_transport,
+            kv_timeout_s=args.kv_timeout,
+        )
+        collectors.append(disagg.metrics)
+    else:
+        engine = AsyncEngine(
+            engine_config_from_args(args),
+            engine_threads=args.engine_threads,
+            engine_cpus=args.engine_cpus,
+            log_level=args.log_level,
+            chat_template=template,
+        )
     name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else None)
     serve(
         engine,
@@ -132,4 +186,5 @@ def run_from_args(args: argparse.Namespace) -> None:
         reasoning_parser=args.reasoning_parser,
         allowed_origins=origins,
         dashboard=args.dashboard,
+        collectors=collectors,
     )

@@ -1,7 +1,8 @@
 """The messages between the API server and its engine process: msgpack-encoded msgspec Structs.
 
 One PUSH/PULL socket each way. API server -> engine: ``AddRequest``, ``Abort``, ``Call``, ``TreeQuery``,
-``Shutdown``, ``CacheCall``.
+``Shutdown``, ``CacheCall``; in disaggregated serving (radixserve/disagg) also ``PrefillKV`` and
+``CancelTransfer``, and back ``KVReserved``, ``KVReceived`` and ``PrefillDone``.
 Engine -> API server: ``Ready`` (once, first; or ``StartFailed`` instead), ``StepOutputs`` (after every step
 that did something), ``RequestError``, ``CallResult`` and ``CacheCallResult``. A message is one frame; the
 tag (the class name) says its type.
@@ -92,7 +93,29 @@ class CacheCall(_Message, kw_only=True):
     seconds: float = 0.0
 
 
-ToEngine = AddRequest | Abort | Call | TreeQuery | Shutdown | CacheCall
+class PrefillKV(_Message, kw_only=True):
+    """To a prefill engine (disaggregated serving, radixserve/disagg): compute the KV of
+    ``prompt_token_ids[:end]`` and send the pages of positions ``[start, end)`` to ``destination``, the
+    decode engine's transfer address. ``prompt_token_ids`` is the prompt up to ``end + 1`` tokens."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    cache_salt: str | None
+    priority: int | str
+    start: int
+    end: int
+    destination: str
+
+
+class CancelTransfer(_Message, kw_only=True):
+    """To a decode engine: the pages reserved for ``request_id`` will not come (its prefill failed);
+    free them and fail the request with ``message`` (a 503)."""
+
+    request_id: str
+    message: str
+
+
+ToEngine = AddRequest | Abort | Call | TreeQuery | Shutdown | CacheCall | PrefillKV | CancelTransfer
 
 
 # -- engine -> API server ---------------------------------------------------------------------------
@@ -159,4 +182,43 @@ class CacheCallResult(_Message, kw_only=True):
     stats: EngineStats | None = None  # taken after the call
 
 
-FromEngine = Ready | StartFailed | StepOutputs | RequestError | CallResult | CacheCallResult
+class KVReserved(_Message, kw_only=True):
+    """From a decode engine: it holds the KV of ``[0, start)`` of the request's prompt and has reserved
+    pages for ``[start, end)``, to be sent to ``address`` by a prefill engine (a ``PrefillKV``)."""
+
+    request_id: str
+    start: int
+    end: int
+    address: str
+
+
+class KVReceived(_Message, kw_only=True):
+    """From a decode engine: every reserved page of the request arrived, was verified and written."""
+
+    request_id: str
+    pages: int
+    bytes: int
+    chunk_seconds: list[float]  # per chunk: from the prefill side reading it to this side writing it
+
+
+class PrefillDone(_Message, kw_only=True):
+    """From a prefill engine: it sent every page of the request's ``PrefillKV`` (``error`` None), or
+    could not (``error`` says why)."""
+
+    request_id: str
+    pages: int
+    bytes: int
+    error: str | None = None
+
+
+FromEngine = (
+    Ready
+    | StartFailed
+    | StepOutputs
+    | RequestError
+    | CallResult
+    | CacheCallResult
+    | KVReserved
+    | KVReceived
+    | PrefillDone
+)

@@ -131,6 +131,8 @@ class PromptTokensDetails(Struct, kw_only=True):
     # request newly added to the cache (docs/cache.md, "Cache control").
     cached_tokens_by_tier: dict[str, int] = msgspec.field(default_factory=dict)
     cache_write_tokens: int = 0
+    # Disaggregated serving: prompt tokens whose KV was moved from a prefill engine (0 colocated).
+    kv_transfer_tokens: int = 0
 
 
 class PinRequest(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -262,6 +264,7 @@ class GenerateMeta(Struct, kw_only=True, omit_defaults=True):
     cached_tokens: int
     finish_reason: str | None
     stop_reason: str | int | None = None
+    kv_transfer_tokens: int = 0  # disaggregated serving: prompt tokens whose KV was moved
     output_token_logprobs: list[tuple[float, int]] | None = None
     output_top_logprobs: list[list[tuple[float, int]]] | None = None
     input_token_logprobs: list[tuple[float | None, int]] | None = None

@@ -1,0 +1,272 @@
+"""The decode role: inside a decode engine process's loop, reserve pages, receive them, then decode.
+
+An ``AddRequest`` is not added to the engine at once. Its prompt is matched against this engine's tree:
+``[0, start)`` is cached here; ``[start, end)``, with ``end`` the last page boundary before the final
+prompt token, is what a prefill engine should send. Those pages are reserved (``KVCacheManager.admit``
+of a ``Reservation``, which holds the matched prefix locked and the new pages privately, as a request
+does) and ``KVReserved`` tells the API server where to send them. As chunks arrive they are verified
+(``transfer.verify``) and written in place; when the last has, the pages go into the tree, stay locked
+until the request is scheduled, and the request is added: the scheduler finds ``end`` tokens cached,
+computes the rest (at most a page and a token) and samples the first token here.
+
+Invariants:
+- Every reservation ends once: all pages written (the request is added), or freed with a
+  ``RequestError`` (``unavailable``: a 503) on a refused chunk, a ``CancelTransfer``, or when no chunk
+  came for ``timeout_s`` (from the reservation, then from the last chunk); an ``Abort`` frees it
+  silently. free + cached + in-use == total holds throughout (``check_integrity`` counts
+  reservations with the running requests).
+- A request with nothing to receive (its prompt cached here, too short, or asking for prompt logprobs,
+  which need every position computed here) is added at once, as in a colocated engine.
+- The request's outputs report ``kv_transfer_tokens``, and ``cached_tokens`` without them: only what
+  this engine held before the transfer counts as a cache hit.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from radixserve.cache.kv_manager import RequestPages
+from radixserve.cache.radix_node import TreeNode
+from radixserve.disagg.transfer import KVTransferError, TransferHeader, layout_fingerprint, verify
+from radixserve.disagg.transport import KVReceiver
+from radixserve.engine.checks import priority_value
+from radixserve.engine.deltas import StepOutput
+from radixserve.errors import InvalidRequestError
+from radixserve.sampling.params import SamplingParams
+from radixserve.server.messages import AddRequest, FromEngine, KVReceived, KVReserved, RequestError
+
+if TYPE_CHECKING:
+    import torch
+
+    from radixserve.engine.engine import Engine
+
+logger = logging.getLogger("radixserve.disagg")
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+@dataclass(eq=False)
+class Reservation:
+    """The pages reserved for one request's transfer; a ``CachedRequest`` to the KV manager."""
+
+    add: AddRequest
+    start: int
+    end: int
+    deadline: float
+    page_size: int
+    pages: RequestPages = field(default_factory=RequestPages)
+    num_computed_tokens: int = 0
+    # Admission counts a request's cache hit once; the request itself does that when it is added.
+    num_preemptions: int = 1
+    received: set[int] = field(default_factory=set)  # page-table indices written
+    bytes: int = 0
+    chunk_seconds: list[float] = field(default_factory=list)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.add.prompt_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.add.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.add.prompt_token_ids)
+
+    @property
+    def prompt_logprobs(self) -> None:  # a reservation scores nothing; the request it becomes does
+        return None
+
+    @property
+    def cache_salt(self) -> str | None:
+        return self.add.cache_salt
+
+    @property
+    def priority(self) -> int:
+        return priority_value(self.add.priority)
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.add.params
+
+    @property
+    def missing(self) -> int:
+        """Reserved pages not written yet."""
+        return (self.end - self.start) // self.page_size - len(self.received)
+
+
+class DecodeRole:
+    """Reservations and received pages of one decode engine; ``send`` reaches the API server and
+    ``add`` hands a request to the engine process's own admission (False: refused, answered there)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        send: Callable[[FromEngine], None],
+        add: Callable[[AddRequest], bool],
+        receiver: KVReceiver,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        if engine.kv_manager.tree is None:
+            raise ValueError("a decode engine needs the prefix cache (drop --no-prefix-cache)")
+        self.engine = engine
+        self._send = send
+        self._add = add
+        self.receiver = receiver
+        self.timeout_s = timeout_s
+        self.fingerprint = layout_fingerprint(engine)
+        self.reservations: dict[str, Reservation] = {}
+        self._held: dict[str, tuple[TreeNode, float]] = {}  # received prefixes, locked until scheduled
+        self._transferred: dict[str, int] = {}  # request id -> tokens received, until it finishes
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(self, msg: AddRequest) -> None:
+        kv = self.engine.kv_manager
+        ps = self.engine.config.page_size
+        n = len(msg.prompt_token_ids)
+        try:
+            priority_value(msg.priority)
+        except InvalidRequestError:
+            self._add(msg)  # refused there, with the engine's own error
+            return
+        if msg.request_id in self.reservations or n > self.engine.max_model_len:
+            self._add(msg)  # refused there, as it would be colocated
+            return
+        res = Reservation(msg, 0, 0, time.monotonic() + self.timeout_s, ps)
+        # A warm (cache control) fills this engine's own cache: it computes here, as colocated.
+        if msg.params.prompt_logprobs is not None or n < 2 or msg.warm:
+            self._add(msg)
+            return
+        res.start = kv.match_device(res)
+        res.end = ((n - 1) // ps) * ps
+        if res.end <= res.start or not kv.admit(res, res.end - res.start):
+            self._add(msg)  # everything usable is cached here, or no room: computed here
+            return
+        self.reservations[msg.request_id] = res
+        self._send(
+            KVReserved(request_id=msg.request_id, start=res.start, end=res.end, address=self.receiver.address)
+        )
+
+    def abort(self, request_id: str) -> bool:
+        """Free the request's reservation or pin; True if it had a reservation (nothing else to abort)."""
+        self._release_held(request_id)
+        res = self.reservations.pop(request_id, None)
+        if res is None:
+            return False
+        self._free(res)
+        return True
+
+    def cancel(self, request_id: str, message: str) -> None:
+        res = self.reservations.pop(request_id, None)
+        if res is not None:
+            self._fail(res, message)
+
+    # -- the loop's hooks ----------------------------------------------------------------------
+    def poll(self) -> None:
+        """Write the chunks that arrived; end the reservations that are complete or timed out."""
+        for header, records in self.receiver.receive():
+            self._write(header, records)
+        now = time.monotonic()
+        for rid, res in list(self.reservations.items()):
+            if now > res.deadline:
+                del self.reservations[rid]
+                self._fail(res, f"the KV transfer timed out after {self.timeout_s:.0f} s")
+        for rid, (_, pinned_at) in list(self._held.items()):
+            if now - pinned_at > self.timeout_s:  # never scheduled (refused or aborted unseen)
+                self._release_held(rid)
+
+    def after_step(self, outputs: list[StepOutput]) -> list[StepOutput]:
+        """Unpin what the step scheduled; report the transfer in the outputs of requests that had one."""
+        for rid in self.engine.newly_scheduled:
+            self._release_held(rid)
+        out = []
+        for o in outputs:
+            moved = self._transferred.get(o.group_id)
+            if moved is not None:
+                o = msgspec.structs.replace(
+                    o, cached_tokens=max(0, o.cached_tokens - moved), kv_transfer_tokens=moved
+                )
+                if o.finish_reason is not None and o.index == 0:
+                    self._release_held(o.group_id)
+                    del self._transferred[o.group_id]
+            out.append(o)
+        return out
+
+    def check_integrity(self) -> None:
+        self.engine.kv_manager.check_integrity([*self.engine.scheduler.running, *self.reservations.values()])
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _write(self, header: TransferHeader, records: torch.Tensor) -> None:
+        res = self.reservations.get(header.request_id)
+        if res is None:
+            return  # aborted, failed or timed out meanwhile (its file is unlinked already)
+        engine = self.engine
+        try:
+            verify(header, records, self.fingerprint, engine.pool.page_bytes)
+            first = header.first_page
+            lo, hi = res.start // res.page_size, res.end // res.page_size
+            if first < lo or first + header.num_pages > hi:
+                raise KVTransferError(
+                    f"KV transfer for request {header.request_id!r} refused: pages [{first}, "
+                    f"{first + header.num_pages}) are outside the reserved [{lo}, {hi})"
+                )
+        except KVTransferError as exc:
+            del self.reservations[header.request_id]
+            self._fail(res, str(exc))
+            return
+        engine.pool.write_pages(
+            engine.runner.backend, res.pages.table[first : first + header.num_pages], records
+        )
+        res.deadline = time.monotonic() + self.timeout_s  # a transfer that makes progress is not stalled
+        res.received.update(range(first, first + header.num_pages))
+        res.bytes += records.numel()
+        res.chunk_seconds.append(max(0.0, time.time() - header.sent_at))
+        if res.missing == 0:
+            del self.reservations[header.request_id]
+            self._complete(res)
+
+    def _complete(self, res: Reservation) -> None:
+        kv = self.engine.kv_manager
+        tree = kv.tree
+        assert tree is not None
+        rid = res.add.request_id
+        res.num_computed_tokens = res.end
+        kv.release(res)  # the received pages join the tree; the reservation's lock goes
+        match = tree.match_prefix(res.token_ids[: res.end], res.cache_salt)
+        tree.lock(match.node)  # until the request is scheduled: nothing may evict what just came
+        self._held[rid] = (match.node, time.monotonic())
+        moved = res.end - res.start
+        self._send(
+            KVReceived(
+                request_id=rid,
+                pages=moved // res.page_size,
+                bytes=res.bytes,
+                chunk_seconds=res.chunk_seconds,
+            )
+        )
+        if self._add(res.add):
+            self._transferred[rid] = moved
+        else:
+            self._release_held(rid)
+
+    def _fail(self, res: Reservation, message: str) -> None:
+        logger.warning("request %s: %s", res.add.request_id, message)
+        self._free(res)
+        self._send(RequestError(request_id=res.add.request_id, message=message, unavailable=True))
+
+    def _free(self, res: Reservation) -> None:
+        res.num_computed_tokens = res.start  # nothing received goes into the tree
+        self.engine.kv_manager.release(res)
+
+    def _release_held(self, request_id: str) -> None:
+        held = self._held.pop(request_id, None)
+        tree = self.engine.kv_manager.tree
+        if held is not None and tree is not None:
+            tree.unlock(held[0])

@@ -1,0 +1,228 @@
+"""Disaggregated serving on Ray Serve (``radixserve serve --prefill-replicas N --decode-replicas M``).
+
+Two engine deployments and the usual ingress. The ingress and its router are scale-out's, unchanged
+(scale/app.py, scale/remote_engine.py): requests go to the decode replicas, cache-aware. A decode
+replica is an ``EngineReplica`` whose engine process runs the decode role; when it reserves pages for
+a prompt (``KVReserved``) the replica itself asks a prefill replica, through a DeploymentHandle, to
+compute and send them. Pages travel over ZMQ TCP from the prefill replica's engine process straight to
+the decode replica's, on the decode replica's node address; Ray carries only the small messages.
+
+Invariants:
+- A prefill call that fails (its replica died: a RayError; or it answered with an error) is made again,
+  at most ``MAX_ATTEMPTS`` times in all; then the decode engine is told to free the reservation and
+  fail the request (a 503). The decode engine's own timeout ends any transfer nobody finishes.
+- A prefill replica answers each ``PrefillKV`` with the ``PrefillDone`` of its engine process, or with
+  an error one if that process died or did not answer within ``PREFILL_TIMEOUT_S``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from radixserve.config import EngineConfig
+from radixserve.disagg.coordinator import MAX_ATTEMPTS
+from radixserve.disagg.metrics import TransferMetrics
+from radixserve.scale.app import ScaleOptions, engine_deployment, ingress_deployment
+from radixserve.scale.replica import EngineReplica, GenerateCall, StreamItem
+from radixserve.server.async_engine import AsyncEngine
+from radixserve.server.engine_client import describe_exit
+from radixserve.server.messages import (
+    CancelTransfer,
+    FromEngine,
+    KVReceived,
+    KVReserved,
+    PrefillDone,
+    PrefillKV,
+)
+
+logger = logging.getLogger("radixserve.disagg")
+
+PREFILL_NAME = "PrefillReplicas"
+PREFILL_TIMEOUT_S = 120.0
+
+
+class PrefillReplica:
+    """One prefill engine process as a Serve replica: ``prefill`` runs one job to its end."""
+
+    async def __init__(self, config: EngineConfig, engine_threads: int | None = None) -> None:  # type: ignore[misc]
+        self.engine = AsyncEngine(
+            config, engine_threads=engine_threads, process_args=["--role", "prefill", "--kv-transport", "tcp"]
+        )
+        self._waiting: dict[str, asyncio.Future[PrefillDone]] = {}
+        self.engine.on_role_message = self._on_message
+        self.engine.on_engine_exit = self._on_exit
+        await self.engine.start()
+
+    async def prefill(self, msg: PrefillKV) -> PrefillDone:
+        future: asyncio.Future[PrefillDone] = asyncio.get_running_loop().create_future()
+        self._waiting[msg.request_id] = future
+        try:
+            if not self.engine.send(msg):
+                return PrefillDone(
+                    request_id=msg.request_id, pages=0, bytes=0, error="no prefill engine process"
+                )
+            return await asyncio.wait_for(future, PREFILL_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return PrefillDone(request_id=msg.request_id, pages=0, bytes=0, error="the prefill timed out")
+        finally:
+            self._waiting.pop(msg.request_id, None)
+
+    def check_health(self) -> None:
+        if not self.engine.healthy:
+            raise RuntimeError("the prefill engine process is not serving")
+
+    def _on_message(self, msg: FromEngine) -> None:
+        if isinstance(msg, PrefillDone):
+            future = self._waiting.get(msg.request_id)
+            if future is not None and not future.done():
+                future.set_result(msg)
+
+    def _on_exit(self, code: int) -> None:
+        for rid, future in self._waiting.items():
+            if not future.done():
+                error = f"the prefill engine died mid-transfer ({describe_exit(code)})"
+                future.set_result(PrefillDone(request_id=rid, pages=0, bytes=0, error=error))
+
+
+class DecodeReplica(EngineReplica):
+    """An engine replica in the decode role, which has its prompts' pages computed by ``prefill``
+    (a handle to the prefill replicas)."""
+
+    async def __init__(  # type: ignore[misc]
+        self,
+        config: EngineConfig,
+        index_name: str,
+        engine_threads: int | None,
+        chat_template: str | None,
+        prefill: Any,
+        kv_timeout_s: float = 120.0,
+    ) -> None:
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        args = [
+            "--role",
+            "decode",
+            "--kv-transport",
+            "tcp",
+            "--kv-host",
+            host,
+            "--kv-timeout",
+            str(kv_timeout_s),
+        ]
+        self._prefill = prefill
+        self._calls: dict[str, GenerateCall] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.metrics = TransferMetrics()
+        await super().__init__(config, index_name, engine_threads, chat_template, process_args=args)
+        self.engine.on_role_message = self._on_role_message
+
+    async def generate(self, call: GenerateCall) -> AsyncIterator[StreamItem]:
+        self._calls[call.request_id] = call
+        try:
+            async for item in super().generate(call):
+                yield item
+        finally:
+            self._calls.pop(call.request_id, None)
+
+    async def transfer_stats(self) -> dict[str, float]:
+        m = self.metrics
+        return {
+            "requests": m.transfers,
+            "pages": m.pages,
+            "bytes": m.bytes,
+            "failed": m.failed,
+            "retries": m.retries,
+        }
+
+    def _on_role_message(self, msg: FromEngine) -> None:
+        if isinstance(msg, KVReserved):
+            call = self._calls.get(msg.request_id)
+            if call is not None:
+                task = asyncio.create_task(self._run_prefill(call, msg))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        elif isinstance(msg, KVReceived):
+            self.metrics.received(msg.pages, msg.bytes, 0, msg.chunk_seconds)
+
+    async def _run_prefill(self, call: GenerateCall, r: KVReserved) -> None:
+        from ray.exceptions import RayError
+
+        job = PrefillKV(
+            request_id=r.request_id,
+            prompt_token_ids=call.route.token_ids[: r.end + 1],
+            cache_salt=call.route.cache_salt,
+            priority=call.priority,
+            start=r.start,
+            end=r.end,
+            destination=r.address,
+        )
+        cause = "no prefill replica answered"
+        for attempt in range(MAX_ATTEMPTS):
+            if attempt:
+                self.metrics.retries += 1
+            try:
+                done = await self._prefill.prefill.remote(job)
+            except RayError as exc:
+                cause = f"the prefill replica failed: {type(exc).__name__}"
+                self.metrics.failed += 1
+                continue
+            if done.error is None:
+                return
+            cause = f"the prefill engine failed: {done.error}"
+            self.metrics.failed += 1
+            if r.request_id not in self._calls:
+                return  # the request is gone: nothing left to fail
+        self.engine.send(CancelTransfer(request_id=r.request_id, message=cause))
+
+
+def build_disaggregated_application(
+    options: ScaleOptions,
+    num_prefill: int,
+    num_decode: int,
+    index_name: str | None = None,
+    kv_timeout_s: float = 120.0,
+) -> Any:
+    """The bound Serve application: the ingress over ``num_decode`` decode replicas, which call
+    ``num_prefill`` prefill replicas."""
+    from ray import serve
+
+    if not options.config.prefix_cache:
+        raise ValueError("disaggregated serving needs the prefix cache: pages move between radix trees")
+    index_name = index_name or options.index_name
+    deployment: Any = serve.deployment  # Ray's stubs type neither its overloads nor pydantic's fields
+    prefill = deployment(
+        PrefillReplica,
+        name=PREFILL_NAME,
+        num_replicas=num_prefill,
+        ray_actor_options={"num_cpus": options.replica_cpus},
+        max_ongoing_requests=options.max_ongoing_requests,
+        health_check_period_s=2,
+    ).bind(options.config, options.engine_threads)
+    decode = engine_deployment(options, DecodeReplica, index_name, num_decode).bind(
+        options.config, index_name, options.engine_threads, options.chat_template, prefill, kv_timeout_s
+    )
+    return ingress_deployment().bind(decode, options, index_name)
+
+
+def run_disaggregated(args: argparse.Namespace, address: str | None) -> None:
+    """``radixserve serve --prefill-replicas N --decode-replicas M``: scale-out's launch with this
+    application (each count >= 1)."""
+    from radixserve.scale.launch import run_scaled
+
+    num_prefill, num_decode = args.prefill_replicas, args.decode_replicas
+    if num_prefill < 1 or num_decode < 1:
+        raise SystemExit("--prefill-replicas and --decode-replicas must both be >= 1")
+    if args.disaggregate is not None:
+        raise SystemExit(
+            "--disaggregate (one host, no Ray) and --prefill/--decode-replicas exclude each other"
+        )
+
+    def build(options: ScaleOptions) -> Any:
+        return build_disaggregated_application(options, num_prefill, num_decode, kv_timeout_s=args.kv_timeout)
+
+    run_scaled(args, address, build, num_prefill + num_decode)

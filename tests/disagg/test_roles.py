@@ -1,0 +1,227 @@
+"""The two roles on two in-process engines (no HTTP, no processes): pages computed by the prefill
+engine arrive byte-identical in the decode engine's tree, only what the decode engine lacks moves,
+a foreign layout or a corrupt chunk is refused, and every page is accounted for on both sides."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+import zmq
+
+from radixserve.disagg.decode import DecodeRole
+from radixserve.disagg.prefill import PrefillRole
+from radixserve.disagg.transfer import KVTransferError, TransferHeader, checksum, verify
+from radixserve.disagg.transport import KVReceiver, KVSender
+from radixserve.engine.engine import Engine
+from radixserve.sampling.params import SamplingParams
+from radixserve.server.messages import (
+    AddRequest,
+    FromEngine,
+    KVReceived,
+    KVReserved,
+    PrefillDone,
+    PrefillKV,
+    RequestError,
+)
+
+PS = 4
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def _engine(model: Path, **options: Any) -> Engine:
+    return Engine(str(model), page_size=PS, num_pages=256, enforce_eager=True, detokenize=True, **options)
+
+
+class Pair:
+    """A prefill and a decode engine with their roles, and the messages each sent to the API server."""
+
+    def __init__(self, prefill: Engine, decode: Engine, transport: str) -> None:
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.to_server: list[FromEngine] = []
+        self.added: list[AddRequest] = []
+        self.p_engine, self.d_engine = prefill, decode
+        self.prefill = PrefillRole(prefill, self.to_server.append, KVSender(self.ctx))
+        self.decode = DecodeRole(
+            decode, self.to_server.append, self._add, KVReceiver(self.ctx, transport), timeout_s=30.0
+        )
+
+    def _add(self, msg: AddRequest) -> bool:
+        self.added.append(msg)
+        self.d_engine.add_request(
+            msg.prompt_token_ids, msg.params, msg.request_id, msg.cache_salt, msg.priority
+        )
+        return True
+
+    def serve(self, rid: str, prompt: list[int]) -> list[int]:
+        """Run one request through both roles, as the coordinator would; its output tokens."""
+        self.decode.add_request(AddRequest(request_id=rid, prompt_token_ids=prompt, params=GREEDY))
+        reserved = [m for m in self.to_server if isinstance(m, KVReserved) and m.request_id == rid]
+        if reserved:
+            r = reserved[0]
+            self.prefill.handle(
+                PrefillKV(
+                    request_id=rid,
+                    prompt_token_ids=prompt[: r.end + 1],
+                    cache_salt=None,
+                    priority=0,
+                    start=r.start,
+                    end=r.end,
+                    destination=r.address,
+                )
+            )
+            for _ in range(200):
+                if any(isinstance(m, PrefillDone) and m.request_id == rid for m in self.to_server):
+                    break
+                self.prefill.after_step(self.p_engine.step())
+            for _ in range(200):
+                self.decode.receiver.socket.poll(50)  # as the loop's poller waits for a chunk
+                self.decode.poll()
+                if any(
+                    isinstance(m, (KVReceived, RequestError)) and m.request_id == rid for m in self.to_server
+                ):
+                    break
+        tokens: list[int] = []
+        while self.d_engine.has_unfinished():
+            for out in self.decode.after_step(self.d_engine.step()):
+                if out.group_id == rid:
+                    tokens += out.token_ids
+                    self.last = out
+        return tokens
+
+    def check(self) -> None:
+        self.decode.check_integrity()
+        self.p_engine.check_integrity()
+
+    def close(self) -> None:
+        self.decode.receiver.close()
+        self.prefill.sender.close()
+        self.ctx.destroy(linger=0)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama: Path) -> Iterator[tuple[Engine, Engine, Engine]]:
+    """A prefill engine, a decode engine, and a colocated reference."""
+    yield _engine(tiny_llama), _engine(tiny_llama), _engine(tiny_llama)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_outputs_equal_colocated_and_pages_are_byte_identical(
+    engines: tuple[Engine, Engine, Engine], transport: str
+) -> None:
+    p, d, ref = engines
+    p.flush_cache(), d.flush_cache()
+    pair = Pair(p, d, transport)
+    try:
+        prompt = [(7 * i + 3) % 200 + 1 for i in range(37)]  # 9 whole pages before the last token
+        got = pair.serve("a", prompt)
+        want = ref.generate([prompt], GREEDY)[0].token_ids
+        assert got == want
+        assert pair.last.kv_transfer_tokens == 36 and pair.last.cached_tokens == 0
+        received = [m for m in pair.to_server if isinstance(m, KVReceived)]
+        assert received and received[0].pages == 9 and received[0].bytes == 9 * d.pool.page_bytes
+        # The pages in the decode engine's tree are the prefill engine's, byte for byte.
+        key = prompt[:36]
+        assert d.kv_manager.tree is not None and p.kv_manager.tree is not None
+        d_pages = list(d.kv_manager.tree.match_prefix(key).pages)
+        p_pages = list(p.kv_manager.tree.match_prefix(key).pages)
+        assert len(d_pages) == len(p_pages) == 9
+        d_bytes = d.pool.read_pages(d.runner.backend, d_pages)
+        p_bytes = p.pool.read_pages(p.runner.backend, p_pages)
+        assert d_bytes.abs().sum() > 0 and torch.equal(d_bytes, p_bytes)
+        pair.check()
+    finally:
+        pair.close()
+
+
+def test_a_second_turn_moves_only_its_new_suffix(engines: tuple[Engine, Engine, Engine]) -> None:
+    p, d, ref = engines
+    p.flush_cache(), d.flush_cache()
+    pair = Pair(p, d, "shm")
+    try:
+        first = [(5 * i + 1) % 150 + 1 for i in range(21)]
+        out = pair.serve("t1", first)
+        assert pair.last.kv_transfer_tokens == 20
+        second = first + out + [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12]  # 38 tokens: 36 usable
+        got = pair.serve("t2", second)
+        # The decode engine's tree held the first turn's 20 prompt tokens and the pages its own decode
+        # filled (24 of 27): only the pages from there to 36 moved.
+        cached = pair.last.cached_tokens
+        assert cached == 24 and pair.last.kv_transfer_tokens == 36 - cached
+        assert got == ref.generate([second], GREEDY)[0].token_ids
+        pair.check()
+    finally:
+        pair.close()
+
+
+def test_a_foreign_layout_is_refused_and_frees_the_reservation(tiny_llama: Path) -> None:
+    p, d = _engine(tiny_llama, kv_cache_dtype="bfloat16"), _engine(tiny_llama)
+    pair = Pair(p, d, "shm")
+    try:
+        prompt = list(range(1, 30))
+        free = d.kv_manager.num_free
+        assert pair.serve("x", prompt) == []
+        errors = [m for m in pair.to_server if isinstance(m, RequestError)]
+        assert errors and errors[0].unavailable and "layout fingerprint" in errors[0].message
+        assert not pair.added and not pair.decode.reservations
+        assert d.kv_manager.num_free == free
+        pair.check()
+    finally:
+        pair.close()
+
+
+def test_verify_refuses_a_corrupt_or_misshapen_chunk() -> None:
+    records = torch.arange(24, dtype=torch.uint8).view(2, 12)
+    header = TransferHeader(
+        request_id="r",
+        first_page=0,
+        num_pages=2,
+        page_bytes=12,
+        fingerprint=b"f",
+        checksum=checksum(records),
+        sent_at=0.0,
+    )
+    verify(header, records, b"f", 12)
+    bad = records.clone()
+    bad[1, 3] ^= 1
+    with pytest.raises(KVTransferError, match="checksum"):
+        verify(header, bad, b"f", 12)
+    with pytest.raises(KVTransferError, match="fingerprint"):
+        verify(header, records, b"g", 12)
+    with pytest.raises(KVTransferError, match="records"):
+        verify(msgspec.structs.replace(header, num_pages=3), records, b"f", 12)
+
+
+def test_the_split_flag_takes_two_positive_counts() -> None:
+    from radixserve.cli import build_parser
+    from radixserve.disagg.coordinator import parse_split
+
+    assert parse_split("2:3") == (2, 3)
+    for bad in ("1", "0:1", "1:0", "a:b", "1:2:3"):
+        with pytest.raises(ValueError, match="--disaggregate takes PREFILL:DECODE"):
+            parse_split(bad)
+    args = build_parser().parse_args(["serve", "--disaggregate", "1:2", "--kv-transport", "tcp"])
+    assert args.disaggregate == (1, 2) and args.kv_transport == "tcp"
+
+
+def test_a_bad_priority_is_refused_before_any_page_is_reserved(
+    engines: tuple[Engine, Engine, Engine],
+) -> None:
+    from radixserve.errors import InvalidRequestError
+
+    p, d, _ = engines
+    pair = Pair(p, d, "shm")
+    try:
+        msg = AddRequest(
+            request_id="bad", prompt_token_ids=list(range(1, 40)), params=GREEDY, priority="urgent"
+        )
+        with pytest.raises(InvalidRequestError, match="priority"):
+            pair.decode.add_request(msg)  # handed to the engine's own admission, which refuses it
+        assert not pair.decode.reservations and not pair.to_server
+        pair.check()
+    finally:
+        pair.close()
