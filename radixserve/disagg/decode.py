@@ -155,7 +155,8 @@ class DecodeRole:
         )
 
     def abort(self, request_id: str) -> bool:
-        """Free the request's reservation or pin; True if it had a reservation (nothing else to abort)."""
+        """Free the request's reservation or held prefix; True if it had a reservation (nothing else to
+        abort)."""
         self._release_held(request_id)
         res = self.reservations.pop(request_id, None)
         if res is None:
@@ -178,12 +179,13 @@ class DecodeRole:
             if now > res.deadline:
                 del self.reservations[rid]
                 self._fail(res, f"the KV transfer timed out after {self.timeout_s:.0f} s")
-        for rid, (_, pinned_at) in list(self._held.items()):
-            if now - pinned_at > self.timeout_s:  # never scheduled (refused or aborted unseen)
+        for rid, (_, held_at) in list(self._held.items()):
+            if now - held_at > self.timeout_s:  # never scheduled (refused or aborted unseen)
                 self._release_held(rid)
 
     def after_step(self, outputs: list[StepOutput]) -> list[StepOutput]:
-        """Unpin what the step scheduled; report the transfer in the outputs of requests that had one."""
+        """Release the held prefixes the step scheduled; report the transfer in the outputs of requests
+        that had one."""
         for rid in self.engine.newly_scheduled:
             self._release_held(rid)
         out = []
