@@ -111,6 +111,9 @@ class EngineConfig:
         choices=WRITE_POLICIES,
     )
     write_through_threshold: int = knob(2, "k for write_through_selective", ge=1, integer=True)
+    # Ranks (processes) the model is split over, each with its share of the cores
+    # (engine/tensor_parallel.py); it must divide the query heads (SmolLM2-135M: 1, 3 or 9).
+    tensor_parallel_size: int = knob(1, "tensor-parallel ranks the model is split over", ge=1, integer=True)
 
     def __post_init__(self) -> None:
         for name, why in problems(self):
