@@ -148,7 +148,16 @@ class TensorParallel:
             child.close()
             self.workers.append((rank, proc, conn))
         try:
+            for _, worker, pipe in self.workers:  # each about to join: one that failed before says so
+                while not pipe.poll(0.2):
+                    if not worker.is_alive():
+                        raise self.failure(None)
+                if pipe.recv()[0] != "joining":
+                    raise self.failure(None)
             comm.init_group(0, n, spec.port, device)
+        except TensorParallelError:
+            self.close()
+            raise
         except Exception as exc:
             self.close()
             raise self.failure(exc) from exc
@@ -288,6 +297,7 @@ def _serve(spec: WorkerSpec, rank: int, conn: Connection) -> None:
     cfg, n, parent = spec.config, spec.config.tensor_parallel_size, os.getppid()
     bind_rank(rank, n)
     device, dtype_name = resolve_device_dtype(cfg.device, cfg.dtype)
+    conn.send(("joining", None))
     comm.init_group(rank, n, spec.port, device)
     model = load_model(Path(spec.model_path), getattr(torch, dtype_name), device, cfg.quantization)
     arithmetic.apply(model, cfg.prefill_arithmetic, many_rows=cfg.max_running_requests)

@@ -23,7 +23,7 @@ from torch import nn
 from radixserve.model.config import ModelConfig
 from radixserve.model.gguf import BLOCK_BYTES, QK, GGUFEmbedding, GGUFLinear
 from radixserve.model.layers import Linear
-from radixserve.model.llama import LlamaForCausalLM
+from radixserve.model.llama import DecoderLayer, LlamaForCausalLM
 from radixserve.model.quant import Int8Linear
 from radixserve.parallel import comm
 
@@ -139,13 +139,14 @@ def keep_rows(m: nn.Module, index: torch.Tensor, pad_to: int = 0) -> None:
             if len(sel):
                 kept.append((w.data.index_select(0, sel), qtype))
         kept[-1] = (_pad(kept[-1][0], kept[-1][0].shape[0] + rows - len(index)), kept[-1][1])
-        for j, (w, _) in enumerate(kept):
-            m.register_parameter(f"weight{j}", _param(w))
+        for j, (part, _) in enumerate(kept):
+            m.register_parameter(f"weight{j}", _param(part))
         m.qtypes = [q for _, q in kept]
     else:
         raise TypeError(f"cannot shard a {type(m).__name__}")
-    if getattr(m, "bias", None) is not None:
-        m.bias = _param(_pad(m.bias.data.index_select(0, index), rows))
+    bias = getattr(m, "bias", None)
+    if bias is not None:
+        m.bias = _param(_pad(bias.data.index_select(0, index), rows))
     m.out_features = rows
 
 
@@ -172,8 +173,9 @@ def keep_cols(m: nn.Module, start: int, end: int, keep_bias: bool) -> None:
             m.register_parameter(f"weight{i}", _param(w))
     else:
         raise TypeError(f"cannot shard a {type(m).__name__}")
-    if getattr(m, "bias", None) is not None and not keep_bias:
-        m.bias = _param(torch.zeros_like(m.bias.data))
+    bias = getattr(m, "bias", None)
+    if bias is not None and not keep_bias:
+        m.bias = _param(torch.zeros_like(bias.data))
     m.in_features = end - start
 
 
@@ -192,15 +194,16 @@ def shard_model(model: LlamaForCausalLM, rank: int, n: int) -> None:
     mlp_rows = torch.arange(rank * inter, (rank + 1) * inter)
     gate_up_rows = torch.cat([mlp_rows, cfg.intermediate_size + mlp_rows])
     for layer in model.layers:
+        assert isinstance(layer, DecoderLayer)
         attn, mlp = layer.self_attn, layer.mlp
         keep_rows(attn.qkv_proj, qkv_rows)
         keep_cols(attn.o_proj, rank * heads * d, (rank + 1) * heads * d, rank == 0)
-        attn.o_proj = RowParallel(attn.o_proj)
+        setattr(attn, "o_proj", RowParallel(attn.o_proj))  # noqa: B010 - a Linear slot
         attn.num_heads, attn.num_kv_heads = heads, kv_heads
         attn.q_size, attn.kv_size = heads * d, kv_heads * d
         keep_rows(mlp.gate_up_proj, gate_up_rows)
         keep_cols(mlp.down_proj, rank * inter, (rank + 1) * inter, rank == 0)
-        mlp.down_proj = RowParallel(mlp.down_proj)
+        setattr(mlp, "down_proj", RowParallel(mlp.down_proj))  # noqa: B010
     rows = -(-cfg.vocab_size // n)
     vocab_rows = torch.arange(rank * rows, min(cfg.vocab_size, (rank + 1) * rows))
     embed, head = model.embed_tokens, model.lm_head
