@@ -22,7 +22,9 @@ Invariants:
 - The waiting requests are counted here alone (the engine's, plus those added since its last step): one
   beyond ``max_waiting_requests`` is answered with a ``RequestError`` (``queue_full``: a 429).
 - A bad request is answered with a ``RequestError`` and never reaches the scheduler; an exception
-  anywhere else ends the process (exit code 1, traceback on stderr) and the API server restarts it.
+  anywhere else ends the process (exit code 1, traceback on stderr; ``EngineFailed`` says what it was)
+  and the API server restarts it. A tensor-parallel rank that died (``TensorParallelError``) exits 3:
+  not a bug in the engine, so its requests fail as unavailable (503), with the rank named.
 - SIGTERM, SIGINT and ``Shutdown`` all mean: accept nothing new, finish what is queued, close the
   engine (queued disk-tier writes land), exit 0. If the API-server process goes away, it exits at once.
 """
@@ -30,6 +32,7 @@ Invariants:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
@@ -51,6 +54,7 @@ from radixserve.server.messages import (
     AddRequest,
     Call,
     CallResult,
+    EngineFailed,
     FromEngine,
     Ready,
     RequestError,
@@ -290,6 +294,8 @@ def main(argv: list[str] | None = None) -> None:
         except BaseException as exc:
             logger.exception("the engine failed")
             failed.append(exc)
+            with contextlib.suppress(zmq.ZMQError, NameError):  # NameError: no socket yet
+                outbox.send(msgspec.msgpack.encode(EngineFailed(message=str(exc))))
         finally:
             if built:
                 built[0].close()  # queued disk-tier writes land
@@ -300,7 +306,9 @@ def main(argv: list[str] | None = None) -> None:
     worker.join()
     ctx.destroy(linger=1000)  # give the last outputs a moment to leave; never hang on a gone peer
     if failed:
-        sys.exit(1)
+        from radixserve.engine.tensor_parallel import TensorParallelError
+
+        sys.exit(3 if isinstance(failed[0], TensorParallelError) else 1)
     if refused:
         sys.exit(2)
 

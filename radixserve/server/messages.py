@@ -125,4 +125,11 @@ class CallResult(_Message, kw_only=True):
     stats: EngineStats  # taken after the call, so a caller sees its effect in stats() at once
 
 
-FromEngine = Ready | StartFailed | StepOutputs | RequestError | CallResult
+class EngineFailed(_Message, kw_only=True):
+    """Sent as the engine process fails (the engine raised, or a tensor-parallel rank died), just
+    before it exits: what went wrong, for the errors of the requests it fails."""
+
+    message: str
+
+
+FromEngine = Ready | StartFailed | StepOutputs | RequestError | CallResult | EngineFailed

@@ -44,6 +44,15 @@ def assert_same(ref: list[RequestOutput], out: list[RequestOutput], tol: float =
             assert max(abs(lr.top[k] - lo.top[k]) for k in lr.top) < tol
 
 
+def assert_logits_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Within 1e-4: log-probabilities absolutely, raw logits relative to their size (fp32 sums in
+    another order: the row-parallel partial sums are added after rounding; SmolLM2's logits reach ~30,
+    where one fp32 ulp is 2e-6 and the measured largest difference about 1e-4)."""
+    lp, lr = out.log_softmax(-1), ref.log_softmax(-1)
+    assert (lp - lr).abs().max() < TOL, (lp - lr).abs().max()
+    torch.testing.assert_close(out, ref, rtol=TOL, atol=TOL)
+
+
 def prefill_logits(eng: Engine, prompts: list[list[int]]) -> torch.Tensor:
     """The logits after each prompt, as one batch straight through the runner, over pages nobody holds
     (the cache is flushed first)."""
@@ -176,7 +185,7 @@ def test_gguf_weights_under_tp() -> None:
     one.close()
     eng = Engine(quantization="gguf", enforce_eager=True, num_pages=32, tensor_parallel_size=3)
     try:
-        assert (prefill_logits(eng, prompts) - ref).abs().max() < TOL
+        assert_logits_close(prefill_logits(eng, prompts), ref)
     finally:
         eng.close()
 
@@ -251,6 +260,6 @@ def test_default_model_tp3_matches_tp1(smollm_ref: Any, eager: bool) -> None:
     try:
         assert eng.runner.runner.compiled is None if eager else eng.runner.runner.compiled is not None  # type: ignore[union-attr]
         assert_same(ref, eng.generate(ids, SHORT))
-        assert (prefill_logits(eng, ids) - ref_logits).abs().max() < TOL
+        assert_logits_close(prefill_logits(eng, ids), ref_logits)
     finally:
         eng.close()
