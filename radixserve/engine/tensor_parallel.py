@@ -57,11 +57,11 @@ class TensorParallelError(RuntimeError):
     """A rank of the engine died, or a collective between them failed: the engine cannot go on."""
 
 
-def bind_rank(rank: int, size: int) -> tuple[set[int], int]:
-    """Bind the calling thread (and the threads it starts) to rank ``rank``'s share of the usable cores,
-    with one torch thread per core; returns the old binding and thread count."""
+def bind_rank(rank: int, size: int, cores: list[int]) -> tuple[set[int], int]:
+    """Bind the calling thread (and the threads it starts) to rank ``rank``'s share of ``cores`` (the
+    engine's usable cores, taken before any rank was bound), with one torch thread per core; returns
+    the old binding and thread count."""
     old = (os.sched_getaffinity(0), torch.get_num_threads())
-    cores = sorted(old[0])
     share = max(1, len(cores) // size)
     mine = cores[rank * share : (rank + 1) * share] or [cores[rank % len(cores)]]
     os.sched_setaffinity(0, mine)
@@ -93,6 +93,7 @@ class WorkerSpec:
     config: EngineConfig
     model_path: str
     port: int
+    cores: list[int]  # the engine's usable cores, each rank binding to its share
 
 
 def create(
@@ -135,8 +136,8 @@ class TensorParallel:
         self.kv_heads = local_kv_heads(model.config, n)
         # Workers use the arithmetic rank 0 resolved ("auto" probes: two ranks could choose apart).
         config = dataclasses.replace(config, prefill_arithmetic=model.arithmetic, preset=None)
-        spec = WorkerSpec(config, str(model_path), _free_port())
-        self._restore: tuple[set[int], int] | None = bind_rank(0, n)
+        spec = WorkerSpec(config, str(model_path), _free_port(), sorted(os.sched_getaffinity(0)))
+        self._restore: tuple[set[int], int] | None = bind_rank(0, n, spec.cores)
         ctx = mp.get_context("spawn")
         self.workers: list[tuple[int, BaseProcess, Connection]] = []
         for rank in range(1, n):
@@ -295,7 +296,7 @@ def _serve(spec: WorkerSpec, rank: int, conn: Connection) -> None:
     from radixserve.model.loader import load_model, resolve_device_dtype
 
     cfg, n, parent = spec.config, spec.config.tensor_parallel_size, os.getppid()
-    bind_rank(rank, n)
+    bind_rank(rank, n, spec.cores)
     device, dtype_name = resolve_device_dtype(cfg.device, cfg.dtype)
     conn.send(("joining", None))
     comm.init_group(rank, n, spec.port, device)

@@ -8,16 +8,19 @@ SmolLM2-135M has 9 and 3 (TP=3). On 2 shared cores every rank gets one thread: k
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 
 from radixserve import Engine, SamplingParams
 from radixserve.config import EngineConfig
+from radixserve.engine.tensor_parallel import TensorParallel
 from radixserve.model.config import ModelConfig
 from radixserve.model.runner import SeqChunk
 from radixserve.model.sharding import check_tensor_parallel
@@ -77,14 +80,22 @@ def tiny_ref(tiny_llama: Path) -> list[RequestOutput]:
 def test_tiny_model_matches_one_rank(
     tiny_llama: Path, tiny_ref: list[RequestOutput], size: int, eager: bool
 ) -> None:
-    """TP=2 (KV heads sharded) eager and compiled, TP=4 (KV heads replicated): TP=1's tokens and logits."""
+    """TP=2 (KV heads sharded) eager and compiled, TP=4 (KV heads replicated): TP=1's tokens and logits;
+    each rank bound to its own share of the cores."""
+    cores = os.sched_getaffinity(0)
     eng = Engine(str(tiny_llama), enforce_eager=eager, page_size=4, num_pages=64, tensor_parallel_size=size)
     try:
         assert eng.pool.k_buffer.shape[3] == 1  # a rank's KV heads: one of two, or both ranks' one
+        assert isinstance(eng.tp, TensorParallel) and len(eng.tp.pids) == size - 1
+        bound = [os.sched_getaffinity(0)] + [set(psutil.Process(pid).cpu_affinity()) for pid in eng.tp.pids]
+        assert set().union(*bound) <= cores and all(bound)
+        if len(cores) >= size:  # a share each, none shared
+            assert sum(len(b) for b in bound) == len(set().union(*bound)) == len(cores) // size * size
         assert_same(tiny_ref, eng.generate(TINY_PROMPTS, GREEDY))
         eng.check_integrity()
     finally:
         eng.close()
+    assert os.sched_getaffinity(0) == cores  # rank 0's binding undone
 
 
 def test_prefix_hits_and_tier_round_trip_under_tp(
