@@ -261,9 +261,10 @@ class ShardedPages:
 
     def write_pages(self, copier: PageCopier, pages: list[int], records: torch.Tensor) -> None:
         self.tp.send("write", pages)
-        like = torch.empty(len(pages), self.pool.page_bytes, dtype=torch.uint8)
+        device = self.pool.k_buffer.device  # NCCL moves device tensors only
+        like = torch.empty(len(pages), self.pool.page_bytes, dtype=torch.uint8, device=device)
         try:
-            own = comm.scatter_rows(records.to("cpu").contiguous(), like)
+            own = comm.scatter_rows(records.to(device).contiguous(), like)
         except RuntimeError as exc:
             raise self.tp.failure(exc) from exc
         self.pool.write_pages(copier, pages, own)
@@ -312,7 +313,7 @@ def _serve(spec: WorkerSpec, rank: int, conn: Connection) -> None:
     backend = select_backend(cfg.attention_backend, device)
     runner = ModelRunner(model, pool, backend, device, not cfg.enforce_eager and backend.compilable)
     runner.warmup()
-    like = torch.empty(0, pool.page_bytes, dtype=torch.uint8)
+    like = torch.empty(0, pool.page_bytes, dtype=torch.uint8, device=device)
     while True:
         if not conn.poll(1.0):
             if os.getppid() != parent:
