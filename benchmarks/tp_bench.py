@@ -37,7 +37,11 @@ from radixserve.parallel import comm
 HIDDEN = 576  # SmolLM2-135M
 
 
-def step_times(size: int, args: argparse.Namespace) -> dict[str, Any]:
+def step_times(size: int, args: argparse.Namespace, threads: int | None = None) -> dict[str, Any]:
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
     eng = Engine(enforce_eager=not args.compiled, num_pages=256, tensor_parallel_size=size)
     layers = eng.model.config.num_layers
     rng = random.Random(0)
@@ -55,6 +59,7 @@ def step_times(size: int, args: argparse.Namespace) -> dict[str, Any]:
         decode.append(time.perf_counter() - start)
     stats = comm.STATS
     eng.close()
+    torch.set_num_threads(before)
     per_step = (stats.all_reduce_s + stats.gather_s) / max(1, len(decode))
     return {
         "size": size,
@@ -125,6 +130,7 @@ def main() -> None:
     args = p.parse_args()
     load_before = os.getloadavg()
     one, many = step_times(1, args), step_times(args.size, args)
+    one_thread = step_times(1, args, threads=1)  # TP=1 without OpenMP barriers, like each TP rank here
     rows = [args.batch, args.batch * args.prompt]
     latency = all_reduce_latency(args.size, rows, args.iters)
     latency2 = all_reduce_latency(2, rows, args.iters)
@@ -140,6 +146,7 @@ def main() -> None:
         "load_avg_before": load_before,
         "load_avg_after": load_after,
         "tp1": one,
+        "tp1_one_thread": one_thread,
         f"tp{args.size}": many,
         "all_reduce_latency_s": {f"{args.size}_ranks": latency, "2_ranks": latency2},
         "estimates": estimates,
@@ -153,6 +160,7 @@ def main() -> None:
     table = [
         ["prefill step (s)", one["prefill_s"], many["prefill_s"]],
         ["decode step, median (s)", t1, many["decode_median_s"]],
+        ["TP=1 at 1 thread: prefill, decode (s)", one_thread["prefill_s"], one_thread["decode_median_s"]],
         ["collectives a decode step (s, rank 0)", 0.0, many["comm_per_decode_step_s"]],
         ["share of the decode step in collectives", 0.0, many["comm_share"]],
         [f"idle all-reduce [{args.batch}, {HIDDEN}] (us)", 0.0, latency[args.batch] * 1e6],

@@ -149,12 +149,7 @@ class TensorParallel:
             child.close()
             self.workers.append((rank, proc, conn))
         try:
-            for _, worker, pipe in self.workers:  # each about to join: one that failed before says so
-                while not pipe.poll(0.2):
-                    if not worker.is_alive():
-                        raise self.failure(None)
-                if pipe.recv()[0] != "joining":
-                    raise self.failure(None)
+            self._await("joining")  # each about to join: one that failed before says so
             comm.init_group(0, n, spec.port, device)
         except TensorParallelError:
             self.close()
@@ -172,7 +167,17 @@ class TensorParallel:
             runner.warmup()
         except RuntimeError as exc:
             raise self.failure(exc) from exc
+        self._await("ready")  # the engine is ready once every rank is
         return LeadRunner(runner, self)
+
+    def _await(self, word: str) -> None:
+        """Wait until every worker has said ``word``; a worker that died or failed first raises."""
+        for _, proc, conn in self.workers:
+            while not conn.poll(0.2):
+                if not proc.is_alive():
+                    raise self.failure(None)
+            if conn.recv()[0] != word:
+                raise self.failure(None)
 
     def pages(self, pool: KVPool) -> ShardedPages:
         return ShardedPages(self, pool)
@@ -313,6 +318,7 @@ def _serve(spec: WorkerSpec, rank: int, conn: Connection) -> None:
     backend = select_backend(cfg.attention_backend, device)
     runner = ModelRunner(model, pool, backend, device, not cfg.enforce_eager and backend.compilable)
     runner.warmup()
+    conn.send(("ready", None))
     like = torch.empty(0, pool.page_bytes, dtype=torch.uint8, device=device)
     while True:
         if not conn.poll(1.0):
