@@ -118,6 +118,9 @@ class EngineConfig:
     max_pinned_fraction: float = knob(
         0.25, "fraction of the device KV pool that pins may hold (per key with --salt-per-key)", ge=0, le=1
     )
+    # Ranks (processes) the model is split over, each with its share of the cores
+    # (engine/tensor_parallel.py); it must divide the query heads (SmolLM2-135M: 1, 3 or 9).
+    tensor_parallel_size: int = knob(1, "tensor-parallel ranks the model is split over", ge=1, integer=True)
 
     def __post_init__(self) -> None:
         for name, why in problems(self):

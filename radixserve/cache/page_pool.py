@@ -29,9 +29,26 @@ class PageCopier(Protocol):
     def scatter_pages(self, buffer: torch.Tensor, pages: torch.Tensor, src: torch.Tensor) -> None: ...
 
 
+class PagedPool(Protocol):
+    """What the tiers need of a pool: a ``KVPool``, or a tensor-parallel engine's view of its ranks'
+    pools (``engine/tensor_parallel.py``), whose page records hold ``shards`` ranks' parts."""
+
+    page_size: int
+    page_bytes: int
+    kv_dtype: str
+    k_buffer: torch.Tensor
+    shards: int
+
+    def read_pages(self, copier: PageCopier, pages: list[int]) -> torch.Tensor: ...
+
+    def write_pages(self, copier: PageCopier, pages: list[int], records: torch.Tensor) -> None: ...
+
+
 class KVPool:
     """K and V for every layer, each ``[num_layers, num_pages, page_size, kv_heads, head_dim]`` of the
     KV dtype; for int8 also ``k_scale``/``v_scale [num_layers, num_pages, page_size, kv_heads]`` fp32."""
+
+    shards = 1  # one rank's pages (PagedPool)
 
     def __init__(
         self,

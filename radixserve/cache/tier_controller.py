@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from radixserve.cache.page_pool import KVPool, PageCopier
+from radixserve.cache.page_pool import PageCopier, PagedPool
 from radixserve.cache.radix import RadixCache
 from radixserve.cache.radix_node import EvictResult, MatchResult, TreeNode
 from radixserve.cache.tiers import DiskStore, HostStore, KVStore, model_fingerprint
@@ -65,6 +65,7 @@ class Load:
     pages: list[int]  # device pages being filled; the tree's once landed
     future: Future[bool]
     tiers: list[str]  # the store each page was found in ("host", "disk"), for cached_tokens_by_tier
+    held: list[torch.Tensor] | None = None  # with scatter_on_land: the pages read, until they land
     ready: bool = False  # landed: its pages are in the tree, or freed if it failed
     abandoned: bool = False  # its request was admitted or has gone: unlock as soon as it lands
 
@@ -81,11 +82,12 @@ class TierController:
         self,
         stores: Sequence[KVStore],
         seed: bytes,
-        pool: KVPool,
+        pool: PagedPool,
         backend: PageCopier,
         policy: WritePolicy = WritePolicy.WRITE_THROUGH,
         write_through_threshold: int = 2,
         max_pending: int = 4096,
+        scatter_on_land: bool = False,
     ) -> None:
         if not stores:
             raise ValueError("a TierController needs at least one store")
@@ -96,6 +98,9 @@ class TierController:
         self.policy = policy
         self.write_through_threshold = write_through_threshold
         self.max_pending = max_pending
+        # Pages read by the loader thread are written into the pool when they land, on the stepping
+        # thread, instead of on the loader thread: a tensor-parallel pool's writes are collectives.
+        self.scatter_on_land = scatter_on_land
         self.dropped_writes = 0
         self.loads: list[Load] = []  # in flight, or landed and still locked for their request
         self.loading_pages = 0  # device pages held by loads in flight
@@ -174,11 +179,11 @@ class TierController:
     ) -> Load:
         """Fill device ``pages`` with ``match.lower_keys`` on the loader thread. The caller has locked
         ``match.node`` and allocated ``pages``; ``tokens`` ends with the loaded pages."""
-        future = self._loader.submit(
-            self._load, list(match.lower_keys), list(match.lower_tiers), partial(self._scatter, pages)
-        )
+        held: list[torch.Tensor] | None = [] if self.scatter_on_land else None
+        sink = held.append if held is not None else partial(self._scatter, pages)
+        future = self._loader.submit(self._load, list(match.lower_keys), list(match.lower_tiers), sink)
         tiers = [self.stores[t].name for t in match.lower_tiers]
-        load = Load(tokens, namespace, match.node, list(match.pages), pages, future, tiers)
+        load = Load(tokens, namespace, match.node, list(match.pages), pages, future, tiers, held)
         self.loads.append(load)
         self.loading_pages += len(pages)
         self.num_loads += 1
@@ -202,6 +207,8 @@ class TierController:
             ok = load.future.result()
         except Exception:  # a broken store must cost a recompute, never the engine
             ok = False
+        if ok and load.held:
+            self._scatter(load.pages, load.held.pop())
         if ok:
             r = tree.insert(load.tokens, load.prefix_pages + load.pages, load.namespace)
             if r.num_existing < len(load.tokens):
@@ -339,7 +346,7 @@ def default_disk_bytes(directory: str | Path) -> int:
 
 
 def make_tiers(
-    pool: KVPool,
+    pool: PagedPool,
     backend: PageCopier,
     model: torch.nn.Module,
     model_config: object,
@@ -367,7 +374,9 @@ def make_tiers(
     # A page travels as the pool's byte record (K, V and any scales); the fingerprint keys it by
     # model, weights format, page size and KV dtype, so no page is read back at another dtype.
     page_shape = (pool.page_bytes,)
-    fingerprint = model_fingerprint(model, model_config, model_dtype, pool.page_size, pool.kv_dtype)
+    fingerprint = model_fingerprint(
+        model, model_config, model_dtype, pool.page_size, pool.kv_dtype, shards=pool.shards
+    )
     stores: list[KVStore] = []
     if host_bytes > 0:
         stores.append(HostStore(host_bytes, page_shape, torch.uint8, pin=pool.k_buffer.is_cuda))
@@ -376,4 +385,6 @@ def make_tiers(
             raise ValueError("a disk tier needs disk_cache_dir")
         stores.append(DiskStore(disk_dir, disk_bytes, fingerprint, page_shape, torch.uint8))
     policy = WritePolicy(write_policy)
-    return TierController(stores, fingerprint, pool, backend, policy, write_through_threshold)
+    return TierController(
+        stores, fingerprint, pool, backend, policy, write_through_threshold, scatter_on_land=pool.shards > 1
+    )

@@ -52,12 +52,18 @@ def page_key(prev: bytes, tokens: Sequence[int]) -> bytes:
 
 
 def model_fingerprint(
-    model: torch.nn.Module, config: object, dtype: torch.dtype, page_size: int, kv_dtype: str = "float32"
+    model: torch.nn.Module,
+    config: object,
+    dtype: torch.dtype,
+    page_size: int,
+    kv_dtype: str = "float32",
+    shards: int = 1,
 ) -> bytes:
     """A cheap, stable identity of the KV a model produces and of its page layout: its config, dtype,
     weights format (the model's ``quantization``: int8 weights give other K/V than fp32 ones, and the
     parameters' dtypes), page size, KV dtype (a page written at one is never read at another) and a
-    few weights.
+    few weights; with tensor parallelism, the TP size (a record then holds every rank's shard of the
+    page, ``shards`` of them in rank order).
 
     Hashing every weight would take seconds for large models; the first, middle and last tensors (and all
     shapes) catch a different checkpoint of the same architecture in practice.
@@ -68,6 +74,8 @@ def model_fingerprint(
     arithmetic = getattr(model, "arithmetic", "exact")  # a cheaper prefill writes other K/V
     if arithmetic != "exact":
         h.update(f"|arithmetic={arithmetic}".encode())
+    if shards > 1:
+        h.update(f"|tp={shards}".encode())
     params = sorted(model.named_parameters(), key=lambda kv: kv[0])
     for name, p in params:
         h.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())

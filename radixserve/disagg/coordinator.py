@@ -115,6 +115,9 @@ class DisaggregatedEngine:
     ) -> None:
         if not config.prefix_cache:
             raise ValueError("--disaggregate needs the prefix cache: pages move between radix trees")
+        if config.tensor_parallel_size > 1:
+            # A transfer reads the pool of the engine's own process, which holds rank 0's shard only.
+            raise ValueError("--disaggregate does not combine with --tensor-parallel-size > 1 (not built)")
         if num_prefill < 1 or num_decode < 1:
             raise ValueError("--disaggregate needs at least one prefill and one decode engine")
         role_args = ["--kv-transport", transport, "--kv-timeout", str(kv_timeout_s)]

@@ -22,6 +22,7 @@ from radixserve.cache.pin_types import PinSpec
 from radixserve.cache.tier_controller import make_tiers
 from radixserve.cache.tree_view import CacheTree, snapshot
 from radixserve.config import EngineConfig, context_within_pool
+from radixserve.engine import tensor_parallel
 from radixserve.engine.cache_control import CacheControl, cache_usage
 from radixserve.engine.checks import check_prompt, priority_value
 from radixserve.engine.deltas import OutputAssembler, StepOutput, add_text
@@ -51,10 +52,10 @@ class Engine:
         self.config = cfg = EngineConfig.from_kwargs(model=model, **options)
         self.device, dtype_name = resolve_device_dtype(cfg.device, cfg.dtype)
         self.dtype = getattr(torch, dtype_name)
-        path = resolve_model_path(model, cfg.quantization)
-        self.model_path = path
+        self.model_path = path = resolve_model_path(model, cfg.quantization)
         self.model = load_model(path, self.dtype, self.device, cfg.quantization)
         arithmetic.apply(self.model, cfg.prefill_arithmetic, many_rows=cfg.max_running_requests)
+        self.tp = tensor_parallel.create(cfg, path, self.model, self.device)  # shards self.model
         self.tokenizer = load_tokenizer(path)
         mcfg = self.model.config
         self.max_model_len = min(
@@ -67,13 +68,13 @@ class Engine:
         self._eos = frozenset(eos)
         self.kv_dtype = dtype_name if cfg.kv_cache_dtype == "auto" else cfg.kv_cache_dtype
         page_bytes = KVPool.bytes_per_page(
-            mcfg.num_layers, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim, self.kv_dtype
+            mcfg.num_layers, cfg.page_size, self.tp.kv_heads, mcfg.head_dim, self.kv_dtype
         )
         num_pages = cfg.num_pages or max(1, int(cfg.kv_cache_gb * 2**30) // page_bytes)
         self.max_model_len = context_within_pool(
             self.max_model_len, cfg.max_model_len is not None, num_pages, cfg.page_size
         )
-        shape = (mcfg.num_layers, num_pages, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim)
+        shape = (mcfg.num_layers, num_pages, cfg.page_size, self.tp.kv_heads, mcfg.head_dim)
         # One backend for the whole engine: attention in the runner, page copies for the tiers.
         backend = select_backend(cfg.attention_backend, self.device)
         check_kv_dtype(backend, cfg.kv_cache_dtype)
@@ -81,7 +82,7 @@ class Engine:
         tiers = None
         if cfg.prefix_cache:
             tiers = make_tiers(
-                self.pool,
+                self.tp.pages(self.pool),
                 backend,
                 self.model,
                 mcfg,
@@ -105,8 +106,7 @@ class Engine:
             cfg.aging_s,
         )
         compile_step = not cfg.enforce_eager and backend.compilable
-        self.runner = ModelRunner(self.model, self.pool, backend, self.device, compile_step)
-        self.runner.warmup()
+        self.runner = self.tp.lead(ModelRunner(self.model, self.pool, backend, self.device, compile_step))
         self.sampler = Sampler()
         self.speculator = None
         if cfg.speculative == "ngram":
@@ -274,6 +274,7 @@ class Engine:
     def close(self) -> None:
         """Finish queued writes to the disk tier and stop the copy threads (the engine is done)."""
         self.kv_manager.close()
+        self.tp.close()
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:

@@ -58,6 +58,7 @@ from radixserve.server.messages import (
     CacheCallResult,
     Call,
     CallResult,
+    EngineFailed,
     FromEngine,
     Ready,
     RequestError,
@@ -127,6 +128,7 @@ class AsyncEngine:
         self._client: EngineClient | None = None  # None while there is no ready engine process
         self._ready: Ready | None = None
         self._stats = EngineStats()
+        self._failure = ""  # what the engine process said as it failed (EngineFailed), for its requests
         self._accepting = False
         self._restarter: asyncio.Task[None] | None = None
         self._started_at = 0.0
@@ -350,7 +352,8 @@ class AsyncEngine:
             how,
             len(self._requests),
         )
-        message = f"the engine process {how}; it is being restarted"
+        said, self._failure = self._failure, ""
+        message = f"the engine process {how}{': ' + said if said else ''}; it is being restarted"
         # Exit code 1: the engine raised (engine_process.py), a bug; anything else came from outside.
         self._fail_all(EngineFailedError(message) if code == 1 else EngineUnavailableError(message))
         if self.on_engine_exit is not None:
@@ -415,6 +418,8 @@ class AsyncEngine:
                 elif msg.over_budget:
                     error = PinBudgetError(msg.message, msg.param, msg.code)
                 req.queue.put_nowait(error)
+        elif isinstance(msg, EngineFailed):
+            self._failure = msg.message
         elif isinstance(msg, CallResult):
             self._stats = msg.stats
             future = self._calls.pop(msg.call_id, None)

@@ -26,6 +26,9 @@ Invariants:
 - ``--role prefill`` or ``--role decode`` (disaggregated serving: radixserve/disagg) hands the
   role's messages to a ``PrefillRole`` or ``DecodeRole`` that runs on this loop, between two steps;
   without ``--role`` the process is the colocated engine it always was.
+  anywhere else ends the process (exit code 1, traceback on stderr; ``EngineFailed`` says what it was)
+  and the API server restarts it. A tensor-parallel rank that died (``TensorParallelError``) exits 3:
+  not a bug in the engine, so its requests fail as unavailable (503), with the rank named.
 - SIGTERM, SIGINT and ``Shutdown`` all mean: accept nothing new, finish what is queued, close the
   engine (queued disk-tier writes land), exit 0. If the API-server process goes away, it exits at once.
 """
@@ -33,6 +36,7 @@ Invariants:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
@@ -61,6 +65,7 @@ from radixserve.server.messages import (
     Call,
     CallResult,
     CancelTransfer,
+    EngineFailed,
     FromEngine,
     PrefillKV,
     Ready,
@@ -411,6 +416,8 @@ def main(argv: list[str] | None = None) -> None:
         except BaseException as exc:
             logger.exception("the engine failed")
             failed.append(exc)
+            with contextlib.suppress(zmq.ZMQError, NameError):  # NameError: no socket yet
+                outbox.send(msgspec.msgpack.encode(EngineFailed(message=str(exc))))
         finally:
             if built:
                 built[0].close()  # queued disk-tier writes land
@@ -425,7 +432,9 @@ def main(argv: list[str] | None = None) -> None:
         os._exit(0)
     ctx.destroy(linger=1000)  # give the last outputs a moment to leave; never hang on a gone peer
     if failed:
-        sys.exit(1)
+        from radixserve.engine.tensor_parallel import TensorParallelError
+
+        sys.exit(3 if isinstance(failed[0], TensorParallelError) else 1)
     if refused:
         sys.exit(2)
 

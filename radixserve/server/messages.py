@@ -211,6 +211,13 @@ class PrefillDone(_Message, kw_only=True):
     error: str | None = None
 
 
+class EngineFailed(_Message, kw_only=True):
+    """Sent as the engine process fails (the engine raised, or a tensor-parallel rank died), just
+    before it exits: what went wrong, for the errors of the requests it fails."""
+
+    message: str
+
+
 FromEngine = (
     Ready
     | StartFailed
@@ -221,4 +228,5 @@ FromEngine = (
     | KVReserved
     | KVReceived
     | PrefillDone
+    | EngineFailed
 )
