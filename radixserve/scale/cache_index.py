@@ -21,6 +21,7 @@ from typing import Any
 
 from radixserve.cache.events import KVEvents
 from radixserve.cache.tiers import namespace_key, page_key
+from radixserve.scale.warm_start import HotPrefix, HotPrefixes
 
 
 @dataclass
@@ -36,6 +37,7 @@ class CacheIndex:
         self._replicas: dict[str, _Replica] = {}
         self.seed: bytes | None = None
         self.page_size: int | None = None
+        self.hot = HotPrefixes()  # reused prefixes, for new replicas' warm start (scale/warm_start.py)
 
     def register(self, replica: str) -> None:
         """A replica started: known, holding nothing."""
@@ -85,7 +87,12 @@ class CacheIndex:
                 break
             for name, _ in alive:
                 scores[name] = page + 1
+        self.hot.record(token_ids[: max(scores.values(), default=0) * ps], salt)
         return scores
+
+    def hottest(self, n: int) -> list[HotPrefix]:
+        """The ``n`` most reused prefixes (token ids and salt) the routers scored, for a warm start."""
+        return self.hot.hottest(n)
 
 
 INDEX_NAMESPACE = "radixserve"

@@ -11,19 +11,29 @@ Invariants:
   EngineUnavailableError, which the routes turn into a 503 or an SSE ``error`` event. None hangs:
   every Ray failure ends the stream with a typed error.
 - A consumer that stops early cancels the replica's stream, which aborts the request there.
-- ``stats()`` sums the replicas' latest stats (polled every ``STATS_PERIOD_S``).
+- ``stats()`` sums the replicas' latest stats (polled every ``STATS_PERIOD_S``); its ``num_waiting``
+  adds the requests Serve still holds for want of a free replica (ours in flight beyond what the
+  replicas report running or waiting), so the queue depth counts every request not yet scheduled.
+- A record's times are rebased onto this process: its arrival is when the ingress sent the call, so
+  queue time and TTFT include the time Serve held the request before a replica took it.
+- ``start()`` does not wait for a replica: ``healthy`` (the readiness of ``/health``) turns True once
+  one has answered, i.e. once one has started and warmed (scale/replica.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import logging
+import time
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterator
 from typing import Any
 
 import msgspec
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from radixserve.engine.prompt import Prompt, tokenize
 from radixserve.engine.stats import EngineStats
@@ -80,21 +90,36 @@ class ReplicaSetEngine:
         self._stats: dict[str, EngineStats] = {}
         self._accepting = False
         self._poller: asyncio.Task[None] | None = None
+        self._connector: asyncio.Task[None] | None = None
+        self._in_flight = 0  # requests of ours not finished
+        self.replicas = 0  # replicas that answered the latest stats poll (``radixserve_replicas``)
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
-        _, self._limits = await self._handle.describe.remote(RouteKey([], None))
         self._accepting = True
+        self._connector = asyncio.create_task(self._connect())
         self._poller = asyncio.create_task(self._poll_stats())
+
+    async def _connect(self) -> None:
+        """Ask a replica for the engine's limits, until one answers (it is then started and warm)."""
+        while self._limits is None:
+            try:
+                _, self._limits = await asyncio.wait_for(
+                    self._handle.describe.remote(RouteKey([], None)), CALL_TIMEOUT_S
+                )
+            except Exception as exc:
+                logger.info("no engine replica is ready yet (%s)", type(exc).__name__)
+                await asyncio.sleep(STATS_PERIOD_S)
 
     async def shutdown(self, drain_timeout: float = 30.0) -> None:
         self._accepting = False
-        if self._poller is not None:
-            self._poller.cancel()
+        for task in (self._poller, self._connector):
+            if task is not None:
+                task.cancel()
 
     @property
     def healthy(self) -> bool:
-        return self._accepting
+        return self._accepting and self._limits is not None
 
     # -- what the routes know ---------------------------------------------------------------------
     def limits(self) -> Limits:
@@ -119,6 +144,7 @@ class ReplicaSetEngine:
                     )
                 else:
                     setattr(total, f, mine + theirs)
+        total.num_waiting += max(0, self._in_flight - total.num_waiting - total.num_running)
         return total
 
     async def flush_cache(self) -> bool:
@@ -157,10 +183,23 @@ class ReplicaSetEngine:
     async def _generate(
         self, call: GenerateCall, stream: _RemoteStream
     ) -> AsyncGenerator[RequestOutput, None]:
-        from ray.exceptions import RayError
-
         if not self._accepting:
             raise EngineUnavailableError("the server is shutting down")
+        self._in_flight += 1
+        attempts = self._attempts(call, stream)
+        try:
+            async for item in attempts:
+                yield item
+        finally:
+            self._in_flight -= 1
+            await attempts.aclose()  # at once: a consumer gone early cancels the replica's stream now
+
+    async def _attempts(
+        self, call: GenerateCall, stream: _RemoteStream
+    ) -> AsyncGenerator[RequestOutput, None]:
+        from ray.exceptions import RayError
+
+        sent = time.monotonic()
         for attempt in range(MAX_ATTEMPTS):
             started = False
             gen = self._handle.options(stream=True).generate.remote(call)
@@ -173,7 +212,7 @@ class ReplicaSetEngine:
                     if isinstance(item, Finished):
                         stream.final = item.result
                         if item.record is not None and self.on_finish is not None:
-                            self.on_finish(item.record)
+                            self.on_finish(rebased(item.record, time.monotonic() - sent - item.held_s))
                         return
                     started = True
                     yield item
@@ -206,10 +245,32 @@ class ReplicaSetEngine:
                     ),
                     CALL_TIMEOUT_S,
                 )
+                answered = set()
                 for answer in answers:
                     if not isinstance(answer, BaseException):
                         rid, stats = answer
                         self._stats[rid] = msgspec.structs.replace(stats)
+                        answered.add(rid)
+                self.replicas = len(answered)
             except Exception:
                 logger.exception("polling the replicas' stats failed")
             await asyncio.sleep(STATS_PERIOD_S)
+
+
+def rebased(record: RequestRecord, outside_s: float) -> RequestRecord:
+    """``record`` (a replica's clock) with its arrival moved ``outside_s`` earlier: when the ingress
+    sent the call, Serve's queue and the transport included."""
+    outside_s = max(0.0, outside_s)
+    return dataclasses.replace(record, arrival_time=record.arrival_time - outside_s)
+
+
+class ReplicaCount(Collector):
+    """``radixserve_replicas`` on the ingress's /metrics: the engine replicas taking traffic."""
+
+    def __init__(self, engine: ReplicaSetEngine) -> None:
+        self._engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "radixserve_replicas", "Engine replicas taking traffic", value=self._engine.replicas
+        )
