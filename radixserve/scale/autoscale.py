@@ -46,7 +46,7 @@ class AutoscaleSettings:
     downscale_delay_s: float = 600.0  # low load must last this long before one is removed
     target_queue_wait_s: float = 2.0  # p95 queue wait above this scales up
     target_queue_depth: float = 8.0  # waiting requests per replica above this scales up
-    look_back_period_s: float = 10.0  # Ray averages each replica's figures over this window
+    look_back_period_s: float = 30.0  # Ray averages each replica's figures over this window
 
     def __post_init__(self) -> None:
         if self.min_replicas < 1:

@@ -29,7 +29,7 @@ from radixserve.errors import InvalidRequestError
 from radixserve.outputs import RequestOutput
 from radixserve.sampling.params import SamplingParams
 from radixserve.scale import autoscale
-from radixserve.scale.warm_start import warm_up
+from radixserve.scale.warm_start import WarmReport, warm_up
 from radixserve.server.async_engine import AsyncEngine
 from radixserve.server.engine_api import (
     EngineFailedError,
@@ -148,7 +148,9 @@ class EngineReplica:
         self._records.clear()  # the warm-up's own records are no request's
         phases["warm"] = warm.seconds
         self.startup_s = {**phases, "total": time.monotonic() - began}
-        logger.info(
+        self.warm = warm
+        # Serve's logger: its lines land in this replica's log file (ours is not wired there).
+        logging.getLogger("ray.serve").info(
             "replica %s started in %.1f s: model load %.1f s, compile %.1f s, warm %.1f s "
             "(%d of %d hot prefixes, %d tokens, %d of them loaded from a cache tier%s)",
             self.replica_id,
@@ -188,6 +190,10 @@ class EngineReplica:
     async def describe(self, route: RouteKey) -> tuple[str, Limits]:
         """This replica's id and its engine's limits (the ingress asks one replica at start)."""
         return self.replica_id, self.engine.limits()
+
+    async def startup(self, route: RouteKey) -> tuple[str, dict[str, float], WarmReport]:
+        """How this replica started: seconds by phase (load, compile, warm, total) and its warm-up."""
+        return self.replica_id, self.startup_s, self.warm
 
     async def stats(self, route: RouteKey) -> tuple[str, EngineStats]:
         return self.replica_id, self.engine.stats()

@@ -65,16 +65,26 @@ class HotPrefixes:
             del self._counts[coldest]
 
     def hottest(self, n: int) -> list[HotPrefix]:
-        """Up to ``n`` prefixes, most reused first (longer first among equals), none a prefix of one
-        already chosen in its namespace."""
+        """Up to ``n`` prefixes, most reused first (longer first among equals), none a prefix of
+        another chosen in its namespace (the longer one takes its place: warming it caches both)."""
         chosen: list[HotPrefix] = []
         for (salt, tokens), hits in sorted(self._counts.items(), key=lambda kv: (-kv[1], -len(kv[0][1]))):
             if len(chosen) >= n:
                 break
-            if any(c.cache_salt == salt and tuple(c.token_ids[: len(tokens)]) == tokens for c in chosen):
+            same = [i for i, c in enumerate(chosen) if c.cache_salt == salt]
+            if any(_starts(chosen[i].token_ids, tokens) for i in same):
+                continue  # covered by a longer one already chosen
+            shorter = [i for i in same if _starts(tokens, chosen[i].token_ids)]
+            if shorter:  # it covers a chosen one: it takes that one's rank, and its hits
+                chosen[shorter[0]] = HotPrefix(list(tokens), salt, chosen[shorter[0]].hits)
+                chosen = [c for i, c in enumerate(chosen) if i not in shorter[1:]]
                 continue
             chosen.append(HotPrefix(list(tokens), salt, hits))
         return chosen
+
+
+def _starts(tokens: Sequence[int], prefix: Sequence[int]) -> bool:
+    return len(prefix) <= len(tokens) and list(tokens[: len(prefix)]) == list(prefix)
 
 
 @dataclass(frozen=True)
