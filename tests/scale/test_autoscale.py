@@ -73,11 +73,12 @@ def deploy(config: EngineConfig, name: str, index_name: str, wait: bool = True, 
 
 def running_replicas(name: str) -> int:
     from ray import serve
+    from ray.serve._private.common import ReplicaState
 
     from radixserve.scale.app import REPLICAS_NAME
 
     states = serve.status().applications[name].deployments[REPLICAS_NAME].replica_states
-    return int(states.get("RUNNING", 0))
+    return int(states.get(ReplicaState.RUNNING, 0))
 
 
 def complete(client: httpx.Client, prompt: str, **body: Any) -> dict[str, Any]:
@@ -114,7 +115,7 @@ def targeted_call(app_name: str, replica: str, prompt_ids: list[int]) -> Any:
         SamplingParams(max_tokens=2, temperature=0),
         f"t{time.time()}",
     )
-    items = list(handle.options(stream=True).generate.remote(call))
+    items: list[Any] = list(handle.options(stream=True).generate.remote(call))  # type: ignore[arg-type]
     assert isinstance(items[-1], Finished), items[-1]
     return items[-1]
 
