@@ -16,8 +16,8 @@ Invariants:
   replicas report running or waiting), so the queue depth counts every request not yet scheduled.
 - A record's times are rebased onto this process: its arrival is when the ingress sent the call, so
   queue time and TTFT include the time Serve held the request before a replica took it.
-- ``start()`` does not wait for a replica: ``healthy`` (the readiness of ``/health``) turns True once
-  one has answered, i.e. once one has started and warmed (scale/replica.py).
+- ``start()`` waits at most ``CONNECT_WAIT_S`` for a replica: ``healthy`` (the readiness of ``/health``)
+  turns True once one has answered, i.e. once one has started and warmed (scale/replica.py).
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ logger = logging.getLogger("radixserve.scale")
 MAX_ATTEMPTS = 3
 STATS_PERIOD_S = 1.0
 CALL_TIMEOUT_S = 30.0
+CONNECT_WAIT_S = 10.0  # start() waits this long for a replica, then goes on without (not ready yet)
 # The session of the HTTP request being served (its X-Session-ID header), set by the ingress's
 # middleware (scale/app.py): requests of one session stick to one replica when nothing better is known.
 SESSION_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("radixserve_session", default=None)
@@ -99,6 +100,10 @@ class ReplicaSetEngine:
         self._accepting = True
         self._connector = asyncio.create_task(self._connect())
         self._poller = asyncio.create_task(self._poll_stats())
+        try:  # replicas already up (the usual start): ready before the first request
+            await asyncio.wait_for(asyncio.shield(self._connector), CONNECT_WAIT_S)
+        except asyncio.TimeoutError:
+            logger.info("no engine replica ready yet: /health answers 503 until one is")
 
     async def _connect(self) -> None:
         """Ask a replica for the engine's limits, until one answers (it is then started and warm)."""
