@@ -1,7 +1,7 @@
 """Autoscaling on queue wait (docs/scaling.md): a burst of 5x the steady load, autoscaled 1..2 replicas
 against a fixed single replica; and a new replica's first requests with warm start against without.
 
-    python -m benchmarks.autoscale_bench [--model DIR] [--steady-rps 0.4] [--burst-s 60]
+    python -m benchmarks.autoscale_bench [--model DIR] [--steady-rps 0.8] [--burst-s 60]
 
 Load: RAG requests (benchmarks/workloads.py: 5 documents of ``--doc-tokens``, questions about each),
 open loop (Poisson arrivals), streamed through Serve's HTTP proxy: ``--lead-s`` at the steady rate,
@@ -100,15 +100,25 @@ async def one(client: httpx.AsyncClient, prompt: str, max_tokens: int, t0: float
     }
 
 
+def scrape(text: str) -> dict[str, float]:
+    """/metrics as name -> value, with the queue-wait histogram's buckets as ``WAIT_BUCKET:<le>``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = parse_prometheus(text)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == WAIT_BUCKET:
+                values[f"{WAIT_BUCKET}:{sample.labels['le']}"] = sample.value
+    return values
+
+
 def wait_quantile(before: dict[str, float], after: dict[str, float], q: float) -> float | None:
-    """histogram_quantile(q) of the queue-wait observations between two scrapes."""
+    """histogram_quantile(q) of the queue-wait observations between two scrapes (linear within a
+    bucket, as Prometheus computes it)."""
     bounds = sorted(
-        (
-            float(k.split('le="')[1].rstrip('"}')) if "+Inf" not in k else float("inf"),
-            after[k] - before.get(k, 0),
-        )
+        (float(k.split(":", 1)[1]), after[k] - before.get(k, 0.0))
         for k in after
-        if k.startswith(WAIT_BUCKET)
+        if k.startswith(WAIT_BUCKET + ":")
     )
     if not bounds or bounds[-1][1] <= 0:
         return None
@@ -135,7 +145,7 @@ async def run_load(
         async def sample() -> None:
             while not done.is_set():
                 now = time.perf_counter() - t0
-                m = parse_prometheus((await client.get("/metrics")).text)
+                m = scrape((await client.get("/metrics")).text)
                 series.append(
                     {
                         "t": now,
@@ -153,9 +163,9 @@ async def run_load(
             return await one(client, prompts[i % len(prompts)], args.output_tokens, t0)
 
         sampler = asyncio.create_task(sample())
-        scrapes["start"] = parse_prometheus((await client.get("/metrics")).text)
+        scrapes["start"] = scrape((await client.get("/metrics")).text)
         requests = await asyncio.gather(*(send(i, t) for i, t in enumerate(times)))
-        scrapes["end"] = parse_prometheus((await client.get("/metrics")).text)
+        scrapes["end"] = scrape((await client.get("/metrics")).text)
         done.set()
         await sampler
     in_burst = [r for r in requests if burst[0] <= r["sent_s"] < burst[1] and r["ttft_s"] is not None]
@@ -276,7 +286,7 @@ def plot(modes: dict[str, dict[str, Any]], burst: tuple[float, float], path: Pat
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2-135M)")
-    ap.add_argument("--steady-rps", type=float, default=0.4)
+    ap.add_argument("--steady-rps", type=float, default=0.8)
     ap.add_argument("--lead-s", type=float, default=20.0)
     ap.add_argument("--burst-s", type=float, default=60.0)
     ap.add_argument("--tail-s", type=float, default=70.0)
@@ -316,7 +326,7 @@ def main() -> None:
         max_replicas=2,
         upscale_delay_s=args.upscale_delay_s,
         downscale_delay_s=args.downscale_delay_s,
-        look_back_period_s=10.0,
+        look_back_period_s=15.0,
     )
     port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

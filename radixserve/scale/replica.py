@@ -145,14 +145,15 @@ class EngineReplica:
         phases = dict(self.engine.startup_s)
         warm = await warm_up(self.engine, await self.index.hottest.remote(warm_prefixes), warmup_timeout_s)
         await self._publish()  # the index knows what the warm-up cached before the first request routes
-        self._records.clear()  # the warm-up's own records are no request's
+        self._records.clear()  # the warm-up's own records are no request's,
+        self._waits = autoscale.QueueWaits()  # nor its queue waits a sign of load
         phases["warm"] = warm.seconds
         self.startup_s = {**phases, "total": time.monotonic() - began}
         self.warm = warm
         # Serve's logger: its lines land in this replica's log file (ours is not wired there).
         logging.getLogger("ray.serve").info(
             "replica %s started in %.1f s: model load %.1f s, compile %.1f s, warm %.1f s "
-            "(%d of %d hot prefixes, %d tokens, %d of them loaded from a cache tier%s)",
+            "(%d of %d hot prefixes, %d tokens, %d of them cached, the rest recomputed%s)",
             self.replica_id,
             self.startup_s["total"],
             phases.get("load", 0.0),
@@ -161,7 +162,7 @@ class EngineReplica:
             warm.warmed,
             warm.prefixes,
             warm.prompt_tokens,
-            warm.loaded_tokens,
+            warm.cached_tokens,
             ", timed out" if warm.timed_out else "",
         )
 

@@ -92,7 +92,9 @@ class WarmReport:
     prefixes: int  # prefixes asked for
     warmed: int  # prefixes whose request finished in time
     prompt_tokens: int  # their tokens
-    loaded_tokens: int  # of which a tier already held (loaded, not recomputed)
+    # Of which the prefix cache already held: pages another warm-up prefix shares (they run at once),
+    # or a host/disk tier's (loaded, not recomputed). The rest was recomputed.
+    cached_tokens: int
     seconds: float
     timed_out: bool
 
