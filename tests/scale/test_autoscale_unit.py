@@ -136,7 +136,7 @@ def test_the_queue_wait_p95_counts_finished_waits_in_its_window_and_requests_sti
 
 
 def test_hot_prefixes_rank_by_reuse_and_skip_a_prefix_of_a_chosen_one() -> None:
-    hot = HotPrefixes(max_entries=3)
+    hot = HotPrefixes(max_entries=4)  # kept: at most 5, then the coldest go down to 4
     doc_a, doc_b = list(range(8)), list(range(100, 104))
     for _ in range(3):
         hot.record(doc_a, None)
@@ -147,11 +147,17 @@ def test_hot_prefixes_rank_by_reuse_and_skip_a_prefix_of_a_chosen_one() -> None:
     hot.record(doc_b, None)
     hot.record(doc_b, None)
     hot.record(doc_a, "tenant")  # another namespace: another prefix
+    hot.record([7, 7, 7, 7], None)  # a fifth prefix: still kept
+    hot.record([8, 8, 8, 8], None)  # a sixth: the two least counted go (of equals, the shorter)
     # doc_a[:4] is the most reused, but doc_a covers it: doc_a takes its rank (and its count).
     top = hot.hottest(3)
-    assert [(p.token_ids, p.cache_salt, p.hits) for p in top] == [(doc_a, None, 4), (doc_b, None, 2)]
+    assert [(p.token_ids, p.cache_salt, p.hits) for p in top] == [
+        (doc_a, None, 4),
+        (doc_b, None, 2),
+        (doc_a, "tenant", 1),
+    ]
     assert [p.token_ids for p in hot.hottest(1)] == [doc_a[:4]]  # with one slot, the most reused
-    assert len(hot._counts) <= 3  # bounded: the least counted went
+    assert len(hot._counts) == 4  # bounded: the least counted went
     hot.record([], None)
     assert all(p.token_ids for p in hot.hottest(10))
 
