@@ -170,7 +170,7 @@ async def run_load(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        requests = [
+        requests: list[dict[str, Any]] = [
             t.result()
             if not t.cancelled()
             else {"sent_s": at, "ttft_s": None, "e2e_s": None, "cached": 0, "output": 0, "error": "cut off"}
