@@ -231,8 +231,16 @@ def warm_start_runs(
             name="warm",
             route_prefix="/warm",
         )
-        [new] = [r for r in ray.get(index.replicas.remote()) if r != old]
         handle = serve.get_deployment_handle(REPLICAS_NAME, app_name="warm")
+        new = None
+        for _ in range(120):  # the replica that joined: the one besides ``old`` that answers as itself
+            for r in [r for r in ray.get(index.replicas.remote()) if r != old]:
+                if handle.startup.remote(RouteKey([], None, target=r)).result()[0] == r:
+                    new = r
+            if new is not None:
+                break
+            time.sleep(0.5)
+        assert new is not None, "the second replica never answered"
         firsts: list[dict[str, Any]] = []
         for d, doc in enumerate(prompts_by_doc):
             ids = list(
@@ -301,14 +309,14 @@ def main() -> None:
     ap.add_argument("--steady-rps", type=float, default=0.5)
     ap.add_argument("--lead-s", type=float, default=20.0)
     ap.add_argument("--burst-s", type=float, default=60.0)
-    ap.add_argument("--tail-s", type=float, default=70.0)
+    ap.add_argument("--tail-s", type=float, default=60.0)
     ap.add_argument("--output-tokens", type=int, default=16)
     ap.add_argument("--doc-tokens", type=int, default=256)
     ap.add_argument("--max-running", type=int, default=4)
     ap.add_argument("--upscale-delay-s", type=float, default=5.0)
     ap.add_argument("--downscale-delay-s", type=float, default=30.0)
     ap.add_argument("--warm-prefixes", type=int, default=16)
-    ap.add_argument("--grace-s", type=float, default=120.0, help="after the last arrival; then cut off")
+    ap.add_argument("--grace-s", type=float, default=90.0, help="after the last arrival; then cut off")
     ap.add_argument("--skip-load", action="store_true", help="only the warm-start comparison")
     args = ap.parse_args()
     os.environ.update(FAST_PUSH)  # before ray.init: every Ray worker inherits them
