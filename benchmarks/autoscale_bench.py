@@ -407,9 +407,8 @@ def main() -> None:
         "warm_start": warm,
         "note": "2 vCPU shared with other jobs; the second replica takes the machine's second core",
     }
-    write_results(
-        "autoscale", payload, table, header, "Autoscaling on queue wait (Ray Serve, 1 CPU per replica)"
-    )
+    name = "autoscale" if modes else "autoscale_warm"  # --skip-load keeps a full run's files
+    write_results(name, payload, table, header, "Autoscaling on queue wait (Ray Serve, 1 CPU per replica)")
     lines = [
         "",
         "## A new replica's first request per document",
@@ -424,7 +423,7 @@ def main() -> None:
             f"{s.get('load', 0):.1f} | {s.get('compile', 0):.1f} | {s.get('warm', 0):.1f} | "
             f"{w['warm']['warmed']} of {w['warm']['prefixes']} |"
         )
-    with (RESULTS / "autoscale.md").open("a") as f:
+    with (RESULTS / f"{name}.md").open("a") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
 
