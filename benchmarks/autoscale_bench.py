@@ -243,9 +243,11 @@ def warm_start_runs(
         assert new is not None, "the second replica never answered"
         firsts: list[dict[str, Any]] = []
         for d, doc in enumerate(prompts_by_doc):
-            ids = list(
-                tok.apply_chat_template([{"role": "user", "content": doc[-1]}], add_generation_prompt=True)
+            # As the chat route tokenizes (server/chat.py): the rendered text, without special tokens.
+            text = tok.apply_chat_template(
+                [{"role": "user", "content": doc[-1]}], add_generation_prompt=True, tokenize=False
             )
+            ids = list(tok.encode(text, add_special_tokens=False))
             for _ in range(40):  # until the driver's router knows the new replica
                 call = GenerateCall(
                     RouteKey(ids, None, target=new),
@@ -263,7 +265,7 @@ def warm_start_runs(
                 if isinstance(fin, Finished) and fin.replica == new:
                     break
                 time.sleep(0.25)
-            assert isinstance(fin, Finished) and fin.replica == new
+            assert isinstance(fin, Finished) and fin.replica == new, fin
             firsts.append({"doc": d, "ttft_s": first, "prompt": len(ids), "cached": fin.result.cached_tokens})
         _, phases, report = handle.startup.remote(RouteKey([], None, target=new)).result()
         out[label] = {
