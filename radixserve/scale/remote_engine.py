@@ -55,7 +55,7 @@ logger = logging.getLogger("radixserve.scale")
 MAX_ATTEMPTS = 3
 STATS_PERIOD_S = 1.0
 CALL_TIMEOUT_S = 30.0
-CONNECT_WAIT_S = 10.0  # start() waits this long for a replica, then goes on without (not ready yet)
+CONNECT_WAIT_S = 2.0  # start() waits this long for a replica (then: live, not ready, until one answers)
 # The session of the HTTP request being served (its X-Session-ID header), set by the ingress's
 # middleware (scale/app.py): requests of one session stick to one replica when nothing better is known.
 SESSION_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("radixserve_session", default=None)
