@@ -40,9 +40,10 @@ def _serve(args: argparse.Namespace) -> None:
 
         run_disaggregated(args, None)
         return
-    if args.replicas > 1:  # replicas on a local Ray instance (radixserve/scale, docs/scaling.md)
-        from radixserve.scale.launch import run_scaled
+    from radixserve.scale.launch import AUTO, autoscale_settings, run_scaled
 
+    autoscale_settings(args)  # refuse autoscaling flags without --replicas auto, a count below 1
+    if args.replicas == AUTO or args.replicas > 1:  # on a local Ray instance (radixserve/scale)
         run_scaled(args, None)
         return
     from radixserve.server.launch import run_from_args

@@ -243,6 +243,11 @@ class LeadRunner:
         """Rank 0's attention backend (its page copies move rank 0's shard only)."""
         return self.runner.backend
 
+    @property
+    def warmup_s(self) -> float:
+        """Rank 0's warm-up (compile) time; the workers warm up in step with it."""
+        return self.runner.warmup_s
+
     def run(self, chunks: list[SeqChunk]) -> RunnerOutput:
         self.tp.send("run", _wire(chunks))
         try:

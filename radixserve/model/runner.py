@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +69,7 @@ class ModelRunner:
         self.device = device
         self.page_size = pool.page_size
         self.compiled = CompiledLayers.create(model.layers) if compile_step else None
+        self.warmup_s = 0.0  # how long warmup() took
         # The thread that built the runner. On CPU, model code run from any other thread starts a
         # second OpenMP team; with more libgomp threads than cores, libgomp cuts every team's
         # spin-wait to ~100 spins, so each of a step's ~1,000 parallel regions ends in a futex
@@ -100,9 +102,11 @@ class ModelRunner:
     def warmup(self) -> None:
         """Compile before serving: a two-token and a one-token step (the graphs every step uses)
         over page 0, which holds nothing yet."""
+        start = time.perf_counter()
         if self.compiled is not None:
             self.run([SeqChunk([0, 0], 0, 2, [0, 0])])
             self.run([SeqChunk([0, 0], 1, 1, [0, 0])])
+        self.warmup_s = time.perf_counter() - start  # start-up's "compile" phase (logged by replicas)
 
     def run(self, chunks: list[SeqChunk]) -> RunnerOutput:
         if not self._warned_thread and threading.get_ident() != self._thread:

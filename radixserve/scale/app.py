@@ -16,6 +16,7 @@ from typing import Any
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixserve.config import EngineConfig
+from radixserve.scale.autoscale import AutoscaleSettings
 from radixserve.scale.cache_index import index_actor
 from radixserve.scale.replica import EngineReplica
 from radixserve.scale.router import ROUTERS
@@ -43,6 +44,18 @@ class ScaleOptions:
     chat_template: str | None = None
     stats_period_s: float = 0.5  # how often Serve asks each replica for its KV use
     max_ongoing_requests: int = 64
+    autoscale: AutoscaleSettings | None = None  # None: ``replicas`` fixed; else min..max on queue wait
+    warm_prefixes: int = 16  # hot prefixes a new replica restores before it takes traffic (0: none)
+    warmup_timeout_s: float = 120.0  # it takes traffic after this long, warm or not
+    drain_timeout_s: float = 300.0  # a replica removed finishes its requests for this long at most
+
+    def __post_init__(self) -> None:
+        if self.warm_prefixes < 0:
+            raise ValueError(f"--warm-prefixes must be >= 0, got {self.warm_prefixes}")
+        limits = (("--warmup-timeout-s", self.warmup_timeout_s), ("drain_timeout_s", self.drain_timeout_s))
+        for flag, value in limits:
+            if not value >= 0:
+                raise ValueError(f"{flag} must be >= 0 seconds, got {value}")
 
     @property
     def index_name(self) -> str:
@@ -73,7 +86,7 @@ class Ingress:
     """The ingress deployment: the same Starlette app as ``radixserve serve``, over the replicas."""
 
     def __init__(self, replicas: Any, options: ScaleOptions, index_name: str) -> None:
-        from radixserve.scale.remote_engine import ReplicaSetEngine
+        from radixserve.scale.remote_engine import ReplicaCount, ReplicaSetEngine
         from radixserve.scale.router_metrics import router_metrics
         from radixserve.server.app import build_app
 
@@ -85,7 +98,7 @@ class Ingress:
             options.model_name,
             options.api_key,
             options.salt_per_key,
-            collectors=[router_metrics()],
+            collectors=[router_metrics(), ReplicaCount(self.engine)],
         )
         self._asgi = _SessionHeader(app)
 
@@ -96,15 +109,22 @@ class Ingress:
 def build_application(options: ScaleOptions, index_name: str | None = None) -> Any:
     """The bound Serve application (``serve.run`` it)."""
     index_name = index_name or options.index_name
-    replicas = engine_deployment(options, EngineReplica, index_name, options.replicas).bind(
-        options.config, index_name, options.engine_threads, options.chat_template
+    count = None if options.autoscale is not None else options.replicas
+    replicas = engine_deployment(options, EngineReplica, index_name, count).bind(
+        options.config,
+        index_name,
+        options.engine_threads,
+        options.chat_template,
+        options.warm_prefixes,
+        options.warmup_timeout_s,
     )
     return ingress_deployment().bind(replicas, options, index_name)
 
 
-def engine_deployment(options: ScaleOptions, cls: type, index_name: str, num_replicas: int) -> Any:
+def engine_deployment(options: ScaleOptions, cls: type, index_name: str, num_replicas: int | None) -> Any:
     """The engine replicas' deployment (``cls``: EngineReplica, or disaggregation's decode replica),
-    routed by ``options.router``; ``.bind`` it to the class's arguments."""
+    routed by ``options.router``; ``num_replicas`` None: autoscaled by ``options.autoscale``. ``.bind``
+    it to the class's arguments."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -112,14 +132,21 @@ def engine_deployment(options: ScaleOptions, cls: type, index_name: str, num_rep
     router_kwargs: dict[str, Any] = {}
     if options.router == "cache_aware":
         router_kwargs = {"index_name": index_name, **options.router_settings}
+    scaling: dict[str, Any] = {"num_replicas": num_replicas}
+    if num_replicas is None and options.autoscale is not None:  # our policy (scale/autoscale.py)
+        scaling = {"autoscaling_config": options.autoscale.ray_config()}
     deployment: Any = serve.deployment
     return deployment(
         cls,
         name=REPLICAS_NAME,
-        num_replicas=num_replicas,
+        **scaling,
         ray_actor_options={"num_cpus": options.replica_cpus},
         max_ongoing_requests=options.max_ongoing_requests,
         health_check_period_s=2,
+        # A replica removed gets no new requests and finishes its own (streams included), checked
+        # every second, for up to drain_timeout_s; then its __del__ stops the engine (replica.py).
+        graceful_shutdown_wait_loop_s=1.0,
+        graceful_shutdown_timeout_s=options.drain_timeout_s,
         request_router_config=router_config(
             request_router_class=ROUTERS[options.router],
             request_router_kwargs=router_kwargs,
@@ -161,6 +188,8 @@ def app_builder(args: dict[str, Any]) -> Any:
     ``ScaleOptions`` fields, with ``config`` holding ``EngineConfig`` fields (docs/scaling.md)."""
     args = dict(args)
     config = EngineConfig(**args.pop("config", {}))
+    if args.get("autoscale") is not None:  # a mapping of AutoscaleSettings fields
+        args["autoscale"] = AutoscaleSettings.from_dict(args["autoscale"])
     known = set(ScaleOptions.__dataclass_fields__) - {"config"}
     unknown = set(args) - known
     if unknown:

@@ -27,6 +27,7 @@ from typing import Any
 
 from radixserve.cache.events import KVEvents
 from radixserve.cache.tiers import namespace_key, page_key
+from radixserve.scale.warm_start import HotPrefix, HotPrefixes
 
 PinnedPrefix = tuple[str | None, list[int]]  # the namespace (cache salt) and the pinned tokens
 
@@ -46,6 +47,7 @@ class CacheIndex:
         self._replicas: dict[str, _Replica] = {}
         self.seed: bytes | None = None
         self.page_size: int | None = None
+        self.hot = HotPrefixes()  # reused prefixes, for new replicas' warm start (scale/warm_start.py)
 
     def register(self, replica: str) -> None:
         """A replica started: known, holding nothing."""
@@ -134,7 +136,12 @@ class CacheIndex:
             for name, r in pinning:
                 if key in r.pin_ends:
                     pinned[name] = page + 1
+        self.hot.record(token_ids[: max(scores.values(), default=0) * ps], salt)
         return scores, pinned
+
+    def hottest(self, n: int) -> list[HotPrefix]:
+        """The ``n`` most reused prefixes (token ids and salt) the routers scored, for a warm start."""
+        return self.hot.hottest(n)
 
 
 INDEX_NAMESPACE = "radixserve"

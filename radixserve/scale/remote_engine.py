@@ -16,6 +16,13 @@ Invariants:
   every replica; a pin made by a request lives on the replica that served it. Pins are listed from
   every replica; a pin's id names its replica (``replica.split_pin_id``), so a deletion goes to that
   one only; an eviction by prefix goes to every replica (each frees what it holds).
+- ``stats()`` sums the replicas' latest stats (polled every ``STATS_PERIOD_S``); its ``num_waiting``
+  adds the requests Serve still holds for want of a free replica (ours in flight beyond what the
+  replicas report running or waiting), so the queue depth counts every request not yet scheduled.
+- A record's times are rebased onto this process: its arrival is when the ingress sent the call, so
+  queue time and TTFT include the time Serve held the request before a replica took it.
+- ``start()`` waits at most ``CONNECT_WAIT_S`` for a replica: ``healthy`` (the readiness of ``/health``)
+  turns True once one has answered, i.e. once one has started and warmed (scale/replica.py).
 """
 
 from __future__ import annotations
@@ -24,11 +31,14 @@ import asyncio
 import contextvars
 import dataclasses
 import logging
+import time
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterator
 from typing import Any
 
 import msgspec
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from radixserve.cache.pin_types import PinInfo, PinSpec, PrefixEviction, WarmResult
 from radixserve.engine.prompt import Prompt, tokenize
@@ -58,6 +68,7 @@ logger = logging.getLogger("radixserve.scale")
 MAX_ATTEMPTS = 3
 STATS_PERIOD_S = 1.0
 CALL_TIMEOUT_S = 30.0
+CONNECT_WAIT_S = 2.0  # start() waits this long for a replica (then: live, not ready, until one answers)
 # The session of the HTTP request being served (its X-Session-ID header), set by the ingress's
 # middleware (scale/app.py): requests of one session stick to one replica when nothing better is known.
 SESSION_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("radixserve_session", default=None)
@@ -93,21 +104,40 @@ class ReplicaSetEngine:
         self._stats: dict[str, EngineStats] = {}
         self._accepting = False
         self._poller: asyncio.Task[None] | None = None
+        self._connector: asyncio.Task[None] | None = None
+        self._in_flight = 0  # requests of ours not finished
+        self.replicas = 0  # replicas that answered the latest stats poll (``radixserve_replicas``)
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
-        _, self._limits = await self._handle.describe.remote(RouteKey([], None))
         self._accepting = True
+        self._connector = asyncio.create_task(self._connect())
         self._poller = asyncio.create_task(self._poll_stats())
+        try:  # replicas already up (the usual start): ready before the first request
+            await asyncio.wait_for(asyncio.shield(self._connector), CONNECT_WAIT_S)
+        except asyncio.TimeoutError:
+            logger.info("no engine replica ready yet: /health answers 503 until one is")
+
+    async def _connect(self) -> None:
+        """Ask a replica for the engine's limits, until one answers (it is then started and warm)."""
+        while self._limits is None:
+            try:
+                _, self._limits = await asyncio.wait_for(
+                    self._handle.describe.remote(RouteKey([], None)), CALL_TIMEOUT_S
+                )
+            except Exception as exc:
+                logger.info("no engine replica is ready yet (%s)", type(exc).__name__)
+                await asyncio.sleep(STATS_PERIOD_S)
 
     async def shutdown(self, drain_timeout: float = 30.0) -> None:
         self._accepting = False
-        if self._poller is not None:
-            self._poller.cancel()
+        for task in (self._poller, self._connector):
+            if task is not None:
+                task.cancel()
 
     @property
     def healthy(self) -> bool:
-        return self._accepting
+        return self._accepting and self._limits is not None
 
     # -- what the routes know ---------------------------------------------------------------------
     def limits(self) -> Limits:
@@ -121,7 +151,9 @@ class ReplicaSetEngine:
     def stats(self) -> EngineStats:
         """The replicas' latest stats, summed (tiers left out); per-key counters (speculation's, by
         draft source) summed key by key."""
-        return sum_stats(self._stats.values())
+        total = sum_stats(self._stats.values())
+        total.num_waiting += max(0, self._in_flight - total.num_waiting - total.num_running)
+        return total
 
     async def flush_cache(self) -> bool:
         """Flush every replica's cache; False if any refused (requests hold cached pages) or a call kept
@@ -227,10 +259,23 @@ class ReplicaSetEngine:
     async def _generate(
         self, call: GenerateCall, stream: _RemoteStream
     ) -> AsyncGenerator[RequestOutput, None]:
-        from ray.exceptions import RayError
-
         if not self._accepting:
             raise EngineUnavailableError("the server is shutting down")
+        self._in_flight += 1
+        attempts = self._attempts(call, stream)
+        try:
+            async for item in attempts:
+                yield item
+        finally:
+            self._in_flight -= 1
+            await attempts.aclose()  # at once: a consumer gone early cancels the replica's stream now
+
+    async def _attempts(
+        self, call: GenerateCall, stream: _RemoteStream
+    ) -> AsyncGenerator[RequestOutput, None]:
+        from ray.exceptions import RayError
+
+        sent = time.monotonic()
         for attempt in range(MAX_ATTEMPTS):
             started = False
             gen = self._handle.options(stream=True).generate.remote(call)
@@ -243,7 +288,7 @@ class ReplicaSetEngine:
                     if isinstance(item, Finished):
                         stream.final = item.result
                         if item.record is not None and self.on_finish is not None:
-                            self.on_finish(item.record)
+                            self.on_finish(rebased(item.record, time.monotonic() - sent - item.held_s))
                         return
                     started = True
                     yield item
@@ -280,10 +325,13 @@ class ReplicaSetEngine:
                     ),
                     CALL_TIMEOUT_S,
                 )
+                answered = set()
                 for answer in answers:
                     if not isinstance(answer, BaseException):
                         rid, stats = answer
                         self._stats[rid] = msgspec.structs.replace(stats)
+                        answered.add(rid)
+                self.replicas = len(answered)
             except Exception:
                 logger.exception("polling the replicas' stats failed")
             await asyncio.sleep(STATS_PERIOD_S)
@@ -294,3 +342,22 @@ def _raised(answer: Any) -> Any:
     if isinstance(answer, ReplicaError):
         raise answer.exception()
     return answer
+
+
+def rebased(record: RequestRecord, outside_s: float) -> RequestRecord:
+    """``record`` (a replica's clock) with its arrival moved ``outside_s`` earlier: when the ingress
+    sent the call, Serve's queue and the transport included."""
+    outside_s = max(0.0, outside_s)
+    return dataclasses.replace(record, arrival_time=record.arrival_time - outside_s)
+
+
+class ReplicaCount(Collector):
+    """``radixserve_replicas`` on the ingress's /metrics: the engine replicas taking traffic."""
+
+    def __init__(self, engine: ReplicaSetEngine) -> None:
+        self._engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "radixserve_replicas", "Engine replicas taking traffic", value=self._engine.replicas
+        )

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
@@ -35,6 +36,8 @@ from radixserve.engine.stats import EngineStats
 from radixserve.errors import InvalidRequestError, PinBudgetError
 from radixserve.outputs import RequestOutput
 from radixserve.sampling.params import SamplingParams
+from radixserve.scale import autoscale
+from radixserve.scale.warm_start import WarmReport, warm_up
 from radixserve.server.async_engine import AsyncEngine
 from radixserve.server.engine_api import (
     EngineFailedError,
@@ -93,6 +96,7 @@ class Finished:
     result: RequestOutput
     record: RequestRecord | None
     replica: str
+    held_s: float = 0.0  # how long the replica held the request (the ingress infers Serve's queue time)
 
 
 ErrorKind = Literal["invalid", "over_budget", "queue_full", "unavailable", "failed"]
@@ -146,18 +150,27 @@ class EngineReplica:
         engine_threads: int | None = None,
         chat_template: str | None = None,
         process_args: Sequence[str] = (),
+        warm_prefixes: int = 0,
+        warmup_timeout_s: float = 60.0,
     ) -> None:
+        """Start the engine, then warm it (scale/warm_start.py): Serve routes nothing to a replica
+        before its constructor returns, so a new replica takes traffic only once warm (or once
+        ``warmup_timeout_s`` has passed). Each start-up phase is timed and logged."""
         from ray import serve
 
         from radixserve.scale.cache_index import index_actor
 
+        began = time.monotonic()
         self.replica_id: str = serve.get_replica_context().replica_id.unique_id
         config = dataclasses.replace(config, kv_events=config.prefix_cache)
         self.engine = AsyncEngine(
             config, engine_threads=engine_threads, chat_template=chat_template, process_args=process_args
         )
+        self._capacity = config.max_running_requests
         self._records: dict[str, RequestRecord] = {}
-        self.engine.on_finish = lambda rec: self._records.__setitem__(rec.request_id, rec)
+        self.engine.on_finish = self._finished
+        self._unstarted: dict[str, float] = {}  # requests that have produced nothing yet: when they came
+        self._waits = autoscale.QueueWaits()
         self._events: list[KVEvents] = []
         self.engine.on_kv_events = self._events.append
         self._publish_lock = asyncio.Lock()
@@ -167,27 +180,55 @@ class EngineReplica:
         await self.index.register.remote(self.replica_id)
         await self.engine.start()
         self._publisher = asyncio.create_task(self._publish_periodically())
+        phases = dict(self.engine.startup_s)
+        warm = await warm_up(self.engine, await self.index.hottest.remote(warm_prefixes), warmup_timeout_s)
+        await self._publish()  # the index knows what the warm-up cached before the first request routes
+        self._records.clear()  # the warm-up's own records are no request's,
+        self._waits = autoscale.QueueWaits()  # nor its queue waits a sign of load
+        phases["warm"] = warm.seconds
+        self.startup_s = {**phases, "total": time.monotonic() - began}
+        self.warm_report = warm
+        # Serve's logger: its lines land in this replica's log file (ours is not wired there).
+        logging.getLogger("ray.serve").info(
+            "replica %s started in %.1f s: model load %.1f s, compile %.1f s, warm %.1f s "
+            "(%d of %d hot prefixes, %d tokens, %d of them cached, the rest recomputed%s)",
+            self.replica_id,
+            self.startup_s["total"],
+            phases.get("load", 0.0),
+            phases.get("compile", 0.0),
+            warm.seconds,
+            warm.warmed,
+            warm.prefixes,
+            warm.prompt_tokens,
+            warm.cached_tokens,
+            ", timed out" if warm.timed_out else "",
+        )
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[StreamItem]:
         """Stream one request: its deltas, then ``Finished``; or a ``ReplicaError`` and nothing more."""
         route = call.route
+        entered = time.monotonic()
+        self._unstarted[call.request_id] = entered
         stream = self.engine.generate(
             route.token_ids, call.params, call.request_id, route.cache_salt, call.priority, call.pin
         )
         try:
             async for delta in stream:
+                self._unstarted.pop(call.request_id, None)
                 yield delta
             result = stream.result
         except Exception as exc:
             yield ReplicaError.of(exc)
             return
         finally:
+            self._unstarted.pop(call.request_id, None)
             await stream.aclose()  # a cancelled call (client gone) aborts the request in the engine
         if result.cache_pin is not None:
             self._remember_pin(result.cache_pin.id, route)
             result = dataclasses.replace(result, cache_pin=self._outward(result.cache_pin))
         await self._publish()
-        yield Finished(result, self._records.pop(call.request_id, None), self.replica_id)
+        record = self._records.pop(call.request_id, None)
+        yield Finished(result, record, self.replica_id, time.monotonic() - entered)
 
     # -- cache control: the ingress's ReplicaSetEngine calls these (docs/scaling.md) ---------------
     async def warm(self, call: WarmCall) -> tuple[str, WarmResult | ReplicaError]:
@@ -247,6 +288,10 @@ class EngineReplica:
         """This replica's id and its engine's limits (the ingress asks one replica at start)."""
         return self.replica_id, self.engine.limits()
 
+    async def startup(self, route: RouteKey) -> tuple[str, dict[str, float], WarmReport]:
+        """How this replica started: seconds by phase (load, compile, warm, total) and its warm-up."""
+        return self.replica_id, self.startup_s, self.warm_report
+
     async def stats(self, route: RouteKey) -> tuple[str, EngineStats]:
         return self.replica_id, self.engine.stats()
 
@@ -260,6 +305,22 @@ class EngineReplica:
         s = self.engine.stats()
         used = s.num_pages - s.free_pages - s.evictable_pages  # pages no eviction can give back
         return {"kv_use": used / s.num_pages if s.num_pages else 0.0, "waiting": s.num_waiting}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Ray Serve pushes these to the controller for our autoscaling policy (scale/autoscale.py)."""
+        now = time.monotonic()
+        s = self.engine.stats()
+        return {
+            autoscale.QUEUE_WAIT_P95: self._waits.p95(now, [now - t for t in self._unstarted.values()]),
+            autoscale.QUEUE_DEPTH: float(s.num_waiting),
+            autoscale.RUNNING: float(s.num_running),
+            autoscale.CAPACITY: float(self._capacity),
+        }
+
+    def _finished(self, rec: RequestRecord) -> None:
+        self._records[rec.request_id] = rec
+        if rec.queue_time is not None:
+            self._waits.add(time.monotonic(), rec.queue_time)
 
     def check_health(self) -> None:
         """Ray Serve restarts a replica whose engine process is down for good."""
@@ -292,7 +353,15 @@ class EngineReplica:
             except Exception:  # the index is a detached actor; a failed call is retried next period
                 logger.exception("publishing KV events failed")
 
-    def __del__(self) -> None:
+    async def __del__(self) -> None:
+        """Serve's graceful shutdown calls this once the replica's requests have finished (a replica
+        removed by a scale-down first drains: it gets no new requests). Only now, with the replica
+        gone, are its cache-index entries dropped."""
         task = getattr(self, "_publisher", None)
-        if task is not None:
-            task.cancel()
+        if task is None or task.done():
+            return
+        task.cancel()
+        try:
+            await self.engine.shutdown(drain_timeout=5.0)
+        finally:
+            await self.index.drop.remote(self.replica_id)

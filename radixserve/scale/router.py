@@ -109,13 +109,14 @@ class CacheAwareRouter(_Targeted, RequestRouter):
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         gone = set(self._ongoing) - {r.replica_id.unique_id for r in replicas}
         super().update_replicas(replicas)
-        for rid in gone:
-            self._forget(rid)
+        for rid in gone:  # left (a scale-down): it drains, and drops its index entries once gone
+            self._forget(rid, drop_index=False)
 
-    def _forget(self, rid: str) -> None:
-        """A replica died or left: its cache entries, load and sessions go (requests it held that had
-        not started are routed again by the ingress)."""
-        self._index.drop.remote(rid)
+    def _forget(self, rid: str, drop_index: bool = True) -> None:
+        """A replica died or left: its load and sessions go, and if it died its cache entries (requests
+        it held that had not started are routed again by the ingress)."""
+        if drop_index:
+            self._index.drop.remote(rid)
         self._ongoing.pop(rid, None)
         for session in [s for s, r in self._sessions.items() if r == rid]:
             del self._sessions[session]

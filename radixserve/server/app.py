@@ -138,8 +138,13 @@ class _SmallRoutes:
         return json_response(p.DetokenizeResponse(str(tok.decode(req.tokens))))
 
     async def health(self, request: Request) -> Response:
+        """Readiness: 200 only while the engine serves (scaled out: once a replica is up and warm)."""
         if not self.engine.healthy:
             return error_response(503, "the engine is not serving")
+        return json_response(p.HealthResponse("ok"))
+
+    async def live(self, request: Request) -> Response:
+        """Liveness: 200 whenever this process answers, even while the engine starts or warms."""
         return json_response(p.HealthResponse("ok"))
 
     async def flush_cache(self, request: Request) -> Response:
@@ -158,7 +163,7 @@ class _BearerAuth:
     def __init__(self, app: ASGIApp, keys: Sequence[str], public: frozenset[str] = frozenset()) -> None:
         self.app = app
         self.keys = [k.encode() for k in keys]
-        self.public = public | {"/health"}  # answered without a key: health, and the static pages
+        self.public = public | {"/health", "/health/live"}  # answered without a key: health, static pages
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in self.public:
@@ -269,6 +274,7 @@ def build_app(
         Route("/v1/models/{model:path}", small.model, methods=["GET"]),
         Route("/get_model_info", small.model_info, methods=["GET"]),
         Route("/health", small.health, methods=["GET"]),
+        Route("/health/live", small.live, methods=["GET"]),
         Route("/metrics", metrics_route, methods=["GET"]),
         Route("/flush_cache", small.flush_cache, methods=["POST"]),
         Route("/v1/cache/warm", route(cache_routes.warm), methods=["POST"]),

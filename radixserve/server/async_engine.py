@@ -133,6 +133,7 @@ class AsyncEngine:
         self._restarter: asyncio.Task[None] | None = None
         self._started_at = 0.0
         self._quick_deaths = 0  # consecutive deaths of processes that did not serve for STABLE_S
+        self.startup_s: dict[str, float] = {}  # the latest engine process's start-up, by phase
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -326,6 +327,7 @@ class AsyncEngine:
     # -- the engine process -----------------------------------------------------------------------
     async def _launch(self) -> None:
         threads, cpus, log_level = self._process_options
+        launched = time.monotonic()
         client = EngineClient(self._config, threads, cpus, log_level, self._process_args)
         try:
             ready = await client.start(self._on_message, self._on_exit)
@@ -335,6 +337,9 @@ class AsyncEngine:
             raise
         self._client, self._ready, self._stats = client, ready, ready.stats
         self._started_at = time.monotonic()
+        # Start-up by phase: starting the process and loading the model, then the compile warm-up.
+        took = self._started_at - launched
+        self.startup_s = {"load": max(0.0, took - ready.compile_s), "compile": ready.compile_s}
 
     def _on_exit(self, code: int) -> None:
         client, self._client = self._client, None

@@ -159,6 +159,7 @@ class EngineLoop:
                 num_pages=engine.kv_manager.num_pages,
                 max_batched_tokens=engine.max_batched_tokens,
                 stats=engine.stats(),
+                compile_s=engine.runner.warmup_s,
             )
         )
         progressed = True

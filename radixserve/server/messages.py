@@ -131,6 +131,7 @@ class Ready(_Message, kw_only=True):
     num_pages: int
     max_batched_tokens: int
     stats: EngineStats
+    compile_s: float = 0.0  # of the engine's build, the seconds its compile warm-up step took
 
 
 class StartFailed(_Message, kw_only=True):

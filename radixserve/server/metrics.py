@@ -37,6 +37,8 @@ _LATENCY_BUCKETS = (
     40.0,
     80.0,
 )
+# Finer around the 2 s an autoscaler's p95 queue-wait target sits at (docs/scaling.md).
+_QUEUE_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 40.0, 80.0)
 _TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -65,6 +67,12 @@ class _EngineCollector(Collector):
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(PREFIX + name, doc, value=value)
+        yield GaugeMetricFamily(
+            "radixserve_queue_depth",
+            "Requests accepted and not yet scheduled (the autoscaling signal; scaled out, "
+            "Serve's queue included)",
+            value=s.num_waiting,
+        )
         yield CounterMetricFamily(
             PREFIX + "prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache",
@@ -160,6 +168,13 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        # The autoscaling signal (docs/scaling.md): the same observations, in buckets around its target.
+        self.queue_wait = Histogram(
+            "radixserve_queue_wait_seconds",
+            "Arrival to first scheduled, for autoscaling (scaled out: arrival at the ingress)",
+            buckets=_QUEUE_WAIT_BUCKETS,
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             PREFIX + "prompt_tokens", "Prompt tokens of finished requests", registry=r
         )
@@ -195,6 +210,7 @@ class ServerMetrics:
         self.e2e.observe(rec.finish_time - rec.arrival_time)
         if rec.queue_time is not None:
             self.queue.observe(rec.queue_time)
+            self.queue_wait.observe(rec.queue_time)
         if rec.ttft is not None:
             self.ttft.observe(rec.ttft)
         for gap in rec.token_gaps:

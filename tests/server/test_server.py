@@ -326,6 +326,7 @@ def test_auth_required_except_health(url: str, headers: dict[str, str]) -> None:
             assert r.status_code == 401, route
             assert r.json()["error"]["code"] == "invalid_api_key"
         assert c.get("/health").status_code == 200
+        assert c.get("/health/live").status_code == 200  # probes carry no key
 
 
 def test_unknown_route_and_method(client: httpx.Client) -> None:
@@ -380,6 +381,9 @@ def test_metrics_parse_and_hold_the_documented_families(client: httpx.Client) ->
         "request_queue_time_seconds",
     ):
         assert m[f"radixserve:{hist}_count"] > 0, hist
+    # The autoscaling signals (docs/scaling.md): one engine's queue time and waiting count.
+    assert m["radixserve_queue_wait_seconds_count"] == m["radixserve:request_queue_time_seconds_count"]
+    assert m["radixserve_queue_depth"] == m["radixserve:num_requests_waiting"]
     for gauge in (
         "num_requests_waiting",
         "num_requests_running",

@@ -87,8 +87,10 @@ def test_sigkill_mid_stream_fails_every_request_then_the_server_serves_again(
         r = results[name]
         assert r.status_code == 503 and "died" in _error(r)["message"], (name, r.text)
 
-    # While the engine process is down: /health is 503 and so is a new request.
+    # While the engine process is down: /health (readiness) is 503 and so is a new request; the
+    # process itself is alive (/health/live, liveness).
     assert c.get("/health").status_code == 503
+    assert c.get("/health/live").status_code == 200
     r = c.post("/v1/completions", json={**LONG, "max_tokens": 2})
     assert r.status_code == 503 and _error(r)["type"] == "service_unavailable_error"
 
