@@ -44,6 +44,7 @@ import torch
 from radixserve.cache.page_pool import KVPool, PageCopier
 from radixserve.config import EngineConfig
 from radixserve.model.attention import AttentionBackend
+from radixserve.model.compiled import CompiledLayers
 from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.runner import ModelRunner, RunnerOutput, SeqChunk
 from radixserve.model.sharding import check_tensor_parallel, local_kv_heads, shard_model
@@ -242,6 +243,11 @@ class LeadRunner:
     def backend(self) -> AttentionBackend:
         """Rank 0's attention backend (its page copies move rank 0's shard only)."""
         return self.runner.backend
+
+    @property
+    def compiled(self) -> CompiledLayers | None:
+        """Rank 0's compiled layers (every rank compiles its own shard alike)."""
+        return self.runner.compiled
 
     @property
     def warmup_s(self) -> float:

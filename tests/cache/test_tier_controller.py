@@ -43,8 +43,10 @@ def _held(ctl: TierController, pages: list[int], keys: list[bytes]) -> bool:
         if got is None:
             return False
         # a page's record: its K of every layer, then its V, as bytes, then its prompt scores
-        want = torch.cat((ctl.pool.k_buffer[:, page].flatten(), ctl.pool.v_buffer[:, page].flatten()))
-        scores = ctl.pool.scores.read_pages(torch.tensor([page]))[0]
+        pool = ctl.pool
+        assert isinstance(pool, KVPool)
+        want = torch.cat((pool.k_buffer[:, page].flatten(), pool.v_buffer[:, page].flatten()))
+        scores = pool.scores.read_pages(torch.tensor([page]))[0]
         assert torch.equal(got, torch.cat((want.view(torch.uint8), scores))), "a copied page differs"
     return True
 
