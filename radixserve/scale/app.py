@@ -115,8 +115,9 @@ def build_application(options: ScaleOptions, index_name: str | None = None) -> A
         index_name,
         options.engine_threads,
         options.chat_template,
-        options.warm_prefixes,
-        options.warmup_timeout_s,
+        # by keyword: EngineReplica's next positional parameter is process_args (disaggregation's)
+        warm_prefixes=options.warm_prefixes,
+        warmup_timeout_s=options.warmup_timeout_s,
     )
     return ingress_deployment().bind(replicas, options, index_name)
 
