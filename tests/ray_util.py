@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import pytest
 
 from radixserve.config import EngineConfig
@@ -53,6 +55,19 @@ class App:
     index_name: str
 
 
+def wait_for_replicas(app: App, n: int, headers: dict[str, str] | None, timeout_s: float = 60.0) -> None:
+    """Until the ingress's stats poll reaches ``n`` replicas. Serve calls an application running once
+    its replicas are, but the ingress's router hears of them by long poll a moment later: a test sending
+    requests at once would find one replica (a round-robin baseline then hits every cache)."""
+    from server_util import scrape
+
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(base_url=app.url, timeout=30) as client:
+        while scrape(client, headers).get("radixserve_replicas", 0) < n:
+            assert time.monotonic() < deadline, f"the ingress did not reach {n} replicas in {timeout_s} s"
+            time.sleep(0.2)
+
+
 @contextmanager
 def deployed(config: EngineConfig, router: str, port: int, name: str, **options: Any) -> Iterator[App]:
     """Run radixserve's application (2 replicas of 1 CPU) under ``/name``; deleted at exit."""
@@ -64,6 +79,9 @@ def deployed(config: EngineConfig, router: str, port: int, name: str, **options:
     index_name = f"index-{name}"
     serve.run(build_application(opts, index_name), name=name, route_prefix=f"/{name}")
     try:
-        yield App(f"http://127.0.0.1:{port}/{name}", name, index_name)
+        app = App(f"http://127.0.0.1:{port}/{name}", name, index_name)
+        keys = options.get("api_key")
+        wait_for_replicas(app, opts.replicas or 1, {"Authorization": f"Bearer {keys[0]}"} if keys else None)
+        yield app
     finally:
         serve.delete(name)

@@ -175,10 +175,10 @@ class ReplicaSetEngine:
         pending = set((await self._index.replicas.remote()).keys())
         answers: dict[str, Any] = {}
         for _ in range(MAX_ATTEMPTS):
-            calls = (
-                getattr(self._handle, method).remote(*make(dataclasses.replace(route, target=r)))
+            calls = [
+                _own_request(getattr(self._handle, method), *make(dataclasses.replace(route, target=r)))
                 for r in pending
-            )
+            ]
             try:
                 got = await asyncio.wait_for(asyncio.gather(*calls), timeout_s)
             except asyncio.TimeoutError:
@@ -320,7 +320,7 @@ class ReplicaSetEngine:
                         del self._stats[rid]
                 answers = await asyncio.wait_for(
                     asyncio.gather(
-                        *(self._handle.stats.remote(RouteKey([], None, target=r)) for r in pages),
+                        *(_own_request(self._handle.stats, RouteKey([], None, target=r)) for r in pages),
                         return_exceptions=True,
                     ),
                     CALL_TIMEOUT_S,
@@ -335,6 +335,16 @@ class ReplicaSetEngine:
             except Exception:
                 logger.exception("polling the replicas' stats failed")
             await asyncio.sleep(STATS_PERIOD_S)
+
+
+def _own_request(method: Any, *args: Any) -> Any:
+    """``method.remote(*args)`` as a Serve request of its own. A handle call made while serving an HTTP
+    request inherits that request's internal id, and Ray Serve's router (2.60) finds the request it is
+    placing by that id: two calls in flight from one HTTP request (a broadcast's) leave one of them
+    unmatched, and its routing task spins without yielding, holding up every call through the router
+    (the queue-length probes time out, replicas look unreachable). Sent from an empty context, each
+    call gets a fresh id."""
+    return contextvars.Context().run(method.remote, *args)
 
 
 def _raised(answer: Any) -> Any:

@@ -19,14 +19,6 @@ from radixserve.config import EngineConfig
 
 require_ray()
 
-# Known failure, so issue 23 stays open: calls addressed to one named replica through Serve's router (a
-# warm with replicas "all", the pin listing) time out at 120 s even on an idle machine; Serve logs
-# "Failed to get queue length from Replica ... within 1.0s" for both replicas meanwhile. Calling the
-# replica actors directly, not through the router, is the fix still to build (docs/scaling.md).
-pytestmark = pytest.mark.skip(
-    reason="known failure (issue 23 open): named-replica calls through Serve time out"
-)
-
 PAGE = 4
 KEY_A, KEY_B = "key-a", "key-b"
 SYSTEM = "System: you are the support desk of the harbour office; answer briefly. " * 2  # ~124 tokens
@@ -51,14 +43,8 @@ def app(tiny_llama: Path) -> Iterator[App]:
         enforce_eager=True,
     )
     keys = {"api_key": [KEY_A, KEY_B], "salt_per_key": True}
-    with pytest.MonkeyPatch.context() as env:
-        # Calls to one named replica (pins, unpin, replicas "all") need its queue-length probe to answer;
-        # on a loaded CI machine Serve's 0.1 s deadline is missed for seconds at a time. Ray's workers
-        # inherit these from the driver.
-        env.setenv("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "1.0")
-        env.setenv("RAY_SERVE_MAX_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "5.0")
-        with local_ray(num_cpus=4, port=port), deployed(config, "cache_aware", port, "pins", **keys) as app:
-            yield app
+    with local_ray(num_cpus=4, port=port), deployed(config, "cache_aware", port, "pins", **keys) as app:
+        yield app
 
 
 def post(client: httpx.Client, path: str, key: str = KEY_A, **body: Any) -> dict[str, Any]:
@@ -154,7 +140,7 @@ def test_replicas_all_pins_on_every_replica_and_a_requests_pin_names_its_replica
         assert every["pin"]["id"] in ids.values()
         assert sorted(p["id"] for p in pins(c)) == sorted(ids.values())
         resp = complete(
-            c, "A request that pins its own prompt, about the harbour fees. " * 3, cache_pin={"ttl_s": 60}
+            c, "A request that pins its own prompt, about the harbour fees.", cache_pin={"ttl_s": 60}
         )
         own = resp["usage"]["cache_pin"]["id"]
         assert own.split(".")[0] in replicas and own in {p["id"] for p in pins(c)}
@@ -172,9 +158,10 @@ def test_another_keys_pins_are_invisible_scaled_out(app: App) -> None:
         for target in (pin["id"], "no-such-replica.pin", "garbage"):
             r = c.delete(f"/v1/cache/pins/{target}", headers=auth(KEY_B))
             assert r.status_code == 400 and r.json()["error"]["code"] == "pin_not_found", r.text
-        assert cached(complete(c, SYSTEM + " tenant A Q?", key=KEY_B)) == 0  # B's namespace: no hit
         freed = post(c, "/v1/cache/evict", KEY_B, prompt=SYSTEM + " tenant A")
-        assert freed["freed_pages"] == 0
+        assert freed["freed_pages"] == 0  # B's namespace holds nothing of it (A's pages are A's)
+        # B's namespace: no hit (and B's request caches its own copy of the prompt, A's pin untouched)
+        assert cached(complete(c, SYSTEM + " tenant A Q?", key=KEY_B)) == 0
         assert [p["id"] for p in pins(c)] == [pin["id"]]  # A's pin stayed
         freed = post(c, "/v1/cache/evict", prompt=SYSTEM + " tenant A")  # A evicts its own: unpinned first
         assert freed["freed_pages"] > 0 and pins(c) == []
