@@ -140,8 +140,11 @@ class CacheIndex:
         return scores, pinned
 
     def hottest(self, n: int) -> list[HotPrefix]:
-        """The ``n`` most reused prefixes (token ids and salt) the routers scored, for a warm start."""
-        return self.hot.hottest(n)
+        """Up to ``n`` prefixes for a new replica's warm start: every replica's pinned prefixes first,
+        then the most reused ones the routers scored (scale/warm_start.py)."""
+        pinned = {(salt, tuple(tokens)) for r in self._replicas.values() for salt, tokens in r.pins.values()}
+        # Longest first: a shorter pin of the same prefix is then covered, never taking a slot.
+        return self.hot.hottest(n, sorted(pinned, key=lambda p: (p[0] or "", -len(p[1]), p[1])))
 
 
 INDEX_NAMESPACE = "radixserve"

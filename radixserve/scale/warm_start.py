@@ -6,11 +6,15 @@ Where they come from:
   prefix, and its matched pages' token ids are counted. The hottest are the most reused (counts
   halve every ``DECAY_EVERY`` records, so old traffic fades), longest first among equals, and a
   prefix of a chosen one is skipped (warming the longer one caches it too).
-- **their pages**: the replica's own engine runs each prefix as a request with ``max_tokens=1``. Its
-  prefix cache looks the pages up tier by tier, so with a shared disk tier (``--disk-cache-dir``, a
-  folder every replica reads) the pages another replica wrote there are loaded, not recomputed; what
-  no tier holds is recomputed.
-- Pinned prefixes (issue 23) are not a source yet: no pin API existed when this was built.
+- **pinned** prefixes come first, whatever their count: an application asked some replica to keep
+  them (``POST /v1/cache/warm`` with a pin, ``cache_control``), and the index knows every replica's
+  pins. The new replica warms them without pinning them: a pin belongs to the replica that holds it,
+  and the router still prefers the holder (scale/policy.py).
+- **their pages**: the replica's own engine warms each prefix (``AsyncEngine.warm``: a prefill-only
+  request over its whole pages, nothing sampled, no forward pass for what is cached). Its prefix cache
+  looks the pages up tier by tier, so with a shared disk tier (``--disk-cache-dir``, a folder every
+  replica reads) the pages another replica wrote there are loaded, not recomputed; what no tier holds
+  is recomputed.
 
 ``warm_up`` is bounded by a time limit: what is not warm by then is left cold (the requests still
 running are aborted), and the replica serves anyway; the report says how far it got.
@@ -20,12 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
-
-from radixserve.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from radixserve.server.async_engine import AsyncEngine
@@ -66,11 +69,14 @@ class HotPrefixes:
             ranked = sorted(self._counts, key=lambda k: (self._counts[k], len(k[1])), reverse=True)
             self._counts = {k: self._counts[k] for k in ranked[: self.max_entries]}
 
-    def hottest(self, n: int) -> list[HotPrefix]:
-        """Up to ``n`` prefixes, most reused first (longer first among equals), none a prefix of
-        another chosen in its namespace (the longer one takes its place: warming it caches both)."""
+    def hottest(self, n: int, pinned: Sequence[tuple[str | None, Sequence[int]]] = ()) -> list[HotPrefix]:
+        """Up to ``n`` prefixes: the ``pinned`` ones (namespace, tokens) first, then the most reused
+        (longer first among equals), none a prefix of another chosen in its namespace (the longer one
+        takes its place: warming it caches both)."""
         chosen: list[HotPrefix] = []
-        for (salt, tokens), hits in sorted(self._counts.items(), key=lambda kv: (-kv[1], -len(kv[0][1]))):
+        ranked = sorted(self._counts.items(), key=lambda kv: (-kv[1], -len(kv[0][1])))
+        first = [((salt, tuple(tokens)), math.inf) for salt, tokens in pinned if tokens]
+        for (salt, tokens), hits in first + ranked:
             if len(chosen) >= n:
                 break
             same = [i for i, c in enumerate(chosen) if c.cache_salt == salt]
@@ -92,7 +98,7 @@ def _starts(tokens: Sequence[int], prefix: Sequence[int]) -> bool:
 @dataclass(frozen=True)
 class WarmReport:
     prefixes: int  # prefixes asked for
-    warmed: int  # prefixes whose request finished in time
+    warmed: int  # prefixes whose warm finished in time
     prompt_tokens: int  # their tokens
     # Of which the prefix cache already held: pages another warm-up prefix shares (they run at once),
     # or a host/disk tier's (loaded, not recomputed). The rest was recomputed.
@@ -102,28 +108,22 @@ class WarmReport:
 
 
 async def warm_up(engine: AsyncEngine, prefixes: Sequence[HotPrefix], timeout_s: float) -> WarmReport:
-    """Run each prefix through ``engine`` (one greedy token each, all at once so the engine batches
-    their prefills), for at most ``timeout_s`` seconds."""
+    """Warm each prefix in ``engine`` (all at once, so the engine batches their prefills), for at most
+    ``timeout_s`` seconds."""
     start = time.monotonic()
-    params = SamplingParams(max_tokens=1, temperature=0.0)
-    done: list[tuple[int, int]] = []  # (prompt tokens, cached tokens) of each finished warm request
+    done: list[tuple[int, int]] = []  # (tokens, cached tokens) of each finished warm
 
-    async def one(i: int, prefix: HotPrefix) -> None:
-        stream = engine.generate(prefix.token_ids, params, f"warm-{i}-{start:.6f}", prefix.cache_salt)
-        try:
-            async for _ in stream:
-                pass
-            done.append((len(prefix.token_ids), stream.result.cached_tokens))
-        finally:
-            await stream.aclose()
+    async def one(prefix: HotPrefix) -> None:
+        result = await engine.warm(prefix.token_ids, prefix.cache_salt, None)
+        done.append((result.tokens, result.cached_tokens))
 
-    tasks = [asyncio.ensure_future(one(i, p)) for i, p in enumerate(prefixes)]
+    tasks = [asyncio.ensure_future(one(p)) for p in prefixes]
     timed_out = False
     if tasks:
         finished, pending = await asyncio.wait(tasks, timeout=timeout_s)
         timed_out = bool(pending)
         for task in pending:
-            task.cancel()  # closing its stream aborts the request in the engine
+            task.cancel()  # a cancelled warm closes its stream, which aborts it in the engine
         await asyncio.gather(*pending, return_exceptions=True)
         for task in finished:
             if task.exception() is not None:

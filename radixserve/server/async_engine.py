@@ -283,8 +283,11 @@ class AsyncEngine:
             return WarmResult(tokens=len(token_ids), cached_tokens=0, computed_tokens=0)
         stream = RequestStream()
         gen = self._generate(token_ids[: whole or None], WARM_PARAMS, None, cache_salt, 0, stream, pin, True)
-        async for _ in stream.bind(gen):
-            pass
+        try:
+            async for _ in stream.bind(gen):
+                pass
+        finally:
+            await stream.aclose()  # a cancelled warm (a warm-up's time limit) is aborted in the engine now
         return warm_result(len(token_ids), whole, stream.result)
 
     async def warm_all(

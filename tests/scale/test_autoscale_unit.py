@@ -188,6 +188,29 @@ def test_the_cache_index_remembers_the_prefixes_its_scores_found_reused() -> Non
     assert hot.token_ids == doc[:8] and hot.cache_salt is None and hot.hits == 1
 
 
+def test_a_new_replica_warms_every_pinned_prefix_first_then_the_hottest() -> None:
+    ps, seed = 4, b"seed"
+    index = CacheIndex()
+    hot_doc, pinned_doc = list(range(10, 22)), list(range(100, 116))
+    keys, key = [], namespace_key(seed, None)
+    for start in range(0, 12, ps):
+        key = page_key(key, hot_doc[start : start + ps])
+        keys.append(key)
+    index.register("a")
+    index.apply("a", [KVEvents(seed=seed, page_size=ps, events=[KVEvent(kind="stored", keys=keys)])])
+    for _ in range(3):
+        index.score(hot_doc, None)
+    index.register("b")
+    index.set_pins("b", {"p1": ("key:t", pinned_doc), "p2": ("key:t", pinned_doc[:8])})  # never scored
+    first, second = index.hottest(2)
+    # The pinned prefix (its shorter pin covered by it) before the one scored three times.
+    assert (first.cache_salt, first.token_ids) == ("key:t", pinned_doc)
+    assert (second.cache_salt, second.token_ids) == (None, hot_doc)
+    assert [p.token_ids for p in index.hottest(1)] == [pinned_doc]
+    index.set_pins("b", {})  # its pins expired or were deleted: no longer a source
+    assert [p.token_ids for p in index.hottest(2)] == [hot_doc]
+
+
 def test_a_record_is_rebased_onto_the_ingress_so_serves_queue_counts_as_queue_time() -> None:
     rec = RequestRecord(
         request_id="r",
