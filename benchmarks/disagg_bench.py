@@ -28,7 +28,6 @@ import json
 import os
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -39,7 +38,7 @@ import zmq
 
 from benchmarks.common import RESULTS, write_results
 from benchmarks.plots import plot_bars
-from benchmarks.servers import free_port, serving
+from benchmarks.servers import free_port, radixserve_command, serving
 from radixserve.cache.page_pool import KVPool
 from radixserve.disagg.transfer import TransferHeader, checksum, verify
 from radixserve.disagg.transport import KVReceiver, KVSender
@@ -198,22 +197,7 @@ def _q(xs: list[float], q: float) -> float:
 
 def _server(name: str, flags: list[str], log_dir: Path) -> Any:
     port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "radixserve.cli",
-        "serve",
-        "--port",
-        str(port),
-        "--served-model-name",
-        "bench",
-        "--log-level",
-        "warning",
-        "--kv-cache-gb",
-        "0.5",
-        *flags,
-    ]
-    return serving(name, cmd, port, log_dir, timeout_s=600)
+    return serving(name, radixserve_command(port, 0.5, *flags), port, log_dir, timeout_s=600)
 
 
 def main() -> None:

@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import threading
 import time
 from typing import Any
 
 from benchmarks.common import RESULTS, machine
 from benchmarks.serve_bench import RunConfig, run_benchmark
-from benchmarks.servers import free_port, serving
+from benchmarks.servers import free_port, radixserve_command, serving
 from benchmarks.workloads import Corpus, Workload, WorkloadSpec, build_workload, load_tokenizer
 from radixserve import Engine, SamplingParams
 from radixserve.engine.deltas import OutputAssembler
@@ -52,21 +51,7 @@ def workload(args: argparse.Namespace, tokenizer: Any, corpus: Corpus) -> Worklo
 
 def run_http(args: argparse.Namespace, trace: Workload, tokenizer: Any) -> dict[str, Any]:
     port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "radixserve.cli",
-        "serve",
-        "--port",
-        str(port),
-        "--served-model-name",
-        "bench",
-        "--log-level",
-        "warning",
-        "--kv-cache-gb",
-        str(args.kv_cache_gb),
-        *args.server_args,
-    ]
+    cmd = radixserve_command(port, args.kv_cache_gb, *args.server_args)
     with serving("radixserve", cmd, port, RESULTS / "logs") as url:
         cfg = RunConfig(
             url,

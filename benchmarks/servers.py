@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,25 @@ import httpx
 
 # The model name every benchmark server serves under (run_vllm.sh and run_llama_server.sh use it too).
 SERVED_NAME = "smollm2"
+
+
+def radixserve_command(port: int, kv_cache_gb: float, *flags: str) -> list[str]:
+    """``radixserve serve`` on ``port`` as the benchmarks run it: served as "bench", warnings only."""
+    return [
+        sys.executable,
+        "-m",
+        "radixserve.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--served-model-name",
+        "bench",
+        "--log-level",
+        "warning",
+        "--kv-cache-gb",
+        str(kv_cache_gb),
+        *flags,
+    ]
 
 
 def free_port() -> int:

@@ -27,6 +27,14 @@ from radixserve.server.app import build_app
 from radixserve.server.async_engine import AsyncEngine
 
 MODEL_NAME = "tiny"
+# A greedy completion that runs long (ignore_eos): what an engine's death interrupts mid-stream.
+ENDLESS: dict[str, Any] = {
+    "model": MODEL_NAME,
+    "prompt": "a story that never ends",
+    "max_tokens": 400,
+    "temperature": 0,
+    "ignore_eos": True,
+}
 
 
 @dataclass
@@ -122,6 +130,14 @@ def assert_pages_whole(engine: Any, loop: asyncio.AbstractEventLoop) -> None:
     assert s.num_running == s.num_waiting == s.in_use_pages == 0, s
     assert s.free_pages + s.cached_pages == s.num_pages, s
     asyncio.run_coroutine_threadsafe(engine.check_integrity(), loop).result(timeout=30)
+
+
+def wait_until_healthy(client: httpx.Client, timeout_s: float) -> None:
+    """Until /health (readiness) answers 200: a restarted engine process is serving again."""
+    deadline = time.monotonic() + timeout_s
+    while client.get("/health").status_code != 200:
+        assert time.monotonic() < deadline, "the engine process was not restarted"
+        time.sleep(0.1)
 
 
 def scrape(client: httpx.Client, headers: dict[str, str] | None = None) -> dict[str, float]:

@@ -373,11 +373,17 @@ class KVCacheManager:
                 stack.extend(n.children.values())
         for pin in self.pins.within(namespace, scope):
             self.pins.drop(pin)
+        below = self.tree.lower_keys(whole, namespace)  # pages past the device match only a tier holds
         evicted = self.tree.evict(self.num_pages, within=lambda n: id(n) in scope)
         self.evicted_pages += evicted.num_pages
-        if self.tiers is not None:
-            self.tiers.on_evicted(evicted)
-        return PrefixEviction(freed_pages=evicted.num_pages, freed_tokens=evicted.num_pages * self.page_size)
+        copies = 0
+        if self.tiers is not None:  # not written back: the prefix leaves the cache, copies and all
+            copies = self.tiers.discard([*evicted.keys, *below])
+        return PrefixEviction(
+            freed_pages=evicted.num_pages,
+            freed_tokens=evicted.num_pages * self.page_size,
+            freed_tier_pages=copies,
+        )
 
     def release(self, req: CachedRequest) -> None:
         """Finish, abort or preempt: keep what was computed in the tree, free the rest, unlock."""

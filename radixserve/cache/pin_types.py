@@ -74,7 +74,17 @@ class WarmResult(msgspec.Struct, array_like=True, kw_only=True):
 
 
 class PrefixEviction(msgspec.Struct, array_like=True, kw_only=True):
-    """What an eviction by prefix freed from the device pool."""
+    """What an eviction by prefix freed: pages of the device pool, and copies in the lower tiers."""
 
     freed_pages: int
     freed_tokens: int
+    freed_tier_pages: int = 0  # host and disk copies dropped (a page in both counts twice)
+
+    @staticmethod
+    def total(parts: list[PrefixEviction]) -> PrefixEviction:
+        """The sums over several engines (replicas, disaggregated roles)."""
+        return PrefixEviction(
+            freed_pages=sum(p.freed_pages for p in parts),
+            freed_tokens=sum(p.freed_tokens for p in parts),
+            freed_tier_pages=sum(p.freed_tier_pages for p in parts),
+        )

@@ -266,6 +266,12 @@ class RadixCache:
         node, num_tokens, _ = self._walk(tokens, namespace)
         return node, num_tokens
 
+    def lower_keys(self, tokens: Sequence[int], namespace: Hashable = None) -> list[bytes]:
+        """The chain keys of the pages of ``tokens`` past the device match that the lower tiers hold,
+        in a row (what a match would load); changes nothing."""
+        _, num_tokens, key = self._walk(tokens, namespace, split=False)
+        return self._lower_match(key, tokens, num_tokens)[0]
+
     # ---- eviction ----
 
     def evict(self, num_pages: int, within: Callable[[TreeNode], bool] | None = None) -> EvictResult:
@@ -284,9 +290,11 @@ class RadixCache:
         heapq.heapify(heap)
         freed: list[int] = []
         unbacked: tuple[list[int], list[bytes]] = ([], [])
+        keys: list[bytes] = []
         while heap and len(freed) < num_pages:
             _, _, leaf = heapq.heappop(heap)
             need = num_pages - len(freed)
+            keys.extend(leaf.hashes[-need:])
             if not leaf.backed_up and self.tiers is not None:
                 unbacked[0].extend(leaf.pages[-need:])
                 unbacked[1].extend(leaf.hashes[-need:])
@@ -310,7 +318,7 @@ class RadixCache:
         self._evictable -= len(freed)
         if freed and self.on_free is not None:
             self.on_free(freed)
-        return EvictResult(len(freed), *unbacked)
+        return EvictResult(len(freed), *unbacked, keys)
 
     def reset(self) -> None:
         """Drop the whole tree (for /flush_cache). Raises if any node is locked."""

@@ -101,6 +101,9 @@ class EvictResult(NamedTuple):
     # for write-back. They are already on the free list, so copy them before anything allocates.
     unbacked_pages: list[int]
     unbacked_keys: list[bytes]
+    # The chain keys of every freed page (nodes carry keys with lower tiers or a listener): an eviction
+    # by prefix drops their copies below too (KVCacheManager.evict_prefix).
+    keys: list[bytes] = []
 
 
 def common_prefix(key: tuple[int, ...], tokens: Sequence[int], start: int, end: int) -> int:

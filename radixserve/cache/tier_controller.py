@@ -155,6 +155,17 @@ class TierController:
                         self._store(tier, key, page, cascade=False)
             node.backed_up = True
 
+    def discard(self, keys: list[bytes]) -> int:
+        """Drop every store's copy of ``keys`` (an eviction by prefix); how many copies went. An in-memory
+        store drops them at once; the others on the writer thread, after the writes queued before, and
+        this waits for it: a queued copy must not land after the discard and bring the page back, and
+        the count must include it. (An explicit eviction may wait for the write backlog; nothing else
+        calls this.)"""
+        return sum(
+            store.discard(keys) if store.in_memory else self._writer.submit(store.discard, keys).result()
+            for store in self.stores
+        )
+
     def load_now(self, keys: list[bytes], tiers: list[int], pages: list[int]) -> bool:
         """Fill device ``pages`` with ``keys`` on this thread (start-up only: cache/pin_store.py)."""
         return self._load(keys, tiers, partial(self._scatter, pages))

@@ -30,7 +30,7 @@ import struct
 import threading
 import zlib
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
@@ -121,6 +121,10 @@ class KVStore(Protocol):
         """Store a page (a no-op, bar the LRU touch, if present); returns the entries evicted to make room."""
         ...
 
+    def discard(self, keys: Iterable[bytes]) -> int:
+        """Drop the pages under ``keys``; how many of them it held."""
+        ...
+
     def clear(self) -> None: ...
 
     def check_integrity(self) -> None: ...
@@ -176,6 +180,13 @@ class HostStore:
             self.stats.bytes_in += self.page_bytes
             self.stats.used_bytes = len(self._slots) * self.page_bytes
             return evicted
+
+    def discard(self, keys: Iterable[bytes]) -> int:
+        with self._lock:
+            slots = [self._slots.pop(k) for k in keys if k in self._slots]
+            self._free.extend(slots)
+            self.stats.used_bytes = len(self._slots) * self.page_bytes
+            return len(slots)
 
     def clear(self) -> None:
         with self._lock:
@@ -279,6 +290,14 @@ class DiskStore:
             self.stats.bytes_in += self.file_bytes
             self._evict_to(self.stats.capacity_bytes)
         return []
+
+    def discard(self, keys: Iterable[bytes]) -> int:
+        with self._lock:
+            held = [k for k in keys if self._index.pop(k, None) is not None]
+            for key in held:
+                self.path(key).unlink(missing_ok=True)
+            self.stats.used_bytes = sum(self._index.values())
+            return len(held)
 
     def clear(self) -> None:
         with self._lock:

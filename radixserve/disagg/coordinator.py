@@ -38,7 +38,13 @@ from radixserve.outputs import RequestOutput
 from radixserve.sampling.params import SamplingParams
 from radixserve.scale.cache_index import CacheIndex
 from radixserve.server.async_engine import AsyncEngine
-from radixserve.server.engine_api import EngineUnavailableError, Limits, RequestRecord, RequestStream
+from radixserve.server.engine_api import (
+    EngineUnavailableError,
+    Limits,
+    RelayedStream,
+    RequestRecord,
+    RequestStream,
+)
 from radixserve.server.engine_client import describe_exit
 from radixserve.server.messages import (
     CancelTransfer,
@@ -77,20 +83,6 @@ class _Job:
     priority: int | str
     prefill: int | None = None
     tried: set[int] = field(default_factory=set)
-
-
-class _Stream(RequestStream):
-    """The decode engine's stream, whose folded result is its own."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inner: RequestStream | None = None
-
-    @property
-    def result(self) -> RequestOutput:
-        if self.inner is None:
-            raise RuntimeError("the request has not started")
-        return self.inner.result
 
 
 class DisaggregatedEngine:
@@ -202,7 +194,7 @@ class DisaggregatedEngine:
         priority: int | str = 0,
         pin: PinSpec | None = None,
     ) -> RequestStream:
-        stream = _Stream()
+        stream = RelayedStream()
         rid = request_id or uuid.uuid4().hex
         return stream.bind(self._generate(prompt_token_ids, params, rid, cache_salt, priority, pin, stream))
 
@@ -214,12 +206,13 @@ class DisaggregatedEngine:
         cache_salt: str | None,
         priority: int | str,
         pin: PinSpec | None,
-        stream: _Stream,
+        stream: RelayedStream,
     ) -> AsyncGenerator[RequestOutput, None]:
         if not self.healthy:
             raise EngineUnavailableError("no prefill or no decode engine is available")
         i = self._pick_decode(token_ids, cache_salt)
-        inner = stream.inner = self.decode[i].generate(token_ids, params, rid, cache_salt, priority, pin)
+        inner = self.decode[i].generate(token_ids, params, rid, cache_salt, priority, pin)
+        stream.source = lambda: inner.result  # the decode engine's own fold
         self._pending[rid] = (token_ids, cache_salt, priority)
         self._open[i] += 1
         try:
@@ -256,9 +249,8 @@ class DisaggregatedEngine:
     async def evict(self, token_ids: list[int], cache_salt: str | None) -> PrefixEviction:
         """Every engine (prefill and decode) frees what it holds of the prefix: the sums."""
         engines = [*self.decode, *self.prefill]
-        results = await asyncio.gather(*(e.evict(token_ids, cache_salt) for e in engines))
-        return PrefixEviction(
-            freed_pages=sum(r.freed_pages for r in results), freed_tokens=sum(r.freed_tokens for r in results)
+        return PrefixEviction.total(
+            list(await asyncio.gather(*(e.evict(token_ids, cache_salt) for e in engines)))
         )
 
     def _pick_decode(self, token_ids: Sequence[int], cache_salt: str | None) -> int:

@@ -58,6 +58,7 @@ from radixserve.scale.router_metrics import router_metrics
 from radixserve.server.engine_api import (
     EngineUnavailableError,
     Limits,
+    RelayedStream,
     RequestRecord,
     RequestStream,
     ServedModel,
@@ -72,20 +73,6 @@ CONNECT_WAIT_S = 2.0  # start() waits this long for a replica (then: live, not r
 # The session of the HTTP request being served (its X-Session-ID header), set by the ingress's
 # middleware (scale/app.py): requests of one session stick to one replica when nothing better is known.
 SESSION_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("radixserve_session", default=None)
-
-
-class _RemoteStream(RequestStream):
-    """A RequestStream whose folded result comes from the replica (its own OutputAssembler's)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.final: RequestOutput | None = None
-
-    @property
-    def result(self) -> RequestOutput:
-        if self.final is None:
-            raise RuntimeError("the request has not finished")
-        return self.final
 
 
 class ReplicaSetEngine:
@@ -229,10 +216,7 @@ class ReplicaSetEngine:
     async def evict(self, token_ids: list[int], cache_salt: str | None) -> PrefixEviction:
         """Every replica frees what it holds of the prefix: the sums."""
         answers, _ = await self._broadcast("evict", RouteKey(list(token_ids), cache_salt))
-        freed: list[PrefixEviction] = [_raised(r) for r in answers.values()]
-        return PrefixEviction(
-            freed_pages=sum(f.freed_pages for f in freed), freed_tokens=sum(f.freed_tokens for f in freed)
-        )
+        return PrefixEviction.total([_raised(r) for r in answers.values()])
 
     async def _call_handle(self, method: str, *args: Any) -> Any:
         try:
@@ -250,14 +234,14 @@ class ReplicaSetEngine:
         priority: int | str = 0,
         pin: PinSpec | None = None,
     ) -> RequestStream:
-        stream = _RemoteStream()
+        stream = RelayedStream()
         rid = request_id or uuid.uuid4().hex
         route = RouteKey(list(prompt_token_ids), cache_salt, SESSION_ID.get())
         call = GenerateCall(route, params, rid, priority, pin)
         return stream.bind(self._generate(call, stream))
 
     async def _generate(
-        self, call: GenerateCall, stream: _RemoteStream
+        self, call: GenerateCall, stream: RelayedStream
     ) -> AsyncGenerator[RequestOutput, None]:
         if not self._accepting:
             raise EngineUnavailableError("the server is shutting down")
@@ -271,7 +255,7 @@ class ReplicaSetEngine:
             await attempts.aclose()  # at once: a consumer gone early cancels the replica's stream now
 
     async def _attempts(
-        self, call: GenerateCall, stream: _RemoteStream
+        self, call: GenerateCall, stream: RelayedStream
     ) -> AsyncGenerator[RequestOutput, None]:
         from ray.exceptions import RayError
 
@@ -286,7 +270,7 @@ class ReplicaSetEngine:
                             break  # its engine process is restarting: another replica may serve it
                         raise item.exception()
                     if isinstance(item, Finished):
-                        stream.final = item.result
+                        stream.source = lambda out=item.result: out  # the replica's own fold
                         if item.record is not None and self.on_finish is not None:
                             self.on_finish(rebased(item.record, time.monotonic() - sent - item.held_s))
                         return
@@ -303,7 +287,7 @@ class ReplicaSetEngine:
                 logger.warning("replica failed before request %s started; routing it again", call.request_id)
                 router_metrics().retries += 1
             finally:
-                if stream.final is None:
+                if stream.source is None:
                     gen.cancel()
 
     async def advance_pin_clock(self, seconds: float) -> None:

@@ -104,4 +104,10 @@ async def evict(ctx: ApiContext, request: Request) -> Response:
     req = await ctx.decode(request, pc.EvictRequest)
     ids = prompt_ids(ctx, req)
     result = await ctx.engine.evict(ids, ctx.salt(request, req.cache_salt))
-    return json_response(pc.EvictResponse(freed_pages=result.freed_pages, freed_tokens=result.freed_tokens))
+    return json_response(
+        pc.EvictResponse(
+            freed_pages=result.freed_pages,
+            freed_tokens=result.freed_tokens,
+            freed_tier_pages=result.freed_tier_pages,
+        )
+    )

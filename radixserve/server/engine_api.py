@@ -149,6 +149,22 @@ class RequestStream(AsyncGenerator[RequestOutput, None]):
             await self._gen.aclose()
 
 
+class RelayedStream(RequestStream):
+    """A stream that relays deltas folded elsewhere (a decode engine's stream, a replica's assembler):
+    its ``result`` is that fold, read through ``source`` once the relay has set it, never a second
+    fold of the same deltas here."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.source: Callable[[], RequestOutput] | None = None
+
+    @property
+    def result(self) -> RequestOutput:
+        if self.source is None:
+            raise RuntimeError("the request has no result yet")
+        return self.source()
+
+
 class ServingBackend(Protocol):
     """The routes' interface: ``AsyncEngine`` (one engine process), or ``ReplicaSetEngine``
     (radixserve/scale: replicas on Ray Serve) behind the same routes."""

@@ -89,5 +89,6 @@ class EvictRequest(CachePrompt, kw_only=True, forbid_unknown_fields=True):
 
 class EvictResponse(Struct, kw_only=True):
     object: str = "cache.evict"
-    freed_pages: int
+    freed_pages: int  # of the device pool
     freed_tokens: int
+    freed_tier_pages: int = 0  # copies dropped from the host and disk tiers

@@ -432,11 +432,30 @@ def test_tree_keys_unbacked_eviction_and_lower_match() -> None:
     assert tree.match_prefix([1, 2, 3, 4, 9, 9]).node.hashes == keys[:2]  # split keeps the chain
     tree.check_integrity()
     # No copy below: the tree reports the freed pages with their keys (for write-back to copy).
-    assert tree.evict(2) == EvictResult(2, [12, 11], [keys[2], keys[1]])
+    assert tree.evict(2) == EvictResult(2, [12, 11], [keys[2], keys[1]], [keys[2], keys[1]])
     lower.held.update({keys[1]: 0, keys[2]: 1})
     m = tree.match_prefix([1, 2, 3, 4, 5, 6, 7])
     assert (m.pages, m.lower_keys, m.lower_tiers) == ([10], (keys[1], keys[2]), (0, 1))
     assert tree.prefix_len([1, 2, 3, 4, 5, 6, 7], lower=True) == 6 and tree.prefix_len([1, 2, 3, 4]) == 2
+    assert tree.lower_keys([1, 2, 3, 4, 5, 6, 7]) == [keys[1], keys[2]]  # past the device match
     tree.match_prefix([1, 2]).node.backed_up = True
-    assert tree.evict(1) == EvictResult(1, [], [])  # a backed-up page just leaves the device
+    # A backed-up page just leaves the device; its key is still reported (an eviction by prefix drops
+    # the copies below too).
+    assert tree.evict(1) == EvictResult(1, [], [], [keys[0]])
     assert freed == [12, 11, 10]
+
+
+def test_discard_drops_a_stores_pages_and_counts_what_it_held(tmp_path: Path) -> None:
+    shape, keys = (2, 4), [bytes([i]) * 16 for i in range(3)]
+    host = HostStore(8 * 4 * 8, shape, torch.float32)  # 8 slots
+    disk = DiskStore(tmp_path / "kv", 1 << 20, b"f" * 16, shape, torch.float32)
+    stores: list[tuple[HostStore | DiskStore, int]] = [(host, host.page_bytes), (disk, disk.file_bytes)]
+    for store, one_page in stores:
+        for i, key in enumerate(keys):
+            store.put(key, torch.full(shape, float(i)))
+        assert store.discard([keys[0], keys[2], b"x" * 16]) == 2
+        assert [store.contains(k) for k in keys] == [False, True, False]
+        assert store.discard([keys[0]]) == 0
+        store.check_integrity()
+        assert store.stats.used_bytes == one_page
+    assert sorted(p.name for p in (tmp_path / "kv").glob("*.kv")) == [f"{keys[1].hex()}.kv"]

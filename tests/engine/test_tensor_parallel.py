@@ -30,6 +30,11 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=5
 TOL = 1e-4
 
 
+def tiny_engine(path: Path, **options: Any) -> Engine:
+    """The tiny model's engine as these tests run it (eager, pages of 4, 64 of them); ``options`` override."""
+    return Engine(str(path), **{"enforce_eager": True, "page_size": 4, "num_pages": 64, **options})
+
+
 def tokens(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, 290) for _ in range(n)]
@@ -70,7 +75,7 @@ def prefill_logits(eng: Engine, prompts: list[list[int]]) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def tiny_ref(tiny_llama: Path) -> list[RequestOutput]:
-    eng = Engine(str(tiny_llama), enforce_eager=True, page_size=4, num_pages=64)
+    eng = tiny_engine(tiny_llama)
     out = eng.generate(TINY_PROMPTS, GREEDY)
     eng.close()
     return out
@@ -83,7 +88,7 @@ def test_tiny_model_matches_one_rank(
     """TP=2 (KV heads sharded) eager and compiled, TP=4 (KV heads replicated): TP=1's tokens and logits;
     each rank bound to its own share of the cores."""
     cores = os.sched_getaffinity(0)
-    eng = Engine(str(tiny_llama), enforce_eager=eager, page_size=4, num_pages=64, tensor_parallel_size=size)
+    eng = tiny_engine(tiny_llama, enforce_eager=eager, tensor_parallel_size=size)
     try:
         assert eng.pool.k_buffer.shape[3] == 1  # a rank's KV heads: one of two, or both ranks' one
         assert isinstance(eng.tp, TensorParallel) and len(eng.tp.pids) == size - 1
@@ -106,13 +111,11 @@ def test_prefix_hits_and_tier_round_trip_under_tp(
     page_bytes = 2 * 2 * 4 * 1 * 16 * 4  # K+V, 2 layers, 4 tokens, 1 KV head a rank, head_dim 16, fp32
     doc = tokens(40, 7)
     prompt = doc + [5, 6, 7]
-    ref = Engine(str(tiny_llama), enforce_eager=True, page_size=4, num_pages=64, prefix_cache=False)
+    ref = tiny_engine(tiny_llama, prefix_cache=False)
     (expected,) = ref.generate([prompt], GREEDY)
     ref.close()
-    eng = Engine(
-        str(tiny_llama),
-        enforce_eager=True,
-        page_size=4,
+    eng = tiny_engine(
+        tiny_llama,
         num_pages=24,
         tensor_parallel_size=2,
         host_cache_gb=4 * 2 * page_bytes / 2**30,  # 4 pages of 2 ranks: the rest spill to disk
@@ -146,14 +149,11 @@ def test_speculative_decoding_under_tp(tiny_llama: Path) -> None:
     """Drafts verified by a multi-token step on every rank: greedy output as without speculation."""
     loop = tokens(6, 3) * 5  # repetition: the prompt-lookup drafts get accepted
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    ref = Engine(str(tiny_llama), enforce_eager=True, page_size=4, num_pages=64)
+    ref = tiny_engine(tiny_llama)
     (expected,) = ref.generate([loop], params)
     ref.close()
-    eng = Engine(
-        str(tiny_llama),
-        enforce_eager=True,
-        page_size=4,
-        num_pages=64,
+    eng = tiny_engine(
+        tiny_llama,
         tensor_parallel_size=2,
         speculative="ngram",
     )
@@ -168,14 +168,11 @@ def test_speculative_decoding_under_tp(tiny_llama: Path) -> None:
 def test_int8_weights_under_tp(tiny_llama: Path) -> None:
     """int8 weights shard with their scales. int8 is approximate: each rank quantizes its slice of the
     activations, so TP=2 agrees with TP=1 int8 closely, not bit for bit."""
-    one = Engine(str(tiny_llama), enforce_eager=True, page_size=4, num_pages=64, quantization="int8")
+    one = tiny_engine(tiny_llama, quantization="int8")
     ref = prefill_logits(one, TINY_PROMPTS)
     one.close()
-    eng = Engine(
-        str(tiny_llama),
-        enforce_eager=True,
-        page_size=4,
-        num_pages=64,
+    eng = tiny_engine(
+        tiny_llama,
         quantization="int8",
         tensor_parallel_size=2,
     )

@@ -189,7 +189,7 @@ def test_a_key_can_neither_list_delete_evict_nor_hit_another_keys_pins(
         "message": unknown.json()["error"]["message"]
     }
     evicted = b.post("/v1/cache/evict", json={"prompt_token_ids": system}).json()
-    assert evicted == {"object": "cache.evict", "freed_pages": 0, "freed_tokens": 0}
+    assert evicted == {"object": "cache.evict", "freed_pages": 0, "freed_tokens": 0, "freed_tier_pages": 0}
     assert cached(b, system + [2]) == 0, "key B hit key A's pinned prefix"
     [listed] = pins(a)
     assert listed["id"] == pin["id"] and listed["hits"] == 0
@@ -385,3 +385,29 @@ def test_pins_and_disk_hits_survive_a_restart_with_the_disk_tier(tiny_llama: Pat
         assert details["cached_tokens"] == 40
         assert details["cached_tokens_by_tier"] == {"device": 0, "host": 0, "disk": 40}
         assert sum(details["cached_tokens_by_tier"].values()) == details["cached_tokens"]
+
+
+def test_evict_drops_the_prefixs_copies_in_the_host_and_disk_tiers_too(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """With both tiers written through, an evicted prefix is gone from all three: its device pages, its
+    host and disk copies (counted), and after a restart the disk has only what was not evicted."""
+    config = EngineConfig(
+        str(tiny_llama),
+        host_cache_gb=0.01,
+        disk_cache_dir=str(tmp_path / "kv"),
+        disk_cache_gb=0.05,
+        **CONFIG,  # type: ignore[arg-type]
+    )
+    doc, other = ids(80, 40), ids(81, 40)
+    with serving(config, api_key=[KEY_A], salt_per_key=True) as s, client_for(s, KEY_A) as c:
+        complete(c, doc)
+        complete(c, other)
+        r = c.post("/v1/cache/evict", json={"prompt_token_ids": doc})
+        assert r.status_code == 200, r.text
+        assert r.json()["freed_pages"] == 10 and r.json()["freed_tier_pages"] == 20, r.json()  # host + disk
+        assert c.post("/v1/cache/evict", json={"prompt_token_ids": doc}).json()["freed_tier_pages"] == 0
+    with serving(config, api_key=[KEY_A], salt_per_key=True) as s, client_for(s, KEY_A) as c:
+        assert complete(c, doc + [3])["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        kept = complete(c, other + [3])["usage"]["prompt_tokens_details"]
+        assert kept["cached_tokens_by_tier"] == {"device": 0, "host": 0, "disk": 40}

@@ -18,17 +18,9 @@ from typing import Any
 import httpx
 import msgspec
 import pytest
-from server_util import MODEL_NAME, Served, scrape, serving
+from server_util import ENDLESS, Served, scrape, serving, wait_until_healthy
 
 from radixserve.config import EngineConfig
-
-LONG: dict[str, Any] = {
-    "model": MODEL_NAME,
-    "prompt": "a story that never ends",
-    "max_tokens": 400,
-    "temperature": 0,
-    "ignore_eos": True,
-}
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +41,7 @@ def test_sigkill_mid_stream_fails_every_request_then_the_server_serves_again(
 ) -> None:
     caplog.set_level(logging.INFO, logger="radixserve.server")
     c = httpx.Client(base_url=served.url, timeout=60)
-    assert c.post("/v1/completions", json={**LONG, "max_tokens": 2}).status_code == 200
+    assert c.post("/v1/completions", json={**ENDLESS, "max_tokens": 2}).status_code == 200
     pid = served.engine.engine_pid
     assert pid is not None
     results: dict[str, httpx.Response] = {}
@@ -57,12 +49,12 @@ def test_sigkill_mid_stream_fails_every_request_then_the_server_serves_again(
     def post(name: str, body: dict[str, Any]) -> None:
         results[name] = httpx.post(f"{served.url}/v1/completions", json=body, timeout=60)
 
-    with c.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as streaming:
+    with c.stream("POST", "/v1/completions", json={**ENDLESS, "stream": True}) as streaming:
         lines = streaming.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))  # the stream has started
         threads = [
-            threading.Thread(target=post, args=("whole", LONG)),  # running, not streamed
-            threading.Thread(target=post, args=("waiting", {**LONG, "stream": True})),
+            threading.Thread(target=post, args=("whole", ENDLESS)),  # running, not streamed
+            threading.Thread(target=post, args=("waiting", {**ENDLESS, "stream": True})),
         ]
         threads[0].start()
         deadline = time.monotonic() + 30
@@ -91,14 +83,11 @@ def test_sigkill_mid_stream_fails_every_request_then_the_server_serves_again(
     # process itself is alive (/health/live, liveness).
     assert c.get("/health").status_code == 503
     assert c.get("/health/live").status_code == 200
-    r = c.post("/v1/completions", json={**LONG, "max_tokens": 2})
+    r = c.post("/v1/completions", json={**ENDLESS, "max_tokens": 2})
     assert r.status_code == 503 and _error(r)["type"] == "service_unavailable_error"
 
-    deadline = time.monotonic() + 60
-    while c.get("/health").status_code != 200:
-        assert time.monotonic() < deadline, "the engine process was not restarted"
-        time.sleep(0.1)
-    r = c.post("/v1/completions", json={**LONG, "max_tokens": 3})
+    wait_until_healthy(c, 60)
+    r = c.post("/v1/completions", json={**ENDLESS, "max_tokens": 3})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     assert served.engine.engine_pid not in (None, pid)
     c.close()
@@ -114,12 +103,12 @@ def test_sigterm_to_the_engine_process_drains_it_then_it_is_restarted(served: Se
     pid = served.engine.engine_pid
     assert pid is not None
     with httpx.Client(base_url=served.url, timeout=60) as c:
-        with c.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as streaming:
+        with c.stream("POST", "/v1/completions", json={**ENDLESS, "stream": True}) as streaming:
             lines = streaming.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))
             os.kill(pid, signal.SIGTERM)
             time.sleep(0.2)
-            refused = c.post("/v1/completions", json={**LONG, "max_tokens": 2})
+            refused = c.post("/v1/completions", json={**ENDLESS, "max_tokens": 2})
             rest = [line[len("data: ") :] for line in lines if line.startswith("data: ")]
         assert refused.status_code == 503 and "shutting down" in _error(refused)["message"], refused.text
         assert rest[-1] == "[DONE]" and json.loads(rest[-2])["choices"][0]["finish_reason"] == "length"
@@ -127,7 +116,7 @@ def test_sigterm_to_the_engine_process_drains_it_then_it_is_restarted(served: Se
         while served.engine.engine_pid in (None, pid) or c.get("/health").status_code != 200:
             assert time.monotonic() < deadline, "the engine process was not restarted"
             time.sleep(0.1)
-        assert c.post("/v1/completions", json={**LONG, "max_tokens": 2}).status_code == 200
+        assert c.post("/v1/completions", json={**ENDLESS, "max_tokens": 2}).status_code == 200
 
 
 # Loaded by every Python process started with this folder on PYTHONPATH: in the engine process it
@@ -159,8 +148,8 @@ def test_an_exception_in_the_engine_is_a_500_then_it_serves_again(
     with serving(EngineConfig(str(tiny_llama), page_size=4, num_pages=1024)) as s:
         pid = s.engine.engine_pid
         with httpx.Client(base_url=s.url, timeout=60) as c:
-            assert c.post("/v1/completions", json={**LONG, "max_tokens": 2}).status_code == 200
-            r = c.post("/v1/completions", json={**LONG, "max_tokens": FAIL_AT})
+            assert c.post("/v1/completions", json={**ENDLESS, "max_tokens": 2}).status_code == 200
+            r = c.post("/v1/completions", json={**ENDLESS, "max_tokens": FAIL_AT})
             assert r.status_code == 500, r.text
             error = _error(r)
             assert error["type"] == "server_error" and "exit code 1" in error["message"], error
@@ -172,7 +161,7 @@ def test_an_exception_in_the_engine_is_a_500_then_it_serves_again(
                 health.append(c.get("/health").status_code)
             assert health[0] == 503, health  # the process is replaced, which takes seconds
             assert s.engine.engine_pid not in (None, pid)
-            r = c.post("/v1/completions", json={**LONG, "max_tokens": 3})
+            r = c.post("/v1/completions", json={**ENDLESS, "max_tokens": 3})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
 

@@ -10,22 +10,13 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import psutil
 import pytest
-from server_util import MODEL_NAME, Served, serving
+from server_util import ENDLESS, Served, serving, wait_until_healthy
 
 from radixserve.config import EngineConfig
-
-LONG: dict[str, Any] = {
-    "model": MODEL_NAME,
-    "prompt": "a story that never ends",
-    "max_tokens": 400,
-    "temperature": 0,
-    "ignore_eos": True,
-}
 
 
 @pytest.fixture(scope="module")
@@ -44,14 +35,14 @@ def worker_ranks(engine_pid: int) -> list[psutil.Process]:
 
 def test_sigkill_of_one_rank_mid_stream_then_the_server_serves_again(served: Served) -> None:
     c = httpx.Client(base_url=served.url, timeout=60)
-    r = c.post("/v1/completions", json={**LONG, "max_tokens": 3})
+    r = c.post("/v1/completions", json={**ENDLESS, "max_tokens": 3})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     assert c.get("/metrics").status_code == 200
     pid = served.engine.engine_pid
     assert pid is not None
     (rank1,) = worker_ranks(pid)
 
-    with c.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as streaming:
+    with c.stream("POST", "/v1/completions", json={**ENDLESS, "stream": True}) as streaming:
         lines = streaming.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))  # the stream has started
         os.kill(rank1.pid, signal.SIGKILL)
@@ -63,11 +54,8 @@ def test_sigkill_of_one_rank_mid_stream_then_the_server_serves_again(served: Ser
     assert "tensor-parallel rank 1" in error["message"] and "died" in error["message"], error
 
     assert c.get("/health").status_code == 503  # the engine (every rank) is being replaced
-    deadline = time.monotonic() + 120
-    while c.get("/health").status_code != 200:
-        assert time.monotonic() < deadline, "the engine process was not restarted"
-        time.sleep(0.1)
-    r = c.post("/v1/completions", json={**LONG, "max_tokens": 3})
+    wait_until_healthy(c, 120)
+    r = c.post("/v1/completions", json={**ENDLESS, "max_tokens": 3})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     new_pid = served.engine.engine_pid
     assert new_pid not in (None, pid) and len(worker_ranks(new_pid)) == 1
