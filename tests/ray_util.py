@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+from server_util import scrape
 
 from radixserve.config import EngineConfig
 
@@ -59,8 +60,6 @@ def wait_for_replicas(app: App, n: int, headers: dict[str, str] | None, timeout_
     """Until the ingress's stats poll reaches ``n`` replicas. Serve calls an application running once
     its replicas are, but the ingress's router hears of them by long poll a moment later: a test sending
     requests at once would find one replica (a round-robin baseline then hits every cache)."""
-    from server_util import scrape
-
     deadline = time.monotonic() + timeout_s
     with httpx.Client(base_url=app.url, timeout=30) as client:
         while scrape(client, headers).get("radixserve_replicas", 0) < n:

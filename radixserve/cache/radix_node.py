@@ -103,7 +103,7 @@ class EvictResult(NamedTuple):
     unbacked_keys: list[bytes]
     # The chain keys of every freed page (nodes carry keys with lower tiers or a listener): an eviction
     # by prefix drops their copies below too (KVCacheManager.evict_prefix).
-    keys: list[bytes] = []
+    keys: list[bytes]
 
 
 def common_prefix(key: tuple[int, ...], tokens: Sequence[int], start: int, end: int) -> int:
