@@ -12,9 +12,9 @@ import pytest
 from server_util import running_server
 
 # benchmarks/ is a top-level folder of the repository, not part of the installed package.
-from benchmarks.metrics import LATENCIES, PERCENTILES
 from benchmarks.common import write_results
 from benchmarks.loadgen import RunConfig, run_benchmark, runs_markdown
+from benchmarks.metrics import LATENCIES, PERCENTILES
 from benchmarks.workloads import Corpus, WorkloadSpec, build_workload, load_tokenizer
 from radixserve.config import EngineConfig
 
