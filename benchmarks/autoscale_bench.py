@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 
 from benchmarks.common import RESULTS, write_results
-from benchmarks.metrics import parse_prometheus, percentile
+from benchmarks.metrics import percentile, scrape, wait_quantile
 from benchmarks.plots import plot_timeline
 from benchmarks.servers import free_port
 from benchmarks.workloads import WorkloadSpec, build_workload, load_tokenizer
@@ -42,7 +42,6 @@ FAST_PUSH = {  # Ray's default is 10 s: seconds of lag that a 60 s burst cannot 
     "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
     "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
 }
-WAIT_BUCKET = "radixserve_queue_wait_seconds_bucket"
 
 
 def arrivals(rng: random.Random, phases: list[tuple[float, float]]) -> list[float]:
@@ -98,38 +97,6 @@ async def one(client: httpx.AsyncClient, prompt: str, max_tokens: int, t0: float
         "output": usage.get("completion_tokens", 0),
         "error": error,
     }
-
-
-def scrape(text: str) -> dict[str, float]:
-    """/metrics as name -> value, with the queue-wait histogram's buckets as ``WAIT_BUCKET:<le>``."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    values = parse_prometheus(text)
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == WAIT_BUCKET:
-                values[f"{WAIT_BUCKET}:{sample.labels['le']}"] = sample.value
-    return values
-
-
-def wait_quantile(before: dict[str, float], after: dict[str, float], q: float) -> float | None:
-    """histogram_quantile(q) of the queue-wait observations between two scrapes (linear within a
-    bucket, as Prometheus computes it)."""
-    bounds = sorted(
-        (float(k.split(":", 1)[1]), after[k] - before.get(k, 0.0))
-        for k in after
-        if k.startswith(WAIT_BUCKET + ":")
-    )
-    if not bounds or bounds[-1][1] <= 0:
-        return None
-    rank, lower, below = q * bounds[-1][1], 0.0, 0.0
-    for upper, count in bounds:
-        if count >= rank:
-            if upper == float("inf"):
-                return lower
-            return lower + (upper - lower) * (rank - below) / max(count - below, 1e-9)
-        lower, below = upper, count
-    return lower
 
 
 async def run_load(

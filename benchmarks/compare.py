@@ -19,16 +19,13 @@ Invariants:
 - A peer that is not installed is skipped with a note; nothing is ever estimated in its place.
 - llama-server runs the original Q4_1 GGUF (4-bit weights): its name carries that note everywhere
   it appears, because its arithmetic differs from the fp32 engines.
-- HF ``generate`` runs static batches of ``concurrency`` requests with no reuse, offline (every
-  request of a batch is available when the batch starts; latencies count from the batch start).
-  It takes part in the closed-loop cases only: it has no arrival process.
+- HF ``generate`` (benchmarks/hf_baseline.py, offline static batches) runs the closed-loop cases only.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,8 +41,8 @@ from benchmarks.compare_report import (
     ratios,
     render_markdown,
 )
-from benchmarks.loadgen import RunConfig, request_row, run_benchmark, table_row
-from benchmarks.metrics import RequestResult, summarize
+from benchmarks.hf_baseline import hf_generate
+from benchmarks.loadgen import RunConfig, run_benchmark, table_row
 from benchmarks.modes import unavailable
 from benchmarks.plots import plot_bars, plot_cdfs, plot_rate_sweep
 from benchmarks.servers import (
@@ -57,7 +54,7 @@ from benchmarks.servers import (
     radixserve_command,
     server_flags,
 )
-from benchmarks.workloads import Corpus, Workload, WorkloadSpec, build_workload, load_tokenizer
+from benchmarks.workloads import Corpus, WorkloadSpec, build_workload, load_tokenizer
 
 ENGINES = (
     "radixserve",
@@ -187,91 +184,6 @@ def default_gguf() -> str | None:
         return str(find_default_gguf())
     except FileNotFoundError:
         return None
-
-
-# -- the in-process HF baseline ----------------------------------------------------------------------
-def hf_generate(
-    workload: Workload,
-    model_dir: str,
-    tokenizer: Any,
-    batch_size: int,
-    max_duration_s: float,
-    max_requests: int,
-) -> dict[str, Any]:
-    """Static batches of ``batch_size`` sessions through ``model.generate``, turn by turn, no reuse."""
-    import torch
-    from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
-
-    class _StepTimes(StoppingCriteria):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-
-        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-            self.times.append(time.perf_counter())
-            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    results: list[RequestResult] = []
-    start = time.perf_counter()
-    sessions = workload.sessions
-    for b in range(0, len(sessions), batch_size):
-        batch = list(range(b, min(b + batch_size, len(sessions))))
-        for k in range(max(len(sessions[i].turns) for i in batch)):
-            live = [i for i in batch if k < len(sessions[i].turns)]
-            if time.perf_counter() - start > max_duration_s or len(results) + len(live) > max_requests:
-                break
-            prompts = [
-                tokenizer.apply_chat_template(
-                    sessions[i].messages(k), tokenize=False, add_generation_prompt=True
-                )
-                for i in live
-            ]
-            enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-            new = max(sessions[i].turns[k].max_tokens for i in live)
-            steps = _StepTimes()
-            sent = time.perf_counter()
-            with torch.inference_mode():
-                out = model.generate(
-                    **enc,
-                    max_new_tokens=new,
-                    min_new_tokens=new,
-                    do_sample=False,
-                    pad_token_id=tokenizer.pad_token_id,
-                    stopping_criteria=StoppingCriteriaList([steps]),
-                )
-            finished = time.perf_counter()
-            texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-            for row, (i, text) in enumerate(zip(live, texts, strict=True)):
-                res = RequestResult(
-                    i,
-                    k,
-                    sessions[i].turns[k].kind,
-                    sent=sent,
-                    finished=finished,
-                    chunk_times=list(steps.times),
-                    prompt_tokens=int(enc["attention_mask"][row].sum()),
-                    output_tokens=new,
-                    cached_tokens=0,
-                    output_text=text,
-                )
-                results.append(res)
-                sessions[i].answers.append(text)
-    meta = {
-        "base_url": "in-process",
-        "label": "hf-generate",
-        "mode": "closed",
-        "concurrency": batch_size,
-        "request_rate": None,
-        "scenario": "steady",
-        "model": model_dir,
-        "workload": workload.describe(),
-    }
-    summary = summarize(results)
-    summary.update(arrival_lag_p99_ms=None, timed_out=False)
-    return {"meta": meta, "summary": summary, "requests": [request_row(r, start) for r in results]}
 
 
 # -- the comparison ------------------------------------------------------------------------------------
@@ -411,18 +323,9 @@ def write_outputs(doc: dict[str, Any], out_dir: Path, stem: str) -> list[Path]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.compare", description=__doc__.split("\n\n")[0])
     a = p.add_argument
-    a(
-        "--engines",
-        type=lambda s: s.split(","),
-        default=None,
-        help=f"comma-separated from {','.join(ENGINES)} (default: all)",
-    )
-    a(
-        "--cases",
-        type=lambda s: s.split(","),
-        default=None,
-        help="comma-separated from rag,multiturn,nosharing,steady,burst,mixed,sweep (default: all but sweep)",
-    )
+    names = lambda s: s.split(",")  # noqa: E731
+    a("--engines", type=names, default=None, help=f"comma-separated from {','.join(ENGINES)} (default: all)")
+    a("--cases", type=names, help=f"comma-separated (default: {','.join(DEFAULT_CASES)}; also sweep)")
     a("--quick", action="store_true", help="tiny sizes: a smoke run of a few requests per case")
     a(
         "--issue21",

@@ -21,6 +21,7 @@ LIBRARIES = {
     "accuracy",
     "common",
     "compare_report",
+    "hf_baseline",
     "loadgen",
     "metrics",
     "modes",
