@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.accuracy import Scored, agreement, offline_scores, served_scores
+from benchmarks.accuracy import TEXTS, Scored, agreement, offline_scores, served_scores
 from benchmarks.common import RESULTS, alternate, args_json, write_results
 from benchmarks.modes import MODES, Mode, engine_options, kv_token_bytes, parse_modes, unavailable
 from benchmarks.plots import plot_bars
@@ -58,6 +58,7 @@ from radixserve.model.quant import int8_linear, quantize_rows, weight_bytes
 
 REFERENCE = "fp32"
 PAGE_SIZE = 16  # the engine's default
+TEXT_TOKENS = 512  # room for each text of accuracy.TEXTS (SmolLM2 cuts the longest into 67 tokens)
 HEADER = ["mode", "measure", "fp32", "mode's", "fp32 / mode's"]
 
 
@@ -67,6 +68,9 @@ def build_engines(modes: list[Mode], args: argparse.Namespace) -> tuple[dict[str
     batches = [int(b) for b in args.batches.split(",")]
     longest = max(args.context, args.prefill) + args.repeats + 8
     pages = max(batches) * -(-longest // PAGE_SIZE) + 2 * -(-(args.prefill + 1) // PAGE_SIZE) + 8
+    if args.accuracy == "offline":  # every text scored at once, each well under TEXT_TOKENS
+        longest = max(longest, TEXT_TOKENS)
+        pages += len(TEXTS) * -(-TEXT_TOKENS // PAGE_SIZE)
     engines: dict[str, Engine] = {}
     skipped: dict[str, str] = {}
     for mode in modes:
@@ -75,7 +79,13 @@ def build_engines(modes: list[Mode], args: argparse.Namespace) -> tuple[dict[str
         if why is None:
             try:
                 engines[mode.name] = Engine(
-                    prefix_cache=False, page_size=PAGE_SIZE, num_pages=pages, max_model_len=longest, **options
+                    args.model,
+                    prefix_cache=False,
+                    page_size=PAGE_SIZE,
+                    num_pages=pages,
+                    max_model_len=longest,
+                    enforce_eager=args.eager,
+                    **options,
                 )
             except (TypeError, ValueError, RuntimeError, NotImplementedError) as exc:
                 why = f"{type(exc).__name__}: {exc}"
@@ -204,7 +214,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         log_dir = args.out / "logs" / args.name
         served: dict[str, list[Scored]] = {}
         for name in names:
-            flags = server_flags(by_mode[name]["options"])
+            flags = (["--model", args.model] if args.model else []) + server_flags(by_mode[name]["options"])
+            flags += ["--enforce-eager"] if args.eager else []
             served[name] = served_scores(name, flags, log_dir, args.threads, args.chunk_tokens)
             by_mode[name]["accuracy"] = asdict(agreement(served[REFERENCE], served[name]))
     doc["modes"] = by_mode
@@ -256,12 +267,14 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     a = parser.add_argument
+    a("--model", default=None, help="model folder (default: the embedded SmolLM2-135M)")
     a("--modes", default="int8,gguf", help="benchmarks/modes.py names or groups; fp32 always runs")
     a("--batches", default="1,8")
     a("--context", type=int, default=512, help="decode context")
     a("--prefill", type=int, default=512, help="prefill tokens (0: no prefill step)")
     a("--repeats", type=int, default=9, help="calls of each step per engine (median)")
     a("--cpu-time", action="store_true", help="one thread, timed by this process's CPU time")
+    a("--eager", action="store_true", help="eager steps instead of the compiled (served) ones: a quick check")
     a("--accuracy", choices=["offline", "served", "none"], default="offline")
     a("--chunk-tokens", type=int, default=0, help="served accuracy: --max-batched-tokens (0: the default)")
     a("--kernels", action="store_true", help="also time the decoder's linear shapes per kernel")

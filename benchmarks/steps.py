@@ -62,9 +62,12 @@ class Steps:
         self.rng = random.Random(seed)
         self.free = list(range(engine.kv_manager.num_pages))
         self.rng.shuffle(self.free)  # scattered pages, as after a while of serving
+        # Token ids to draw from: ordinary ones of SmolLM2's vocabulary, within a smaller model's.
+        self.hi = min(40000, engine.model.config.vocab_size)
+        self.lo = min(100, self.hi // 2)
 
     def tokens(self, n: int) -> list[int]:
-        return [self.rng.randrange(100, 40000) for _ in range(n)]
+        return [self.rng.randrange(self.lo, self.hi) for _ in range(n)]
 
     def pages(self, n_tokens: int) -> list[int]:
         return [self.free.pop() for _ in range(-(-n_tokens // self.page_size))]
@@ -87,7 +90,7 @@ class Steps:
 
         def step() -> None:
             for s in seqs:
-                s.append(self.rng.randrange(100, 40000))
+                s.append(self.rng.randrange(self.lo, self.hi))
             self.runner.run([SeqChunk(s, len(s) - 1, 1, t) for s, t in zip(seqs, tables)])
 
         return step, tables

@@ -177,3 +177,29 @@ def test_mode_bench_table_from_known_figures() -> None:
     assert rows[("kernels", "the layers' linears, 8 row(s): int8 _int_mm (ms)")] == [3.0, 1.5, 2.0]
     assert ("gguf", "unavailable: no gguf here") in rows
     assert not any(r[0] == "fp32" for r in mode_bench.table(doc))  # the reference is the columns
+
+
+def test_mode_bench_runs_end_to_end_on_the_tiny_model(tiny_llama: Path, tmp_path: Path) -> None:
+    """Every measurement of the three benchmarks it replaced, in one run: steps in turns, weights,
+    K/V bytes at the pool's real dtype, offline accuracy, the kernels; the result files and plot."""
+    argv = ["--model", str(tiny_llama), "--modes", "fp32+kv-bf16,fp32+kv-int8", "--batches", "1,2"]
+    argv += ["--context", "16", "--prefill", "8", "--repeats", "2", "--eager", "--kernels"]
+    argv += ["--kernel-repeats", "1", "--out", str(tmp_path), "--name", "t"]
+    mode_bench.main(argv)
+    doc = json.loads((tmp_path / "t.json").read_text())
+    assert list(doc["modes"]) == ["fp32", "fp32+kv-bf16", "fp32+kv-int8"] and doc["skipped"] == {}
+    fp32, bf16, int8 = (doc["modes"][m] for m in doc["modes"])
+    assert set(fp32["steps_ms"]) == {"decode 1 x 16", "decode 2 x 16", "prefill 8"}
+    assert all(ms > 0 for m in (fp32, bf16, int8) for ms in m["steps_ms"].values())
+    assert bf16["resolved"]["kv_cache_dtype"] == "bfloat16" and int8["resolved"]["kv_cache_dtype"] == "int8"
+    ref_kv = fp32["kv_mb_per_decode_step"]
+    assert bf16["kv_mb_per_decode_step"]["b2"] == pytest.approx(ref_kv["b2"] / 2)  # 2 bytes against 4
+    assert int8["kv_mb_per_decode_step"]["b1"] < ref_kv["b1"] / 3  # 1 byte + a scale per token and head
+    assert bf16["weights"] == fp32["weights"]  # the KV dtype leaves the weights alone
+    assert fp32["accuracy"]["mean_abs_dloglik"] == 0.0 and fp32["accuracy"]["top1_agreement"] == 1.0
+    assert bf16["accuracy"]["tokens"] == fp32["accuracy"]["tokens"] > 100
+    assert int8["accuracy"]["mean_abs_dloglik"] > 0.0 and int8["accuracy"]["top1_agreement"] > 0.5
+    assert "fp32 (aten linear)" in doc["kernels"]["rows2"]
+    md = (tmp_path / "t.md").read_text()
+    assert "| fp32+kv-int8 | decode 2 x 16 (ms) |" in md and md.rstrip().endswith("![t](t.png)")
+    assert (tmp_path / "t.png").stat().st_size > 1000
