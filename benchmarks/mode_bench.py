@@ -297,15 +297,21 @@ def main(argv: list[str] | None = None) -> None:
         for case in doc["modes"][REFERENCE]["steps_ms"]
     }
     how = f"{doc['clock']}, median of {args.repeats}, engines in turn"
+    model = Path(args.model).name if args.model else "SmolLM2-135M"
     png = args.out / f"{args.name}.png"
-    plots = plot_bars(steps, png, "step (ms, median)", f"SmolLM2-135M steps by mode ({how})")
+    plots = plot_bars(steps, png, "step (ms, median)", f"{model} steps by mode ({how})")
     write_results(
         args.name,
         doc,
         table(doc),
         HEADER,
-        f"Modes against fp32: SmolLM2-135M steps (compiled, as served; {how}), weights, K/V bytes"
-        + ("" if args.accuracy == "none" else f", accuracy ({args.accuracy} echo-logprob scoring of TEXTS)"),
+        f"Modes against fp32: {model} steps ({'eager' if args.eager else 'compiled, as served'}; {how}), "
+        "weights, K/V bytes"
+        + (
+            ""
+            if args.accuracy == "none"
+            else f", accuracy ({args.accuracy} prompt-logprob scoring of accuracy.TEXTS)"
+        ),
         args.out,
         plots=plots,
     )
