@@ -1,3 +1,4 @@
-"""Benchmarks for radixserve: a load generator for OpenAI-compatible servers (``serve_bench``),
-reproducible workloads from real prose (``workloads``), metric arithmetic (``metrics``), plots
-(``plots``) and the side-by-side comparison with peer engines (``compare``). See docs/benchmarks.md."""
+"""Benchmarks for radixserve, by job: scripts (one measurement each, run as ``python -m
+benchmarks.<script>``) over shared library modules (the server launcher ``servers``, the result
+writer in ``common``, the load generator ``loadgen``, ``workloads``, ``metrics``, ``plots``, ...).
+Scripts import libraries, never each other. See benchmarks/README.md and docs/benchmarks.md."""

@@ -4,19 +4,20 @@ Each text of ``TEXTS`` goes through ``/v1/completions`` with ``echo``, ``logprob
 ``max_tokens: 0`` (``score``); per prompt token the server gives the token's loglik and its top-1
 next token. ``agreement`` compares two servers' scores of the same texts: mean and max |d loglik| per
 token, and the fraction of positions whose greedy top-1 agrees. The maths (``agreement``) is pure, so
-tests check it on synthetic scores; ``quant_bench`` and ``accuracy_bench`` share all of it.
+tests check it on synthetic scores; ``mode_bench`` and ``accuracy_bench`` share all of it.
+``offline_scores`` gives the same scores through an in-process engine's offline API.
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from benchmarks.servers import SERVED_NAME, free_port, serving
+from benchmarks.servers import SERVED_NAME, free_port, radixserve_command, serving
+from radixserve import Engine, SamplingParams
 
 # The fixed text set: plain prose of several kinds (narrative, technical, instructions, dialogue,
 # code, numbers), each a few sentences; scored as prompts, never generated from.
@@ -102,19 +103,15 @@ def agreement(ref: list[Scored], test: list[Scored]) -> Agreement:
     return Agreement(len(deltas), sum(deltas) / len(deltas), max(deltas), same / len(deltas))
 
 
-def serve_command(port: int, flags: list[str], threads: int | None, chunk_tokens: int | None) -> list[str]:
-    """``radixserve serve`` of the default model on ``port`` with ``flags``; ``chunk_tokens`` caps the
-    tokens of a step, so that a prompt is prefilled in chunks and its later positions attend to K/V
-    read back from the pool (at the mode's KV dtype), as in serving."""
-    cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(port), "--kv-cache-gb", "0.25"]
-    cmd += ["--served-model-name", SERVED_NAME]
-    if threads:
-        cmd += ["--engine-threads", str(threads)]
-    if chunk_tokens:
-        # A chunk's products take --prefill-arithmetic's cheaper copy only above --max-running-requests
-        # rows (model/arithmetic.py): 8 keeps every chunk of 32 above it, as a served prefill would be.
-        cmd += ["--max-batched-tokens", str(chunk_tokens), "--max-running-requests", "8"]
-    return cmd + flags
+def chunk_flags(chunk_tokens: int | None) -> list[str]:
+    """Flags that cap the tokens of a step at ``chunk_tokens``, so that a prompt is prefilled in chunks
+    and its later positions attend to K/V read back from the pool (at the mode's KV dtype), as in
+    serving."""
+    if not chunk_tokens:
+        return []
+    # A chunk's products take --prefill-arithmetic's cheaper copy only above --max-running-requests
+    # rows (model/arithmetic.py): 8 keeps every chunk of 32 above it, as a served prefill would be.
+    return ["--max-batched-tokens", str(chunk_tokens), "--max-running-requests", "8"]
 
 
 def served_scores(
@@ -127,5 +124,19 @@ def served_scores(
 ) -> list[Scored]:
     """Serve the default model with ``flags`` (its log: ``log_dir/name.log``), score ``texts``, stop it."""
     port = free_port()
-    with serving(name, serve_command(port, flags, threads, chunk_tokens), port, log_dir) as url:
+    cmd = radixserve_command(port, *chunk_flags(chunk_tokens), *flags, kv_cache_gb=0.25, threads=threads)
+    with serving(name, cmd, port, log_dir) as url:
         return score(url, SERVED_NAME, texts)
+
+
+def offline_scores(engine: Engine, texts: tuple[str, ...] = TEXTS) -> list[Scored]:
+    """Each text's prompt-token logliks and top-1 next tokens through ``engine``'s own offline API (the
+    same numbers ``/v1/completions`` echo returns); tokens as ids, in text form, for ``agreement``."""
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
+    out = []
+    for result in engine.generate(list(texts), params):
+        lps = result.prompt_logprobs or []
+        rest = [lp for lp in lps[1:] if lp is not None]  # the first token has nothing before it
+        tops = [str(max(lp.top.items(), key=lambda kv: kv[1])[0]) if lp.top else "" for lp in rest]
+        out.append(Scored([str(t) for t in result.prompt_token_ids], [lp.logprob for lp in rest], tops))
+    return out

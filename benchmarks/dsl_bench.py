@@ -17,8 +17,6 @@ Writes benchmarks/results/dsl_bench.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -27,9 +25,9 @@ import httpx
 import torch
 
 import radixserve.frontend as rf
-from benchmarks.servers import free_port, serving
+from benchmarks.common import RESULTS, write_results
+from benchmarks.servers import free_port, radixserve_command, serving
 
-RESULTS = Path(__file__).resolve().parent / "results"
 DOC = (
     "Radix trees store strings by their shared prefixes: each edge holds a run of characters, and a node "
     "branches only where stored strings diverge. An inference server keys the tree by token ids and stores "
@@ -62,9 +60,8 @@ def bench_rag(
     model: str | None, prefix_cache: bool, questions: int, max_tokens: int, repeats: int
 ) -> dict[str, Any]:
     port = free_port()
-    cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(port), "--log-level", "warning"]
-    cmd += (["--model", model] if model else []) + ([] if prefix_cache else ["--no-prefix-cache"])
-    with serving("radixserve", cmd, port, Path(__file__).parent / "results" / "logs") as url:
+    cmd = radixserve_command(port, *([] if prefix_cache else ["--no-prefix-cache"]), model=model)
+    with serving("radixserve", cmd, port, RESULTS / "logs") as url:
         backend = rf.RuntimeEndpoint(url)
         qs = [f"Question {i}: what does the document say about point {i}?" for i in range(questions)]
         rag.run(questions=qs[:2], max_tokens=2, backend=backend)  # warm-up
@@ -135,9 +132,8 @@ def bench_constraints(model: str | None, batch: int, max_tokens: int) -> dict[st
     return out
 
 
-def write(results: dict[str, Any], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "dsl_bench.json").write_text(json.dumps(results, indent=2))
+def report(results: dict[str, Any]) -> str:
+    """The results as Markdown: the RAG program's table and the constraints' cost."""
     lines = [
         "# DSL benchmark",
         "",
@@ -162,7 +158,7 @@ def write(results: dict[str, Any], out: Path) -> None:
         f"Grammar cost per step (mask + apply + accept, 16 JSON matchers): {c['mask_ms_per_step']:.2f} ms "
         f"= {c['mask_overhead_pct']:.1f}% of an unconstrained decode step (target <= 5%).",
     ]
-    (out / "dsl_bench.md").write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -183,8 +179,7 @@ def main(argv: list[str] | None = None) -> None:
         bench_rag(args.model, on, args.questions, args.max_tokens, args.repeats) for on in (True, False)
     ]
     results["constraints"] = bench_constraints(args.model, 16, args.max_tokens if not args.smoke else 8)
-    write(results, args.out)
-    print((args.out / "dsl_bench.md").read_text())
+    write_results("dsl_bench", results, out_dir=args.out, markdown=report(results))
 
 
 if __name__ == "__main__":

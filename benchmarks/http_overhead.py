@@ -24,13 +24,12 @@ Writes benchmarks/results/http_overhead.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
 import threading
 import time
 from typing import Any
 
-from benchmarks.common import RESULTS, machine
-from benchmarks.serve_bench import RunConfig, run_benchmark
+from benchmarks.common import RESULTS, machine, write_results
+from benchmarks.loadgen import RunConfig, run_benchmark
 from benchmarks.servers import free_port, radixserve_command, serving
 from benchmarks.workloads import Corpus, Workload, WorkloadSpec, build_workload, load_tokenizer
 from radixserve import Engine, SamplingParams
@@ -51,7 +50,7 @@ def workload(args: argparse.Namespace, tokenizer: Any, corpus: Corpus) -> Worklo
 
 def run_http(args: argparse.Namespace, trace: Workload, tokenizer: Any) -> dict[str, Any]:
     port = free_port()
-    cmd = radixserve_command(port, args.kv_cache_gb, *args.server_args)
+    cmd = radixserve_command(port, *args.server_args, kv_cache_gb=args.kv_cache_gb)
     with serving("radixserve", cmd, port, RESULTS / "logs") as url:
         cfg = RunConfig(
             url,
@@ -149,21 +148,19 @@ def main() -> None:
     http = run_http(args, workload(args, tokenizer, corpus), tokenizer)
     offline = run_offline(args, workload(args, tokenizer, corpus))
     ratio = http["tokens_per_s"] / offline["tokens_per_s"]
+    m = machine()
     result = {
-        "machine": machine(),
+        "machine": m,
         "args": vars(args),
         "http": http,
         "offline": offline,
         "http_over_offline": ratio,
         "overhead_pct": (1 - ratio) * 100,
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "http_overhead.json").write_text(json.dumps(result, indent=2) + "\n")
-    m = result["machine"]
     md = (
         f"# HTTP overhead on a multi-turn trace ({args.sessions} conversations x {args.turns} turns of "
         f"{args.turn_tokens} tokens, {args.output_tokens}-token answers, greedy)\n\n"
-        f"Machine: {m['cpu']} ({m['cores']} cores), torch {m['torch']}, {m['date']}\n\n"
+        f"Machine: {m['cpu']} ({m['cpus']} cores), torch {m['torch']}, {m['date']}\n\n"
         "| path | output tokens | wall (s) | tokens/s | TTFT p50 (ms) |\n|---|---:|---:|---:|---:|\n"
         f"| HTTP /v1/chat/completions (SSE), engine process | {http['output_tokens']} | {http['wall_s']:.2f} "
         "| "
@@ -172,8 +169,7 @@ def main() -> None:
         f"{offline['tokens_per_s']:.1f} | {offline['ttft_p50_ms']:.0f} |\n\n"
         f"HTTP / offline throughput: {ratio:.3f} (overhead {result['overhead_pct']:.1f}%; target <= 10%)\n"
     )
-    (RESULTS / "http_overhead.md").write_text(md)
-    print(md)
+    write_results("http_overhead", result, markdown=md)
 
 
 if __name__ == "__main__":

@@ -13,16 +13,15 @@ Usage: ``python benchmarks/kernels_gpu.py [--peak-gbps N] [--quick]``; writes
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from benchmarks.common import write_results
+
 # Peak HBM bandwidth (GB/s) by substring of torch.cuda.get_device_name(); first match wins.
 PEAK_GBPS: tuple[tuple[str, float], ...] = (
     ("H200", 4800.0),
@@ -299,12 +298,8 @@ def bench_kv_ops(
     )
 
 
-def write_results(bench: Bench, device: str) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    meta = {"device": device, "peak_gbps": bench.peak, "torch": torch.__version__}
-    (RESULTS / "kernels_gpu.json").write_text(
-        json.dumps({**meta, "rows": [asdict(r) for r in bench.rows]}, indent=2)
-    )
+def report(bench: Bench, device: str) -> str:
+    """The rows as Markdown, under the device and the peak bandwidth used."""
     lines = [
         f"# Triton kernel benchmark on {device}",
         "",
@@ -317,8 +312,7 @@ def write_results(bench: Bench, device: str) -> None:
     for r in bench.rows:
         cells = [r.kernel, r.config, r.impl, r.ms, r.gbps, r.peak_pct, r.tflops, r.vs_triton, r.note]
         lines.append("| " + " | ".join("" if c is None else str(c) for c in cells) + " |")
-    (RESULTS / "kernels_gpu.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {RESULTS / 'kernels_gpu.json'} and {RESULTS / 'kernels_gpu.md'}")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -349,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         bench_extend(bench, 8, 0, 2048, 32, 8, 128, 16, torch.float16)
         bench_extend(bench, 8, 4096, 512, 32, 8, 128, 16, torch.bfloat16)
         bench_kv_ops(bench, 32, 1024, 16, 8, 128, torch.float16)
-    write_results(bench, device)
+    payload = {"device": device, "peak_gbps": bench.peak, "rows": [asdict(r) for r in bench.rows]}
+    write_results("kernels_gpu", payload, markdown=report(bench, device))
     return 0
 
 

@@ -171,3 +171,38 @@ def prefix_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
                 "prefix_hit_rate": hits / queries if queries > 0 else None,
             }
     return {"prefix_hit_tokens": None, "prefix_query_tokens": None, "prefix_hit_rate": None}
+
+
+WAIT_BUCKET = "radixserve_queue_wait_seconds_bucket"
+
+
+def scrape(text: str) -> dict[str, float]:
+    """/metrics as name -> value, with the queue-wait histogram's buckets as ``WAIT_BUCKET:<le>``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = parse_prometheus(text)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == WAIT_BUCKET:
+                values[f"{WAIT_BUCKET}:{sample.labels['le']}"] = sample.value
+    return values
+
+
+def wait_quantile(before: dict[str, float], after: dict[str, float], q: float) -> float | None:
+    """histogram_quantile(q) of the queue-wait observations between two scrapes (linear within a
+    bucket, as Prometheus computes it)."""
+    bounds = sorted(
+        (float(k.split(":", 1)[1]), after[k] - before.get(k, 0.0))
+        for k in after
+        if k.startswith(WAIT_BUCKET + ":")
+    )
+    if not bounds or bounds[-1][1] <= 0:
+        return None
+    rank, lower, below = q * bounds[-1][1], 0.0, 0.0
+    for upper, count in bounds:
+        if count >= rank:
+            if upper == float("inf"):
+                return lower
+            return lower + (upper - lower) * (rank - below) / max(count - below, 1e-9)
+        lower, below = upper, count
+    return lower

@@ -117,15 +117,6 @@ def engine_options(mode: Mode, known: Iterable[str] | None = None) -> dict[str, 
     return out
 
 
-def server_flags(options: Mapping[str, Any]) -> list[str]:
-    """``radixserve serve`` flags for Engine kwargs (knobs.py names each flag after its field)."""
-    flags: list[str] = []
-    for knob, value in options.items():
-        if value is not None:
-            flags += [f"--{knob.replace('_', '-')}", str(value)]
-    return flags
-
-
 def unavailable(options: Mapping[str, Any]) -> str | None:
     """Why this build cannot run ``options`` (an unknown knob or choice), or None. Checks the config
     only: a refusal that needs the model (a CPU without bf16, say) shows when the engine is built."""

@@ -26,7 +26,6 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -37,8 +36,9 @@ import httpx
 
 from benchmarks.common import RESULTS, args_json, cpu_model, write_results
 from benchmarks.metrics import percentile
-from benchmarks.prefix_bench import prose
-from benchmarks.servers import SERVED_NAME, free_port, serving
+from benchmarks.plots import plot_series_and_percentiles
+from benchmarks.servers import SERVED_NAME, free_port, radixserve_command, serving
+from benchmarks.workloads import prose
 
 PHASES = ("unpinned", "pinned")
 PIN = {"type": "ephemeral", "ttl": "1h"}
@@ -186,46 +186,26 @@ def summarize(samples: Sequence[Sample]) -> dict[str, Any]:
     return out
 
 
-def server_command(model: str, port: int, args: argparse.Namespace) -> list[str]:
-    cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--model", model, "--port", str(port)]
-    cmd += ["--served-model-name", SERVED_NAME, "--log-level", "warning"]
-    cmd += ["--page-size", str(args.page_size), "--num-pages", str(args.num_pages)]
-    cmd += ["--max-model-len", str(context_tokens(args.system_tokens, args.filler_tokens))]
-    cmd += ["--max-pinned-fraction", str(args.max_pinned_fraction)]
-    if args.engine_threads is not None:
-        cmd += ["--engine-threads", str(args.engine_threads)]
-    return cmd
+def server_flags(args: argparse.Namespace) -> list[str]:
+    """The pool and pin budget both phases' servers run with."""
+    flags = ["--page-size", str(args.page_size), "--num-pages", str(args.num_pages)]
+    flags += ["--max-model-len", str(context_tokens(args.system_tokens, args.filler_tokens))]
+    return flags + ["--max-pinned-fraction", str(args.max_pinned_fraction)]
 
 
-def plot(phases: dict[str, list[Sample]], path: Path, title: str) -> None:
+def plot(phases: dict[str, list[Sample]], path: Path, title: str) -> list[Path]:
     """Left: TTFT of each timed system request by round, per phase; right: p50 and p95 bars."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    width = 0.38
-    for i, (name, samples) in enumerate(phases.items()):
+    series = {}
+    for name, samples in phases.items():
         timed = [s for s in samples if s.kind == "system" and s.round >= 0 and s.ttft_ms is not None]
-        left.plot([s.round for s in timed], [s.ttft_ms for s in timed], marker="o", label=name)
-        ttfts = [s.ttft_ms for s in timed if s.ttft_ms is not None]
-        p50, p95 = percentile(ttfts, 50) or 0.0, percentile(ttfts, 95) or 0.0
-        bars = right.bar([j + (i - 0.5) * width for j in range(2)], [p50, p95], width, label=name)
-        right.bar_label(bars, fmt="%.0f", fontsize=8)
-    left.set_xlabel("round (after the fillers that fill the pool)")
-    left.set_ylabel("TTFT of the system-prompt request (ms)")
-    left.set_yscale("log")
-    left.grid(True, which="both", alpha=0.3)
-    left.legend()
-    right.set_xticks([0, 1], ["p50", "p95"])
-    right.set_ylabel("TTFT (ms)")
-    right.legend()
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        series[name] = ([float(s.round) for s in timed], [s.ttft_ms for s in timed if s.ttft_ms is not None])
+    return plot_series_and_percentiles(
+        series,
+        path,
+        "round (after the fillers that fill the pool)",
+        "TTFT of the system-prompt request (ms)",
+        title,
+    )
 
 
 def main() -> None:
@@ -266,7 +246,8 @@ def main() -> None:
     started = time.time()
     for name in PHASES:
         port = free_port()
-        with serving(f"pin_bench-{name}", server_command(model, port, args), port, args.out / "logs") as url:
+        cmd = radixserve_command(port, *server_flags(args), model=model, threads=args.engine_threads)
+        with serving(f"pin_bench-{name}", cmd, port, args.out / "logs") as url:
             before = os.getloadavg()[0]
             phases[name] = run_phase(url, workload, pin=name == "pinned", max_tokens=args.max_tokens)
             load[name] = {"load1_before": before, "load1_after": os.getloadavg()[0]}

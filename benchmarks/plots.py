@@ -1,6 +1,7 @@
-"""PNG plots of benchmark results: latency CDFs, throughput against request rate, per-case bars.
+"""PNG plots of benchmark results, the one place the benchmarks draw: latency CDFs and throughput
+against request rate (of the run dicts that ``loadgen.run_benchmark`` returns, grouped by engine
+name), per-case bars, overlaid bars, a series beside its percentile bars, and a timeline.
 
-Inputs are the run dicts that ``serve_bench.run_benchmark`` returns, grouped by engine name.
 Plots are written with matplotlib's Agg backend (no display needed); each function returns the
 paths it wrote, and writes nothing when there is nothing to show.
 """
@@ -118,3 +119,76 @@ def plot_runs(groups: Mapping[str, Sequence[dict[str, Any]]], out_dir: Path, ste
     return out + plot_rate_sweep(
         groups, out_dir / f"{stem}-throughput-vs-rate.png", f"{stem}: throughput vs rate"
     )
+
+
+def plot_overlaid_bars(
+    labels: Sequence[str], layers: Mapping[str, Sequence[float]], path: Path, ylabel: str, title: str
+) -> list[Path]:
+    """One bar per label for each layer, drawn over the layer before (a part in front of its whole)."""
+    if not labels or not layers:
+        return []
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, values in layers.items():
+        ax.bar(list(labels), list(values), label=name)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    return _save(fig, path)
+
+
+def plot_series_and_percentiles(
+    series: Mapping[str, tuple[Sequence[float], Sequence[float]]],
+    path: Path,
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    percentiles: Sequence[int] = (50, 95),
+) -> list[Path]:
+    """Left: each group's (x, y) points as a line on a log y axis; right: each group's percentiles of
+    its y values as bars, labelled with their values."""
+    if not any(ys for _, ys in series.values()):
+        return []
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    width = 0.8 / len(series)
+    for i, (name, (xs, ys)) in enumerate(series.items()):
+        left.plot(list(xs), list(ys), marker="o", label=name)
+        values = [float(np.percentile(ys, q)) if len(ys) else 0.0 for q in percentiles]
+        offset = (i - (len(series) - 1) / 2) * width
+        bars = right.bar([j + offset for j in range(len(percentiles))], values, width, label=name)
+        right.bar_label(bars, fmt="%.0f", fontsize=8)
+    left.set_xlabel(xlabel)
+    left.set_ylabel(ylabel)
+    left.set_yscale("log")
+    left.grid(True, which="both", alpha=0.3)
+    left.legend()
+    right.set_xticks(range(len(percentiles)), [f"p{q}" for q in percentiles])
+    right.set_ylabel(ylabel)
+    right.legend()
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, path)
+
+
+def plot_timeline(
+    runs: Mapping[str, Mapping[str, Any]], shaded: tuple[float, float], path: Path, title: str
+) -> list[Path]:
+    """Top: each run's replicas (steps) and queue depth over time; bottom: each request's TTFT at the
+    time it was sent. ``runs[label]`` has ``series`` ({t, replicas, depth}) and ``requests`` ({sent_s,
+    ttft_s}); ``shaded`` marks a window (a burst) on both."""
+    if not runs:
+        return []
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    for label, run in runs.items():
+        t = [s["t"] for s in run["series"]]
+        top.step(t, [s["replicas"] for s in run["series"]], where="post", label=f"{label}: replicas")
+        top.plot(t, [s["depth"] for s in run["series"]], alpha=0.5, label=f"{label}: queue depth")
+        ok = [r for r in run["requests"] if r["ttft_s"] is not None]
+        bottom.scatter([r["sent_s"] for r in ok], [r["ttft_s"] for r in ok], s=8, label=label)
+    for ax in (top, bottom):
+        ax.axvspan(*shaded, color="grey", alpha=0.12)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    top.set_ylabel("replicas / waiting requests")
+    bottom.set_ylabel("TTFT (s)")
+    bottom.set_xlabel("time (s); shaded: the 5x burst")
+    top.set_title(title)
+    return _save(fig, path)

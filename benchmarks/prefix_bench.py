@@ -20,23 +20,8 @@ from dataclasses import dataclass, field
 import torch
 
 from benchmarks.common import write_results
+from benchmarks.workloads import prose
 from radixserve import Engine, SamplingParams
-
-
-def prose(tokenizer: object, n_tokens: int, seed: int) -> str:
-    """About ``n_tokens`` of real prose shipped with Python (the reference docs in pydoc_data)."""
-    from pydoc_data.topics import topics
-
-    keys = sorted(topics)
-    random.Random(seed).shuffle(keys)
-    text, count = "", 0
-    for k in keys:
-        text += topics[k] + "\n"
-        count = len(tokenizer.encode(text))  # type: ignore[attr-defined]
-        if count >= n_tokens:
-            break
-    ids = tokenizer.encode(text)[:n_tokens]  # type: ignore[attr-defined]
-    return tokenizer.decode(ids)  # type: ignore[attr-defined,no-any-return]
 
 
 @dataclass

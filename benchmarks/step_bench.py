@@ -21,120 +21,16 @@ Writes benchmarks/results/step_bench.{json,md} (with --modes: step_modes.{json,m
 from __future__ import annotations
 
 import argparse
-import random
-import subprocess
-import sys
-import time
-from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks.common import RESULTS, args_json, write_results
-from benchmarks.modes import Formats, Limits, Shapes, StepModel
+from benchmarks.modes import Formats, Shapes, StepModel
+from benchmarks.step_modes import run_modes
+from benchmarks.steps import Steps, measure_limits
 from radixserve import Engine
-from radixserve.model.runner import SeqChunk
-
-
-def median_of(fn: Callable[[], Any], repeats: int) -> float:
-    """Median seconds of ``repeats`` calls after one warm-up: robust to a shared machine's spikes."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
-
-
-def runs_in_subprocess(code: str) -> bool:
-    """Whether ``code`` runs in a fresh interpreter: an instruction the CPU lists but traps on (AMX on
-    some VMs) kills that process, not this one."""
-    try:
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=300)
-    except subprocess.TimeoutExpired:
-        return False
-    return proc.returncode == 0
-
-
-PEAK_PROBES = {
-    "int8": "import torch; a = torch.ones(64, 64, dtype=torch.int8); torch._int_mm(a, a)",
-    "bf16": "import torch; a = torch.ones(64, 64, dtype=torch.bfloat16); a @ a",
-}
-
-
-def measure_limits(repeats: int = 5, arithmetics: Iterable[str] = ("fp32",)) -> Limits:
-    """Read bandwidth and the peak of each of ``arithmetics`` (fp32 always; int8 ``torch._int_mm``
-    and bf16 matmul where asked and where they run) on 2048^3 products."""
-    buf = torch.ones(2**30 // 4)  # 1 GiB: well beyond any cache
-    bw = buf.numel() * 4 / min(median_of(buf.sum, repeats), median_of(lambda: buf.max(), repeats)) / 1e9
-    n = 2048
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    peaks = {"fp32": 2 * n**3 / median_of(lambda: a @ b, repeats) / 1e9}
-    if "int8" in arithmetics and runs_in_subprocess(PEAK_PROBES["int8"]):
-        qa, qb = (torch.randint(-127, 128, (n, n), dtype=torch.int8) for _ in range(2))
-        peaks["int8"] = 2 * n**3 / median_of(lambda: torch._int_mm(qa, qb), repeats) / 1e9
-    if "bf16" in arithmetics and runs_in_subprocess(PEAK_PROBES["bf16"]):
-        ha, hb = a.bfloat16(), b.bfloat16()
-        peaks["bf16"] = 2 * n**3 / median_of(lambda: ha @ hb, repeats) / 1e9
-    return Limits(bw, peaks)
-
-
-class Steps:
-    """Decode and prefill steps of one engine's runner over scattered pages of its pool."""
-
-    def __init__(self, engine: Engine, seed: int = 0) -> None:
-        self.engine, self.runner, self.page_size = engine, engine.runner, engine.config.page_size
-        self.rng = random.Random(seed)
-        self.free = list(range(engine.kv_manager.num_pages))
-        self.rng.shuffle(self.free)  # scattered pages, as after a while of serving
-
-    def tokens(self, n: int) -> list[int]:
-        return [self.rng.randrange(100, 40000) for _ in range(n)]
-
-    def pages(self, n_tokens: int) -> list[int]:
-        return [self.free.pop() for _ in range(-(-n_tokens // self.page_size))]
-
-    def release(self, tables: list[list[int]]) -> None:
-        for t in tables:
-            self.free.extend(t)
-
-    def decode_step(
-        self, batch: int, context: int, max_steps: int, prefill: bool = True
-    ) -> tuple[Callable[[], None], list[list[int]]]:
-        """A call that runs one more decode step of ``batch`` sequences of ``context`` tokens (at most
-        ``max_steps`` calls), and the page tables to ``release`` after. ``prefill``: compute the
-        context's K/V first; else the pages hold what they hold, which changes no kernel's work."""
-        seqs = [self.tokens(context) for _ in range(batch)]
-        tables = [self.pages(context + max_steps + 2) for _ in range(batch)]
-        if prefill:
-            for s, t in zip(seqs, tables):  # one at a time: each in its own chunks
-                self.runner.run([SeqChunk(s, 0, len(s), t)])
-
-        def step() -> None:
-            for s in seqs:
-                s.append(self.rng.randrange(100, 40000))
-            self.runner.run([SeqChunk(s, len(s) - 1, 1, t) for s, t in zip(seqs, tables)])
-
-        return step, tables
-
-    def decode(self, batch: int, context: int, repeats: int, prefill: bool = True) -> float:
-        step, tables = self.decode_step(batch, context, repeats + 1, prefill)
-        seconds = median_of(step, repeats)
-        self.release(tables)
-        return seconds
-
-    def extend(self, new: int, cached: int, repeats: int) -> float:
-        """``new`` tokens over ``cached`` ones already in the pages (recomputed into the same slots)."""
-        seq = self.tokens(cached + new)
-        table = self.pages(cached + new)
-        if cached:
-            self.runner.run([SeqChunk(seq, 0, cached, table)])
-        seconds = median_of(lambda: self.runner.run([SeqChunk(seq, cached, new, table)]), repeats)
-        self.release([table])
-        return seconds
-
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "torch-eager": dict(attention_backend="torch", enforce_eager=True),  # before this work
@@ -177,8 +73,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.modes:
-        from benchmarks.step_modes import run_modes
-
         run_modes(args)
         return
     args.extend = args.extend or "100/500,512/512"

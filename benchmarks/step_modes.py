@@ -38,9 +38,9 @@ from benchmarks.modes import (
     unavailable,
 )
 from benchmarks.plots import plot_bars
-from benchmarks.step_bench import Steps, measure_limits
 from benchmarks.step_targets import render as render_targets
 from benchmarks.step_targets import target_rows
+from benchmarks.steps import Steps, measure_limits
 from radixserve import Engine
 
 _DTYPE_FORMAT = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import write_results
-from benchmarks.prefix_bench import prose
+from benchmarks.workloads import prose
 from radixserve import Engine, SamplingParams
 
 PAGE = 16

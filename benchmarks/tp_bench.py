@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import RESULTS, args_json, write_results
+from benchmarks.plots import plot_overlaid_bars
 from radixserve import Engine, SamplingParams
 from radixserve.parallel import comm
 
@@ -173,23 +174,16 @@ def main() -> None:
 
 
 def _plot(one: dict[str, Any], many: dict[str, Any], estimates: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     labels = ["TP=1", f"TP={many['size']} here", "2 sockets (est.)", "2 GPUs (est.)"]
     total = [one["decode_median_s"], many["decode_median_s"]] + [e["step_s"] for e in estimates.values()]
     comm_s = [0.0, many["comm_per_decode_step_s"], 0.0, 0.0]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.bar(labels, [t * 1e3 for t in total], label="decode step")
-    ax.bar(labels, [c * 1e3 for c in comm_s], label="in collectives (rank 0)")
-    ax.set_ylabel("ms per decode step")
-    ax.set_title(f"SmolLM2-135M decode step, batch {many.get('batch', '')}".strip(", "))
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plot_overlaid_bars(
+        labels,
+        {"decode step": [t * 1e3 for t in total], "in collectives (rank 0)": [c * 1e3 for c in comm_s]},
+        path,
+        "ms per decode step",
+        f"SmolLM2-135M decode step, batch {many.get('batch', '')}".strip(", "),
+    )
 
 
 if __name__ == "__main__":

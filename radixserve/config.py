@@ -31,7 +31,7 @@ class EngineConfig:
     # float32 on CPU: this CPU has no bf16 instructions.
     dtype: str = knob("auto", "auto: float32 on CPU, bfloat16 on CUDA", choices=DTYPES)
     # int8: the decoder layers' linear weights as int8 with per-channel scales, on CPU (model/quant.py).
-    # Approximate: benchmarks/quant_bench.py measures its agreement with fp32 beside its speed.
+    # Approximate: benchmarks/mode_bench.py measures its agreement with fp32 beside its speed.
     # gguf: a GGUF file's own blocks through the C++ gguf_linear op (model/gguf.py); exact, and the
     # default for a .gguf model.
     quantization: str | None = knob(

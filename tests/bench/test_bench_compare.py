@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks import compare, compare_report
+from benchmarks import compare, compare_report, servers
 
 
 def _run(tok_s: float, ttft_ms: float | None) -> dict[str, Any]:
@@ -114,13 +114,13 @@ def test_server_commands_of_the_issue21_engines(tmp_path: Path, monkeypatch: pyt
         assert fast[fast.index("--model") + 1] == "/m.gguf" and fast[-2:] == ["--preset", "fast"]
     nocache, _ = compare.server_command("radixserve-nocache", "/m", 1234)
     assert nocache is not None and "--no-prefix-cache" in nocache
-    monkeypatch.setattr(compare, "PEERS_DIR", tmp_path)
+    monkeypatch.setattr(servers, "PEERS_DIR", tmp_path)
     (tmp_path / "vllm-venv").mkdir()
     (tmp_path / "vllm-venv" / ".installed").touch()
-    monkeypatch.setattr(compare, "cpu_flags", lambda: {"avx512_bf16": True})
+    monkeypatch.setattr(servers, "cpu_flags", lambda: {"avx512_bf16": True})
     bf16, _ = compare.server_command("vllm-cpu-bf16", "/m", 1234)
     assert bf16 is not None and bf16[-2:] == ["--dtype", "bfloat16"]
-    monkeypatch.setattr(compare, "cpu_flags", lambda: {"avx512_bf16": False})
+    monkeypatch.setattr(servers, "cpu_flags", lambda: {"avx512_bf16": False})
     none, why = compare.server_command("vllm-cpu-bf16", "/m", 1234)
     assert none is None and "avx512_bf16" in why
 
@@ -128,7 +128,7 @@ def test_server_commands_of_the_issue21_engines(tmp_path: Path, monkeypatch: pyt
 def test_quick_comparison_skips_a_missing_peer_and_writes_results(
     tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(compare, "PEERS_DIR", tmp_path / "no-peers")  # vLLM is not installed here
+    monkeypatch.setattr(servers, "PEERS_DIR", tmp_path / "no-peers")  # vLLM is not installed here
     out = tmp_path / "results"
     compare.main(
         [

@@ -12,8 +12,9 @@ import pytest
 from server_util import running_server
 
 # benchmarks/ is a top-level folder of the repository, not part of the installed package.
+from benchmarks.common import write_results
+from benchmarks.loadgen import RunConfig, run_benchmark, runs_markdown
 from benchmarks.metrics import LATENCIES, PERCENTILES
-from benchmarks.serve_bench import RunConfig, run_benchmark, write_results
 from benchmarks.workloads import Corpus, WorkloadSpec, build_workload, load_tokenizer
 from radixserve.config import EngineConfig
 
@@ -120,9 +121,8 @@ def test_closed_loop_multiturn_json_is_complete(
     for session in range(2):  # each turn's prompt holds the previous turn's prompt and answer
         assert by_turn[(session, 1)]["prompt_tokens"] > by_turn[(session, 0)]["prompt_tokens"] + 5
         assert by_turn[(session, 2)]["prompt_tokens"] > by_turn[(session, 1)]["prompt_tokens"] + 5
-    json_path, md_path = write_results(
-        {"machine": {"date": "d", "cpu": "c", "cpus": 2}, "runs": [run]}, tmp_path, "t"
-    )
+    doc = {"machine": {"date": "d", "cpu": "c", "cpus": 2}, "runs": [run]}
+    json_path, md_path = write_results("t", doc, out_dir=tmp_path, markdown=runs_markdown("t", doc))
     assert json.loads(json_path.read_text())["runs"][0]["summary"]["completed"] == 6
     assert md_path.read_text().count("| multiturn |") == 1
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 # benchmarks/ is a top-level folder of the repository, not part of the installed package.
+from benchmarks.loadgen import check_loopback, poisson_arrivals
 from benchmarks.metrics import RequestResult, parse_prometheus, percentile, prefix_delta, summarize
-from benchmarks.serve_bench import check_loopback, poisson_arrivals
 
 
 def test_percentile_interpolates_linearly() -> None:

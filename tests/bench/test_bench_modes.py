@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks import modes, step_modes, step_targets
+from benchmarks import modes, servers, step_modes, step_targets
 from benchmarks.accuracy import Scored, agreement, parse_choice
 from benchmarks.accuracy_bench import compare_scores
 from benchmarks.common import cpu_flags
@@ -118,7 +118,7 @@ def test_modes_pass_known_knobs_explicitly_and_leave_out_missing_defaults() -> N
         "kv_cache_dtype": "bfloat16",
     }
     assert modes.engine_options(modes.MODES["fast"], with_knobs) == {"preset": "fast"}
-    assert modes.server_flags({"quantization": "gguf", "kv_cache_dtype": "int8", "preset": None}) == [
+    assert servers.server_flags({"quantization": "gguf", "kv_cache_dtype": "int8", "preset": None}) == [
         "--quantization",
         "gguf",
         "--kv-cache-dtype",
