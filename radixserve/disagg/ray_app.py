@@ -28,6 +28,7 @@ from radixserve.config import EngineConfig
 from radixserve.disagg.dispatch import prefill_job, run_prefill
 from radixserve.disagg.metrics import TransferMetrics
 from radixserve.scale.app import ScaleOptions, engine_deployment, ingress_deployment
+from radixserve.scale.launch import run_scaled
 from radixserve.scale.replica import EngineReplica, GenerateCall, StreamItem
 from radixserve.server.async_engine import AsyncEngine
 from radixserve.server.engine_client import describe_exit
@@ -209,17 +210,9 @@ def build_disaggregated_application(
 
 
 def run_disaggregated(args: argparse.Namespace, address: str | None) -> None:
-    """``radixserve serve --prefill-replicas N --decode-replicas M``: scale-out's launch with this
-    application (each count >= 1)."""
-    from radixserve.scale.launch import run_scaled
-
+    """``--prefill-replicas N --decode-replicas M`` (radixserve/topology.py checked the counts):
+    scale-out's launch with this application."""
     num_prefill, num_decode = args.prefill_replicas, args.decode_replicas
-    if num_prefill < 1 or num_decode < 1:
-        raise SystemExit("--prefill-replicas and --decode-replicas must both be >= 1")
-    if args.disaggregate is not None:
-        raise SystemExit(
-            "--disaggregate (one host, no Ray) and --prefill/--decode-replicas exclude each other"
-        )
 
     def build(options: ScaleOptions) -> Any:
         return build_disaggregated_application(options, num_prefill, num_decode, kv_timeout_s=args.kv_timeout)
