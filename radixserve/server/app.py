@@ -184,7 +184,12 @@ class _BearerAuth:
         self.public = public | {"/health", "/health/live"}  # answered without a key: health, static pages
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in self.public:
+        # The path within the app: mounted under a prefix (a Serve route prefix), the path includes it.
+        path = scope.get("path", "")
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root) :]
+        if scope["type"] == "http" and path not in self.public:
             header = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = header.partition(b" ")
             token = token.strip()
