@@ -116,7 +116,7 @@ class DecodeReplica(EngineReplica):
             "--kv-timeout",
             str(kv_timeout_s),
         ]
-        self._prefill = prefill
+        self._prefill = RayPrefill(prefill)
         self._calls: dict[str, GenerateCall] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.metrics = TransferMetrics()
@@ -153,9 +153,7 @@ class DecodeReplica(EngineReplica):
 
     async def _run_prefill(self, call: GenerateCall, r: KVReserved) -> None:
         job = prefill_job(r, call.route.token_ids, call.route.cache_salt, call.priority)
-        cause = await run_prefill(
-            job, RayPrefill(self._prefill), self.metrics, lambda: r.request_id in self._calls
-        )
+        cause = await run_prefill(job, self._prefill, self.metrics, lambda: r.request_id in self._calls)
         if cause is not None:
             self.engine.send(CancelTransfer(request_id=r.request_id, message=cause))
 
