@@ -48,7 +48,8 @@ class RayReplicas:
         return served_by, answer.exception() if isinstance(answer, ReplicaError) else answer
 
     def owner(self, pin_id: str) -> tuple[str, str] | None:
-        return split_pin_id(pin_id)
+        # Every pin id of ours names its replica: one that names none names no replica ("" is none).
+        return split_pin_id(pin_id) or ("", pin_id)
 
     def latest_stats(self) -> Mapping[str, EngineStats]:
         return self._stats
