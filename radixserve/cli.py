@@ -1,5 +1,5 @@
-"""The ``radixserve`` command: serve (``--replicas N``: on Ray Serve), ray-deploy, generate, prepare-model
-(benchmarks: ``python -m benchmarks.serve_bench``)."""
+"""The ``radixserve`` command: serve (the layout: radixserve/topology.py), ray-deploy, generate,
+prepare-model (benchmarks: ``python -m benchmarks.serve_bench``)."""
 
 from __future__ import annotations
 
@@ -35,26 +35,15 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    if args.prefill_replicas or args.decode_replicas:  # disaggregated, on Ray Serve (docs/scaling.md)
-        from radixserve.disagg.ray_app import run_disaggregated
+    from radixserve.topology import serve_from_args
 
-        run_disaggregated(args, None)
-        return
-    from radixserve.scale.launch import AUTO, autoscale_settings, run_scaled
-
-    autoscale_settings(args)  # refuse autoscaling flags without --replicas auto, a count below 1
-    if args.replicas == AUTO or args.replicas > 1:  # on a local Ray instance (radixserve/scale)
-        run_scaled(args, None)
-        return
-    from radixserve.server.launch import run_from_args
-
-    run_from_args(args)
+    serve_from_args(args)
 
 
 def _ray_deploy(args: argparse.Namespace) -> None:
-    from radixserve.scale.launch import run_scaled
+    from radixserve.topology import serve_from_args
 
-    run_scaled(args, args.address)
+    serve_from_args(args, args.address)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,15 +70,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve the OpenAI-compatible and native HTTP API")
     from radixserve.scale.launch import add_scale_arguments
     from radixserve.server.launch import add_serve_arguments
+    from radixserve.topology import add_disaggregation_arguments
 
-    add_serve_arguments(p)
-    add_scale_arguments(p)
+    for add in (add_serve_arguments, add_disaggregation_arguments, add_scale_arguments):
+        add(p)
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("ray-deploy", help="run the replicas and the cache-aware router on a Ray cluster")
     p.add_argument("--address", required=True, help="the Ray cluster, e.g. ray://head:10001 or auto")
-    add_serve_arguments(p)
-    add_scale_arguments(p)
+    for add in (add_serve_arguments, add_disaggregation_arguments, add_scale_arguments):
+        add(p)
     p.set_defaults(func=_ray_deploy, replicas=2)
     return parser
 

@@ -61,6 +61,7 @@ class CacheNode(msgspec.Struct, array_like=True, kw_only=True):
 class CacheNamespace(msgspec.Struct, array_like=True, kw_only=True):
     namespace: str | None  # the cache salt; None: requests without one
     root: CacheNode  # holds no tokens itself
+    replica: str | None = None  # the engine holding it, where several serve (scale/fanout.py)
 
 
 class CacheTree(msgspec.Struct, array_like=True, kw_only=True):

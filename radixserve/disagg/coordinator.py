@@ -9,12 +9,17 @@ fewest open requests). That engine reserves pages for the part of the prompt it 
 not through here. The request's stream is the decode engine's, as a colocated server's.
 
 Invariants:
-- Each reserved request has one job here until its pages arrived (``KVReceived``), its stream ended,
-  or it was given up; a job is on one prefill engine at a time.
+- Each reserved request has one prefill job (disagg/dispatch.py) until its pages were sent, its stream
+  ended (the job is cancelled), or it was given up; a job is on one prefill engine at a time.
 - A prefill engine that dies, or answers ``PrefillDone`` with an error, has its jobs sent again to
   another live prefill engine, at most ``MAX_ATTEMPTS`` in all; past that, or with none left, the
   decode engine is told (``CancelTransfer``): it frees the reservation and fails the request with a
   503 naming the cause. None hangs: the decode engine also gives up on its own after its timeout.
+- The decode engine of a request (and of a warm) is picked by ``scale/policy.decide`` over what each
+  holds (its KV events, in a ``CacheIndex``), its open streams and pool use, and the request's session.
+- Cache control, the cache tree and the stats go through ``FanOut`` (scale/fanout.py) over the engines
+  of this process: the decode engines serve (warm, pins), the prefill engines compute (evict, flush,
+  stats and the tree cover them too). Engines are named ``decode-<i>`` and ``prefill-<i>``.
 """
 
 from __future__ import annotations
@@ -25,39 +30,31 @@ import functools
 import itertools
 import logging
 import uuid
-from collections.abc import AsyncGenerator, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, Callable
 
 from radixserve.cache.events import KVEvents
-from radixserve.cache.pin_types import PinInfo, PinSpec, PrefixEviction, WarmResult
+from radixserve.cache.pin_types import PinSpec
 from radixserve.config import EngineConfig
+from radixserve.disagg.dispatch import LocalPrefill, prefill_job, run_prefill
 from radixserve.disagg.metrics import TransferMetrics
 from radixserve.engine.prompt import Prompt
-from radixserve.engine.stats import EngineStats, sum_stats
 from radixserve.outputs import RequestOutput
 from radixserve.sampling.params import SamplingParams
 from radixserve.scale.cache_index import CacheIndex
+from radixserve.scale.fanout import FanOut, LocalEngines
+from radixserve.scale.policy import Load, RouterSettings, Sessions, decide, kv_use
 from radixserve.server.async_engine import AsyncEngine
 from radixserve.server.engine_api import (
+    SESSION_ID,
     EngineUnavailableError,
     Limits,
     RelayedStream,
     RequestRecord,
     RequestStream,
 )
-from radixserve.server.engine_client import describe_exit
-from radixserve.server.messages import (
-    CancelTransfer,
-    FromEngine,
-    KVReceived,
-    KVReserved,
-    PrefillDone,
-    PrefillKV,
-)
+from radixserve.server.messages import CancelTransfer, FromEngine, KVReceived, KVReserved, PrefillKV
 
 logger = logging.getLogger("radixserve.disagg")
-
-MAX_ATTEMPTS = 3
 
 
 def parse_split(text: str) -> tuple[int, int]:
@@ -74,18 +71,7 @@ def parse_split(text: str) -> tuple[int, int]:
     return split
 
 
-@dataclass
-class _Job:
-    decode: int  # the decode engine holding the reservation
-    reserved: KVReserved
-    token_ids: list[int]
-    cache_salt: str | None
-    priority: int | str
-    prefill: int | None = None
-    tried: set[int] = field(default_factory=set)
-
-
-class DisaggregatedEngine:
+class DisaggregatedEngine(FanOut):
     """P prefill and D decode engine processes behind the interface the routes use.
 
     ``transport``: how pages travel (``shm`` on one host, ``tcp``); ``kv_timeout_s``: how long a
@@ -104,6 +90,7 @@ class DisaggregatedEngine:
         chat_template: str | None = None,
         transport: str = "shm",
         kv_timeout_s: float = 120.0,
+        router_settings: RouterSettings | None = None,
     ) -> None:
         if not config.prefix_cache:
             raise ValueError("--disaggregate needs the prefix cache: pages move between radix trees")
@@ -129,23 +116,29 @@ class DisaggregatedEngine:
             engine("decode", dataclasses.replace(config, kv_events=True)) for _ in range(num_decode)
         ]
         self.prefill = [engine("prefill", config) for _ in range(num_prefill)]
+        self._by_name = {f"decode-{i}": d for i, d in enumerate(self.decode)}
+        super().__init__(LocalEngines(self._by_name, {f"prefill-{i}": p for i, p in enumerate(self.prefill)}))
         self.model = self.decode[0].model
         self.on_finish: Callable[[RequestRecord], None] | None = None
         self.metrics = TransferMetrics()
+        self.settings = router_settings or RouterSettings()
         self._index = CacheIndex()
-        self._open = [0] * num_decode  # streams open on each decode engine
-        self._jobs: dict[str, _Job] = {}
+        self._sessions = Sessions(self.settings.max_sessions)
+        self._turn = itertools.count()  # ties between equally loaded decode engines rotate
+        self._open = dict.fromkeys(self._by_name, 0)  # streams open on each decode engine
+        self._pool = LocalPrefill(self.prefill)
         # Open streams that may still get a reservation: their prompt, salt and priority.
         self._pending: dict[str, tuple[list[int], str | None, int | str]] = {}
-        self._turn = itertools.count()  # ties between prefill engines go round-robin
-        for i, d in enumerate(self.decode):
-            d.on_role_message = functools.partial(self._on_decode_message, i)
-            d.on_engine_exit = functools.partial(self._on_decode_exit, i)
-            d.on_kv_events = functools.partial(self._on_kv_events, i)
+        self._jobs: dict[str, asyncio.Task[None]] = {}  # request -> its prefill job, until it ends
+        self._transfer_tokens: dict[str, int] = {}  # request -> tokens reserved, until they arrive
+        for name, d in self._by_name.items():
+            d.on_role_message = functools.partial(self._on_decode_message, name)
+            d.on_engine_exit = functools.partial(self._on_decode_exit, name)
+            d.on_kv_events = functools.partial(self._on_kv_events, name)
             d.on_finish = self._finished
         for i, p in enumerate(self.prefill):
-            p.on_role_message = self._on_prefill_message
-            p.on_engine_exit = functools.partial(self._on_prefill_exit, i)
+            p.on_role_message = self._pool.on_message
+            p.on_engine_exit = functools.partial(self._pool.on_exit, i)
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -172,17 +165,9 @@ class DisaggregatedEngine:
     def tokenize(self, prompt: Prompt) -> list[int]:
         return self.decode[0].tokenize(prompt)
 
-    def stats(self) -> EngineStats:
-        """Every engine's latest stats, summed."""
-        return sum_stats(e.stats() for e in [*self.decode, *self.prefill])
-
-    async def flush_cache(self) -> bool:
-        results = await asyncio.gather(*(e.flush_cache() for e in [*self.decode, *self.prefill]))
-        return all(results)
-
     async def check_integrity(self) -> None:
         """A debug call: every engine checks its page accounting (a decode engine's reservations too)."""
-        await asyncio.gather(*(e.check_integrity() for e in [*self.decode, *self.prefill]))
+        await self.broadcast("check_integrity", every=True)
 
     # -- requests ---------------------------------------------------------------------------------
     def generate(
@@ -210,130 +195,64 @@ class DisaggregatedEngine:
     ) -> AsyncGenerator[RequestOutput, None]:
         if not self.healthy:
             raise EngineUnavailableError("no prefill or no decode engine is available")
-        i = self._pick_decode(token_ids, cache_salt)
-        inner = self.decode[i].generate(token_ids, params, rid, cache_salt, priority, pin)
+        name = self.place(token_ids, cache_salt)
+        inner = self._by_name[name].generate(token_ids, params, rid, cache_salt, priority, pin)
         stream.source = lambda: inner.result  # the decode engine's own fold
         self._pending[rid] = (token_ids, cache_salt, priority)
-        self._open[i] += 1
+        self._open[name] += 1
         try:
             async for delta in inner:
                 yield delta
         finally:
-            self._open[i] -= 1
+            self._open[name] -= 1
             self._pending.pop(rid, None)
-            self._jobs.pop(rid, None)
+            self._transfer_tokens.pop(rid, None)
+            job = self._jobs.pop(rid, None)
+            if job is not None:
+                job.cancel()
             await inner.aclose()  # an early stop aborts the request (and frees a reservation)
 
-    # -- cache control (docs/cache.md): the decode engines' caches are the ones that serve -------------
-    # A warm runs on the decode engine a request for the prefix would go to, and computes there (no
-    # transfer). Pin ids are random (cache/pins.py), so a deletion can ask each decode engine in turn.
-    async def warm(self, token_ids: list[int], cache_salt: str | None, pin: PinSpec | None) -> WarmResult:
-        return await self.decode[self._pick_decode(token_ids, cache_salt)].warm(token_ids, cache_salt, pin)
-
-    async def warm_all(
-        self, token_ids: list[int], cache_salt: str | None, pin: PinSpec | None
-    ) -> list[tuple[str, WarmResult]]:
-        results = await asyncio.gather(*(d.warm(token_ids, cache_salt, pin) for d in self.decode))
-        return [(f"decode-{i}", r) for i, r in enumerate(results)]
-
-    async def pins(self, namespace: str | None) -> list[PinInfo]:
-        per_engine = await asyncio.gather(*(d.pins(namespace) for d in self.decode))
-        return [p for pins in per_engine for p in pins]
-
-    async def unpin(self, pin_id: str, namespace: str | None) -> bool:
-        for d in self.decode:
-            if await d.unpin(pin_id, namespace):
-                return True
-        return False
-
-    async def evict(self, token_ids: list[int], cache_salt: str | None) -> PrefixEviction:
-        """Every engine (prefill and decode) frees what it holds of the prefix: the sums."""
-        engines = [*self.decode, *self.prefill]
-        return PrefixEviction.total(
-            list(await asyncio.gather(*(e.evict(token_ids, cache_salt) for e in engines)))
-        )
-
-    def _pick_decode(self, token_ids: Sequence[int], cache_salt: str | None) -> int:
-        live = [i for i, d in enumerate(self.decode) if d.healthy] or list(range(len(self.decode)))
-        scores = self._index.score(token_ids, cache_salt)
-        return max(live, key=lambda i: (scores.get(str(i), 0), -self._open[i]))
-
-    def _pick_prefill(self, exclude: set[int]) -> int | None:
-        live = [i for i, p in enumerate(self.prefill) if p.healthy and i not in exclude]
-        if not live:
-            return None
-        load = {i: 0 for i in live}
-        for job in self._jobs.values():
-            if job.prefill in load:
-                load[job.prefill] += 1
+    def place(self, token_ids: list[int], cache_salt: str | None) -> str:
+        """The decode engine for a prompt (a request's, a warm's): ``policy.decide`` over the live ones."""
+        live = [n for n, d in self._by_name.items() if d.healthy] or list(self._by_name)
+        scores, pinned = self._index.lookup(token_ids, cache_salt)
+        loads = {n: Load(self._open[n], kv_use(self._by_name[n].stats())) for n in live}
+        session = SESSION_ID.get()
         turn = next(self._turn)
-        return min(live, key=lambda i: (load[i], (i - turn) % len(self.prefill)))
+        decision = decide(live, scores, loads, self._sessions.get(session), self.settings, turn, pinned)
+        self._sessions.remember(session, decision.ranked[0])
+        return decision.ranked[0]
 
     # -- the roles' messages ----------------------------------------------------------------------
-    def _on_decode_message(self, decode: int, msg: FromEngine) -> None:
+    def _on_decode_message(self, decode: str, msg: FromEngine) -> None:
         if isinstance(msg, KVReserved):
             pending = self._pending.get(msg.request_id)
             if pending is None:
                 return  # its stream ended already; the decode engine frees the reservation on its Abort
-            job = _Job(decode, msg, *pending)
-            self._jobs[msg.request_id] = job
-            self._dispatch(job, None)
+            self._transfer_tokens[msg.request_id] = msg.end - msg.start
+            job = prefill_job(msg, *pending)
+            self._jobs[msg.request_id] = asyncio.get_running_loop().create_task(self._prefill(decode, job))
         elif isinstance(msg, KVReceived):
-            done = self._jobs.pop(msg.request_id, None)
-            tokens = done.reserved.end - done.reserved.start if done is not None else 0
+            tokens = self._transfer_tokens.pop(msg.request_id, 0)
             self.metrics.received(msg.pages, msg.bytes, tokens, msg.chunk_seconds)
 
-    def _on_prefill_message(self, msg: FromEngine) -> None:
-        if isinstance(msg, PrefillDone) and msg.error is not None:
-            self.metrics.failed += 1
-            job = self._jobs.get(msg.request_id)
-            if job is not None:
-                self._dispatch(job, f"the prefill engine failed: {msg.error}")
+    async def _prefill(self, decode: str, job: PrefillKV) -> None:
+        """Run the job; if it cannot be run, the decode engine frees the reservation and fails the request."""
+        rid = job.request_id
+        try:
+            cause = await run_prefill(job, self._pool, self.metrics, lambda: rid in self._pending)
+        finally:
+            self._jobs.pop(rid, None)
+        if cause is not None:
+            self._by_name[decode].send(CancelTransfer(request_id=rid, message=cause))
 
-    def _dispatch(self, job: _Job, cause: str | None) -> None:
-        """Send the job to a prefill engine it has not tried; give it up after MAX_ATTEMPTS or when none
-        is left (the decode engine frees the reservation and fails the request with ``cause``)."""
-        if job.prefill is not None:
-            job.tried.add(job.prefill)
-        rid, r = job.reserved.request_id, job.reserved
-        while len(job.tried) < MAX_ATTEMPTS:
-            p = self._pick_prefill(job.tried)
-            if p is None:
-                break
-            if cause is not None:
-                self.metrics.retries += 1
-                logger.warning("request %s: %s; sending its prefill to prefill engine %d", rid, cause, p)
-            msg = PrefillKV(
-                request_id=rid,
-                prompt_token_ids=job.token_ids[: r.end + 1],
-                cache_salt=job.cache_salt,
-                priority=job.priority,
-                start=r.start,
-                end=r.end,
-                destination=r.address,
-            )
-            job.prefill = p
-            if self.prefill[p].send(msg):
-                return
-            job.tried.add(p)
-        self._jobs.pop(rid, None)
-        message = cause or "no prefill engine is available"
-        self.decode[job.decode].send(CancelTransfer(request_id=rid, message=message))
+    def _on_decode_exit(self, decode: str, code: int) -> None:
+        # Its requests failed already (AsyncEngine), which ends their streams and their jobs.
+        self._index.drop(decode)
+        self._sessions.forget(decode)
 
-    def _on_prefill_exit(self, prefill: int, code: int) -> None:
-        cause = f"the prefill engine died mid-transfer ({describe_exit(code)})"
-        for job in [j for j in self._jobs.values() if j.prefill == prefill]:
-            self.metrics.failed += 1
-            self._dispatch(job, cause)
-
-    def _on_decode_exit(self, decode: int, code: int) -> None:
-        # Its requests failed already (AsyncEngine); their jobs go with them.
-        for rid in [rid for rid, j in self._jobs.items() if j.decode == decode]:
-            del self._jobs[rid]
-        self._index.drop(str(decode))
-
-    def _on_kv_events(self, decode: int, events: KVEvents) -> None:
-        self._index.apply(str(decode), [events])
+    def _on_kv_events(self, decode: str, events: KVEvents) -> None:
+        self._index.apply(decode, [events])
 
     def _finished(self, record: RequestRecord) -> None:
         if self.on_finish is not None:

@@ -9,8 +9,9 @@ the decode replica's, on the decode replica's node address; Ray carries only the
 
 Invariants:
 - A prefill call that fails (its replica died: a RayError; or it answered with an error) is made again,
-  at most ``MAX_ATTEMPTS`` times in all; then the decode engine is told to free the reservation and
-  fail the request (a 503). The decode engine's own timeout ends any transfer nobody finishes.
+  at most ``MAX_ATTEMPTS`` times in all (the prefill dispatcher: disagg/dispatch.py); then the decode
+  engine is told to free the reservation and fail the request (a 503). The decode engine's own timeout
+  ends any transfer nobody finishes.
 - A prefill replica answers each ``PrefillKV`` with the ``PrefillDone`` of its engine process, or with
   an error one if that process died or did not answer within ``PREFILL_TIMEOUT_S``.
 """
@@ -24,9 +25,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from radixserve.config import EngineConfig
-from radixserve.disagg.coordinator import MAX_ATTEMPTS
+from radixserve.disagg.dispatch import prefill_job, run_prefill
 from radixserve.disagg.metrics import TransferMetrics
 from radixserve.scale.app import ScaleOptions, engine_deployment, ingress_deployment
+from radixserve.scale.launch import run_scaled
 from radixserve.scale.replica import EngineReplica, GenerateCall, StreamItem
 from radixserve.server.async_engine import AsyncEngine
 from radixserve.server.engine_client import describe_exit
@@ -114,7 +116,7 @@ class DecodeReplica(EngineReplica):
             "--kv-timeout",
             str(kv_timeout_s),
         ]
-        self._prefill = prefill
+        self._prefill = RayPrefill(prefill)
         self._calls: dict[str, GenerateCall] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.metrics = TransferMetrics()
@@ -150,34 +152,30 @@ class DecodeReplica(EngineReplica):
             self.metrics.received(msg.pages, msg.bytes, 0, msg.chunk_seconds)
 
     async def _run_prefill(self, call: GenerateCall, r: KVReserved) -> None:
+        job = prefill_job(r, call.route.token_ids, call.route.cache_salt, call.priority)
+        cause = await run_prefill(job, self._prefill, self.metrics, lambda: r.request_id in self._calls)
+        if cause is not None:
+            self.engine.send(CancelTransfer(request_id=r.request_id, message=cause))
+
+
+class RayPrefill:
+    """The prefill replicas behind a DeploymentHandle, as the dispatcher's pool: Serve's router picks
+    the replica, so every attempt is one more call through the handle."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    def pick(self, tried: set[str]) -> str | None:
+        return "any"
+
+    async def prefill(self, engine: str, job: PrefillKV) -> str | None:
         from ray.exceptions import RayError
 
-        job = PrefillKV(
-            request_id=r.request_id,
-            prompt_token_ids=call.route.token_ids[: r.end + 1],
-            cache_salt=call.route.cache_salt,
-            priority=call.priority,
-            start=r.start,
-            end=r.end,
-            destination=r.address,
-        )
-        cause = "no prefill replica answered"
-        for attempt in range(MAX_ATTEMPTS):
-            if attempt:
-                self.metrics.retries += 1
-            try:
-                done = await self._prefill.prefill.remote(job)
-            except RayError as exc:
-                cause = f"the prefill replica failed: {type(exc).__name__}"
-                self.metrics.failed += 1
-                continue
-            if done.error is None:
-                return
-            cause = f"the prefill engine failed: {done.error}"
-            self.metrics.failed += 1
-            if r.request_id not in self._calls:
-                return  # the request is gone: nothing left to fail
-        self.engine.send(CancelTransfer(request_id=r.request_id, message=cause))
+        try:
+            done = await self.handle.prefill.remote(job)
+        except RayError as exc:
+            return f"the prefill replica failed: {type(exc).__name__}"
+        return None if done.error is None else f"the prefill engine failed: {done.error}"
 
 
 def build_disaggregated_application(
@@ -210,17 +208,9 @@ def build_disaggregated_application(
 
 
 def run_disaggregated(args: argparse.Namespace, address: str | None) -> None:
-    """``radixserve serve --prefill-replicas N --decode-replicas M``: scale-out's launch with this
-    application (each count >= 1)."""
-    from radixserve.scale.launch import run_scaled
-
+    """``--prefill-replicas N --decode-replicas M`` (radixserve/topology.py checked the counts):
+    scale-out's launch with this application."""
     num_prefill, num_decode = args.prefill_replicas, args.decode_replicas
-    if num_prefill < 1 or num_decode < 1:
-        raise SystemExit("--prefill-replicas and --decode-replicas must both be >= 1")
-    if args.disaggregate is not None:
-        raise SystemExit(
-            "--disaggregate (one host, no Ray) and --prefill/--decode-replicas exclude each other"
-        )
 
     def build(options: ScaleOptions) -> Any:
         return build_disaggregated_application(options, num_prefill, num_decode, kv_timeout_s=args.kv_timeout)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp
 
 from radixserve.config import EngineConfig
 from radixserve.scale.autoscale import AutoscaleSettings
@@ -62,26 +62,6 @@ class ScaleOptions:
         return f"radixserve-cache-index-{self.router}-{id(self) & 0xFFFF:x}-{int(time.time() * 1000)}"
 
 
-class _SessionHeader:
-    """ASGI middleware: the X-Session-ID header becomes ``remote_engine.SESSION_ID`` for the request."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        from radixserve.scale.remote_engine import SESSION_ID
-
-        if scope["type"] == "http":
-            value = dict(scope["headers"]).get(b"x-session-id")
-            token = SESSION_ID.set(value.decode(errors="replace") if value else None)
-            try:
-                await self.app(scope, receive, send)
-            finally:
-                SESSION_ID.reset(token)
-            return
-        await self.app(scope, receive, send)
-
-
 class Ingress:
     """The ingress deployment: the same Starlette app as ``radixserve serve``, over the replicas."""
 
@@ -100,7 +80,7 @@ class Ingress:
             options.salt_per_key,
             collectors=[router_metrics(), ReplicaCount(self.engine)],
         )
-        self._asgi = _SessionHeader(app)
+        self._asgi = app
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
         return self._asgi

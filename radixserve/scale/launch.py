@@ -13,7 +13,7 @@ from types import FrameType
 from typing import Any
 
 from radixserve.scale.autoscale import AutoscaleSettings
-from radixserve.server.launch import engine_config_from_args
+from radixserve.server.launch import api_keys_from_args, chat_template_from_args, engine_config_from_args
 
 ROUTER_CHOICES = ("cache_aware", "round_robin", "power_of_two")
 AUTO = "auto"
@@ -141,13 +141,8 @@ def run_scaled(
     )
     settings = json.loads(args.router_settings)
     RouterSettings(**settings)  # refuse a bad setting here, not in the router's process
-    keys = [k.strip() for k in args.api_key.split(",") if k.strip()] if args.api_key else None
-    if args.salt_per_key and not keys:
-        raise SystemExit("--salt-per-key needs --api-key")
-    template = None
-    if args.chat_template is not None:
-        with open(args.chat_template) as f:
-            template = f.read()
+    keys = api_keys_from_args(args)
+    template = chat_template_from_args(args)
     options = ScaleOptions(
         engine_config_from_args(args),
         replicas=args.replicas,

@@ -16,9 +16,12 @@ Order of signals, as sgl-router's cache-aware policy and llm-d's scorer weigh th
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
+
+from radixserve.engine.stats import EngineStats
 
 Reason = Literal["balance", "pin", "cache", "session", "load"]
 REASONS: tuple[Reason, ...] = ("balance", "pin", "cache", "session", "load")
@@ -99,3 +102,33 @@ def decide(
     if session_replica in load:
         return decision(session_replica, "session")
     return decision(usable[0], "load")
+
+
+def kv_use(s: EngineStats) -> float:
+    """The fraction of an engine's pool in use that no eviction can give back (``Load.kv_use``)."""
+    used = s.num_pages - s.free_pages - s.evictable_pages
+    return used / s.num_pages if s.num_pages else 0.0
+
+
+class Sessions:
+    """Where each session id went last (``decide``'s ``session_replica``), the ``limit`` most recent."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._last: OrderedDict[str, str] = OrderedDict()
+
+    def get(self, session: str | None) -> str | None:
+        return None if session is None else self._last.get(session)
+
+    def remember(self, session: str | None, replica: str) -> None:
+        if session is None:
+            return
+        self._last[session] = replica
+        self._last.move_to_end(session)
+        while len(self._last) > self.limit:
+            self._last.popitem(last=False)
+
+    def forget(self, replica: str) -> None:
+        """A replica is gone: its sessions go anywhere next."""
+        for session in [s for s, r in self._last.items() if r == replica]:
+            del self._last[session]

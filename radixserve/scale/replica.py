@@ -31,12 +31,14 @@ import msgspec
 
 from radixserve.cache.events import KVEvents
 from radixserve.cache.pin_types import PinInfo, PinRef, PinSpec, PrefixEviction, WarmResult
+from radixserve.cache.tree_view import CacheTree
 from radixserve.config import EngineConfig
 from radixserve.engine.stats import EngineStats
 from radixserve.errors import InvalidRequestError, PinBudgetError
 from radixserve.outputs import RequestOutput
 from radixserve.sampling.params import SamplingParams
 from radixserve.scale import autoscale
+from radixserve.scale.policy import kv_use
 from radixserve.scale.warm_start import WarmReport, warm_up
 from radixserve.server.async_engine import AsyncEngine
 from radixserve.server.engine_api import (
@@ -295,6 +297,12 @@ class EngineReplica:
     async def stats(self, route: RouteKey) -> tuple[str, EngineStats]:
         return self.replica_id, self.engine.stats()
 
+    async def cache_tree(
+        self, route: RouteKey, namespace_prefix: str | None, depth: int, min_tokens: int
+    ) -> tuple[str, CacheTree]:
+        """This engine's snapshot of its prefix cache (the dashboard's tree: scale/fanout.py)."""
+        return self.replica_id, await self.engine.cache_tree(namespace_prefix, depth, min_tokens)
+
     async def flush_cache(self, route: RouteKey) -> tuple[str, bool]:
         flushed = await self.engine.flush_cache()
         await self._publish()
@@ -303,8 +311,7 @@ class EngineReplica:
     def record_routing_stats(self) -> dict[str, Any]:
         """Ray Serve polls this (``request_routing_stats_period_s``); the router reads ``kv_use``."""
         s = self.engine.stats()
-        used = s.num_pages - s.free_pages - s.evictable_pages  # pages no eviction can give back
-        return {"kv_use": used / s.num_pages if s.num_pages else 0.0, "waiting": s.num_waiting}
+        return {"kv_use": kv_use(s), "waiting": s.num_waiting}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Ray Serve pushes these to the controller for our autoscaling policy (scale/autoscale.py)."""

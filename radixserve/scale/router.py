@@ -14,14 +14,13 @@ that process's /metrics.
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
 from typing import Any
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from radixserve.scale.cache_index import index_actor
-from radixserve.scale.policy import Load, RouterSettings, decide
+from radixserve.scale.policy import Load, RouterSettings, Sessions, decide
 from radixserve.scale.replica import RouteKey
 from radixserve.scale.router_metrics import router_metrics
 
@@ -69,7 +68,7 @@ class CacheAwareRouter(_Targeted, RequestRouter):
         self._index = index_actor(index_name)
         self._ongoing: dict[str, int] = {}
         self._requests: dict[str, str] = {}  # internal request id -> replica, until completed
-        self._sessions: OrderedDict[str, str] = OrderedDict()
+        self._sessions = Sessions(self.settings.max_sessions)
         self._turn = itertools.count()
 
     async def rank(
@@ -84,10 +83,10 @@ class CacheAwareRouter(_Targeted, RequestRouter):
             rid: Load(self._ongoing.get(rid, 0), float((r.routing_stats or {}).get("kv_use", 0.0)))
             for rid, r in by_id.items()
         }
-        session = None if key is None or key.session_id is None else self._sessions.get(key.session_id)
+        session_id = None if key is None else key.session_id
+        session = self._sessions.get(session_id)
         d = decide(list(by_id), scores, loads, session, self.settings, next(self._turn), pinned)
-        if key is not None and key.session_id is not None:
-            self._remember(key.session_id, d.ranked[0])
+        self._sessions.remember(session_id, d.ranked[0])
         router_metrics().decided(d.reason, d.cached_pages, d.imbalance)
         return [[by_id[rid]] for rid in d.ranked]
 
@@ -118,15 +117,8 @@ class CacheAwareRouter(_Targeted, RequestRouter):
         if drop_index:
             self._index.drop.remote(rid)
         self._ongoing.pop(rid, None)
-        for session in [s for s, r in self._sessions.items() if r == rid]:
-            del self._sessions[session]
+        self._sessions.forget(rid)
         router_metrics().forget(rid)
-
-    def _remember(self, session: str, rid: str) -> None:
-        self._sessions[session] = rid
-        self._sessions.move_to_end(session)
-        while len(self._sessions) > self.settings.max_sessions:
-            self._sessions.popitem(last=False)
 
 
 class RoundRobinRouter(_Targeted, RequestRouter):

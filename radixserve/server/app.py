@@ -50,12 +50,12 @@ from radixserve.server import cache_routes
 from radixserve.server import protocol as p
 from radixserve.server import protocol_chat as c
 from radixserve.server.api import ApiContext
-from radixserve.server.async_engine import AsyncEngine
 from radixserve.server.chat import chat
 from radixserve.server.chat_render import render_chat
 from radixserve.server.completions import completions
 from radixserve.server.dashboard import PUBLIC_PATHS, Dashboard
 from radixserve.server.engine_api import (
+    SESSION_ID,
     EngineFailedError,
     EngineUnavailableError,
     RequestRecord,
@@ -157,6 +157,24 @@ class _SmallRoutes:
 
 
 # -- middleware and app ------------------------------------------------------------------------------
+class _SessionHeader:
+    """ASGI middleware: the X-Session-ID header becomes ``engine_api.SESSION_ID`` for the request."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        value = dict(scope["headers"]).get(b"x-session-id")
+        token = SESSION_ID.set(value.decode(errors="replace") if value else None)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            SESSION_ID.reset(token)
+
+
 class _BearerAuth:
     """Pure ASGI (streaming responses pass through untouched); records the key for per-key salts."""
 
@@ -166,7 +184,12 @@ class _BearerAuth:
         self.public = public | {"/health", "/health/live"}  # answered without a key: health, static pages
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in self.public:
+        # The path within the app: mounted under a prefix (a Serve route prefix), the path includes it.
+        path = scope.get("path", "")
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root) :]
+        if scope["type"] == "http" and path not in self.public:
             header = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = header.partition(b" ")
             token = token.strip()
@@ -216,8 +239,7 @@ def build_app(
     metrics = ServerMetrics(engine)
     for collector in collectors:
         metrics.registry.register(collector)
-    # The pages show one engine's tree: scaled out on Ray Serve (docs/scaling.md) there is none to show yet.
-    ui = Dashboard(ctx, engine) if dashboard and isinstance(engine, AsyncEngine) else None
+    ui = Dashboard(ctx, engine) if dashboard else None
 
     def route(
         handler: Callable[[ApiContext, Request], Awaitable[Response]],
@@ -293,6 +315,7 @@ def build_app(
         Exception: on_bug,
     }
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+    app.add_middleware(_SessionHeader)
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     if keys:
         app.add_middleware(_BearerAuth, keys=keys, public=PUBLIC_PATHS if ui is not None else frozenset())

@@ -26,8 +26,7 @@ from starlette.routing import Route
 
 from radixserve.cache.tree_view import MAX_DEPTH, CacheNode, CacheTree
 from radixserve.server.api import ApiContext
-from radixserve.server.async_engine import AsyncEngine
-from radixserve.server.engine_api import RequestRecord
+from radixserve.server.engine_api import RequestRecord, ServingBackend
 from radixserve.server.http_util import ApiError, json_response
 from radixserve.server.timeseries import SAMPLE_S, TimeSeries
 
@@ -62,6 +61,7 @@ class NamespaceJson(msgspec.Struct):
     children: list[TreeNodeJson]
     hidden_children: int
     hidden_tokens: int
+    replica: str | None = None  # the engine holding it, where several serve (None: the only one)
 
 
 class TreeJson(msgspec.Struct):
@@ -107,7 +107,7 @@ def _query_int(request: Request, name: str, default: int, low: int, high: int) -
 class Dashboard:
     """The routes, and the time series they serve (sampled by ``sampler()`` while the app runs)."""
 
-    def __init__(self, ctx: ApiContext, engine: AsyncEngine) -> None:
+    def __init__(self, ctx: ApiContext, engine: ServingBackend) -> None:
         self.ctx = ctx
         self.engine = engine
         self.series = TimeSeries()
@@ -201,6 +201,7 @@ class Dashboard:
                     [node(c) for c in root.children],
                     root.hidden_children,
                     root.hidden_tokens,
+                    ns.replica,
                 )
             )
         return TreeJson(tree.page_size, depth, min_tokens, namespaces)

@@ -21,17 +21,24 @@ The routes (app.py, api.py, chat.py, completions.py, generate.py, metrics.py, da
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from radixserve.cache.pin_types import PinInfo, PinSpec, PrefixEviction, WarmResult
+from radixserve.cache.tree_view import CacheTree
 from radixserve.engine.deltas import OutputAssembler
 from radixserve.engine.prompt import Prompt
 from radixserve.engine.stats import EngineStats
 from radixserve.outputs import RequestOutput
 from radixserve.sampling.params import SamplingParams
+
+# The session of the HTTP request being served (its X-Session-ID header, set by server/app.py's
+# middleware): a backend of many engines keeps one session's requests on one engine when nothing
+# better is known (scale/policy.py's session rule).
+SESSION_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("radixserve_session", default=None)
 
 
 class QueueFullError(RuntimeError):
@@ -166,8 +173,8 @@ class RelayedStream(RequestStream):
 
 
 class ServingBackend(Protocol):
-    """The routes' interface: ``AsyncEngine`` (one engine process), or ``ReplicaSetEngine``
-    (radixserve/scale: replicas on Ray Serve) behind the same routes."""
+    """The routes' interface: ``AsyncEngine`` (one engine process), ``ReplicaSetEngine`` (radixserve/scale:
+    replicas on Ray Serve) or ``DisaggregatedEngine`` (radixserve/disagg) behind the same routes."""
 
     model: ServedModel
     on_finish: Callable[[RequestRecord], None] | None
@@ -218,6 +225,12 @@ class ServingBackend(Protocol):
     def tokenize(self, prompt: Prompt) -> list[int]:
         """Text to token ids with the served tokenizer (ids pass through): the routes call it once per
         prompt and submit the ids; nothing after them tokenizes the request again."""
+        ...
+
+    async def cache_tree(self, namespace_prefix: str | None, depth: int, min_tokens: int) -> CacheTree:
+        """A snapshot of the prefix cache (cache/tree_view.py) of the namespaces whose salt is
+        ``namespace_prefix`` or under it (None: all), for the dashboard. Many engines: each one's
+        namespaces, labelled with its name (``CacheNamespace.replica``; scale/fanout.py says why)."""
         ...
 
     def stats(self) -> EngineStats: ...

@@ -1,17 +1,17 @@
-"""``radixserve serve``: its flags, and how they become an EngineConfig, an AsyncEngine and a server."""
+"""``radixserve serve``: its flags, and how they become an EngineConfig, an AsyncEngine and a server (the
+layout, one engine or many, is radixserve/topology.py's choice)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from prometheus_client.registry import Collector
 
 from radixserve.config import EngineConfig
-from radixserve.disagg.coordinator import DisaggregatedEngine, parse_split
-from radixserve.disagg.transport import TRANSPORTS
 from radixserve.knobs import add_arguments, values
 from radixserve.model.default_model import DEFAULT_MODEL_NAME
 from radixserve.server.app import DEFAULT_MAX_BODY_BYTES, serve
@@ -88,35 +88,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="turn off the browser pages (/ and /dashboard) and /v1/cache/tree, /v1/server/timeseries",
     )
-    d = parser.add_argument_group(
-        "disaggregation", "prefill and decode in separate engines (docs/scaling.md)"
-    )
-    d.add_argument(
-        "--disaggregate",
-        type=parse_split,
-        default=None,
-        metavar="P:D",
-        help="run P prefill and D decode engine processes behind this server, e.g. 1:1 (default: off)",
-    )
-    d.add_argument(
-        "--kv-transport",
-        choices=TRANSPORTS,
-        default="shm",
-        help="how KV pages move between them: shm (shared memory, one host) or tcp (ZMQ)",
-    )
-    d.add_argument(
-        "--prefill-replicas",
-        type=int,
-        default=0,
-        help="with --decode-replicas: prefill engines as Ray Serve replicas (pages over ZMQ TCP)",
-    )
-    d.add_argument("--decode-replicas", type=int, default=0, help="decode engines as Ray Serve replicas")
-    d.add_argument(
-        "--kv-timeout",
-        type=float,
-        default=120.0,
-        help="seconds a decode engine waits for the next chunk of a prompt's KV pages (then a 503)",
-    )
     a(
         "--allowed-origins",
         default=None,
@@ -128,49 +99,46 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**values(EngineConfig, args))
 
 
-def run_from_args(args: argparse.Namespace) -> None:
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+def api_keys_from_args(args: argparse.Namespace) -> list[str] | None:
+    """``--api-key``'s keys (None: no auth); SystemExit for ``--salt-per-key`` without one."""
     keys = [k.strip() for k in args.api_key.split(",") if k.strip()] if args.api_key else None
     if args.salt_per_key and not keys:
         raise SystemExit("--salt-per-key needs --api-key")
-    template = None
-    if args.chat_template is not None:
-        try:
-            template = Path(args.chat_template).read_text()
-        except OSError as exc:
-            raise SystemExit(f"--chat-template: cannot read {args.chat_template}: {exc.strerror}") from None
+    return keys
+
+
+def chat_template_from_args(args: argparse.Namespace) -> str | None:
+    """``--chat-template``'s file, read (None: the model's own template)."""
+    if args.chat_template is None:
+        return None
+    try:
+        return Path(args.chat_template).read_text()
+    except OSError as exc:
+        raise SystemExit(f"--chat-template: cannot read {args.chat_template}: {exc.strerror}") from None
+
+
+def engine_from_args(args: argparse.Namespace) -> AsyncEngine:
+    """``radixserve serve``'s one engine process."""
+    return AsyncEngine(
+        engine_config_from_args(args),
+        engine_threads=args.engine_threads,
+        engine_cpus=args.engine_cpus,
+        log_level=args.log_level,
+        chat_template=chat_template_from_args(args),
+    )
+
+
+def run_from_args(
+    args: argparse.Namespace, engine: ServingBackend, collectors: Sequence[Collector] = ()
+) -> None:
+    """Serve ``engine`` (the layout radixserve/topology.py picked from the flags) until interrupted."""
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    keys = api_keys_from_args(args)
     origins = (
         [o.strip() for o in args.allowed_origins.split(",") if o.strip()] if args.allowed_origins else None
     )
-    engine: ServingBackend
-    collectors: list[Collector] = []
-    if args.disaggregate is not None:
-        if args.engine_cpus is not None:
-            raise SystemExit(
-                "--engine-cpus pins one engine process; with --disaggregate use --engine-threads"
-            )
-        num_prefill, num_decode = args.disaggregate
-        engine = disagg = DisaggregatedEngine(
-            engine_config_from_args(args),
-            num_prefill,
-            num_decode,
-            engine_threads=args.engine_threads,
-            log_level=args.log_level,
-            chat_template=template,
-            transport=args.kv_transport,
-            kv_timeout_s=args.kv_timeout,
-        )
-        collectors.append(disagg.metrics)
-    else:
-        engine = AsyncEngine(
-            engine_config_from_args(args),
-            engine_threads=args.engine_threads,
-            engine_cpus=args.engine_cpus,
-            log_level=args.log_level,
-            chat_template=template,
-        )
     name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else None)
     serve(
         engine,

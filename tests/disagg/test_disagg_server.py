@@ -122,6 +122,22 @@ def test_metrics_count_the_transfers(client: httpx.Client) -> None:
     assert m["radixserve:kv_transfer_chunk_seconds_count"] >= 1
 
 
+def test_the_dashboard_tree_shows_each_engine_its_own(client: httpx.Client) -> None:
+    """``/v1/cache/tree`` over ``--disaggregate 1:1``: each engine's namespaces, named by engine; the
+    decode engine holds the prompt it serves, the prefill engine what it computed for it."""
+    prompt = f"Dashboard: {DOC}"
+    client.post("/v1/completions", json=_greedy(prompt=prompt, max_tokens=2)).raise_for_status()
+    prompt_tokens = len(client.post("/tokenize", json={"prompt": prompt}).json()["tokens"])
+    r = client.get("/v1/cache/tree", params={"depth": 64})
+    assert r.status_code == 200, r.text
+    tree = r.json()
+    held = {ns["replica"]: ns["tokens"] for ns in tree["namespaces"] if ns["namespace"] is None}
+    assert set(held) == {"decode-0", "prefill-0"}
+    assert held["decode-0"] >= (prompt_tokens - 1) // PS * PS and held["prefill-0"] > 0
+    assert tree["page_size"] == PS
+    assert client.get("/dashboard").status_code == 200
+
+
 def _wait_healthy(disagg: Served, client: httpx.Client) -> None:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

@@ -165,3 +165,24 @@ def test_another_keys_pins_are_invisible_scaled_out(app: App) -> None:
         assert [p["id"] for p in pins(c)] == [pin["id"]]  # A's pin stayed
         freed = post(c, "/v1/cache/evict", prompt=SYSTEM + " tenant A")  # A evicts its own: unpinned first
         assert freed["freed_pages"] > 0 and pins(c) == []
+
+
+def test_the_dashboard_tree_shows_each_replica_its_own(app: App) -> None:
+    """``/v1/cache/tree`` with ``--replicas 2``: each replica's namespaces, named by replica id; a warm
+    on every replica shows on both; with per-key salts another key sees none of them."""
+    import ray
+
+    from radixserve.scale.cache_index import index_actor
+
+    replicas = sorted(ray.get(index_actor(app.index_name).replicas.remote()))
+    prompt = "Tree: the dashboard draws every replica's radix tree side by side. " * 2
+    with httpx.Client(base_url=app.url, timeout=120) as c:
+        warmed = post(c, "/v1/cache/warm", prompt=prompt, replicas="all")
+        whole = min(r["tokens"] for r in warmed["replicas"]) // PAGE * PAGE
+        r = c.get("/v1/cache/tree", params={"depth": 64}, headers=auth(KEY_A))
+        assert r.status_code == 200, r.text
+        held = {ns["replica"]: ns["tokens"] for ns in r.json()["namespaces"] if ns["namespace"] is None}
+        assert sorted(held) == replicas and min(held.values()) >= whole > 0
+        assert "Tree: the dashboard" in r.text  # the nodes' text, decoded by the ingress
+        assert "Tree: the dashboard" not in c.get("/v1/cache/tree", headers=auth(KEY_B)).text
+        assert c.get("/dashboard").status_code == 200

@@ -75,6 +75,21 @@ def test_routes_use_only_the_documented_engine_interface() -> None:
     assert not outside, outside
 
 
+def test_the_documented_interface_is_serving_backend_and_every_backend_has_it() -> None:
+    """``INTERFACE`` is ``ServingBackend``'s members (``cache_tree`` included), and each backend, one
+    engine or many, has every one of them: the dashboard needs no check of which backend it got."""
+    from radixserve.disagg.coordinator import DisaggregatedEngine
+    from radixserve.scale.remote_engine import ReplicaSetEngine
+    from radixserve.server.engine_api import ServingBackend
+
+    declared = {n for n in vars(ServingBackend) if not n.startswith("_")}
+    declared |= set(ServingBackend.__annotations__)
+    assert declared == INTERFACE
+    methods = declared - {"model", "on_finish"}  # attributes set in __init__
+    for backend in (AsyncEngine, ReplicaSetEngine, DisaggregatedEngine):
+        assert all(hasattr(backend, m) for m in methods), (backend, methods - set(dir(backend)))
+
+
 def test_a_plain_value_error_gets_no_parameter_from_its_words() -> None:
     """Only a typed InvalidRequestError names a parameter or code; a message that happens to start with
     a field's name or mention the context length is not parsed for one."""

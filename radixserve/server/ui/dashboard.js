@@ -195,7 +195,8 @@ function showTree(tree) {
   lastTree = text;
   const focused = document.activeElement && document.activeElement.dataset ? document.activeElement.dataset.path : undefined;
   const blocks = tree.namespaces.map((ns, i) => {
-    const name = ns.namespace === null ? "default namespace" : "namespace " + JSON.stringify(ns.namespace);
+    const space = ns.namespace === null ? "default namespace" : "namespace " + JSON.stringify(ns.namespace);
+    const name = ns.replica === null ? space : `${ns.replica}: ${space}`; // several engines: each one's own
     return el("section", { "data-testid": "namespace" },
       el("h3", {}, `${name}: ${ns.tokens} tokens, ${ns.pages} pages, ${ns.nodes} nodes`),
       childList(ns, "ns" + i) || el("p", { class: "muted" }, "empty"));
