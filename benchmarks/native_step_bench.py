@@ -18,10 +18,11 @@ import time
 from typing import Any
 
 from benchmarks.common import RESULTS, args_json, write_results
-from benchmarks.modes import StepModel, Shapes, engine_options, parse_modes
+from benchmarks.modes import Shapes, StepModel, engine_options, parse_modes
 from benchmarks.step_bench import Steps, measure_limits
 from benchmarks.step_modes import PAGE_SIZE, engine_formats, engine_kv_dtype
 from radixserve import Engine
+from radixserve.model.runner import ModelRunner
 
 HEADER = ["mode", "step", "limit ms", "torch ms", "% of limit", "native ms", "% of limit", "speed-up"]
 
@@ -29,6 +30,7 @@ HEADER = ["mode", "step", "limit ms", "torch ms", "% of limit", "native ms", "% 
 def alternate(steps: Steps, batch: int, context: int, repeats: int) -> tuple[float, float]:
     """Median seconds of the torch step and of the native step, run in turns over the same sequences."""
     runner = steps.runner
+    assert isinstance(runner, ModelRunner)
     native = runner.native
     step, tables = steps.decode_step(batch, context, 2 * repeats + 2, prefill=True)
     times: dict[bool, list[float]] = {False: [], True: []}
@@ -61,10 +63,13 @@ def main(argv: list[str] | None = None) -> None:
     for mode in parse_modes(args.modes):
         pages = max(batches) * -(-(max(contexts) + 2 * args.repeats + 8) // PAGE_SIZE) + 8
         engine = Engine(
-            prefix_cache=False, page_size=PAGE_SIZE, num_pages=pages, max_model_len=max(contexts) + 64,
+            prefix_cache=False,
+            page_size=PAGE_SIZE,
+            num_pages=pages,
+            max_model_len=max(contexts) + 64,
             **engine_options(mode),
         )
-        if engine.runner.native is None:
+        if not isinstance(engine.runner, ModelRunner) or engine.runner.native is None:
             rows.append([mode.name, "native step not chosen for this mode (see the log)"] + [""] * 6)
             continue
         model = StepModel(Shapes.of(engine.model.config), engine_formats(engine), engine_kv_dtype(engine))
@@ -84,7 +89,13 @@ def main(argv: list[str] | None = None) -> None:
                 }
                 e = res[f"decode_b{b}_c{context}"]
                 rows.append(
-                    [mode.name, f"decode {b} x {context}", e["limit_ms"], e["torch_ms"], e["torch_pct_of_limit"]]
+                    [
+                        mode.name,
+                        f"decode {b} x {context}",
+                        e["limit_ms"],
+                        e["torch_ms"],
+                        e["torch_pct_of_limit"],
+                    ]
                     + [e["native_ms"], e["native_pct_of_limit"], e["speedup"]]
                 )
                 print(rows[-1], flush=True)

@@ -18,6 +18,7 @@ decodes each block where it multiplies it, in fp32.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,7 +121,10 @@ class GGUFLinear(nn.Module):
     """A Linear whose weight stays in GGUF blocks (``gguf_linear``). A fused projection (q/k/v,
     gate/up) is its parts' rows concatenated: parts of one block type become one block matrix (rows
     of blocks concatenate along N); parts of different types run one product each. Plain-typed
-    parts (F32, F16, BF16) are held as fp32."""
+    parts (F32, F16, BF16) are held as fp32. ``forward`` calls the product chosen once, at
+    construction (``product``)."""
+
+    product: Callable[[torch.Tensor], torch.Tensor]
 
     def __init__(self, parts: list[Weight], bias: torch.Tensor | None = None) -> None:
         super().__init__()

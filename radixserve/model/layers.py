@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,6 +41,11 @@ class Linear(nn.Linear):
     qscale: torch.Tensor | None = None
     fast_weight: torch.Tensor | None = None  # bf16 [out, in]
     many_rows: int = 0
+    product: Callable[[torch.Tensor], torch.Tensor]  # the product forward calls, chosen by prepack
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.product = self._plain
 
     def prepack(self) -> None:
         w = self.weight
@@ -83,11 +89,16 @@ class Linear(nn.Linear):
     def _plain(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x, self.weight, self.bias)
 
-    product = _plain  # the product chosen by prepack (an instance attribute from then on)
-
     def _kernels(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.packed_linear(
-            x, self.weight, self.packed, self.bias, self.qweight, self.qscale, self.fast_weight, self.many_rows
+            x,
+            self.weight,
+            self.packed,
+            self.bias,
+            self.qweight,
+            self.qscale,
+            self.fast_weight,
+            self.many_rows,
         )
         return out
 

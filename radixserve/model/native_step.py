@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import torch
 
 from radixserve.cache.page_pool import KVPool
-from radixserve.model.llama import LlamaForCausalLM
+from radixserve.model.llama import DecoderLayer, LlamaForCausalLM
 
 logger = logging.getLogger("radixserve.model")
 
@@ -44,12 +44,24 @@ KV_DTYPES = (torch.float32, torch.bfloat16)
 EMPTY = torch.empty(0)
 
 
+def _layers(model: LlamaForCausalLM) -> list[DecoderLayer]:
+    layers = [m for m in model.layers if isinstance(m, DecoderLayer)]
+    assert len(layers) == len(model.layers)
+    return layers
+
+
 def _linears(model: LlamaForCausalLM) -> list[torch.nn.Module]:
     out: list[torch.nn.Module] = []
-    for layer in model.layers:
+    for layer in _layers(model):
         attn, mlp = layer.self_attn, layer.mlp
         out += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
     return out
+
+
+def _native_weight(m: torch.nn.Module) -> tuple[torch.Tensor, int, torch.Tensor | None] | None:
+    """What the kernel streams of a weight object (its ``native_weight()``), None where it has none."""
+    weight = getattr(m, "native_weight", None)
+    return None if weight is None else weight()  # type: ignore[no-any-return]
 
 
 def unsupported(model: LlamaForCausalLM, pool: KVPool) -> str | None:
@@ -70,8 +82,7 @@ def unsupported(model: LlamaForCausalLM, pool: KVPool) -> str | None:
     if cfg.head_dim % 16 or cfg.num_heads % cfg.num_kv_heads or cfg.num_heads // cfg.num_kv_heads > 8:
         return f"head_dim {cfg.head_dim} with {cfg.num_heads}/{cfg.num_kv_heads} heads"
     for m in _linears(model):
-        weight = getattr(m, "native_weight", lambda: None)()
-        if weight is None:
+        if _native_weight(m) is None:
             return f"a decoder linear held as {type(m).__name__} of a format it does not stream"
     if model.embed_tokens.weight.device.type != "cpu":
         return "the model is not on CPU"
@@ -86,10 +97,13 @@ class NativeStep:
         cfg = model.config
         weights: list[torch.Tensor] = []
         kinds: list[int] = []
-        for layer in model.layers:
+        for layer in _layers(model):
             attn, mlp = layer.self_attn, layer.mlp
-            stream = [m.native_weight() for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-            (qkv, qkv_kind, qkv_bias), (o, o_kind, _), (gu, gu_kind, _), (down, down_kind, _) = stream
+            stream = [
+                _native_weight(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            ]
+            assert all(w is not None for w in stream), "checked by unsupported()"
+            (qkv, qkv_kind, qkv_bias), (o, o_kind, _), (gu, gu_kind, _), (down, down_kind, _) = stream  # type: ignore[misc]
             weights += [
                 layer.input_layernorm.weight.detach().float().contiguous(),
                 qkv,
@@ -121,7 +135,11 @@ class NativeStep:
         return None
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        page_table: torch.Tensor,
+        seq_lens: torch.Tensor,
         slots: torch.Tensor,
     ) -> torch.Tensor:
         """Final hidden states ``[B, hidden]`` of B decode tokens (``positions``), writing their K/V into
@@ -130,8 +148,21 @@ class NativeStep:
         cos, sin = self.model.rotary.table(positions)
         heads, kv_heads, head_dim, eps, scale = self.shape
         out: torch.Tensor = self.op(
-            x, cos.contiguous(), sin.contiguous(), self.weights, self.kinds, self.k_caches, self.v_caches,
-            page_table, seq_lens, slots, heads, kv_heads, head_dim, eps, scale,
+            x,
+            cos.contiguous(),
+            sin.contiguous(),
+            self.weights,
+            self.kinds,
+            self.k_caches,
+            self.v_caches,
+            page_table,
+            seq_lens,
+            slots,
+            heads,
+            kv_heads,
+            head_dim,
+            eps,
+            scale,
         )
         hidden: torch.Tensor = self.model.norm(out)
         return hidden

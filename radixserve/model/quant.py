@@ -90,6 +90,7 @@ class Int8Linear(nn.Module):
 
     qweight: torch.Tensor
     scale: torch.Tensor
+    product: Callable[[torch.Tensor], torch.Tensor]  # the product forward calls, chosen by prepack
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -97,6 +98,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scale", torch.ones(out_features))
         self.bias = nn.Parameter(bias.detach().float(), requires_grad=False) if bias is not None else None
+        self.product = self._reference
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
@@ -119,8 +121,6 @@ class Int8Linear(nn.Module):
 
     def _reference(self, x: torch.Tensor) -> torch.Tensor:
         return int8_linear(x, self.qweight, self.scale, self.bias)
-
-    product = _reference  # the product chosen by prepack (an instance attribute from then on)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = torch.ops.radixserve_cpu.int8_linear(x, self.qweight, self.scale, self.bias)

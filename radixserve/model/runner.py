@@ -121,7 +121,9 @@ class ModelRunner:
                 "the model runs on a thread other than the one that built the engine: on CPU "
                 "every step is slower (two OpenMP teams); build and step it on one thread"
             )
-        if self.native is not None and covers([c.num_new for c in chunks], [c.want_all_logits for c in chunks]):
+        if self.native is not None and covers(
+            [c.num_new for c in chunks], [c.want_all_logits for c in chunks]
+        ):
             return self.run_native(chunks)
         order = sorted(range(len(chunks)), key=lambda i: chunks[i].num_new == 1)
         ordered = [chunks[i] for i in order]

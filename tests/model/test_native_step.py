@@ -79,7 +79,8 @@ def _compare(reference: ModelRunner, native: ModelRunner, steps: list[list[SeqCh
 
 
 @pytest.mark.parametrize(
-    ("kind", "kv_dtype"), [("llama", "float32"), ("qwen2", "float32"), ("qwen3", "float32"), ("llama", "bfloat16")]
+    ("kind", "kv_dtype"),
+    [("llama", "float32"), ("qwen2", "float32"), ("qwen3", "float32"), ("llama", "bfloat16")],
 )
 def test_native_step_matches_reference(tiny_models: dict[str, Path], kind: str, kv_dtype: str) -> None:
     reference = _runner(tiny_models[kind], False, kv_dtype=kv_dtype)
