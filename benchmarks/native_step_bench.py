@@ -17,6 +17,8 @@ import argparse
 import time
 from typing import Any
 
+import torch
+
 from benchmarks.common import RESULTS, args_json, write_results
 from benchmarks.modes import Shapes, StepModel, engine_options, parse_modes
 from benchmarks.step_bench import Steps, measure_limits
@@ -46,6 +48,26 @@ def alternate(steps: Steps, batch: int, context: int, repeats: int) -> tuple[flo
     return tuple(sorted(t)[len(t) // 2] for t in (times[False], times[True]))  # type: ignore[return-value]
 
 
+def products(engine: Engine, rows: list[int], repeats: int) -> dict[int, float]:
+    """Median seconds of one pass of ``rows`` activation rows through every decoder linear (the
+    weight objects' own products, the few-row kernels), the row counts timed in turns."""
+    linears = [
+        m for name, m in engine.model.named_modules() if name.startswith("layers.") and name.endswith("proj")
+    ]
+    gen = torch.Generator().manual_seed(0)
+    xs = {r: {k: torch.randn(r, k, generator=gen) for k in {m.in_features for m in linears}} for r in rows}
+    times: dict[int, list[float]] = {r: [] for r in rows}
+    with torch.no_grad():
+        for i in range(repeats + 1):
+            for r in rows:
+                start = time.perf_counter()
+                for m in linears:
+                    m(xs[r][m.in_features])
+                if i:
+                    times[r].append(time.perf_counter() - start)
+    return {r: sorted(t)[len(t) // 2] for r, t in times.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.native_step_bench", description=__doc__)
     parser.add_argument("--modes", default="fp32,gguf")
@@ -53,7 +75,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--contexts", default="512")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--name", default="native_step")
+    parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     limits = measure_limits()
@@ -99,6 +124,13 @@ def main(argv: list[str] | None = None) -> None:
                     + [e["native_ms"], e["native_pct_of_limit"], e["speedup"]]
                 )
                 print(rows[-1], flush=True)
+        cost = products(engine, [1, 8], args.repeats)
+        res["products_ms"] = {str(r): t * 1e3 for r, t in cost.items()}
+        rows.append(
+            [mode.name, "decoder linears only, 1 row -> 8 rows (ms; 8-row / 1-row cost)", "", cost[1] * 1e3]
+            + ["", cost[8] * 1e3, "", cost[8] / cost[1]]
+        )
+        print(rows[-1], flush=True)
         results["modes"][mode.name] = res
         del steps, engine
     write_results(
