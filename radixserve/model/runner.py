@@ -110,8 +110,14 @@ class ModelRunner:
         over page 0, which holds nothing yet."""
         start = time.perf_counter()
         if self.compiled is not None:
-            self.run([SeqChunk([0, 0], 0, 2, [0, 0])])
-            self.run([SeqChunk([0, 0], 1, 1, [0, 0])])
+            # through the torch model even where the native step runs decode: the one-token graph
+            # still serves the one-token steps it does not cover (prompt logprobs)
+            native, self.native = self.native, None
+            try:
+                self.run([SeqChunk([0, 0], 0, 2, [0, 0])])
+                self.run([SeqChunk([0, 0], 1, 1, [0, 0])])
+            finally:
+                self.native = native
         self.warmup_s = time.perf_counter() - start  # start-up's "compile" phase (logged by replicas)
 
     def run(self, chunks: list[SeqChunk]) -> RunnerOutput:
