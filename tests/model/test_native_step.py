@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from radixserve.cache.page_pool import KVPool
 from radixserve.kernels import cpu_build
 from radixserve.model import compiled, native_step
 from radixserve.model.attention import get_backend
+from radixserve.model.llama import Attention
 from radixserve.model.loader import load_model
 from radixserve.model.runner import ModelRunner, SeqChunk
 
@@ -70,7 +72,7 @@ def _compare(reference: ModelRunner, native: ModelRunner, steps: list[list[SeqCh
         return forward(*args)
 
     if native.native is not None:
-        native.native.forward = counted  # type: ignore[method-assign]
+        native.native.forward = counted  # type: ignore[method-assign,assignment]
     for step in steps:
         want = reference.run(step).logits
         got = native.run([SeqChunk(list(c.token_ids), c.num_computed, c.num_new, c.page_table) for c in step])
@@ -130,8 +132,9 @@ def test_an_int8_model_is_not_covered(tiny_llama: Path) -> None:
     from radixserve.model.quant import Int8Linear
 
     runner = _runner(tiny_llama, False)
-    layer = runner.model.layers[0].self_attn
-    layer.o_proj = Int8Linear.from_linear(layer.o_proj)
+    attn = runner.model.layers[0].self_attn
+    assert isinstance(attn, Attention) and isinstance(attn.o_proj, torch.nn.Linear)
+    attn.o_proj = Int8Linear.from_linear(attn.o_proj)  # type: ignore[assignment]
     why = native_step.unsupported(runner.model, runner.pool)
     assert why is not None and "Int8Linear" in why
 
@@ -153,13 +156,18 @@ def test_native_engine_is_greedy_token_identical_to_the_torch_fp32_engine(
     from radixserve import Engine, SamplingParams
 
     greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-    options = {"page_size": 16, "kv_cache_gb": 0.25, "enforce_eager": True, "prefix_cache": False}
+    options: dict[str, Any] = {
+        "page_size": 16,
+        "kv_cache_gb": 0.25,
+        "enforce_eager": True,
+        "prefix_cache": False,
+    }
     monkeypatch.setenv(native_step.ENV, "0")
     reference = Engine(**options)
-    assert reference.runner.native is None
+    assert isinstance(reference.runner, ModelRunner) and reference.runner.native is None
     want = [o.outputs[0].token_ids for o in reference.generate(PROMPTS, greedy)]
     del reference
     monkeypatch.delenv(native_step.ENV)
     engine = Engine(quantization=quantization, **options)
-    assert engine.runner.native is not None
+    assert isinstance(engine.runner, ModelRunner) and engine.runner.native is not None
     assert [o.outputs[0].token_ids for o in engine.generate(PROMPTS, greedy)] == want
