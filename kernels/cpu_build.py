@@ -1,4 +1,6 @@
-"""Build once, cache, load, or fall back: the C++ CPU attention ops (``torch.ops.radixserve_cpu``).
+"""Build once, cache, load, or fall back: the C++ CPU ops (``torch.ops.radixserve_cpu``): paged
+attention and KV stores, and the linear kernels (few-row dense and int8 products, GGUF block
+products, the native decode step).
 
 The sources in ``csrc/`` are compiled on first use with ``torch.utils.cpp_extension.load`` (ninja)
 into ``${XDG_CACHE_HOME:-~/.cache}/radixserve/cpu_kernels/<torch>-<isa>-<hash>/``. The directory is
@@ -47,10 +49,14 @@ SOURCES = (
     "linear.cpp",
     "gemv.cpp",
     "gguf_linear.cpp",
+    "native_step.cpp",
 )
-HEADERS = ("radixserve_cpu.h", "kernel_common.h", "gemv.h")
+HEADERS = ("radixserve_cpu.h", "kernel_common.h", "gemv.h", "dense_rows.h", "block_rows.h")
 DISABLE_ENV = "RADIXSERVE_CPU_KERNELS"
-COST = "CPU attention falls back to the torch reference kernels (slower)"
+COST = (
+    "CPU attention and linear products fall back to the torch reference kernels, and decode steps to "
+    "the torch model (slower)"
+)
 ISA_FLAGS: dict[str, list[str]] = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
@@ -124,7 +130,7 @@ def build_and_load(
         if ready.exists() and library.exists():  # another process built it while we waited
             torch.ops.load_library(str(library))
             return LoadState(True, "cached", path=library)
-        logger.info("radixserve: building the CPU attention kernels in %s (once, about a minute)", directory)
+        logger.info("radixserve: building the CPU kernels in %s (once, a minute or more)", directory)
         # Holding the flock, nobody else builds here: a lock file of cpp_extension's own is one a
         # killed builder left, and cpp_extension would wait on it forever.
         (directory / "lock").unlink(missing_ok=True)

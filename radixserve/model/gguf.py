@@ -18,6 +18,7 @@ decodes each block where it multiplies it, in fp32.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,7 +121,10 @@ class GGUFLinear(nn.Module):
     """A Linear whose weight stays in GGUF blocks (``gguf_linear``). A fused projection (q/k/v,
     gate/up) is its parts' rows concatenated: parts of one block type become one block matrix (rows
     of blocks concatenate along N); parts of different types run one product each. Plain-typed
-    parts (F32, F16, BF16) are held as fp32."""
+    parts (F32, F16, BF16) are held as fp32. ``forward`` calls the product chosen once, at
+    construction (``product``)."""
+
+    product: Callable[[torch.Tensor], torch.Tensor]
 
     def __init__(self, parts: list[Weight], bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -144,18 +148,51 @@ class GGUFLinear(nn.Module):
         self.out_features = sum(p.data.shape[0] for p in parts)
         self.bias = nn.Parameter(bias.float(), requires_grad=False) if bias is not None else None
         self.use_op = _op_loaded()
+        self._choose()
+
+    def native_weight(self) -> tuple[torch.Tensor, int, torch.Tensor | None] | None:
+        """What the native decode step streams (``model/native_step.py``): the one block matrix (or
+        fp32 matrix, kind F32 = 0) with its GGML type id, and the bias; None for a projection whose
+        parts are of several types."""
+        if len(self.qtypes) != 1:
+            return None
+        return self.part(0).detach(), self.qtypes[0], self.bias
+
+    def part(self, i: int) -> torch.Tensor:
+        """Group ``i``'s weight: uint8 block rows, or fp32 rows for a plain type."""
+        w: torch.Tensor = getattr(self, f"weight{i}")
+        return w
+
+    def use_many_rows_arithmetic(self, arithmetic: str, rows: int) -> None:
+        """Where cheaper arithmetic over the blocks for more than ``rows`` rows plugs in (prefill,
+        extend: ``model/arithmetic.py``); the blocks' own fp32 arithmetic serves every row count today."""
+        raise ValueError(f"many-rows arithmetic {arithmetic!r} over GGUF blocks is not built yet")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        outs = []
-        for i, qtype in enumerate(self.qtypes):
-            w = getattr(self, f"weight{i}")
-            bias = self.bias if len(self.qtypes) == 1 else None
-            if qtype == F32:
-                outs.append(nn.functional.linear(x, w, bias))
-            else:
-                outs.append(gguf_linear(x, w, qtype, bias, self.use_op))
-        if len(outs) == 1:
-            return outs[0]
+        return self.product(x)
+
+    def _choose(self) -> None:
+        """The product, chosen once: one matrix straight to its kernel, or one product per part."""
+        if len(self.qtypes) > 1:
+            self.product = self._parts
+        elif self.qtypes[0] == F32:
+            self.product = self._dense
+        else:
+            self.product = self._blocks
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.part(0), self.bias)
+
+    def _blocks(self, x: torch.Tensor) -> torch.Tensor:
+        return gguf_linear(x, self.part(0), self.qtypes[0], self.bias, self.use_op)
+
+    def _parts(self, x: torch.Tensor) -> torch.Tensor:
+        outs = [
+            nn.functional.linear(x, self.part(i), None)
+            if qtype == F32
+            else gguf_linear(x, self.part(i), qtype, None, self.use_op)
+            for i, qtype in enumerate(self.qtypes)
+        ]
         out = torch.cat(outs, dim=-1)
         return out if self.bias is None else out + self.bias
 

@@ -3,26 +3,35 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from radixserve.model.quant import quantize_rows
+
 
 class Linear(nn.Linear):
-    """nn.Linear whose product, once ``prepack()``-ed on a CPU, is chosen by the step's row count inside
-    one opaque op (``radixserve_cpu::linear``, kernels/csrc/linear.cpp), so a captured graph keeps every
-    path and takes each weight copy as an input:
+    """A dense (fp32 or bf16) linear weight whose ``forward`` goes straight to the product chosen once,
+    by ``prepack()`` after loading (``product``):
 
-    - 1-8 rows (decode, small verification batches): the C++ few-row kernels (``csrc/gemv.cpp``), which
-      stream the weight once at near the memory bandwidth; no BLAS, whose small-row speed depends on
-      the CPU's vendor (MKL reads at a third of the bandwidth on AMD).
-    - more rows: a oneDNN-blocked copy of the fp32 weight (1.3x MKL's plain sgemm at 8-32 rows here,
-      ``benchmarks/engine_bench.py``); one more weight's worth of memory, made after the weights are final.
-    - more than ``many_rows`` rows, with a cheaper copy made by ``use_many_rows_arithmetic``
-      (``model/arithmetic.py``: int8 or bf16 for prefill): that copy. The fp32 weight stays for fewer rows.
+    - with the C++ CPU kernels: ``radixserve_cpu::linear`` (kernels/csrc/linear.cpp), one opaque op that
+      takes every weight copy as an input, so a captured graph keeps every path; it picks by the step's
+      row count, the one thing known only at run time:
+      - 1-8 rows (decode, small verification batches): the few-row kernels (``csrc/gemv.cpp``), which
+        stream the weight once for all rows at near the memory bandwidth; no BLAS, whose small-row
+        speed depends on the CPU's vendor (MKL reads at a third of the bandwidth on AMD);
+      - more rows: a oneDNN-blocked copy of the fp32 weight (``packed``; 1.3x MKL's plain sgemm at 8-32
+        rows, ``benchmarks/engine_bench.py``), one more weight's worth of memory;
+      - more than ``many_rows`` rows, with a cheaper copy made by ``use_many_rows_arithmetic``
+        (``model/arithmetic.py``: int8 or bf16 for prefill): that copy. This is the one place the
+        many-rows arithmetic of a dense weight plugs in.
+    - without them (no compiler): the oneDNN copy from Python for 3+ rows, else ``F.linear``.
+    - before ``prepack`` (or off CPU): ``F.linear``.
 
-    Without the C++ kernels (no compiler), 3+ rows still go through the oneDNN copy from Python.
+    The decode steps the native step covers (``model/native_step.py``) stream ``native_weight()``
+    instead; this object stays the product of every other step.
     """
 
     packed: torch.Tensor | None = None
@@ -32,20 +41,28 @@ class Linear(nn.Linear):
     qscale: torch.Tensor | None = None
     fast_weight: torch.Tensor | None = None  # bf16 [out, in]
     many_rows: int = 0
+    product: Callable[[torch.Tensor], torch.Tensor]  # the product forward calls, chosen by prepack
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.product = self._plain
 
     def prepack(self) -> None:
         w = self.weight
+        self.product = self._plain
         if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
             return
         if w.dtype == torch.float32 and torch.backends.mkldnn.is_available():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 8)
         self.packed_linear = _packed_linear_op()
+        if self.packed_linear is not None:
+            self.product = self._kernels
+        elif self.packed is not None:
+            self.product = self._onednn
 
     def use_many_rows_arithmetic(self, arithmetic: str, rows: int) -> None:
         """Products of more than ``rows`` rows in ``arithmetic`` ("int8" or "bfloat16"): a copy of the
         weight made now; needs the C++ kernels (``prepack`` first)."""
-        from radixserve.model.quant import quantize_rows
-
         if self.packed_linear is None:
             raise RuntimeError("many-rows arithmetic needs the C++ CPU kernels (radixserve_cpu::linear)")
         w = self.weight.detach()
@@ -58,23 +75,38 @@ class Linear(nn.Linear):
             raise ValueError(f"many-rows arithmetic must be int8 or bfloat16, got {arithmetic!r}")
         self.many_rows = rows
 
+    def native_weight(self) -> tuple[torch.Tensor, int, torch.Tensor | None] | None:
+        """What the native decode step streams (``model/native_step.py``): the fp32 ``[N, K]`` weight,
+        kind 0 (dense fp32), and the bias; None for another dtype or device."""
+        w = self.weight
+        if w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous():
+            return None
+        return w.detach(), 0, self.bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_linear is not None:  # one opaque op: a captured graph keeps the packed weight
-            out: torch.Tensor = self.packed_linear(
-                x,
-                self.weight,
-                self.packed,
-                self.bias,
-                self.qweight,
-                self.qscale,
-                self.fast_weight,
-                self.many_rows,
-            )
-            return out
-        if self.packed is not None and x.dim() == 2 and x.shape[0] > 2:
-            out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-            return out
+        return self.product(x)
+
+    def _plain(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x, self.weight, self.bias)
+
+    def _kernels(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.packed_linear(
+            x,
+            self.weight,
+            self.packed,
+            self.bias,
+            self.qweight,
+            self.qscale,
+            self.fast_weight,
+            self.many_rows,
+        )
+        return out
+
+    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] > 2:  # at 1-2 rows oneDNN's per-call setup costs more
+            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return out
+        return self._plain(x)
 
 
 def _packed_linear_op() -> Any:

@@ -41,7 +41,6 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from radixserve.model.layers import Linear
 from radixserve.paths import cache_root
 
 logger = logging.getLogger("radixserve.model")
@@ -91,7 +90,7 @@ class Int8Linear(nn.Module):
 
     qweight: torch.Tensor
     scale: torch.Tensor
-    op: Any = None  # radixserve_cpu::int8_linear, where the C++ CPU kernels load (``prepack``)
+    product: Callable[[torch.Tensor], torch.Tensor]  # the product forward calls, chosen by prepack
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -99,6 +98,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scale", torch.ones(out_features))
         self.bias = nn.Parameter(bias.detach().float(), requires_grad=False) if bias is not None else None
+        self.product = self._reference
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
@@ -114,13 +114,17 @@ class Int8Linear(nn.Module):
         from radixserve.kernels import cpu_build
 
         if self.qweight.device.type == "cpu" and cpu_build.load():
-            self.op = torch.ops.radixserve_cpu.int8_linear
+            self.product = self._kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.op is not None:
-            out: torch.Tensor = self.op(x, self.qweight, self.scale, self.bias)
-            return out
+        return self.product(x)
+
+    def _reference(self, x: torch.Tensor) -> torch.Tensor:
         return int8_linear(x, self.qweight, self.scale, self.bias)
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.radixserve_cpu.int8_linear(x, self.qweight, self.scale, self.bias)
+        return out
 
 
 def quantized_linears(model: nn.Module) -> list[str]:
@@ -150,7 +154,7 @@ def load_int8(model: nn.Module, path: Path, load_source: Callable[[frozenset[str
         if is_current(target, identity):
             for name in names:
                 lin = model.get_submodule(name)
-                assert isinstance(lin, Linear)
+                assert isinstance(lin, nn.Linear)
                 _swap(model, name, Int8Linear(lin.in_features, lin.out_features, lin.bias))
             load_source(frozenset(f"{n}.weight" for n in names))
             _read_cache(model, target / WEIGHTS_NAME, names)

@@ -3,7 +3,9 @@
 The batch is flattened with the extend sequences (prefill chunks of two or more tokens) first and the
 single-token sequences last. The backend plans the step's attention once (``plan_step``); every layer
 reuses the plan. Where the step can be captured (``model/compiled.py``), the decoder layers run as
-compiled code.
+compiled code. A decode-only step of 1-8 rows runs instead as one native call (``model/native_step.py``)
+where the model's formats allow it, chosen once here; every other step (prefill, extend, mixed) runs
+the torch model.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from radixserve.cache.page_pool import KVPool
 from radixserve.model.attention import AttentionBackend, AttentionMetadata
 from radixserve.model.compiled import CompiledLayers
 from radixserve.model.llama import LlamaForCausalLM
+from radixserve.model.native_step import NativeStep, covers
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +65,7 @@ class ModelRunner:
         backend: AttentionBackend,
         device: torch.device,
         compile_step: bool = False,
+        native_step: bool = True,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -69,6 +73,8 @@ class ModelRunner:
         self.device = device
         self.page_size = pool.page_size
         self.compiled = CompiledLayers.create(model.layers) if compile_step else None
+        # The native decode step, chosen once (None: every step runs the torch model; logged why).
+        self.native = NativeStep.create(model, pool) if native_step and device.type == "cpu" else None
         self.warmup_s = 0.0  # how long warmup() took
         # The thread that built the runner. On CPU, model code run from any other thread starts a
         # second OpenMP team; with more libgomp threads than cores, libgomp cuts every team's
@@ -104,8 +110,14 @@ class ModelRunner:
         over page 0, which holds nothing yet."""
         start = time.perf_counter()
         if self.compiled is not None:
-            self.run([SeqChunk([0, 0], 0, 2, [0, 0])])
-            self.run([SeqChunk([0, 0], 1, 1, [0, 0])])
+            # through the torch model even where the native step runs decode: the one-token graph
+            # still serves the one-token steps it does not cover (prompt logprobs)
+            native, self.native = self.native, None
+            try:
+                self.run([SeqChunk([0, 0], 0, 2, [0, 0])])
+                self.run([SeqChunk([0, 0], 1, 1, [0, 0])])
+            finally:
+                self.native = native
         self.warmup_s = time.perf_counter() - start  # start-up's "compile" phase (logged by replicas)
 
     def run(self, chunks: list[SeqChunk]) -> RunnerOutput:
@@ -115,6 +127,10 @@ class ModelRunner:
                 "the model runs on a thread other than the one that built the engine: on CPU "
                 "every step is slower (two OpenMP teams); build and step it on one thread"
             )
+        if self.native is not None and covers(
+            [c.num_new for c in chunks], [c.want_all_logits for c in chunks]
+        ):
+            return self.run_native(chunks)
         order = sorted(range(len(chunks)), key=lambda i: chunks[i].num_new == 1)
         ordered = [chunks[i] for i in order]
         inputs = self.prepare(ordered)
@@ -129,6 +145,24 @@ class ModelRunner:
         logits = torch.empty_like(last)
         logits[torch.tensor(order, device=self.device)] = last
         return RunnerOutput(logits, {order[i]: v for i, v in all_logits.items()})
+
+    def run_native(self, chunks: list[SeqChunk]) -> RunnerOutput:
+        """A decode-only step (``native_step.covers``) through the native step: no attention plan, no
+        reordering (every chunk is one row)."""
+        assert self.native is not None
+        ps = self.page_size
+        positions = torch.tensor([c.num_computed for c in chunks], dtype=torch.int64)
+        ids = torch.tensor([c.token_ids[c.num_computed] for c in chunks], dtype=torch.int64)
+        width = max(len(c.page_table) for c in chunks)
+        table = torch.zeros(len(chunks), width, dtype=torch.int32)
+        for i, c in enumerate(chunks):
+            table[i, : len(c.page_table)] = torch.tensor(c.page_table, dtype=torch.int32)
+        pages = table.gather(1, (positions // ps).unsqueeze(1)).squeeze(1).to(torch.int64)
+        slots = pages * ps + positions % ps
+        with torch.no_grad():
+            hidden = self.native.forward(ids, positions, table, (positions + 1).to(torch.int32), slots)
+            logits = self.model.compute_logits(hidden)
+        return RunnerOutput(logits, {})
 
     def prepare(self, chunks: list[SeqChunk]) -> StepInputs:
         """Flat token ids and positions, the slot of each new token, and the backend's plan of the step."""

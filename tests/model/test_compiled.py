@@ -33,7 +33,10 @@ def _runner(path: Path, captured: bool, kv_dtype: str = "float32") -> ModelRunne
     model = load_model(path, torch.float32, torch.device("cpu"))
     c = model.config
     pool = KVPool(c.num_layers, 256, 4, c.num_kv_heads, c.head_dim, kv_dtype)
-    return ModelRunner(model, pool, get_backend("cpu"), torch.device("cpu"), compile_step=captured)
+    # the torch step throughout: decode steps too are compared compiled against eager
+    return ModelRunner(
+        model, pool, get_backend("cpu"), torch.device("cpu"), compile_step=captured, native_step=False
+    )
 
 
 def _steps() -> list[list[SeqChunk]]:

@@ -1,0 +1,351 @@
+// radixserve_cpu::decode_step: every decoder layer of a decode step (1 to 8 rows) in one call, on one
+// thread team meeting at barriers (radixserve/model/native_step.py chooses it at load).
+//
+// Why: the torch step runs ~60 ops a layer, each an OpenMP fork/join and a Python call, and each
+// small op (a norm, the rotary embedding, SwiGLU's gate) reads and writes its activations once more.
+// For a 135M model that is most of a decode step (issue 31: ~15 ms of a 20-27 ms step on 2 cores,
+// against a 2-5 ms byte limit). Here one `omp parallel` region covers every layer; inside it each
+// thread works on its own band of each product's output rows, the small ops run on the bands that
+// produced their inputs, and the threads meet at 5 barriers a layer (after QKV with RoPE and the K/V
+// write, attention, o_proj, gate/up with SiLU, down).
+//
+// Per layer, for M rows x [M, hidden] (the residual stream, updated in place):
+//   h = rmsnorm(x) (each thread its own copy: M x hidden floats, cheaper than a barrier)
+//   qkv = h W_qkv^T (+ bias); a thread's band is whole heads: q/k norm, RoPE, K/V into the pages
+//   attention over each row's pages (the vector path of the CPU attention, decode_kernel.cpp),
+//   units (row, kv head) over the threads
+//   x += attn W_o^T
+//   h = rmsnorm(x); gate/up: a thread computes gate and up rows [j0, j1) and silu(gate) * up there
+//   x += act W_down^T
+// The weights are streamed as they are held (fp32 [N, K], or GGUF blocks [N, row bytes]), each read
+// once for all M rows (dense_rows.h, block_rows.h); nothing is copied per step.
+//
+// Numbers: the same operations as the torch model in fp32, summed in another order (the products'
+// order is gemv.cpp's and gguf_linear.cpp's), so the step equals the reference within fp32 rounding.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "block_rows.h"
+#include "dense_rows.h"
+#include "kernel_common.h"
+
+namespace radixserve_cpu {
+namespace {
+
+using detail::Ctx;
+using detail::KvType;
+using detail::VecKernel;
+
+constexpr int64_t kMaxRows = 8;
+constexpr int64_t kF32 = 0;  // a dense fp32 weight; else a GGUF block type id
+constexpr int64_t kPad = 32;  // activation rows are padded to whole blocks (and vectors) of this
+
+// Tensors per layer in `weights`, in this order (an absent one is an empty tensor).
+enum LayerTensor : int {
+  kInNorm = 0,
+  kQkv,
+  kQkvBias,
+  kQNorm,
+  kKNorm,
+  kO,
+  kPostNorm,
+  kGateUp,
+  kDown,
+  kTensorsPerLayer
+};
+// Weight kinds per layer in `kinds`: qkv, o, gate_up, down.
+constexpr int kKindsPerLayer = 4;
+
+struct Weight {
+  int64_t kind;
+  const void* data;
+  int64_t N, K, row_bytes;
+  const float* bias;
+};
+
+const float* opt_ptr(const at::Tensor& t) { return t.numel() > 0 ? t.data_ptr<float>() : nullptr; }
+
+// out(m, n) for rows [n0, n1) of w against M rows of x (kPad-padded, ld apart); store(m, n, value).
+template <int M, typename Store>
+void product_m(const Weight& w, const float* x, int64_t ld, int64_t n0, int64_t n1, Store store) {
+  if (n0 >= n1) return;
+  if (w.kind == kF32) {
+    dense::dot_rows<M>(x, ld, static_cast<const float*>(w.data), w.K, n0, n1, store);
+    return;
+  }
+  // The block kernels write out[r * N + n]: a small buffer of this band, then stored.
+  thread_local std::vector<float> buf;
+  const int64_t width = n1 - n0;
+  if (static_cast<int64_t>(buf.size()) < M * width) buf.resize(M * width);
+  const blocks::Args a{x, ld, static_cast<const uint8_t*>(w.data) + n0 * w.row_bytes, w.row_bytes, w.K, width,
+                       nullptr, buf.data()};
+  for (int m0 = 0; m0 < M; m0 += blocks::kMaxFewRows) {  // AVX2 takes 4 rows a pass
+    const int rows = std::min<int>(M - m0, blocks::kMaxFewRows);
+    const float* xm = x + m0 * ld;
+    float* om = buf.data() + m0 * width;
+    switch (w.kind) {
+      case blocks::kQ4_0: blocks::few_rows_dispatch<blocks::kQ4_0>(rows, a, xm, om, 0, width); break;
+      case blocks::kQ4_1: blocks::few_rows_dispatch<blocks::kQ4_1>(rows, a, xm, om, 0, width); break;
+      default: blocks::few_rows_dispatch<blocks::kQ8_0>(rows, a, xm, om, 0, width); break;
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int64_t n = 0; n < width; ++n) store(m, n0 + n, buf[m * width + n]);
+}
+
+template <typename Store>
+void product(int64_t M, const Weight& w, const float* x, int64_t ld, int64_t n0, int64_t n1, Store store) {
+  switch (M) {
+    case 1: return product_m<1>(w, x, ld, n0, n1, store);
+    case 2: return product_m<2>(w, x, ld, n0, n1, store);
+    case 3: return product_m<3>(w, x, ld, n0, n1, store);
+    case 4: return product_m<4>(w, x, ld, n0, n1, store);
+    case 5: return product_m<5>(w, x, ld, n0, n1, store);
+    case 6: return product_m<6>(w, x, ld, n0, n1, store);
+    case 7: return product_m<7>(w, x, ld, n0, n1, store);
+    default: return product_m<8>(w, x, ld, n0, n1, store);
+  }
+}
+
+// This thread's share [begin, end) of `units` split into `parts` runs of whole `align`s.
+std::pair<int64_t, int64_t> band(int64_t units, int64_t align, int64_t part, int64_t parts) {
+  const int64_t groups = (units + align - 1) / align;
+  const int64_t g0 = groups * part / parts, g1 = groups * (part + 1) / parts;
+  return {std::min(units, g0 * align), std::min(units, g1 * align)};
+}
+
+// h[m] = x[m] / rms(x[m]) * weight, for M rows of H (x rows H apart, h rows ld apart).
+void rmsnorm(const float* x, int64_t M, int64_t H, const float* weight, float eps, float* h, int64_t ld) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * H;
+    float ss = 0.f;
+    for (int64_t i = 0; i < H; ++i) ss += xr[i] * xr[i];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+    for (int64_t i = 0; i < H; ++i) h[m * ld + i] = weight[i] * (xr[i] * inv);
+  }
+}
+
+// One head of D values in place: an optional RMSNorm (q/k norm), then neox RoPE by cos/sin [D/2].
+void norm_rope(float* v, int64_t D, const float* norm, float eps, const float* cos, const float* sin) {
+  if (norm != nullptr) rmsnorm(v, 1, D, norm, eps, v, D);
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < half; ++d) {
+    const float a = v[d], b = v[d + half];
+    v[d] = a * cos[d] - b * sin[d];
+    v[d + half] = b * cos[d] + a * sin[d];
+  }
+}
+
+struct Shape {
+  int64_t M, H, Hq, Hkv, D, I, layers;
+  float eps, scale;
+};
+
+at::Tensor decode_step(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
+                       const std::vector<at::Tensor>& weights, const std::vector<int64_t>& kinds,
+                       const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
+                       const at::Tensor& page_table, const at::Tensor& seq_lens, const at::Tensor& slots,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale) {
+  const int64_t L = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(L > 0 && static_cast<int64_t>(v_caches.size()) == L &&
+                  static_cast<int64_t>(weights.size()) == L * kTensorsPerLayer &&
+                  static_cast<int64_t>(kinds.size()) == L * kKindsPerLayer,
+              "radixserve_cpu::decode_step: ", kTensorsPerLayer, " tensors and ", kKindsPerLayer,
+              " kinds per layer");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(0) >= 1 &&
+                  x_in.size(0) <= kMaxRows,
+              "radixserve_cpu::decode_step: x must be float32 [1..8, hidden]");
+  const int64_t M = x_in.size(0), H = x_in.size(1), D = head_dim, Hq = num_heads, Hkv = num_kv_heads;
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0 && Hq / Hkv <= detail::kVecRows && D % 2 == 0,
+              "radixserve_cpu::decode_step: unsupported head layout");
+  const int64_t q_size = Hq * D, kv_size = Hkv * D, qkv_size = q_size + 2 * kv_size;
+  TORCH_CHECK(cos.sizes() == at::IntArrayRef({M, D / 2}) && sin.sizes() == cos.sizes() &&
+                  cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous(),
+              "radixserve_cpu::decode_step: cos/sin must be float32 [M, head_dim / 2]");
+  TORCH_CHECK(page_table.scalar_type() == at::kInt && page_table.dim() == 2 && page_table.size(0) == M &&
+                  page_table.is_contiguous() && seq_lens.scalar_type() == at::kInt && seq_lens.numel() == M &&
+                  slots.scalar_type() == at::kLong && slots.numel() == M,
+              "radixserve_cpu::decode_step: page_table [M, W] int32, seq_lens [M] int32, slots [M] int64");
+  const at::Tensor& kc0 = k_caches[0];
+  const auto kv_dtype = kc0.scalar_type();
+  TORCH_CHECK(kv_dtype == at::kFloat || kv_dtype == at::kBFloat16,
+              "radixserve_cpu::decode_step: float32 or bfloat16 K/V pages");
+  const KvType kv_type = kv_dtype == at::kFloat ? KvType::kFloat : KvType::kBFloat16;
+  const VecKernel attend = detail::vec_kernel(D, kv_type);
+  TORCH_CHECK(attend != nullptr, "radixserve_cpu::decode_step: no vector attention for head_dim ", D);
+  const int64_t P = kc0.size(0), S = kc0.size(1);
+  for (int64_t l = 0; l < L; ++l)
+    TORCH_CHECK(k_caches[l].dim() == 4 && k_caches[l].is_contiguous() && v_caches[l].is_contiguous() &&
+                    k_caches[l].sizes() == kc0.sizes() && v_caches[l].sizes() == kc0.sizes() &&
+                    k_caches[l].scalar_type() == kv_dtype && v_caches[l].scalar_type() == kv_dtype &&
+                    kc0.size(2) == Hkv && kc0.size(3) == D,
+                "radixserve_cpu::decode_step: every layer's pages [pages, page_size, kv_heads, head_dim]");
+  // The pages every row reads and its new token's slot, checked here: nothing inside the thread team
+  // may throw.
+  const int32_t* table = page_table.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t W = page_table.size(1);
+  for (int64_t m = 0; m < M; ++m) {
+    TORCH_CHECK(lens[m] >= 1 && (lens[m] + S - 1) / S <= W, "radixserve_cpu::decode_step: row ", m,
+                " has ", lens[m], " tokens, more than its page table holds");
+    for (int64_t c = 0; c < (lens[m] + S - 1) / S; ++c)
+      TORCH_CHECK(table[m * W + c] >= 0 && table[m * W + c] < P, "radixserve_cpu::decode_step: page ",
+                  table[m * W + c], " not in [0, ", P, ")");
+    TORCH_CHECK(slot[m] >= 0 && slot[m] < P * S && slot[m] / S == table[m * W + (lens[m] - 1) / S],
+                "radixserve_cpu::decode_step: row ", m, "'s slot is not its last token's");
+  }
+  std::vector<Weight> lin(L * kKindsPerLayer);
+  const int64_t I = weights[kGateUp].size(0) / 2;
+  const int64_t shapes[kKindsPerLayer][2] = {{qkv_size, H}, {H, q_size}, {2 * I, H}, {H, I}};
+  const int tensor_of[kKindsPerLayer] = {kQkv, kO, kGateUp, kDown};
+  for (int64_t l = 0; l < L; ++l) {
+    for (int j = 0; j < kKindsPerLayer; ++j) {
+      const at::Tensor& t = weights[l * kTensorsPerLayer + tensor_of[j]];
+      const int64_t kind = kinds[l * kKindsPerLayer + j], N = shapes[j][0], K = shapes[j][1];
+      TORCH_CHECK(t.is_contiguous() && t.dim() == 2 && t.size(0) == N, "radixserve_cpu::decode_step: weight ",
+                  j, " of layer ", l, " has shape ", t.sizes());
+      if (kind == kF32) {
+        TORCH_CHECK(t.scalar_type() == at::kFloat && t.size(1) == K, "radixserve_cpu::decode_step: fp32 weight");
+      } else {
+        TORCH_CHECK(K % blocks::kBlock == 0 && t.scalar_type() == at::kByte &&
+                        t.size(1) == K / blocks::kBlock * blocks::block_bytes(kind),
+                    "radixserve_cpu::decode_step: GGUF block weight of type ", kind);
+      }
+      lin[l * kKindsPerLayer + j] = {kind, t.data_ptr(), N, K, t.size(1) * t.element_size(), nullptr};
+    }
+    lin[l * kKindsPerLayer].bias = opt_ptr(weights[l * kTensorsPerLayer + kQkvBias]);
+    for (int j : {kInNorm, kPostNorm, kQkvBias, kQNorm, kKNorm}) {
+      const at::Tensor& t = weights[l * kTensorsPerLayer + j];
+      const int64_t want = j == kQkvBias ? qkv_size : (j == kQNorm || j == kKNorm ? D : H);
+      TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() &&
+                      (t.numel() == want || (t.numel() == 0 && j != kInNorm && j != kPostNorm)),
+                  "radixserve_cpu::decode_step: norm or bias ", j, " of layer ", l, " must be float32 [", want, "]");
+    }
+  }
+
+  at::Tensor x = x_in.clone();
+  const int64_t ldh = dense::round_up(std::max(H, std::max(q_size, I)), kPad);
+  // Shared buffers: q (fp32, the attention reads it), attention out and lse, gate/up, activations.
+  std::vector<float> q(M * q_size), attn(M * q_size), lse(M * Hq), act(M * ldh, 0.f);
+  std::vector<float> gate_up(M * std::max(2 * I, qkv_size));
+  // The attention plan of a decode step: one item per row, all of its context, written directly.
+  std::vector<int32_t> items(M * kItemCols), rows(M * kRowCols);
+  for (int64_t m = 0; m < M; ++m) {
+    int32_t* it = items.data() + m * kItemCols;
+    it[kSeg] = static_cast<int32_t>(m);
+    it[kRowBegin] = static_cast<int32_t>(m);
+    it[kRowEnd] = static_cast<int32_t>(m + 1);
+    it[kKvBegin] = 0;
+    it[kKvEnd] = lens[m];
+    it[kPartial] = -1;
+    rows[m * kRowCols + kQRow] = static_cast<int32_t>(m);
+    rows[m * kRowCols + kLimit] = lens[m];
+  }
+  float* xs = x.data_ptr<float>();
+  const float* cs = cos.data_ptr<float>();
+  const float* sn = sin.data_ptr<float>();
+  const float feps = static_cast<float>(eps);
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t kv_elem = kv_type == KvType::kFloat ? 4 : 2;
+
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
+    std::vector<float> h(M * ldh, 0.f);  // this thread's normalised rows
+    std::vector<float> head(D);
+    for (int64_t l = 0; l < L; ++l) {
+      const at::Tensor* lw = weights.data() + l * kTensorsPerLayer;
+      const Weight* lk = lin.data() + l * kKindsPerLayer;
+      char* kc = static_cast<char*>(k_caches[l].data_ptr());
+      char* vc = static_cast<char*>(v_caches[l].data_ptr());
+      // -- QKV, whole heads a thread: bias, q/k norm, RoPE, K/V into the pages
+      rmsnorm(xs, M, H, lw[kInNorm].data_ptr<float>(), feps, h.data(), ldh);
+      const auto [h0, h1] = band(Hq + 2 * Hkv, 1, tid, nth);
+      std::vector<float>& qkv = gate_up;  // free until gate/up: [M, qkv_size] here
+      const float* bias = lk[0].bias;
+      product(M, lk[0], h.data(), ldh, h0 * D, h1 * D, [&](int m, int64_t n, float s) {
+        qkv[m * qkv_size + n] = bias != nullptr ? s + bias[n] : s;
+      });
+      const float* qn = opt_ptr(lw[kQNorm]);
+      const float* kn = opt_ptr(lw[kKNorm]);
+      for (int64_t m = 0; m < M; ++m) {
+        for (int64_t hd = h0; hd < h1; ++hd) {
+          float* v = qkv.data() + m * qkv_size + hd * D;
+          const float* c = cs + m * (D / 2);
+          const float* s = sn + m * (D / 2);
+          if (hd < Hq) {
+            norm_rope(v, D, qn, feps, c, s);
+            std::copy(v, v + D, q.data() + m * q_size + hd * D);
+            continue;
+          }
+          const bool is_k = hd < Hq + Hkv;
+          const int64_t kvh = is_k ? hd - Hq : hd - Hq - Hkv;
+          if (is_k) norm_rope(v, D, kn, feps, c, s);
+          char* dst = (is_k ? kc : vc) + (slot[m] * Hkv + kvh) * D * kv_elem;
+          if (kv_type == KvType::kFloat) {
+            std::copy(v, v + D, reinterpret_cast<float*>(dst));
+          } else {
+            auto* out = reinterpret_cast<c10::BFloat16*>(dst);
+            for (int64_t d = 0; d < D; ++d) out[d] = c10::BFloat16(v[d]);  // nearest even, as .to()
+          }
+        }
+      }
+#pragma omp barrier
+      // -- attention: units (row, kv head)
+      const Ctx c{q.data(), q_size, kc, vc, nullptr, nullptr, kv_type, P, S, Hkv, D, Hq / Hkv, Hq, table, W, W,
+                  rows.data(), static_cast<float>(scale), attn.data(), lse.data(), nullptr, nullptr};
+      for (int64_t u = tid; u < M * Hkv; u += nth) attend(c, items.data() + (u / Hkv) * kItemCols, u % Hkv, u % Hkv + 1);
+#pragma omp barrier
+      // -- o_proj + residual
+      {
+        const auto [n0, n1] = band(H, 8, tid, nth);
+        product(M, lk[1], attn.data(), q_size, n0, n1, [&](int m, int64_t n, float s) { xs[m * H + n] += s; });
+      }
+#pragma omp barrier
+      // -- gate/up with SiLU
+      rmsnorm(xs, M, H, lw[kPostNorm].data_ptr<float>(), feps, h.data(), ldh);
+      {
+        const auto [j0, j1] = band(I, 8, tid, nth);
+        float* gu = gate_up.data();
+        product(M, lk[2], h.data(), ldh, j0, j1, [&](int m, int64_t n, float s) { gu[m * 2 * I + n] = s; });
+        product(M, lk[2], h.data(), ldh, I + j0, I + j1,
+                [&](int m, int64_t n, float s) { gu[m * 2 * I + n] = s; });
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t j = j0; j < j1; ++j) {
+            const float g = gu[m * 2 * I + j];
+            act[m * ldh + j] = g / (1.f + std::exp(-g)) * gu[m * 2 * I + I + j];
+          }
+      }
+#pragma omp barrier
+      // -- down + residual
+      {
+        const auto [n0, n1] = band(H, 8, tid, nth);
+        product(M, lk[3], act.data(), ldh, n0, n1, [&](int m, int64_t n, float s) { xs[m * H + n] += s; });
+      }
+#pragma omp barrier
+    }
+  }
+  return x;
+}
+
+}  // namespace
+}  // namespace radixserve_cpu
+
+TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
+  m.def(
+      "decode_step(Tensor x, Tensor cos, Tensor sin, Tensor[] weights, int[] kinds, Tensor(a!)[] k_caches, "
+      "Tensor(b!)[] v_caches, Tensor page_table, Tensor seq_lens, Tensor slots, int num_heads, "
+      "int num_kv_heads, int head_dim, float eps, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) { m.impl("decode_step", &radixserve_cpu::decode_step); }

@@ -1,0 +1,174 @@
+"""The native decode step: every decoder layer of a decode step of 1-8 rows in one C++ call
+(``radixserve_cpu::decode_step``, ``kernels/csrc/native_step.cpp``), on one thread team meeting at
+barriers.
+
+Why: a torch decode step on CPU runs ~60 ops a layer, each an OpenMP fork/join, a Python call and, for
+the small ones, one more pass over the activations; for a 135M model that cost more than the weights'
+bytes (issue 31). The native step does the same arithmetic (RMSNorm, QKV with bias, q/k norm and
+RoPE, the K/V write into the pages, paged decode attention, o_proj and residual, RMSNorm, gate/up
+with SiLU, down and residual) with 5 barriers a layer and no Python between them.
+
+- Where it sits: ``ModelRunner.run`` hands it a step whose sequences all decode one token (1 to
+  ``MAX_ROWS`` of them, no prompt logprobs); the torch model (compiled or eager) stays the reference
+  and runs everything else: prefill, extend, mixed steps (a step with any extend chunk runs wholly in
+  torch; the next decode-only step is native again), and more rows. The embedding, the final norm and
+  the LM head stay the model's own modules.
+- Chosen once at load (``NativeStep.create``), like an attention backend: the decoder's linears must
+  each be one weight the kernel streams (``native_weight()``: fp32 ``[N, K]`` or GGUF Q4_0/Q4_1/Q8_0
+  blocks), the K/V pages float32 or bfloat16, the kernels built for AVX-512 or AVX2, one rank. Else one
+  log line says why, and every step runs in torch.
+- Weights: streamed as the model holds them (already the kernel's layout: rows of fp32, or rows of
+  GGUF blocks), so the native step adds no memory.
+- ``RADIXSERVE_NATIVE_STEP=0`` turns it off (the torch step for every decode, as before).
+- Numbers: fp32 arithmetic in another summation order; equal to the reference within fp32 rounding
+  (``tests/model/test_native_step.py``: 1e-4, and greedy token-identical on the real model).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+
+import torch
+
+from radixserve.cache.page_pool import KVPool
+from radixserve.model.llama import DecoderLayer, LlamaForCausalLM
+
+logger = logging.getLogger("radixserve.model")
+
+ENV = "RADIXSERVE_NATIVE_STEP"
+MAX_ROWS = 8  # the kernel's most rows (its products' register tiles)
+ISAS = ("AVX512", "AVX2")  # builds whose vector kernels the step is written for
+KV_DTYPES = (torch.float32, torch.bfloat16)
+EMPTY = torch.empty(0)
+
+
+def _layers(model: LlamaForCausalLM) -> list[DecoderLayer]:
+    layers = [m for m in model.layers if isinstance(m, DecoderLayer)]
+    assert len(layers) == len(model.layers)
+    return layers
+
+
+def _linears(model: LlamaForCausalLM) -> list[torch.nn.Module]:
+    out: list[torch.nn.Module] = []
+    for layer in _layers(model):
+        attn, mlp = layer.self_attn, layer.mlp
+        out += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+    return out
+
+
+def _native_weight(m: torch.nn.Module) -> tuple[torch.Tensor, int, torch.Tensor | None] | None:
+    """What the kernel streams of a weight object (its ``native_weight()``), None where it has none."""
+    weight = getattr(m, "native_weight", None)
+    return None if weight is None else weight()  # type: ignore[no-any-return]
+
+
+def unsupported(model: LlamaForCausalLM, pool: KVPool) -> str | None:
+    """Why the native step cannot run ``model`` over ``pool`` here (None: it can)."""
+    if os.environ.get(ENV, "1") == "0":
+        return f"{ENV}=0"
+    from radixserve.kernels import cpu_build
+
+    if not cpu_build.load():
+        return "the C++ CPU kernels are unavailable"
+    if cpu_build.isa() not in ISAS:
+        return f"this CPU has neither AVX-512 nor AVX2 (torch reports {cpu_build.isa()})"
+    if getattr(pool, "shards", 1) != 1:
+        return "the pool is sharded over ranks (tensor parallel)"
+    if pool.dtype not in KV_DTYPES:
+        return f"K/V pages of {str(pool.dtype).removeprefix('torch.')} (it takes float32 and bfloat16)"
+    cfg = model.config
+    if cfg.head_dim % 16 or cfg.num_heads % cfg.num_kv_heads or cfg.num_heads // cfg.num_kv_heads > 8:
+        return f"head_dim {cfg.head_dim} with {cfg.num_heads}/{cfg.num_kv_heads} heads"
+    for m in _linears(model):
+        if _native_weight(m) is None:
+            return f"a decoder linear held as {type(m).__name__} of a format it does not stream"
+    if model.embed_tokens.weight.device.type != "cpu":
+        return "the model is not on CPU"
+    return None
+
+
+class NativeStep:
+    """The decoder layers of ``model`` as one native call per decode step; ``create`` to make one."""
+
+    def __init__(self, model: LlamaForCausalLM, pool: KVPool) -> None:
+        self.model, self.pool = model, pool
+        cfg = model.config
+        weights: list[torch.Tensor] = []
+        kinds: list[int] = []
+        for layer in _layers(model):
+            attn, mlp = layer.self_attn, layer.mlp
+            stream = [
+                _native_weight(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            ]
+            assert all(w is not None for w in stream), "checked by unsupported()"
+            (qkv, qkv_kind, qkv_bias), (o, o_kind, _), (gu, gu_kind, _), (down, down_kind, _) = stream  # type: ignore[misc]
+            weights += [
+                layer.input_layernorm.weight.detach().float().contiguous(),
+                qkv,
+                EMPTY if qkv_bias is None else qkv_bias.detach().float().contiguous(),
+                EMPTY if attn.q_norm is None else attn.q_norm.weight.detach().float().contiguous(),
+                EMPTY if attn.k_norm is None else attn.k_norm.weight.detach().float().contiguous(),
+                o,
+                layer.post_attention_layernorm.weight.detach().float().contiguous(),
+                gu,
+                down,
+            ]
+            kinds += [qkv_kind, o_kind, gu_kind, down_kind]
+        self.weights, self.kinds = weights, kinds
+        self.k_caches = [c.k for c in pool.layers]
+        self.v_caches = [c.v for c in pool.layers]
+        self.shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim**-0.5)
+        self.op = torch.ops.radixserve_cpu.decode_step
+
+    @classmethod
+    def create(cls, model: LlamaForCausalLM, pool: KVPool) -> NativeStep | None:
+        """The native step for ``model`` over ``pool``, or None after one log line saying why not (a
+        WARNING where the CPU lacks the instructions, else INFO: a format it does not cover is a choice)."""
+        why = unsupported(model, pool)
+        if why is None:
+            logger.info("decode steps of 1-%d rows run as one native call per step (native_step)", MAX_ROWS)
+            return cls(model, pool)
+        level = logging.WARNING if "AVX" in why else logging.INFO
+        logger.log(level, "native decode step off: %s; decode steps run the torch model", why)
+        return None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        page_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """Final hidden states ``[B, hidden]`` of B decode tokens (``positions``), writing their K/V into
+        ``slots`` of the pool; ``page_table [B, W]`` int32 and ``seq_lens [B]`` int32 (with the new token)."""
+        x = self.model.embed_tokens(input_ids).float().contiguous()
+        cos, sin = self.model.rotary.table(positions)
+        heads, kv_heads, head_dim, eps, scale = self.shape
+        out: torch.Tensor = self.op(
+            x,
+            cos.contiguous(),
+            sin.contiguous(),
+            self.weights,
+            self.kinds,
+            self.k_caches,
+            self.v_caches,
+            page_table,
+            seq_lens,
+            slots,
+            heads,
+            kv_heads,
+            head_dim,
+            eps,
+            scale,
+        )
+        hidden: torch.Tensor = self.model.norm(out)
+        return hidden
+
+
+def covers(num_new: Sequence[int], want_all: Sequence[bool]) -> bool:
+    """Whether a step of sequences with ``num_new`` new tokens each (``want_all``: prompt logprobs asked)
+    is one the native step runs: 1 to MAX_ROWS sequences decoding one token each, no logprobs of all."""
+    return 1 <= len(num_new) <= MAX_ROWS and all(n == 1 for n in num_new) and not any(want_all)
