@@ -47,6 +47,7 @@ SOURCES = (
     "linear.cpp",
     "gemv.cpp",
     "gguf_linear.cpp",
+    "gguf_int8.cpp",
 )
 HEADERS = ("radixserve_cpu.h", "kernel_common.h", "gemv.h")
 DISABLE_ENV = "RADIXSERVE_CPU_KERNELS"

@@ -26,6 +26,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from radixserve.kernels import gguf_int8
+
 logger = logging.getLogger("radixserve.model")
 
 QK = 32  # weights per block, every supported block type
@@ -84,14 +86,22 @@ _warned = False
 
 
 def gguf_linear(
-    x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None, use_op: bool
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    qtype: int,
+    bias: torch.Tensor | None,
+    use_op: bool,
+    many_rows: int = 0,
 ) -> torch.Tensor:
     """``x [..., K] @ W.T + bias`` with ``W`` the rows ``blocks`` of type ``qtype``: through the C++ op,
-    or (``use_op`` False) the reference: dequantize, then ``F.linear``."""
+    or (``use_op`` False) the reference: dequantize, then ``F.linear``. Above ``many_rows`` rows (> 0,
+    set by model/arithmetic.py), int8 arithmetic on the blocks (approximate, kernels/gguf_int8.py)."""
     k = x.shape[-1]
     rows = x.reshape(-1, k)
-    if use_op:
-        out: torch.Tensor = torch.ops.radixserve_cpu.gguf_linear(rows, blocks, qtype, k, bias)
+    if use_op and 0 < many_rows < rows.shape[0]:
+        out: torch.Tensor = gguf_int8.linear(rows, blocks, qtype, bias)
+    elif use_op:
+        out = torch.ops.radixserve_cpu.gguf_linear(rows, blocks, qtype, k, bias)
     else:
         out = nn.functional.linear(rows, dequantize(blocks, qtype), bias)
     return out.reshape(*x.shape[:-1], blocks.shape[0])
@@ -144,6 +154,7 @@ class GGUFLinear(nn.Module):
         self.out_features = sum(p.data.shape[0] for p in parts)
         self.bias = nn.Parameter(bias.float(), requires_grad=False) if bias is not None else None
         self.use_op = _op_loaded()
+        self.many_rows = 0  # rows above which products run in int8 on the blocks (model/arithmetic.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         outs = []
@@ -153,7 +164,7 @@ class GGUFLinear(nn.Module):
             if qtype == F32:
                 outs.append(nn.functional.linear(x, w, bias))
             else:
-                outs.append(gguf_linear(x, w, qtype, bias, self.use_op))
+                outs.append(gguf_linear(x, w, qtype, bias, self.use_op, self.many_rows))
         if len(outs) == 1:
             return outs[0]
         out = torch.cat(outs, dim=-1)
