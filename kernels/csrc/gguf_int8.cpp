@@ -17,10 +17,11 @@
 // torch reference (tests/kernels/test_kernel_gguf_int8.py) matches within (2 K/32 + 2) ulp-sized
 // multiples of the sum of |terms|, and the portable path below matches the VNNI one bit for bit.
 //
-// Layout: a tile of 16 weight rows is decoded once into [K/4 groups][16 rows][4 bytes] (each group's
+// Layout: a tile of 32 weight rows is decoded once into [K/4 groups][32 rows][4 bytes] (each group's
 // 4 bytes for 16 rows in one 64-byte register: one vpdpbusd multiplies 16 rows by 4 x values
-// broadcast), with its d_w (and m_w) per block in [K/32][16] fp32; every x row of the step is then
-// multiplied against the tile, 8 rows at a time (16 int32 + fp32 accumulators in registers).
+// broadcast, and each broadcast serves two registers), with its d_w (and m_w) per block in
+// [K/32][32] fp32; every x row of the step is then multiplied against the tile, 6 rows at a time
+// (12 int32 + 12 fp32 accumulators in registers).
 // Threads take tiles (at::parallel_for). No fp32 copy of the weights is made.
 //
 // Dispatch: the VNNI kernel is compiled with a function-level target (the rest of the library keeps
@@ -49,8 +50,8 @@ namespace {
 
 constexpr int64_t kBlock = 32;   // weights per block
 constexpr int64_t kGroups = 8;   // 4-byte groups per block
-constexpr int64_t kTileRows = 16;  // weight rows per tile: one 512-bit register of int32
-constexpr int kMaxRows = 8;      // x rows per micro-kernel pass
+constexpr int64_t kTileRows = 32;  // weight rows per tile: two 512-bit registers of int32
+constexpr int kMaxRows = 6;      // x rows per micro-kernel pass: 4 accumulators each, in registers
 constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
 
 int64_t block_bytes(int64_t qtype) {
@@ -72,11 +73,13 @@ inline float half_at(const uint8_t* p) {
   return c10::detail::fp16_ieee_to_fp32_value(h);
 }
 
-// x quantized per 32-block: q [M, K] int8, d [M, K/32] fp32, s [M, K/32] int32 (sum of q).
+// x quantized per 32-block: q [M, K] int8, d [M, K/32] fp32, s [M, K/32] int32 (sum of q), and
+// ds = d * s in fp32 (Q4_1's min term).
 struct QuantX {
   const int8_t* q;
   const float* d;
   const int32_t* s;
+  const float* ds;
   int64_t K, nb;
 };
 
@@ -164,7 +167,7 @@ void tile_rows_portable(const QuantX& x, const Tile& t, int64_t m0, int64_t m1, 
           for (int64_t j = 0; j < 4; ++j) i += static_cast<int32_t>(u[g * kTileRows * 4 + j]) * q[g * 4 + j];
         const float dx = x.d[m * x.nb + b];
         acc = std::fma(static_cast<float>(i), t.dw[b * kTileRows + r] * dx, acc);
-        if constexpr (Q == kQ4_1) acc = std::fma(t.mw[b * kTileRows + r], dx * static_cast<float>(s), acc);
+        if constexpr (Q == kQ4_1) acc = std::fma(t.mw[b * kTileRows + r], x.ds[m * x.nb + b], acc);
       }
       o.out[m * o.N + n0 + r] = o.bias != nullptr ? acc + o.bias[n0 + r] : acc;
     }
@@ -173,7 +176,7 @@ void tile_rows_portable(const QuantX& x, const Tile& t, int64_t m0, int64_t m1, 
 
 #ifdef RADIXSERVE_HAVE_VNNI_KERNEL
 
-VNNI_TARGET void quantize_row_vnni(const float* x, int64_t nb, int8_t* q, float* d, int32_t* s) {
+VNNI_TARGET void quantize_row_vnni(const float* x, int64_t nb, int8_t* q, float* d, int32_t* s, float* ds) {
   const __m512 sign = _mm512_set1_ps(-0.f);
   for (int64_t b = 0; b < nb; ++b) {
     const __m512 v0 = _mm512_loadu_ps(x + b * kBlock), v1 = _mm512_loadu_ps(x + b * kBlock + 16);
@@ -186,43 +189,63 @@ VNNI_TARGET void quantize_row_vnni(const float* x, int64_t nb, int8_t* q, float*
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16), _mm512_cvtepi32_epi8(q1));
     d[b] = db;
     s[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    ds[b] = db * static_cast<float>(s[b]);
   }
 }
 
-// x rows [m0, m0 + R) against one decoded tile: R int32 and R fp32 accumulators of 16 weight rows.
+// x rows [m0, m0 + R) against one decoded tile: per row, 2 int32 and 2 fp32 accumulators of 16
+// weight rows each.
 template <int64_t Q, int R>
 VNNI_TARGET void tile_rows_vnni(const QuantX& x, const Tile& t, int64_t m0, int64_t n0, int64_t rows,
                                 const Out& o) {
   const int32_t off = weight_offset(Q);
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const uint8_t* u = t.u.data();
   for (int64_t b = 0; b < x.nb; ++b) {
-    __m512i isum[R];
-    for (int r = 0; r < R; ++r) isum[r] = _mm512_set1_epi32(-off * x.s[(m0 + r) * x.nb + b]);
+    __m512i isum[R][2];
+    for (int r = 0; r < R; ++r)
+      isum[r][0] = isum[r][1] = Q == kQ4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(-off * x.s[(m0 + r) * x.nb + b]);
     const int8_t* qb = x.q + m0 * x.K + b * kBlock;
+    const uint8_t* ub = u + b * kGroups * kTileRows * 4;
     for (int64_t g = 0; g < kGroups; ++g) {
-      const __m512i w = _mm512_loadu_si512(u + (b * kGroups + g) * kTileRows * 4);
+      const __m512i w0 = _mm512_loadu_si512(ub + g * kTileRows * 4);
+      const __m512i w1 = _mm512_loadu_si512(ub + g * kTileRows * 4 + 64);
       for (int r = 0; r < R; ++r) {
         int32_t four;
         std::memcpy(&four, qb + r * x.K + g * 4, 4);
-        isum[r] = _mm512_dpbusd_epi32(isum[r], w, _mm512_set1_epi32(four));
+        const __m512i xv = _mm512_set1_epi32(four);
+        isum[r][0] = _mm512_dpbusd_epi32(isum[r][0], w0, xv);
+        isum[r][1] = _mm512_dpbusd_epi32(isum[r][1], w1, xv);
       }
     }
-    const __m512 dw = _mm512_loadu_ps(t.dw.data() + b * kTileRows);
+    const __m512 dw0 = _mm512_loadu_ps(t.dw.data() + b * kTileRows);
+    const __m512 dw1 = _mm512_loadu_ps(t.dw.data() + b * kTileRows + 16);
     for (int r = 0; r < R; ++r) {
-      const float dx = x.d[(m0 + r) * x.nb + b];
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(dw, _mm512_set1_ps(dx)), acc[r]);
-      if constexpr (Q == kQ4_1)
-        acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(t.mw.data() + b * kTileRows),
-                                 _mm512_set1_ps(dx * static_cast<float>(x.s[(m0 + r) * x.nb + b])), acc[r]);
+      const __m512 dx = _mm512_set1_ps(x.d[(m0 + r) * x.nb + b]);
+      acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][0]), _mm512_mul_ps(dw0, dx), acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][1]), _mm512_mul_ps(dw1, dx), acc[r][1]);
+    }
+    if constexpr (Q == kQ4_1) {
+      const __m512 mw0 = _mm512_loadu_ps(t.mw.data() + b * kTileRows);
+      const __m512 mw1 = _mm512_loadu_ps(t.mw.data() + b * kTileRows + 16);
+      for (int r = 0; r < R; ++r) {
+        const __m512 ds = _mm512_set1_ps(x.ds[(m0 + r) * x.nb + b]);
+        acc[r][0] = _mm512_fmadd_ps(mw0, ds, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(mw1, ds, acc[r][1]);
+      }
     }
   }
-  const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1u);
-  const __m512 bias = o.bias != nullptr ? _mm512_maskz_loadu_ps(mask, o.bias + n0) : _mm512_setzero_ps();
-  for (int r = 0; r < R; ++r) {
-    const __m512 v = o.bias != nullptr ? _mm512_add_ps(acc[r], bias) : acc[r];
-    _mm512_mask_storeu_ps(o.out + (m0 + r) * o.N + n0, mask, v);
+  for (int h = 0; h < 2; ++h) {
+    const int64_t live = std::clamp<int64_t>(rows - 16 * h, 0, 16);
+    if (live == 0) break;
+    const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1u);
+    const float* bias_h = o.bias != nullptr ? o.bias + n0 + 16 * h : nullptr;
+    const __m512 bias = bias_h != nullptr ? _mm512_maskz_loadu_ps(mask, bias_h) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const __m512 v = bias_h != nullptr ? _mm512_add_ps(acc[r][h], bias) : acc[r][h];
+      _mm512_mask_storeu_ps(o.out + (m0 + r) * o.N + n0 + 16 * h, mask, v);
+    }
   }
 }
 
@@ -270,7 +293,7 @@ void run(const QuantX& x, const uint8_t* w, int64_t row_bytes, int64_t M, int64_
   });
 }
 
-void quantize(const at::Tensor& x, at::Tensor& q, at::Tensor& d, at::Tensor& s, bool vnni) {
+void quantize(const at::Tensor& x, at::Tensor& q, at::Tensor& d, at::Tensor& s, float* ds, bool vnni) {
   const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock, ldx = x.stride(0);
   const float* xp = x.data_ptr<float>();
   int8_t* qp = q.data_ptr<int8_t>();
@@ -280,12 +303,14 @@ void quantize(const at::Tensor& x, at::Tensor& q, at::Tensor& d, at::Tensor& s, 
     for (int64_t m = m0; m < m1; ++m) {
 #ifdef RADIXSERVE_HAVE_VNNI_KERNEL
       if (vnni) {
-        quantize_row_vnni(xp + m * ldx, nb, qp + m * K, dp + m * nb, sp + m * nb);
+        quantize_row_vnni(xp + m * ldx, nb, qp + m * K, dp + m * nb, sp + m * nb, ds + m * nb);
         continue;
       }
 #endif
-      for (int64_t b = 0; b < nb; ++b)
+      for (int64_t b = 0; b < nb; ++b) {
         quantize_block_portable(xp + m * ldx + b * kBlock, qp + m * K + b * kBlock, dp + m * nb + b, sp + m * nb + b);
+        ds[m * nb + b] = dp[m * nb + b] * static_cast<float>(sp[m * nb + b]);
+      }
     }
   });
 }
@@ -304,7 +329,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q8_blocks(const at::Tens
   at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
   at::Tensor d = at::empty({M, K / kBlock}, x.options());
   at::Tensor s = at::empty({M, K / kBlock}, x.options().dtype(at::kInt));
-  if (M > 0) quantize(x, q, d, s, cpu_has_vnni() && !portable);
+  std::vector<float> ds(M * (K / kBlock));
+  if (M > 0) quantize(x, q, d, s, ds.data(), cpu_has_vnni() && !portable);
   return {q, d, s};
 }
 
@@ -330,8 +356,9 @@ at::Tensor gguf_int8_linear(const at::Tensor& x_in, const at::Tensor& blocks_in,
   at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
   at::Tensor d = at::empty({M, nb}, x.options());
   at::Tensor s = at::empty({M, nb}, x.options().dtype(at::kInt));
-  quantize(x, q, d, s, vnni);
-  const QuantX qx{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(), K, nb};
+  std::vector<float> ds(M * nb);
+  quantize(x, q, d, s, ds.data(), vnni);
+  const QuantX qx{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(), ds.data(), K, nb};
   const Out o{out.data_ptr<float>(), N, bias.defined() ? bias.data_ptr<float>() : nullptr};
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   switch (qtype) {
