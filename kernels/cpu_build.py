@@ -50,6 +50,7 @@ SOURCES = (
     "gemv.cpp",
     "gguf_linear.cpp",
     "native_step.cpp",
+    "gguf_int8.cpp",
 )
 HEADERS = ("radixserve_cpu.h", "kernel_common.h", "gemv.h", "dense_rows.h", "block_rows.h")
 DISABLE_ENV = "RADIXSERVE_CPU_KERNELS"

@@ -21,6 +21,11 @@ Why: prefill is compute-bound (issue 21: 97% of the fp32 peak on an EPYC, 71% on
   then gets a clear error).
 - Accuracy: approximate; ``benchmarks/step_bench.py`` times prefill at each arithmetic, and the
   agreement of int8 prefill with fp32 is asserted in ``tests/model/test_arithmetic.py`` (>= 95% top-1).
+- GGUF weights (``--quantization gguf``): ``int8`` (and ``auto``, which times it against the blocks'
+  exact kernel) multiplies on the blocks themselves, no copy: x quantized per 32-block, VNNI integer
+  dot products with the blocks' values, the blocks' scales after each (``kernels/gguf_int8.py``).
+  Where that kernel cannot run (no AVX512-VNNI, or ``RADIXSERVE_GGUF_INT8=0``) the products stay
+  exact, said in one log line. ``bfloat16`` over GGUF blocks is not built: a clear error.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from radixserve.kernels import gguf_int8
+from radixserve.model.gguf import GGUFLinear, Weight
 from radixserve.model.layers import Linear
 from radixserve.model.llama import LlamaForCausalLM
 
@@ -73,11 +80,18 @@ def _is_decoder_linear(name: str, module: nn.Module) -> bool:
     return isinstance(module, Linear) and name.startswith("layers.")
 
 
-def probe(candidates: list[str], shapes: list[tuple[int, int]], rows: int = PROBE_ROWS) -> dict[str, float]:
+def _decoder_gguf_linears(model: nn.Module) -> list[GGUFLinear]:
+    return [m for n, m in model.named_modules() if isinstance(m, GGUFLinear) and n.startswith("layers.")]
+
+
+def probe(
+    candidates: list[str], shapes: list[tuple[int, int]], rows: int = PROBE_ROWS, qtype: int | None = None
+) -> dict[str, float]:
     """Seconds for one product of ``rows`` rows by every weight of ``shapes``, per candidate ("exact",
-    "int8", "bfloat16"), timed in a subprocess. A candidate missing from the result did not run: its
-    product failed or killed the subprocess (an instruction the CPU lists but traps)."""
-    arg = json.dumps({"candidates": candidates, "shapes": shapes, "rows": rows})
+    "int8", "bfloat16"), timed in a subprocess: fp32 weights, or with ``qtype`` GGUF blocks of that
+    type. A candidate missing from the result did not run: its product failed or killed the
+    subprocess (an instruction the CPU lists but traps)."""
+    arg = json.dumps({"candidates": candidates, "shapes": shapes, "rows": rows, "qtype": qtype})
     code = "import sys; from radixserve.model.arithmetic import _probe_main; _probe_main(sys.argv[1])"
     # The child imports this very package, wherever the caller's working directory is.
     root = str(Path(__file__).resolve().parents[2])
@@ -116,16 +130,12 @@ def _probe_main(arg: str) -> None:
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=gen) / k**0.5 for n, k in spec["shapes"]]
     xs = {k: torch.randn(rows, k, generator=gen) for _, k in spec["shapes"]}
+    qtype = spec.get("qtype")
     for candidate in spec["candidates"]:
-        products = []
+        products: list[tuple[nn.Module, torch.Tensor]] = []
         for w in weights:
             x = xs[w.shape[1]]
-            lin = Linear(w.shape[1], w.shape[0], bias=False)
-            lin.weight.data.copy_(w)
-            lin.prepack()
-            if candidate != "exact":
-                lin.use_many_rows_arithmetic(candidate, 0)
-            products.append((lin, x))
+            products.append((_probe_linear(w, candidate, qtype), x))
         with torch.no_grad():
             for lin, x in products:  # warm-up, and the first call a trapping instruction would die in
                 lin(x)
@@ -138,6 +148,61 @@ def _probe_main(arg: str) -> None:
         print(json.dumps({"candidate": candidate, "seconds": best}), flush=True)
 
 
+def _probe_linear(w: torch.Tensor, candidate: str, qtype: int | None) -> nn.Module:
+    """The product the probe times: ``w`` as an fp32 Linear, or as GGUF blocks of ``qtype``."""
+    if qtype is not None:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import quantize
+
+        blocks = torch.from_numpy(quantize(w.numpy(), GGMLQuantizationType(qtype))).reshape(w.shape[0], -1)
+        glin = GGUFLinear([Weight(qtype, blocks, w.shape[1])])
+        if candidate == "int8" and gguf_int8.available():
+            glin.use_many_rows_arithmetic("int8", 1)
+        return glin
+    lin = Linear(w.shape[1], w.shape[0], bias=False)
+    lin.weight.data.copy_(w)
+    lin.prepack()
+    if candidate != "exact":  # above 1 row: the cheaper copy serves the probe's products (0 is never)
+        lin.use_many_rows_arithmetic(candidate, 1)
+    return lin
+
+
+def _resolve_gguf(arithmetic: str, model: nn.Module) -> str:
+    """``resolve`` for a GGUF model: int8 on the blocks where its kernel runs, else exact (one log line)."""
+    if arithmetic == "bfloat16":
+        raise ValueError(
+            "prefill_arithmetic bfloat16 over GGUF blocks is not built; int8 runs on the blocks "
+            "(use int8, exact or auto)"
+        )
+    why = gguf_int8.why_unavailable()
+    if why is not None:
+        logger.warning(
+            "prefill_arithmetic %s over GGUF blocks: products stay exact, as %s (the int8 block kernel "
+            "needs AVX512-VNNI)",
+            arithmetic,
+            why,
+        )
+        return "exact"
+    if arithmetic == "int8":
+        return "int8"
+    linears = _decoder_gguf_linears(model)
+    qtypes = [q for m in linears for q in m.qtypes if q in gguf_int8.BLOCK_BYTES]
+    if not qtypes:
+        logger.info("prefill_arithmetic auto: exact (the GGUF decoder weights hold no blocks)")
+        return "exact"
+    qtype = max(set(qtypes), key=qtypes.count)
+    shapes = sorted({(m.out_features, m.in_features) for m in linears})
+    times = probe(["exact", "int8"], shapes, qtype=qtype)
+    choice = min(times, key=times.__getitem__) if times else "exact"
+    logger.info(
+        "prefill_arithmetic auto over GGUF blocks: %s (timed at %d rows: %s)",
+        choice,
+        PROBE_ROWS,
+        ", ".join(f"{c} {t * 1e3:.1f} ms" for c, t in sorted(times.items())) or "no candidate ran",
+    )
+    return choice
+
+
 def resolve(arithmetic: str, model: nn.Module) -> str:
     """The arithmetic to use for ``model``'s many-row products: ``exact``, ``int8`` or ``bfloat16``.
     ValueError where the asked one cannot run here (naming why and the choices)."""
@@ -145,6 +210,8 @@ def resolve(arithmetic: str, model: nn.Module) -> str:
         raise ValueError(f"prefill_arithmetic must be one of {', '.join(ARITHMETICS)}, got {arithmetic!r}")
     if arithmetic == "exact":
         return "exact"
+    if getattr(model, "quantization", None) == "gguf":
+        return _resolve_gguf(arithmetic, model)
     linears = [m for n, m in model.named_modules() if _is_decoder_linear(n, m)]
     fp32_cpu = bool(linears) and all(
         m.weight.dtype == torch.float32 and m.weight.device.type == "cpu" and m.packed_linear is not None
@@ -193,7 +260,14 @@ def apply(model: LlamaForCausalLM, arithmetic: str, many_rows: int) -> str:
     """Resolve ``arithmetic`` and give every decoder Linear its cheaper copy for more than ``many_rows``
     rows; returns the arithmetic in use (recorded as ``model.arithmetic``)."""
     chosen = resolve(arithmetic, model)
-    if chosen != "exact":
+    if chosen != "exact" and getattr(model, "quantization", None) == "gguf":
+        for g in _decoder_gguf_linears(model):
+            g.use_many_rows_arithmetic("int8", many_rows)
+        logger.info(
+            "products of more than %d rows run in int8 on the GGUF blocks (approximate); fewer stay exact",
+            many_rows,
+        )
+    elif chosen != "exact":
         for name, m in model.named_modules():
             if _is_decoder_linear(name, m):
                 assert isinstance(m, Linear)

@@ -27,6 +27,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from radixserve.kernels import gguf_int8
+
 logger = logging.getLogger("radixserve.model")
 
 QK = 32  # weights per block, every supported block type
@@ -85,14 +87,22 @@ _warned = False
 
 
 def gguf_linear(
-    x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None, use_op: bool
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    qtype: int,
+    bias: torch.Tensor | None,
+    use_op: bool,
+    many_rows: int = 0,
 ) -> torch.Tensor:
     """``x [..., K] @ W.T + bias`` with ``W`` the rows ``blocks`` of type ``qtype``: through the C++ op,
-    or (``use_op`` False) the reference: dequantize, then ``F.linear``."""
+    or (``use_op`` False) the reference: dequantize, then ``F.linear``. Above ``many_rows`` rows (> 0,
+    set by model/arithmetic.py), int8 arithmetic on the blocks (approximate, kernels/gguf_int8.py)."""
     k = x.shape[-1]
     rows = x.reshape(-1, k)
-    if use_op:
-        out: torch.Tensor = torch.ops.radixserve_cpu.gguf_linear(rows, blocks, qtype, k, bias)
+    if use_op and 0 < many_rows < rows.shape[0]:
+        out: torch.Tensor = gguf_int8.linear(rows, blocks, qtype, bias)
+    elif use_op:
+        out = torch.ops.radixserve_cpu.gguf_linear(rows, blocks, qtype, k, bias)
     else:
         out = nn.functional.linear(rows, dequantize(blocks, qtype), bias)
     return out.reshape(*x.shape[:-1], blocks.shape[0])
@@ -148,6 +158,7 @@ class GGUFLinear(nn.Module):
         self.out_features = sum(p.data.shape[0] for p in parts)
         self.bias = nn.Parameter(bias.float(), requires_grad=False) if bias is not None else None
         self.use_op = _op_loaded()
+        self.many_rows = 0  # rows above which products run in int8 on the blocks (model/arithmetic.py)
         self._choose()
 
     def native_weight(self) -> tuple[torch.Tensor, int, torch.Tensor | None] | None:
@@ -164,9 +175,12 @@ class GGUFLinear(nn.Module):
         return w
 
     def use_many_rows_arithmetic(self, arithmetic: str, rows: int) -> None:
-        """Where cheaper arithmetic over the blocks for more than ``rows`` rows plugs in (prefill,
-        extend: ``model/arithmetic.py``); the blocks' own fp32 arithmetic serves every row count today."""
-        raise ValueError(f"many-rows arithmetic {arithmetic!r} over GGUF blocks is not built yet")
+        """Products of more than ``rows`` rows in ``arithmetic`` over the blocks themselves (prefill,
+        extend: ``model/arithmetic.py``): "int8" (activations per 32-block times the blocks,
+        ``kernels/gguf_int8.py``); fewer rows keep the blocks' exact fp32 arithmetic."""
+        if arithmetic != "int8":
+            raise ValueError(f"many-rows arithmetic {arithmetic!r} over GGUF blocks is not built")
+        self.many_rows = rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x)
@@ -184,13 +198,13 @@ class GGUFLinear(nn.Module):
         return nn.functional.linear(x, self.part(0), self.bias)
 
     def _blocks(self, x: torch.Tensor) -> torch.Tensor:
-        return gguf_linear(x, self.part(0), self.qtypes[0], self.bias, self.use_op)
+        return gguf_linear(x, self.part(0), self.qtypes[0], self.bias, self.use_op, self.many_rows)
 
     def _parts(self, x: torch.Tensor) -> torch.Tensor:
         outs = [
             nn.functional.linear(x, self.part(i), None)
             if qtype == F32
-            else gguf_linear(x, self.part(i), qtype, None, self.use_op)
+            else gguf_linear(x, self.part(i), qtype, None, self.use_op, self.many_rows)
             for i, qtype in enumerate(self.qtypes)
         ]
         out = torch.cat(outs, dim=-1)

@@ -1,0 +1,109 @@
+"""Integer arithmetic on GGUF blocks (``radixserve_cpu::gguf_int8_linear``, ``csrc/gguf_int8.cpp``):
+x quantized to int8 per 32-block, exact int32 dot products with the blocks' integer values, fp32
+scales after each block. The approximate many-rows mode over GGUF weights (model/arithmetic.py).
+
+- ``available()``: whether the fast kernel runs here: the C++ kernels load, the CPU reports
+  AVX512-VNNI, and ``RADIXSERVE_GGUF_INT8=0`` (forcing the fallback, as on a CPU without it) is unset.
+- ``quantize_q8_blocks`` and ``reference``: the same arithmetic in torch, the tests' ground truth.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+DISABLE_ENV = "RADIXSERVE_GGUF_INT8"
+QK = 32
+Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGML type ids, as radixserve.model.gguf names them
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
+_fake_registered = False
+
+
+def _ops_loaded() -> bool:
+    """Whether the C++ kernels load; registers the op's fake (shapes only, for dynamo) once they do."""
+    from radixserve.kernels import cpu_build
+
+    global _fake_registered
+    loaded = cpu_build.load()
+    if loaded and not _fake_registered:
+        _fake_registered = True
+
+        @torch.library.register_fake("radixserve_cpu::gguf_int8_linear")
+        def _fake(
+            x: torch.Tensor,
+            blocks: torch.Tensor,
+            qtype: int,
+            K: int,
+            bias: torch.Tensor | None,
+            portable: bool = False,
+        ) -> torch.Tensor:
+            return x.new_empty((x.shape[0], blocks.shape[0]))
+
+    return loaded
+
+
+def why_unavailable() -> str | None:
+    """Why the VNNI block kernel does not run here, or None where it does."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return f"{DISABLE_ENV}=0 forces the fallback"
+    if not _ops_loaded():
+        return "the C++ CPU kernels are unavailable"
+    if not bool(torch.ops.radixserve_cpu.gguf_int8_vnni()):
+        return "this CPU does not report AVX512-VNNI (vpdpbusd)"
+    return None
+
+
+def available() -> bool:
+    return why_unavailable() is None
+
+
+def linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [M, K] @ W.T + bias`` in the block integer arithmetic (``available()`` first, which loads
+    the op and registers its fake)."""
+    out: torch.Tensor = torch.ops.radixserve_cpu.gguf_int8_linear(x, blocks, qtype, x.shape[-1], bias)
+    return out
+
+
+def quantize_q8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] fp32 per 32-block: (q int8 [M, K], d fp32 [M, K/32], s int32 [M, K/32] = sum of q),
+    d = max|x| / 127 and q = round-half-even(x * (1 / d)): the kernel's fp32 operations."""
+    m, k = x.shape
+    b = x.reshape(m, k // QK, QK)
+    d = b.abs().amax(-1) / 127.0
+    inv = torch.where(d != 0, 1.0 / torch.where(d != 0, d, 1.0), 0.0)
+    q = torch.round(b * inv.unsqueeze(-1)).to(torch.int32)
+    return q.reshape(m, k).to(torch.int8), d, q.sum(-1, dtype=torch.int32)
+
+
+def block_values(blocks: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A block weight [N, K/32 * bytes] as (integer values [N, K/32, 32] int32, d [N, K/32] fp32,
+    Q4_1's min m [N, K/32] fp32 or None): weight = d * value (+ m)."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, BLOCK_BYTES[qtype])
+    d = b[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)
+    if qtype == Q8_0:
+        return b[..., 2:].contiguous().view(torch.int8).to(torch.int32), d, None
+    qs = b[..., 4:] if qtype == Q4_1 else b[..., 2:]
+    q = torch.cat((qs & 0x0F, qs >> 4), dim=-1).to(torch.int32)
+    if qtype == Q4_1:
+        return q, d, b[..., 2:4].contiguous().view(torch.float16).float().squeeze(-1)
+    return q - 8, d, None
+
+
+def reference_terms(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """The terms [M, N, T] of the block product, each computed as the kernel computes it: the exact int32
+    dot of each block times the fp32 scale product d_w * d_x (T = K/32 terms), and for Q4_1 also each
+    block's m_w * (d_x * s) (T = 2 K/32). In float64, exact: the kernel's output is their sum in fp32,
+    one fused multiply-add a term, so it lies within T * 2^-24 * sum(|terms|) of their exact sum."""
+    q, dx, s = quantize_q8_blocks(x)
+    m = x.shape[0]
+    qv = q.reshape(m, -1, QK).to(torch.int64)
+    wv, dw, mw = block_values(blocks, qtype)
+    dots = torch.einsum("mbj,nbj->mnb", qv, wv.to(torch.int64))  # exact
+    scale = (dw.unsqueeze(0) * dx.unsqueeze(1)).double()  # the fp32 product, as the kernel rounds it
+    terms = dots.double() * scale
+    if mw is not None:  # the min's terms apart: the kernel adds them with fused multiply-adds of their own
+        mins = mw.unsqueeze(0).double() * (dx * s.float()).unsqueeze(1).double()
+        terms = torch.cat((terms, mins), dim=-1)
+    return terms
