@@ -32,6 +32,7 @@ from radixserve.cache.events import KVEvents
 from radixserve.cache.pin_types import PinInfo, PinSpec, PrefixEviction, WarmResult
 from radixserve.config import EngineConfig
 from radixserve.disagg.metrics import TransferMetrics
+from radixserve.disagg.process import role_command
 from radixserve.engine.prompt import Prompt
 from radixserve.engine.stats import EngineStats, sum_stats
 from radixserve.outputs import RequestOutput
@@ -112,7 +113,6 @@ class DisaggregatedEngine:
             raise ValueError("--disaggregate does not combine with --tensor-parallel-size > 1 (not built)")
         if num_prefill < 1 or num_decode < 1:
             raise ValueError("--disaggregate needs at least one prefill and one decode engine")
-        role_args = ["--kv-transport", transport, "--kv-timeout", str(kv_timeout_s)]
 
         def engine(role: str, cfg: EngineConfig) -> AsyncEngine:
             return AsyncEngine(
@@ -121,7 +121,7 @@ class DisaggregatedEngine:
                 engine_threads=engine_threads,
                 log_level=log_level,
                 chat_template=chat_template,
-                process_args=["--role", role, *role_args],
+                process_args=role_command(role, transport, timeout_s=kv_timeout_s),
             )
 
         # Decode engines report their trees' changes, so the pick of one knows what each holds.
