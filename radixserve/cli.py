@@ -46,7 +46,7 @@ def _serve(args: argparse.Namespace) -> None:
     if args.replicas == AUTO or args.replicas > 1:  # on a local Ray instance (radixserve/scale)
         run_scaled(args, None)
         return
-    from radixserve.server.launch import run_from_args
+    from radixserve.launch import run_from_args
 
     run_from_args(args)
 
@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="serve the OpenAI-compatible and native HTTP API")
     from radixserve.scale.launch import add_scale_arguments
-    from radixserve.server.launch import add_serve_arguments
+    from radixserve.launch import add_serve_arguments
 
     add_serve_arguments(p)
     add_scale_arguments(p)
