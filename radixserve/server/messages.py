@@ -120,7 +120,8 @@ EngineOp = FlushCache | CheckIntegrity | TreeQuery | ListPins | Unpin | Evict | 
 
 
 class Call(_Message, kw_only=True):
-    """Run ``op`` between two steps (server/engine_calls.py); answered by the CallResult of ``call_id``."""
+    """Run ``op`` between two steps (``EngineLoop._call``, server/engine_loop.py); answered by the
+    ``CallResult`` of the same ``call_id``."""
 
     call_id: int
     op: EngineOp
@@ -193,7 +194,7 @@ ErrorKind = Literal["invalid", "over_budget", "queue_full", "unavailable", "fail
 
 class EngineError(_Message, kw_only=True):
     """An error across the boundary, typed by ``kind``, so the API server raises its own exception of
-    that kind and never parses ``message`` (server/calls.py ``exception``, engine_calls.py ``error_of``):
+    that kind and never parses ``message`` (server/calls.py ``exception``, engine_loop.py ``error_of``):
 
     - ``invalid``: the input is refused as given (InvalidRequestError: 400, with ``param`` and ``code``);
     - ``over_budget``: a pin over --max-pinned-fraction (PinBudgetError: 429);
