@@ -79,8 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_generate)
 
     p = sub.add_parser("serve", help="serve the OpenAI-compatible and native HTTP API")
-    from radixserve.scale.launch import add_scale_arguments
     from radixserve.launch import add_serve_arguments
+    from radixserve.scale.launch import add_scale_arguments
 
     add_serve_arguments(p)
     add_scale_arguments(p)

@@ -12,8 +12,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from radixserve.scale.autoscale import AutoscaleSettings
 from radixserve.launch import engine_config_from_args
+from radixserve.scale.autoscale import AutoscaleSettings
 
 ROUTER_CHOICES = ("cache_aware", "round_robin", "power_of_two")
 AUTO = "auto"
