@@ -37,6 +37,7 @@ from radixserve.cache.pin_types import PinSpec
 from radixserve.config import EngineConfig
 from radixserve.disagg.dispatch import LocalPrefill, prefill_job, run_prefill
 from radixserve.disagg.metrics import TransferMetrics
+from radixserve.disagg.process import role_command
 from radixserve.engine.prompt import Prompt
 from radixserve.outputs import RequestOutput
 from radixserve.sampling.params import SamplingParams
@@ -99,7 +100,6 @@ class DisaggregatedEngine(FanOut):
             raise ValueError("--disaggregate does not combine with --tensor-parallel-size > 1 (not built)")
         if num_prefill < 1 or num_decode < 1:
             raise ValueError("--disaggregate needs at least one prefill and one decode engine")
-        role_args = ["--kv-transport", transport, "--kv-timeout", str(kv_timeout_s)]
 
         def engine(role: str, cfg: EngineConfig) -> AsyncEngine:
             return AsyncEngine(
@@ -108,7 +108,7 @@ class DisaggregatedEngine(FanOut):
                 engine_threads=engine_threads,
                 log_level=log_level,
                 chat_template=chat_template,
-                process_args=["--role", role, *role_args],
+                process_args=role_command(role, transport, timeout_s=kv_timeout_s),
             )
 
         # Decode engines report their trees' changes, so the pick of one knows what each holds.

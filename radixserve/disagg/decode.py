@@ -11,7 +11,7 @@ computes the rest (at most a page and a token) and samples the first token here.
 
 Invariants:
 - Every reservation ends once: all pages written (the request is added), or freed with a
-  ``RequestError`` (``unavailable``: a 503) on a refused chunk, a ``CancelTransfer``, or when no chunk
+  ``RequestError`` (kind ``unavailable``: a 503) on a refused chunk, a ``CancelTransfer``, or when no chunk
   came for ``timeout_s`` (from the reservation, then from the last chunk); an ``Abort`` frees it
   silently. free + cached + in-use == total holds throughout (``check_integrity`` counts
   reservations with the running requests).
@@ -39,10 +39,20 @@ from radixserve.engine.checks import priority_value
 from radixserve.engine.deltas import StepOutput
 from radixserve.errors import InvalidRequestError
 from radixserve.sampling.params import SamplingParams
-from radixserve.server.messages import AddRequest, FromEngine, KVReceived, KVReserved, RequestError
+from radixserve.server.engine_loop import EngineRole, RoleMessage
+from radixserve.server.messages import (
+    AddRequest,
+    CancelTransfer,
+    EngineError,
+    FromEngine,
+    KVReceived,
+    KVReserved,
+    RequestError,
+)
 
 if TYPE_CHECKING:
     import torch
+    import zmq
 
     from radixserve.engine.engine import Engine
 
@@ -102,7 +112,7 @@ class Reservation:
         return (self.end - self.start) // self.page_size - len(self.received)
 
 
-class DecodeRole:
+class DecodeRole(EngineRole):
     """Reservations and received pages of one decode engine; ``send`` reaches the API server and
     ``add`` hands a request to the engine process's own admission (False: refused, answered there)."""
 
@@ -116,7 +126,7 @@ class DecodeRole:
     ) -> None:
         if engine.kv_manager.tree is None:
             raise ValueError("a decode engine needs the prefix cache (drop --no-prefix-cache)")
-        self.engine = engine
+        super().__init__(engine)
         self._send = send
         self._add = add
         self.receiver = receiver
@@ -127,7 +137,13 @@ class DecodeRole:
         self._transferred: dict[str, int] = {}  # request id -> tokens received, until it finishes
 
     # -- requests -------------------------------------------------------------------------------
-    def add_request(self, msg: AddRequest) -> None:
+    def add_request(self, msg: AddRequest) -> bool:
+        """Reserve the pages a prefill engine should send, or hand the request on to be added now; the
+        request is this role's either way (True)."""
+        self._reserve(msg)
+        return True
+
+    def _reserve(self, msg: AddRequest) -> None:
         kv = self.engine.kv_manager
         ps = self.engine.config.page_size
         n = len(msg.prompt_token_ids)
@@ -164,12 +180,21 @@ class DecodeRole:
         self._free(res)
         return True
 
+    def handle(self, msg: RoleMessage) -> None:
+        if isinstance(msg, CancelTransfer):
+            self.cancel(msg.request_id, msg.message)
+        else:
+            super().handle(msg)
+
     def cancel(self, request_id: str, message: str) -> None:
         res = self.reservations.pop(request_id, None)
         if res is not None:
             self._fail(res, message)
 
     # -- the loop's hooks ----------------------------------------------------------------------
+    def sockets(self) -> list[zmq.Socket[bytes]]:
+        return [self.receiver.socket]
+
     def poll(self) -> None:
         """Write the chunks that arrived; end the reservations that are complete or timed out."""
         for header, records in self.receiver.receive():
@@ -203,6 +228,9 @@ class DecodeRole:
 
     def check_integrity(self) -> None:
         self.engine.kv_manager.check_integrity([*self.engine.scheduler.running, *self.reservations.values()])
+
+    def close(self) -> None:
+        self.receiver.close()
 
     # -- helpers ----------------------------------------------------------------------------------
     def _write(self, header: TransferHeader, records: torch.Tensor) -> None:
@@ -261,7 +289,8 @@ class DecodeRole:
     def _fail(self, res: Reservation, message: str) -> None:
         logger.warning("request %s: %s", res.add.request_id, message)
         self._free(res)
-        self._send(RequestError(request_id=res.add.request_id, message=message, unavailable=True))
+        error = EngineError(kind="unavailable", message=message)
+        self._send(RequestError(request_id=res.add.request_id, error=error))
 
     def _free(self, res: Reservation) -> None:
         res.num_computed_tokens = res.start  # nothing received goes into the tree

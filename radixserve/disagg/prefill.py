@@ -26,6 +26,7 @@ from radixserve.disagg.transfer import KVTransferError, TransferHeader, checksum
 from radixserve.disagg.transport import KVSender
 from radixserve.engine.deltas import StepOutput
 from radixserve.sampling.params import SamplingParams
+from radixserve.server.engine_loop import EngineRole, RoleMessage
 from radixserve.server.messages import FromEngine, PrefillDone, PrefillKV
 
 if TYPE_CHECKING:
@@ -44,19 +45,21 @@ class _Job:
     bytes: int = 0
 
 
-class PrefillRole:
+class PrefillRole(EngineRole):
     """Runs the ``PrefillKV`` jobs of one engine; ``send`` reaches the API server."""
 
     def __init__(self, engine: Engine, send: Callable[[FromEngine], None], sender: KVSender) -> None:
         if engine.kv_manager.tree is None:
             raise ValueError("a prefill engine needs the prefix cache (drop --no-prefix-cache)")
-        self.engine = engine
+        super().__init__(engine)
         self._send = send
         self.sender = sender
         self.fingerprint = layout_fingerprint(engine)
         self._jobs: dict[str, _Job] = {}  # by engine request id
 
-    def handle(self, msg: PrefillKV) -> None:
+    def handle(self, msg: RoleMessage) -> None:
+        if not isinstance(msg, PrefillKV):
+            return super().handle(msg)
         ps = self.engine.config.page_size
         if msg.start % ps or msg.end % ps or not 0 <= msg.start < msg.end < len(msg.prompt_token_ids):
             self._done(_Job(msg, msg.start), f"bad page range [{msg.start}, {msg.end}) for page size {ps}")
@@ -91,6 +94,9 @@ class PrefillRole:
                 missing = job.msg.end - job.sent
                 self._done(job, None if missing == 0 else f"{missing} tokens' pages were not computed")
         return [o for o in outputs if not o.group_id.endswith(JOB_SUFFIX)]
+
+    def close(self) -> None:
+        self.sender.close()
 
     def _send_new_pages(self, job: _Job) -> None:
         msg = job.msg

@@ -27,6 +27,7 @@ from typing import Any
 from radixserve.config import EngineConfig
 from radixserve.disagg.dispatch import prefill_job, run_prefill
 from radixserve.disagg.metrics import TransferMetrics
+from radixserve.disagg.process import role_command
 from radixserve.scale.app import ScaleOptions, engine_deployment, ingress_deployment
 from radixserve.scale.launch import run_scaled
 from radixserve.scale.replica import EngineReplica, GenerateCall, StreamItem
@@ -52,7 +53,7 @@ class PrefillReplica:
 
     async def __init__(self, config: EngineConfig, engine_threads: int | None = None) -> None:  # type: ignore[misc]
         self.engine = AsyncEngine(
-            config, engine_threads=engine_threads, process_args=["--role", "prefill", "--kv-transport", "tcp"]
+            config, engine_threads=engine_threads, process_args=role_command("prefill", "tcp")
         )
         self._waiting: dict[str, asyncio.Future[PrefillDone]] = {}
         self.engine.on_role_message = self._on_message
@@ -106,16 +107,7 @@ class DecodeReplica(EngineReplica):
         import ray
 
         host = ray.util.get_node_ip_address()
-        args = [
-            "--role",
-            "decode",
-            "--kv-transport",
-            "tcp",
-            "--kv-host",
-            host,
-            "--kv-timeout",
-            str(kv_timeout_s),
-        ]
+        args = role_command("decode", "tcp", host, kv_timeout_s)
         self._prefill = RayPrefill(prefill)
         self._calls: dict[str, GenerateCall] = {}
         self._tasks: set[asyncio.Task[None]] = set()

@@ -1,4 +1,4 @@
-"""The HTTP server: a Starlette app over an AsyncEngine, and uvicorn to run it (flags: server/launch.py).
+"""The HTTP server: a Starlette app over an AsyncEngine, and uvicorn to run it (flags: launch.py).
 
 The routes live in chat.py, completions.py and generate.py (over api.py's ApiContext); the small
 ones are here.

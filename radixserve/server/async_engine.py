@@ -9,77 +9,72 @@ request's deltas.
 Invariants:
 - Everything here runs on the event loop; the engine process alone runs model code, so the loop
   never waits on compute. One task receives the process's messages (EngineClient).
-- Each submitted request has one entry in ``_requests``, registered before its AddRequest is sent
-  and removed when its consumer stops; outputs for a request without an entry are dropped.
+- Each submitted request has one entry in ``Streams`` (server/streams.py), opened before its
+  AddRequest is sent and closed when its consumer stops; outputs for a request without one are dropped.
+- Each call (flush, pins, evict, the tree, ...) is one ``Call`` answered by one ``CallResult``, matched
+  by ``Calls`` (server/calls.py); errors come back typed and are raised as the API server's own.
 - A consumer that stops before its request finished (client disconnect, cancellation, aclose)
   aborts the request; the engine frees its pages at its next step. Nothing else is aborted: the
   engine ends a sample itself on a stop string, so no token past one is generated.
 - When the engine process dies, every open request fails at once (EngineFailedError where the
   engine raised, i.e. exit code 1; EngineUnavailableError where it was killed), new requests get
-  EngineUnavailableError, and a new process is started; ``healthy`` is True again when it is ready.
+  EngineUnavailableError, and a new process is started (server/supervisor.py); ``healthy`` is True
+  again when it is ready.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
-from dataclasses import dataclass, field
 
 from radixserve.cache.events import KVEvent, KVEvents
 from radixserve.cache.pin_types import PinInfo, PinSpec, PrefixEviction, WarmResult
 from radixserve.cache.tree_view import CacheTree
 from radixserve.config import EngineConfig
-from radixserve.engine.deltas import OutputAssembler, StepOutput
+from radixserve.engine.deltas import OutputAssembler
 from radixserve.engine.prompt import Prompt, tokenize
 from radixserve.engine.stats import EngineStats
-from radixserve.errors import InvalidRequestError, PinBudgetError
+from radixserve.errors import InvalidRequestError
 from radixserve.model.loader import load_tokenizer, resolve_model_path
 from radixserve.outputs import RequestOutput
 from radixserve.sampling.params import SamplingParams
-from radixserve.server.cache_calls import WARM_PARAMS, CacheCalls, warm_result
+from radixserve.server.calls import Calls
 from radixserve.server.engine_api import (
-    EngineFailedError,
     EngineUnavailableError,
     Limits,
-    QueueFullError,
     RequestRecord,
     RequestStream,
     ServedModel,
 )
-from radixserve.server.engine_client import EngineClient, describe_exit
+from radixserve.server.engine_client import ENGINE_COMMAND
 from radixserve.server.messages import (
     Abort,
     AddRequest,
-    CacheCallResult,
-    Call,
+    AdvancePinClock,
     CallResult,
-    EngineFailed,
+    CheckIntegrity,
+    Evict,
+    FlushCache,
     FromEngine,
+    ListPins,
     Ready,
     RequestError,
     StepOutputs,
     ToEngine,
     TreeQuery,
+    Unpin,
 )
+from radixserve.server.streams import Streams
+from radixserve.server.supervisor import Supervisor
 
 logger = logging.getLogger("radixserve.server")
 
-MAX_RESTART_DELAY_S = 30.0
-STABLE_S = 60.0  # an engine process that served this long resets the restart back-off
-
-
-@dataclass
-class _Request:
-    queue: asyncio.Queue[list[StepOutput] | BaseException]
-    arrival_time: float
-    scheduled_time: float | None = None
-    token_times: list[float] = field(default_factory=list)
-    rejected: bool = False  # the engine refused it: nothing to abort, nothing to report
+# A warm samples nothing (the engine ends it after its prefill); one token is what check_prompt needs.
+WARM_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 
 
 class AsyncEngine:
@@ -87,7 +82,8 @@ class AsyncEngine:
 
     ``engine_threads`` and ``engine_cpus`` set the process's torch threads (default: one per core it
     may use) and pin it to CPUs (default: no pinning). ``chat_template`` (Jinja text) replaces the
-    model's chat template.
+    model's chat template. ``process_args``: the engine process's command after the interpreter, for a
+    disaggregated role (disagg/process.py ``role_command``; default: the colocated engine process).
     """
 
     def __init__(
@@ -119,68 +115,53 @@ class AsyncEngine:
         # PrefillDone), and the engine process's death (with its exit status), after its requests failed.
         self.on_role_message: Callable[[FromEngine], None] | None = None
         self.on_engine_exit: Callable[[int], None] | None = None
-        self._process_options = (engine_threads, engine_cpus, log_level)
-        self._process_args = list(process_args)  # more engine-process flags (radixserve/disagg's roles)
-        self._requests: dict[str, _Request] = {}
-        self._calls: dict[int, asyncio.Future[bool | CacheTree | None]] = {}
-        self._call_ids = itertools.count()
-        self._cache_calls = CacheCalls(self._send, self._call_ids)
-        self._client: EngineClient | None = None  # None while there is no ready engine process
-        self._ready: Ready | None = None
+        options = (engine_threads, engine_cpus, log_level)
+        command = list(process_args) or list(ENGINE_COMMAND)
+        self._process = Supervisor(self._config, options, command, self._on_message, self._on_death)
+        self._streams = Streams()
+        self._calls = Calls(self.send)
         self._stats = EngineStats()
-        self._failure = ""  # what the engine process said as it failed (EngineFailed), for its requests
-        self._accepting = False
-        self._restarter: asyncio.Task[None] | None = None
-        self._started_at = 0.0
-        self._quick_deaths = 0  # consecutive deaths of processes that did not serve for STABLE_S
-        self.startup_s: dict[str, float] = {}  # the latest engine process's start-up, by phase
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
         """Start the engine process and wait until it is ready; raises if it exits first."""
-        if self._accepting:
-            return
-        self._accepting = True
-        try:
-            await self._launch()
-        except BaseException:
-            self._accepting = False
-            raise
+        await self._process.start()
 
     async def shutdown(self, drain_timeout: float = 30.0) -> None:
         """Stop accepting, let running requests finish for up to ``drain_timeout`` s, abort the rest,
         then stop the engine process (it closes the engine: queued disk-tier writes land)."""
-        self._accepting = False
-        if self._restarter is not None:
-            self._restarter.cancel()
+        self._process.stop_accepting()
         deadline = time.monotonic() + drain_timeout
-        while self._requests and self._client is not None and time.monotonic() < deadline:
+        while self._streams and self._process.client is not None and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        for rid in list(self._requests):
-            self._send(Abort(request_id=rid))
+        for rid in self._streams:
+            self.send(Abort(request_id=rid))
         deadline = time.monotonic() + 5.0  # aborted streams end at the engine's next step
-        while self._requests and self._client is not None and time.monotonic() < deadline:
+        while self._streams and self._process.client is not None and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        client, self._client = self._client, None
-        if client is not None:
-            code = await client.stop(timeout=60.0)
-            logger.info("engine process %s stopped (%s)", client.pid, describe_exit(code or 0))
+        await self._process.stop()
         self._fail_all(EngineUnavailableError("the server is shutting down"))
 
     @property
     def healthy(self) -> bool:
-        return self._accepting and self._client is not None
+        return self._process.accepting and self._process.client is not None
 
     @property
     def engine_pid(self) -> int | None:
         """The engine process's id while one is ready."""
-        return None if self._client is None else self._client.pid
+        client = self._process.client
+        return None if client is None else client.pid
+
+    @property
+    def startup_s(self) -> dict[str, float]:
+        """The latest engine process's start-up, by phase ("load", "compile")."""
+        return self._process.startup_s
 
     # -- what the API server knows (engine_api.py) -------------------------------------------------
     def limits(self) -> Limits:
         """What the engine process reported in its Ready message (the model's context length, or the
         configured one, lowered to what the pool holds); EngineUnavailableError before the first."""
-        ready = self._ready
+        ready = self._process.ready
         if ready is None:
             raise EngineUnavailableError("the engine process has not started")
         return Limits(
@@ -231,16 +212,15 @@ class AsyncEngine:
     ) -> AsyncGenerator[RequestOutput, None]:
         if not self.healthy:
             raise EngineUnavailableError(
-                "the server is shutting down" if not self._accepting else "the engine process is restarting"
+                "the server is shutting down"
+                if not self._process.accepting
+                else "the engine process is restarting"
             )
         rid = request_id or uuid.uuid4().hex
-        if rid in self._requests:
-            raise ValueError(f"request id {rid!r} is already in use")
         token_ids = self.tokenize(prompt)
-        req = _Request(asyncio.Queue(), time.monotonic())
-        self._requests[rid] = req
+        req = self._streams.open(rid)
         try:
-            sent = self._send(
+            sent = self.send(
                 AddRequest(
                     request_id=rid,
                     prompt_token_ids=token_ids,
@@ -252,10 +232,10 @@ class AsyncEngine:
                 )
             )
         except OverflowError:  # msgpack carries 64-bit integers; no sensible request holds larger ones
-            self._forget(rid)
+            self._streams.close(rid)
             raise InvalidRequestError("an integer in the request is out of the 64-bit range") from None
         if not sent:
-            self._forget(rid)
+            self._streams.close(rid)
             raise EngineUnavailableError("the engine process is not reachable")
         text = prompt if isinstance(prompt, str) else None
         assembler = stream.assembler = OutputAssembler(rid, text, token_ids, params.n, req.arrival_time)
@@ -270,10 +250,10 @@ class AsyncEngine:
                     yield assembler.add(step)
         finally:
             if not assembler.finished and not req.rejected:
-                self._send(Abort(request_id=rid))
-            self._forget(rid)
-            if not req.rejected:
-                self._report(rid, req, assembler.result)
+                self.send(Abort(request_id=rid))
+            self._streams.close(rid)
+            if not req.rejected and self.on_finish is not None:
+                self.on_finish(req.record(rid, assembler.result))
 
     # -- cache control (docs/cache.md) --------------------------------------------------------------
     async def warm(self, token_ids: list[int], cache_salt: str | None, pin: PinSpec | None) -> WarmResult:
@@ -288,7 +268,11 @@ class AsyncEngine:
                 pass
         finally:
             await stream.aclose()  # a cancelled warm (a warm-up's time limit) is aborted in the engine now
-        return warm_result(len(token_ids), whole, stream.result)
+        cached = min(stream.result.cached_tokens, whole)
+        pin_ref = stream.result.cache_pin
+        return WarmResult(
+            tokens=len(token_ids), cached_tokens=cached, computed_tokens=whole - cached, pin=pin_ref
+        )
 
     async def warm_all(
         self, token_ids: list[int], cache_salt: str | None, pin: PinSpec | None
@@ -297,197 +281,62 @@ class AsyncEngine:
         return [("local", await self.warm(token_ids, cache_salt, pin))]
 
     async def pins(self, namespace: str | None) -> list[PinInfo]:
-        return await self._cache_calls.pins(namespace)
+        return await self._calls.call(ListPins(namespace=namespace))
 
     async def unpin(self, pin_id: str, namespace: str | None) -> bool:
-        return await self._cache_calls.unpin(pin_id, namespace)
+        return await self._calls.call(Unpin(pin_id=pin_id, namespace=namespace))
 
     async def evict(self, token_ids: list[int], cache_salt: str | None) -> PrefixEviction:
-        return await self._cache_calls.evict(token_ids, cache_salt)
+        return await self._calls.call(Evict(token_ids=token_ids, namespace=cache_salt))
 
     async def advance_pin_clock(self, seconds: float) -> None:
         """Tests: move the engine's pin clock ahead, so TTLs pass without sleeping. No route calls it."""
-        await self._cache_calls.advance_clock(seconds)
+        await self._calls.call(AdvancePinClock(seconds=seconds))
 
     async def flush_cache(self) -> bool:
         """Drop every cached prefix page; False while requests hold cached pages."""
-        return bool(await self._call("flush_cache"))
+        return await self._calls.call(FlushCache())
 
     async def check_integrity(self) -> None:
-        """A debug call: the engine checks its page accounting page by page; RuntimeError if it is off."""
-        await self._call("check_integrity")
+        """A debug call: the engine checks its page accounting page by page; EngineCallError if it is off."""
+        await self._calls.call(CheckIntegrity())
 
     async def cache_tree(self, namespace_prefix: str | None, depth: int, min_tokens: int) -> CacheTree:
         """A snapshot of the prefix cache, taken in the engine process (Engine.cache_tree)."""
-        tree = await self._call(
-            lambda call_id: TreeQuery(
-                call_id=call_id, namespace_prefix=namespace_prefix, depth=depth, min_tokens=min_tokens
-            )
-        )
-        assert isinstance(tree, CacheTree)
-        return tree
+        query = TreeQuery(namespace_prefix=namespace_prefix, depth=depth, min_tokens=min_tokens)
+        return await self._calls.call(query)
 
     # -- the engine process -----------------------------------------------------------------------
-    async def _launch(self) -> None:
-        threads, cpus, log_level = self._process_options
-        launched = time.monotonic()
-        client = EngineClient(self._config, threads, cpus, log_level, self._process_args)
-        try:
-            ready = await client.start(self._on_message, self._on_exit)
-        except BaseException:
-            client.kill()
-            client.close()
-            raise
-        self._client, self._ready, self._stats = client, ready, ready.stats
-        self._started_at = time.monotonic()
-        # Start-up by phase: starting the process and loading the model, then the compile warm-up.
-        took = self._started_at - launched
-        self.startup_s = {"load": max(0.0, took - ready.compile_s), "compile": ready.compile_s}
-
-    def _on_exit(self, code: int) -> None:
-        client, self._client = self._client, None
-        pid = client.pid if client is not None else "?"
-        if client is not None:
-            client.close()
-        if self.on_kv_events is not None:  # its cache went with it
-            self.on_kv_events(KVEvents(seed=b"", page_size=0, events=[KVEvent(kind="cleared", keys=[])]))
-        if not self._accepting:
-            return
-        how = f"{'exited' if code == 0 else 'died'} ({describe_exit(code)})"  # 0: it drained after a signal
-        logger.error(
-            "engine process %s %s; failing %d open request(s) and restarting it",
-            pid,
-            how,
-            len(self._requests),
-        )
-        said, self._failure = self._failure, ""
-        message = f"the engine process {how}{': ' + said if said else ''}; it is being restarted"
-        # Exit code 1: the engine raised (engine_process.py), a bug; anything else came from outside.
-        self._fail_all(EngineFailedError(message) if code == 1 else EngineUnavailableError(message))
-        if self.on_engine_exit is not None:
-            self.on_engine_exit(code)
-        lived = time.monotonic() - self._started_at
-        self._quick_deaths = 0 if lived >= STABLE_S else self._quick_deaths + 1
-        self._restarter = asyncio.create_task(self._restart())
-
-    async def _restart(self) -> None:
-        t0 = time.monotonic()
-        while self._accepting:
-            # A process that keeps dying soon after it started waits longer each time.
-            n = self._quick_deaths
-            delay = min(2.0 ** (n - 2), MAX_RESTART_DELAY_S) if n > 1 else 0.0  # 0, 0, 1, 2, 4, ... s
-            await asyncio.sleep(delay)
-            try:
-                await self._launch()
-            except Exception as exc:
-                logger.error("engine process restart failed: %s", exc)
-                self._quick_deaths += 1
-                continue
-            assert self._client is not None
-            logger.info(
-                "engine process %s restarted: serving again after %.1f s",
-                self._client.pid,
-                time.monotonic() - t0,
-            )
-            return
-
-    def _send(self, msg: ToEngine) -> bool:
-        return self._client is not None and self._client.send(msg)
-
     def send(self, msg: ToEngine) -> bool:
         """Queue a message for the engine process outside a request's stream (a disaggregated role's
         ``PrefillKV`` or ``CancelTransfer``); False while there is no process to take it."""
-        return self._send(msg)
+        return self._process.send(msg)
 
-    async def _call(self, method: str | Callable[[int], TreeQuery]) -> bool | CacheTree | None:
-        """Run one of the engine's calls between two steps: a ``Call`` by method name, or the message
-        ``method(call_id)`` makes."""
-        call_id = next(self._call_ids)
-        future: asyncio.Future[bool | CacheTree | None] = asyncio.get_running_loop().create_future()
-        self._calls[call_id] = future
-        msg = Call(call_id=call_id, method=method) if isinstance(method, str) else method(call_id)
-        if not self._send(msg):
-            del self._calls[call_id]
-            raise EngineUnavailableError("the engine process is not available")
-        return await future
+    def _on_death(self, code: int, error: Exception | None) -> None:
+        if self.on_kv_events is not None:  # its cache went with it
+            self.on_kv_events(KVEvents(seed=b"", page_size=0, events=[KVEvent(kind="cleared", keys=[])]))
+        if error is None:
+            return
+        self._fail_all(error)
+        if self.on_engine_exit is not None:
+            self.on_engine_exit(code)
 
     def _on_message(self, msg: FromEngine) -> None:
         if isinstance(msg, StepOutputs):
-            self._on_step(msg)
+            self._stats = msg.stats
+            if msg.kv_events is not None and self.on_kv_events is not None:
+                self.on_kv_events(msg.kv_events)
+            self._streams.on_step(msg)
         elif isinstance(msg, RequestError):
-            req = self._requests.get(msg.request_id)
-            if req is not None:
-                req.rejected = True
-                error: Exception = InvalidRequestError(msg.message, msg.param, msg.code)
-                if msg.unavailable:
-                    error = EngineUnavailableError(msg.message)
-                elif msg.queue_full:
-                    error = QueueFullError(msg.message)
-                elif msg.over_budget:
-                    error = PinBudgetError(msg.message, msg.param, msg.code)
-                req.queue.put_nowait(error)
-        elif isinstance(msg, EngineFailed):
-            self._failure = msg.message
+            self._streams.on_error(msg)
+        elif isinstance(msg, Ready):
+            self._stats = msg.stats
         elif isinstance(msg, CallResult):
             self._stats = msg.stats
-            future = self._calls.pop(msg.call_id, None)
-            if future is not None and not future.done():
-                if msg.error is None:
-                    future.set_result(msg.value)
-                else:
-                    future.set_exception(RuntimeError(f"the engine's call failed: {msg.error}"))
-        elif isinstance(msg, CacheCallResult):
-            if msg.stats is not None:
-                self._stats = msg.stats
-            self._cache_calls.answer(msg)
+            self._calls.answer(msg)
         elif self.on_role_message is not None:
             self.on_role_message(msg)
 
-    def _on_step(self, msg: StepOutputs) -> None:
-        self._stats = msg.stats
-        if msg.kv_events is not None and self.on_kv_events is not None:
-            self.on_kv_events(msg.kv_events)
-        for rid in msg.scheduled:
-            req = self._requests.get(rid)
-            if req is not None and req.scheduled_time is None:
-                req.scheduled_time = msg.time
-        batches: dict[str, list[StepOutput]] = {}
-        for out in msg.outputs:  # with their text: the engine process made it (and checked stop strings)
-            if out.group_id in self._requests:
-                batches.setdefault(out.group_id, []).append(out)
-        for rid, steps in batches.items():
-            self._requests[rid].queue.put_nowait(steps)
-
-    # -- helpers ----------------------------------------------------------------------------------
     def _fail_all(self, error: BaseException) -> None:
-        for req in self._requests.values():
-            req.queue.put_nowait(error)
-        for future in self._calls.values():
-            if not future.done():
-                future.set_exception(error)
-        self._calls.clear()
-        self._cache_calls.fail_all(error)
-
-    def _forget(self, rid: str) -> None:
-        self._requests.pop(rid, None)
-
-    def _report(self, rid: str, req: _Request, result: RequestOutput) -> None:
-        if self.on_finish is None:
-            return
-        times = req.token_times
-        first = result.outputs[0]
-        record = RequestRecord(
-            request_id=rid,
-            prompt_tokens=len(result.prompt_token_ids),
-            cached_tokens=result.cached_tokens,
-            output_tokens=sum(len(o.token_ids) for o in result.outputs),
-            finish_reason=first.finish_reason or "abort",
-            arrival_time=req.arrival_time,
-            scheduled_time=req.scheduled_time,
-            first_token_time=result.first_token_time,
-            finish_time=result.finish_time or time.monotonic(),
-            token_gaps=[b - a for a, b in itertools.pairwise(times)],
-            cached_tokens_by_tier=dict(result.cached_tokens_by_tier),
-            cache_write_tokens=result.cache_write_tokens,
-        )
-        self.on_finish(record)
+        self._streams.fail_all(error)
+        self._calls.fail_all(error)

@@ -34,6 +34,9 @@ from radixserve.server.messages import FromEngine, Ready, Shutdown, StartFailed,
 logger = logging.getLogger("radixserve.server")
 
 EXIT_GRACE_S = 0.1  # how long after an exit its last messages may still be on their way
+# The engine process's command after the interpreter; a disaggregated role's is another module that
+# runs this one's main with its role (disagg/process.py), followed by the same flags.
+ENGINE_COMMAND = ("-m", "radixserve.server.engine_process")
 
 
 class EngineStartError(RuntimeError):
@@ -55,10 +58,10 @@ class EngineClient:
         threads: int | None = None,
         cpus: Sequence[int] | None = None,
         log_level: str = "info",
-        extra_args: Sequence[str] = (),
+        command: Sequence[str] = ENGINE_COMMAND,
     ) -> None:
         self.config = config
-        self.extra_args = list(extra_args)  # more flags of the engine process (a disaggregated role)
+        self.command = list(command)
         self.threads = threads
         self.cpus = cpus
         self.log_level = log_level
@@ -87,8 +90,7 @@ class EngineClient:
         self._exited = exited = loop.create_future()
         cmd = [
             sys.executable,
-            "-m",
-            "radixserve.server.engine_process",
+            *self.command,
             "--config",
             msgspec.json.encode(self.config).decode(),
             "--input",
@@ -102,7 +104,6 @@ class EngineClient:
         ]
         cmd += ["--threads", str(self.threads)] if self.threads else []
         cmd += ["--cpus", ",".join(map(str, self.cpus))] if self.cpus else []
-        cmd += self.extra_args
         # The child must import the code this process runs (a source tree, a test's sys.path), and
         # live in a session of its own, so a terminal's Ctrl-C reaches only the API server, which
         # drains and then stops the engine.

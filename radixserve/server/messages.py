@@ -1,11 +1,12 @@
 """The messages between the API server and its engine process: msgpack-encoded msgspec Structs.
 
-One PUSH/PULL socket each way. API server -> engine: ``AddRequest``, ``Abort``, ``Call``, ``TreeQuery``,
-``Shutdown``, ``CacheCall``; in disaggregated serving (radixserve/disagg) also ``PrefillKV`` and
-``CancelTransfer``, and back ``KVReserved``, ``KVReceived`` and ``PrefillDone``.
-Engine -> API server: ``Ready`` (once, first; or ``StartFailed`` instead), ``StepOutputs`` (after every step
-that did something), ``RequestError``, ``CallResult`` and ``CacheCallResult``. A message is one frame; the
-tag (the class name) says its type.
+One PUSH/PULL socket each way. API server -> engine: ``AddRequest``, ``Abort``, ``Call`` (one of the
+ops below, run between two steps), ``Shutdown``; in disaggregated serving (radixserve/disagg) also
+``PrefillKV`` and ``CancelTransfer``. Engine -> API server: ``Ready`` (once, first; or ``StartFailed``
+instead), ``StepOutputs`` (after every step that did something), ``RequestError``, ``CallResult`` (one
+per ``Call``, matched by its ``call_id``), ``EngineFailed``; for a role also ``KVReserved``,
+``KVReceived`` and ``PrefillDone``. A message is one frame; the tag (the class name) says its type.
+Errors cross typed (``EngineError``), never as text to parse.
 
 Invariants:
 - The API server tokenizes; the engine process detokenizes and checks stop strings, so per-step
@@ -18,6 +19,8 @@ Invariants:
 
 from __future__ import annotations
 
+from typing import Any, ClassVar, Generic, Literal, TypeVar, get_args, get_origin
+
 import msgspec
 
 from radixserve.cache.events import KVEvents
@@ -26,6 +29,8 @@ from radixserve.cache.tree_view import CacheTree
 from radixserve.engine.deltas import StepOutput
 from radixserve.engine.stats import EngineStats
 from radixserve.sampling.params import SamplingParams
+
+R = TypeVar("R")
 
 
 class _Message(msgspec.Struct, tag=True, array_like=True, kw_only=True):
@@ -54,43 +59,76 @@ class Abort(_Message, kw_only=True):
     request_id: str
 
 
-class Call(_Message, kw_only=True):
-    """Run one of the engine's maintenance methods between two steps; answered by a CallResult."""
+# -- calls: API server -> engine, one Call each, answered by one CallResult -----------------------------
+class CallOp(_Message, Generic[R], kw_only=True):
+    """What a ``Call`` asks the engine to run between two steps; ``R`` is its result's type, which the
+    API server decodes the ``CallResult``'s value as (``returns``, read off the class's base once)."""
 
-    call_id: int
-    method: str  # "flush_cache" | "check_integrity"
+    returns: ClassVar[Any] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for base in getattr(cls, "__orig_bases__", ()):
+            if get_origin(base) is CallOp:
+                cls.returns = get_args(base)[0]
 
 
-class TreeQuery(_Message, kw_only=True):
-    """A snapshot of the prefix cache (Engine.cache_tree), answered by a CallResult holding a CacheTree.
-    ``namespace_prefix`` limits it to one tenant's namespaces, in the engine process, so another tenant's
-    tokens never cross (None: all)."""
+class FlushCache(CallOp[bool], kw_only=True):
+    """Drop every cached prefix page (Engine.flush_cache); False while requests hold cached pages."""
 
-    call_id: int
+
+class CheckIntegrity(CallOp[None], kw_only=True):
+    """A debug call: check the page accounting page by page (reservations included); raises if off."""
+
+
+class TreeQuery(CallOp[CacheTree], kw_only=True):
+    """A snapshot of the prefix cache (Engine.cache_tree). ``namespace_prefix`` limits it to one tenant's
+    namespaces, in the engine process, so another tenant's tokens never cross (None: all)."""
+
     namespace_prefix: str | None
     depth: int
     min_tokens: int
 
 
-class Shutdown(_Message, kw_only=True):
-    """Finish what is queued (the API server has aborted what it gave up on), close the engine, exit."""
+class ListPins(CallOp[list[PinInfo]], kw_only=True):
+    """The pins of the namespaces ``namespace`` or under it (``ns/...``; None: all)."""
+
+    namespace: str | None
 
 
-class CacheCall(_Message, kw_only=True):
-    """A cache-control operation between two steps, answered by a CacheCallResult (engine/cache_control.py):
+class Unpin(CallOp[bool], kw_only=True):
+    """Drop pin ``pin_id`` if it is in those namespaces; False if it is not (nothing changes)."""
 
-    - ``pins``: the pins of the namespaces ``namespace`` or under it (``ns/...``; None: all);
-    - ``unpin``: drop pin ``pin_id`` if it is in those namespaces (else nothing: ``found`` False);
-    - ``evict``: free the cached prefix ``token_ids`` of namespace ``namespace`` exactly;
-    - ``advance_clock``: move the pin table's clock ``seconds`` ahead (tests: TTLs without sleeping).
-    """
+    pin_id: str
+    namespace: str | None
+
+
+class Evict(CallOp[PrefixEviction], kw_only=True):
+    """Free the cached prefix ``token_ids`` of namespace ``namespace`` exactly."""
+
+    token_ids: list[int]
+    namespace: str | None
+
+
+class AdvancePinClock(CallOp[None], kw_only=True):
+    """Move the pin table's clock ``seconds`` ahead (tests: TTLs without sleeping)."""
+
+    seconds: float
+
+
+EngineOp = FlushCache | CheckIntegrity | TreeQuery | ListPins | Unpin | Evict | AdvancePinClock
+
+
+class Call(_Message, kw_only=True):
+    """Run ``op`` between two steps (``EngineLoop._call``, server/engine_loop.py); answered by the
+    ``CallResult`` of the same ``call_id``."""
 
     call_id: int
-    op: str  # "pins" | "unpin" | "evict" | "advance_clock"
-    namespace: str | None = None
-    token_ids: list[int] = []
-    pin_id: str | None = None
-    seconds: float = 0.0
+    op: EngineOp
+
+
+class Shutdown(_Message, kw_only=True):
+    """Finish what is queued (the API server has aborted what it gave up on), close the engine, exit."""
 
 
 class PrefillKV(_Message, kw_only=True):
@@ -115,7 +153,7 @@ class CancelTransfer(_Message, kw_only=True):
     message: str
 
 
-ToEngine = AddRequest | Abort | Call | TreeQuery | Shutdown | CacheCall | PrefillKV | CancelTransfer
+ToEngine = AddRequest | Abort | Call | Shutdown | PrefillKV | CancelTransfer
 
 
 # -- engine -> API server ---------------------------------------------------------------------------
@@ -151,36 +189,41 @@ class StepOutputs(_Message, kw_only=True):
     kv_events: KVEvents | None = None  # with the kv_events knob: the tree's page changes since the last
 
 
-class RequestError(_Message, kw_only=True):
-    """The engine refused a request. ``unavailable``: it is shutting down (503); ``queue_full``: its
-    waiting requests are at ``max_waiting_requests`` (429); else the request is invalid (400, with the
-    parameter and code that ``InvalidRequestError`` named)."""
+ErrorKind = Literal["invalid", "over_budget", "queue_full", "unavailable", "failed"]
 
-    request_id: str
+
+class EngineError(_Message, kw_only=True):
+    """An error across the boundary, typed by ``kind``, so the API server raises its own exception of
+    that kind and never parses ``message`` (server/calls.py ``exception``, engine_loop.py ``error_of``):
+
+    - ``invalid``: the input is refused as given (InvalidRequestError: 400, with ``param`` and ``code``);
+    - ``over_budget``: a pin over --max-pinned-fraction (PinBudgetError: 429);
+    - ``queue_full``: ``max_waiting_requests`` are waiting (QueueFullError: 429);
+    - ``unavailable``: the engine is shutting down, or a request's KV transfer failed (503);
+    - ``failed``: a call raised in the engine, which itself is fine (EngineCallError: 500).
+    """
+
+    kind: ErrorKind
     message: str
     param: str | None = None
     code: str | None = None
-    unavailable: bool = False
-    queue_full: bool = False
-    over_budget: bool = False  # a pin over --max-pinned-fraction (429, PinBudgetError)
+
+
+class RequestError(_Message, kw_only=True):
+    """The engine refused a request, or a role failed it (a transfer that did not arrive)."""
+
+    request_id: str
+    error: EngineError
 
 
 class CallResult(_Message, kw_only=True):
+    """The answer to a ``Call``: ``value`` is the op's result, msgpack-encoded, which the API server
+    decodes as the op's ``returns`` (it knows the op by ``call_id``); or ``error`` says why there is none."""
+
     call_id: int
-    value: bool | CacheTree | None
-    error: str | None
+    value: msgspec.Raw
+    error: EngineError | None
     stats: EngineStats  # taken after the call, so a caller sees its effect in stats() at once
-
-
-class CacheCallResult(_Message, kw_only=True):
-    """The answer to a CacheCall: what its ``op`` returns (the others stay at their defaults)."""
-
-    call_id: int
-    error: str | None = None
-    pins: list[PinInfo] = []
-    found: bool = False  # unpin: the pin existed in the caller's namespaces and is gone
-    evicted: PrefixEviction | None = None
-    stats: EngineStats | None = None  # taken after the call
 
 
 class KVReserved(_Message, kw_only=True):
@@ -225,7 +268,6 @@ FromEngine = (
     | StepOutputs
     | RequestError
     | CallResult
-    | CacheCallResult
     | KVReserved
     | KVReceived
     | PrefillDone

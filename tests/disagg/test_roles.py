@@ -166,7 +166,8 @@ def test_a_foreign_layout_is_refused_and_frees_the_reservation(tiny_llama: Path)
         free = d.kv_manager.num_free
         assert pair.serve("x", prompt) == []
         errors = [m for m in pair.to_server if isinstance(m, RequestError)]
-        assert errors and errors[0].unavailable and "layout fingerprint" in errors[0].message
+        assert errors and errors[0].error.kind == "unavailable"
+        assert "layout fingerprint" in errors[0].error.message
         assert not pair.added and not pair.decode.reservations
         assert d.kv_manager.num_free == free
         pair.check()

@@ -104,7 +104,7 @@ def served(tiny_llama: Path) -> Iterator[Served]:
 
     def reworded(self: AsyncEngine, msg: FromEngine) -> None:
         if isinstance(msg, RequestError):
-            msg = msgspec.structs.replace(msg, message=REWORDED)
+            msg = msgspec.structs.replace(msg, error=msgspec.structs.replace(msg.error, message=REWORDED))
         original(self, msg)
 
     with pytest.MonkeyPatch.context() as patch:
