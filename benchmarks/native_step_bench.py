@@ -21,8 +21,8 @@ import torch
 
 from benchmarks.common import RESULTS, args_json, write_results
 from benchmarks.modes import Shapes, StepModel, engine_options, parse_modes
-from benchmarks.steps import Steps, measure_limits
 from benchmarks.step_modes import PAGE_SIZE, engine_formats, engine_kv_dtype
+from benchmarks.steps import Steps, measure_limits
 from radixserve import Engine
 from radixserve.model.runner import ModelRunner
 

@@ -12,7 +12,6 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-
 from radixserve.scale.autoscale import AutoscaleSettings
 from radixserve.server.launch import api_keys_from_args, chat_template_from_args, engine_config_from_args
 

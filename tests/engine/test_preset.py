@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 
 from radixserve.config import EngineConfig
-from radixserve.server.launch import add_serve_arguments, engine_config_from_args
 from radixserve.model import arithmetic
+from radixserve.server.launch import add_serve_arguments, engine_config_from_args
 
 
 def _changed(config: EngineConfig) -> dict[str, object]:
