@@ -9,11 +9,11 @@ Parts (``--parts``, all by default):
   engine runs them (``layers.Linear``, prepacked): fp32 and bf16 weights at 1, 8 and 512 rows; the few-row
   path is ``csrc/gemv.cpp``, the many-row one oneDNN (fp32: a blocked copy; bf16: torch's bf16 matmul).
   Beside each: the rate at which it reads the weights (GB/s) and computes (GFLOP/s).
-- ``steps``: the 1B-shape model's decode step at batch 1 and 8 over 512-token contexts, one engine at
-  ``dtype float32`` and one at ``dtype bfloat16`` (bf16 weights, products and K/V), timed in turn.
+- ``steps``: the 1B-shape model's decode step at batch 1 and 8 over 512-token contexts, an engine at
+  ``dtype float32`` and then one at ``dtype bfloat16`` (bf16 weights, products and K/V).
 
-Every figure is the best (attention, products) or median (steps) of several turns, taken alternately,
-so a shared machine's load falls on both sides alike; quote the ratios.
+Every figure is the best (attention: the two K/V dtypes taken alternately; products) or the median (steps)
+of several turns; on a shared machine quote the ratios.
 
     python -m benchmarks.bf16_bench [--parts attention,products,steps] [--repeats 5] [--name bf16_bench]
 
@@ -105,30 +105,23 @@ def products(repeats: int, rows_list: tuple[int, ...] = (1, 8, 512)) -> list[dic
 
 
 def steps(repeats: int, batches: tuple[int, ...] = (1, 8), context: int = 512) -> list[dict[str, Any]]:
+    """One engine at a time (two 1B engines, with fp32's oneDNN copy, would not fit beside other work
+    on a 24 GiB machine): each dtype's steps are medians of ``repeats``."""
     from benchmarks.big_model import build
     from benchmarks.step_bench import Steps
     from radixserve import Engine
 
     folder = str(build())
-    engines = {
-        d: Engine(model=folder, dtype=d, prefix_cache=False, kv_cache_gb=0.5) for d in ("float32", "bfloat16")
-    }
-    runners = {d: Steps(e) for d, e in engines.items()}
-    times: dict[tuple[str, int], list[float]] = {}
-    for b in batches:
-        calls = {d: s.decode_step(b, context, 3 * repeats + 3, prefill=False) for d, s in runners.items()}
-        for call, _ in calls.values():
-            call()  # warm-up
-        for _ in range(repeats):
-            for d, (call, _) in calls.items():
-                t = best_of(call, 1)
-                times.setdefault((d, b), []).append(t)
-        for d, (_, tables) in calls.items():
-            runners[d].release(tables)
     out = []
-    for (d, b), ts in times.items():
-        med = sorted(ts)[len(ts) // 2]
-        out.append({"dtype": d, "batch": b, "context": context, "ms": med * 1e3})
+    for dtype in ("float32", "bfloat16"):
+        engine = Engine(model=folder, dtype=dtype, prefix_cache=False, kv_cache_gb=0.5)
+        runner = Steps(engine)
+        for b in batches:
+            t = runner.decode(b, context, repeats, prefill=False)
+            out.append({"dtype": dtype, "batch": b, "context": context, "ms": t * 1e3})
+            print(out[-1], flush=True)
+        del runner, engine
+        gc.collect()
     ref = {r["batch"]: r["ms"] for r in out if r["dtype"] == "float32"}
     for r in out:
         r["vs_fp32"] = ref[r["batch"]] / r["ms"]
