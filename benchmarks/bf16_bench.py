@@ -104,21 +104,31 @@ def products(repeats: int, rows_list: tuple[int, ...] = (1, 8, 512)) -> list[dic
     return out
 
 
-def steps(repeats: int, batches: tuple[int, ...] = (1, 8), context: int = 512) -> list[dict[str, Any]]:
-    """One engine at a time (two 1B engines, with fp32's oneDNN copy, would not fit beside other work
-    on a 24 GiB machine): each dtype's steps are medians of ``repeats``."""
-    from benchmarks.big_model import build
+def steps(
+    repeats: int, layers: int = 16, batches: tuple[int, ...] = (1, 8), context: int = 512
+) -> list[dict[str, Any]]:
+    """One engine at a time, each dtype's steps medians of ``repeats``. ``layers``: of the 1B shape's 16
+    (every layer is the same work; the fp32 engine of all 16, 4.3 GB of weights plus oneDNN's blocked
+    copy, was killed for memory on a shared 24 GiB machine)."""
+    import dataclasses
+
+    from benchmarks.big_model import LLAMA_1B, build
     from benchmarks.step_bench import Steps
     from radixserve import Engine
 
-    folder = str(build())
+    shape = (
+        LLAMA_1B
+        if layers == LLAMA_1B.layers
+        else dataclasses.replace(LLAMA_1B, name=f"{LLAMA_1B.name}-{layers}-layers", layers=layers)
+    )
+    folder = str(build(shape))
     out = []
     for dtype in ("float32", "bfloat16"):
         engine = Engine(model=folder, dtype=dtype, prefix_cache=False, kv_cache_gb=0.5)
         runner = Steps(engine)
         for b in batches:
             t = runner.decode(b, context, repeats, prefill=False)
-            out.append({"dtype": dtype, "batch": b, "context": context, "ms": t * 1e3})
+            out.append({"dtype": dtype, "layers": layers, "batch": b, "context": context, "ms": t * 1e3})
             print(out[-1], flush=True)
         del runner, engine
         gc.collect()
@@ -166,11 +176,12 @@ def render(results: dict[str, Any]) -> str:
         lines += [
             "## 1B-shape decode step (benchmarks/big_model.py): --dtype bfloat16 vs float32",
             "",
-            "| dtype | batch | context | ms / step | vs fp32 |",
-            "|---|---|---|---|---|",
+            "| dtype | layers (of 16) | batch | context | ms / step | vs fp32 |",
+            "|---|---|---|---|---|---|",
         ]
         lines += [
-            f"| {r['dtype']} | {r['batch']} | {r['context']} | {r['ms']:.1f} | {r['vs_fp32']:.2f}x |"
+            f"| {r['dtype']} | {r['layers']} | {r['batch']} | {r['context']} | {r['ms']:.1f} "
+            f"| {r['vs_fp32']:.2f}x |"
             for r in results["steps"]
         ]
         lines.append("")
@@ -184,14 +195,18 @@ def main() -> None:
     parser.add_argument("--parts", default="attention,products,steps")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--name", default="bf16_bench")
+    parser.add_argument("--layers", type=int, default=16, help="steps: layers of the 1B shape's 16")
     args = parser.parse_args()
     results: dict[str, Any] = {"machine": machine(), "load": os.getloadavg()[0], "args": vars(args)}
     for part in args.parts.split(","):
-        results[part] = {"attention": attention, "products": products, "steps": steps}[part](args.repeats)
+        if part == "steps":
+            results[part] = steps(args.repeats, args.layers)
+        else:
+            results[part] = {"attention": attention, "products": products}[part](args.repeats)
         print(part, results[part], flush=True)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(results, indent=2) + "\n")
-    (RESULTS / f"{args.name}.md").write_text(render(results))
+        RESULTS.mkdir(parents=True, exist_ok=True)  # after each part: a later part's failure keeps it
+        (RESULTS / f"{args.name}.json").write_text(json.dumps(results, indent=2) + "\n")
+        (RESULTS / f"{args.name}.md").write_text(render(results))
     print(render(results))
 
 

@@ -158,3 +158,11 @@ def test_nothing_accurate_enough_falls_back_and_says_so(
     assert config.quantization is None and config.kv_cache_dtype == "bfloat16"
     (log,) = _preset_logs(caplog)
     assert "no measured combination reached top-1 96.8%" in log
+
+
+def test_candidates_cover_bf16_weights_where_the_cpu_runs_bf16() -> None:
+    folder = presets.candidates("/models/folder", bf16=True)
+    assert folder["bf16"] == {"dtype": "bfloat16", "kv_cache_dtype": "bfloat16"} and "fp32" in folder
+    assert "bf16" not in presets.candidates("/models/folder", bf16=False)  # emulated bf16: never faster
+    gguf = presets.candidates("/models/x.gguf", bf16=True)
+    assert gguf and all(k.get("quantization") == "gguf" for k in gguf.values())  # its own blocks only
