@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -108,7 +109,7 @@ def _folder(root: Path, name: str) -> str:
     return str(folder)
 
 
-MEASURED = [
+MEASURED: list[dict[str, Any]] = [
     {"name": "fp32", "knobs": {}, "top1": 1.0, "mean_dloglik": 0.0, "tokens": 400, "seconds": 4.0},
     # the fastest, but below vLLM bf16's 96.8% top-1: never picked
     {"name": "int8+kv-bf16", "knobs": {"quantization": "int8", "kv_cache_dtype": "bfloat16"}, "top1": 0.9,
