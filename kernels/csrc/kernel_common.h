@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "radixserve_cpu.h"
 
@@ -109,6 +110,59 @@ inline Vec load_kv<int8_t>(const int8_t* p) {
   for (int64_t i = 0; i < kVS; ++i) tmp[i] = static_cast<float>(p[i]);
   return Vec::loadu(tmp);
 #endif
+}
+
+// bf16 rows in pair order. A widening load (16-bit lanes to 32-bit, a cross-lane shuffle) per vector
+// cost more than the bytes bf16 saves (issue 31: whole decode steps at 0.90x fp32 K/V on an EPYC).
+// Instead 2 * kVS bf16 values are loaded as kVS 32-bit words, each holding an (even, odd) pair of
+// elements; the even elements are the words shifted up 16 bits, the odd ones the words with their
+// low 16 bits cleared: exact fp32 values, two plain integer ops, no shuffle. The vectors hold the
+// row's elements in "pair order" (per chunk of 2 * kVS: the even ones, then the odd ones), so the
+// kernel keeps q and its accumulators in that order too (to_pair_order, from_pair_order): a dot
+// product only sums in another order, and P V updates each element where it lies.
+template <typename T, int NV>
+constexpr bool kPairOrder = std::is_same_v<T, c10::BFloat16> && NV % 2 == 0;
+
+// Vector v (of a row's NV) in the kernel's order: pair order where kPairOrder, else as stored.
+template <int NV, typename T>
+inline Vec row_vec(const T* row, int64_t v) {
+  if constexpr (kPairOrder<T, NV>) {
+    const T* base = row + (v >> 1) * 2 * kVS;
+#if defined(CPU_CAPABILITY_AVX512)
+    const __m512i raw = _mm512_loadu_si512(reinterpret_cast<const void*>(base));
+    return Vec(_mm512_castsi512_ps((v & 1) ? _mm512_and_si512(raw, _mm512_set1_epi32(int32_t(0xFFFF0000u)))
+                                           : _mm512_slli_epi32(raw, 16)));
+#elif defined(CPU_CAPABILITY_AVX2)
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base));
+    return Vec(_mm256_castsi256_ps((v & 1) ? _mm256_and_si256(raw, _mm256_set1_epi32(int32_t(0xFFFF0000u)))
+                                           : _mm256_slli_epi32(raw, 16)));
+#else
+    float tmp[kVS];
+    for (int64_t i = 0; i < kVS; ++i) tmp[i] = static_cast<float>(base[2 * i + (v & 1)]);
+    return Vec::loadu(tmp);
+#endif
+  } else {
+    return load_kv(row + v * kVS);
+  }
+}
+
+// Where element e of a row lies in pair order.
+inline int64_t pair_slot(int64_t e) {
+  const int64_t chunk = e / (2 * kVS), r = e % (2 * kVS);
+  return chunk * 2 * kVS + (r & 1) * kVS + r / 2;
+}
+
+// x[0, dim) from natural to pair order (to_pair) or back, in place.
+inline void reorder_pairs(float* x, int64_t dim, bool to_pair) {
+  float tmp[kMaxHeadDim];
+  std::copy(x, x + dim, tmp);
+  for (int64_t e = 0; e < dim; ++e) {
+    if (to_pair) {
+      x[pair_slot(e)] = tmp[e];
+    } else {
+      x[e] = tmp[pair_slot(e)];
+    }
+  }
 }
 
 struct Dest {

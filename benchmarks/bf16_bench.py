@@ -1,0 +1,225 @@
+"""bf16 on the CPU, side by side with fp32 in one process: K/V in the attention kernel, the products of
+bf16 weights, and whole decode steps at the 1B shape (``--dtype bfloat16`` against fp32).
+
+Parts (``--parts``, all by default):
+- ``attention``: the C++ paged attention alone (``benchmarks.attention_cpu``'s shapes: SmolLM2-135M, 30
+  layers, pages shuffled) over fp32 and bf16 K/V, decode of 8 rows at ~1,000 tokens of context each
+  (issue 31: bf16 K/V ran at 0.90x fp32 K/V there in whole steps).
+- ``products``: one decoder layer's linear weights of the 1B shape (``benchmarks/big_model.py``) as the
+  engine runs them (``layers.Linear``, prepacked): fp32 and bf16 weights at 1, 8 and 512 rows; the few-row
+  path is ``csrc/gemv.cpp``, the many-row one oneDNN (fp32: a blocked copy; bf16: torch's bf16 matmul).
+  Beside each: the rate at which it reads the weights (GB/s) and computes (GFLOP/s).
+- ``steps``: the 1B-shape model's decode step at batch 1 and 8 over 512-token contexts, an engine at
+  ``dtype float32`` and then one at ``dtype bfloat16`` (bf16 weights, products and K/V).
+
+Every figure is the best (attention: the two K/V dtypes taken alternately; products) or the median (steps)
+of several turns; on a shared machine quote the ratios.
+
+    python -m benchmarks.bf16_bench [--parts attention,products,steps] [--repeats 5] [--name bf16_bench]
+
+Writes benchmarks/results/<name>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from benchmarks.common import RESULTS, best_of, machine
+
+
+def attention(repeats: int, rounds: int = 3) -> list[dict[str, Any]]:
+    from benchmarks import attention_cpu as A
+    from radixserve.model.attention import get_backend
+
+    backend = get_backend("cpu")
+    layers = 30
+    step = A.Step(A.Case("decode 8 x ~1000", [], [1000 + 3 * i for i in range(8)]), layers)
+    kv = {"float32": (step.k, step.v), "bfloat16": (step.k.bfloat16(), step.v.bfloat16())}
+    best: dict[str, float] = {}
+    for _ in range(rounds):
+        for name, (k, v) in kv.items():
+            step.k, step.v = k, v
+            step.plan(backend)
+            t = best_of(lambda: [step.layer(backend, i) for i in range(layers)], repeats)
+            best[name] = min(best.get(name, float("inf")), t)
+    return [
+        {
+            "case": "decode 8 x ~1000, 30 layers (SmolLM2-135M shapes)",
+            "kv": name,
+            "ms": best[name] * 1e3,
+            "vs_fp32_kv": best["float32"] / best[name],
+        }
+        for name in kv
+    ]
+
+
+def _calls(pairs: list[tuple[Any, torch.Tensor]]) -> Callable[[], None]:
+    def run() -> None:
+        for lin, x in pairs:
+            lin(x)
+
+    return run
+
+
+def products(repeats: int, rows_list: tuple[int, ...] = (1, 8, 512)) -> list[dict[str, Any]]:
+    from benchmarks.big_model import LLAMA_1B
+    from radixserve.model.layers import Linear
+
+    s = LLAMA_1B
+    kv = s.kv_heads * s.head_dim
+    shapes = [
+        (s.hidden + 2 * kv, s.hidden),
+        (s.hidden, s.hidden),
+        (2 * s.intermediate, s.hidden),
+        (s.hidden, s.intermediate),
+    ]
+    gen = torch.Generator().manual_seed(0)
+    out: list[dict[str, Any]] = []
+    for dtype in (torch.float32, torch.bfloat16):
+        lins = []
+        for n, k in shapes:
+            lin = Linear(k, n, bias=False)
+            lin.weight.data = (torch.randn(n, k, generator=gen) * 0.02).to(dtype)
+            lin.prepack()
+            lins.append(lin)
+        weight_bytes = sum(lin.weight.numel() * lin.weight.element_size() for lin in lins)
+        flops_row = 2 * sum(lin.weight.numel() for lin in lins)
+        for rows in rows_list:
+            xs = [torch.randn(rows, lin.in_features, generator=gen).to(dtype) for lin in lins]
+            pairs = list(zip(lins, xs))
+            with torch.no_grad():
+                t = best_of(_calls(pairs), repeats)
+            out.append(
+                {
+                    "weights": str(dtype).removeprefix("torch."),
+                    "rows": rows,
+                    "ms": t * 1e3,
+                    "GB/s": weight_bytes / t / 1e9,
+                    "GFLOP/s": flops_row * rows / t / 1e9,
+                }
+            )
+        del lins
+        gc.collect()
+    fp32 = {r["rows"]: r["ms"] for r in out if r["weights"] == "float32"}
+    for r in out:
+        r["vs_fp32"] = fp32[r["rows"]] / r["ms"]
+    return out
+
+
+def steps(
+    repeats: int, layers: int = 16, batches: tuple[int, ...] = (1, 8), context: int = 512
+) -> list[dict[str, Any]]:
+    """One engine at a time, each dtype's steps medians of ``repeats``. ``layers``: of the 1B shape's 16
+    (every layer is the same work; the fp32 engine of all 16, 4.3 GB of weights plus oneDNN's blocked
+    copy, was killed for memory on a shared 24 GiB machine)."""
+    import dataclasses
+
+    from benchmarks.big_model import LLAMA_1B, build
+    from benchmarks.step_bench import Steps
+    from radixserve import Engine
+
+    shape = (
+        LLAMA_1B
+        if layers == LLAMA_1B.layers
+        else dataclasses.replace(LLAMA_1B, name=f"{LLAMA_1B.name}-{layers}-layers", layers=layers)
+    )
+    folder = str(build(shape))
+    out: list[dict[str, Any]] = []
+    for dtype in ("float32", "bfloat16"):
+        engine = Engine(model=folder, dtype=dtype, prefix_cache=False, kv_cache_gb=0.5)
+        runner = Steps(engine)
+        for b in batches:
+            t = runner.decode(b, context, repeats, prefill=False)
+            out.append({"dtype": dtype, "layers": layers, "batch": b, "context": context, "ms": t * 1e3})
+            print(out[-1], flush=True)
+        del runner, engine
+        gc.collect()
+    ref = {r["batch"]: r["ms"] for r in out if r["dtype"] == "float32"}
+    for r in out:
+        r["vs_fp32"] = ref[r["batch"]] / r["ms"]
+    return out
+
+
+def render(results: dict[str, Any]) -> str:
+    lines = [
+        "# bf16 on the CPU: K/V in attention, bf16 weights' products, 1B-shape decode steps",
+        "",
+        f"Machine: {results['machine']}",
+        "",
+        f"1-minute load average at the start: {results['load']:.1f} (a shared machine: quote the ratios).",
+        "",
+    ]
+    if "attention" in results:
+        lines += [
+            "## Attention alone: bf16 vs fp32 K/V",
+            "",
+            "| case | K/V | ms | vs fp32 K/V |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['case']} | {r['kv']} | {r['ms']:.2f} | {r['vs_fp32_kv']:.2f}x |"
+            for r in results["attention"]
+        ]
+        lines.append("")
+    if "products" in results:
+        lines += [
+            "## One 1B-shape decoder layer's products (qkv, o, gate+up, down), as the engine runs them",
+            "",
+            "| weights | rows | ms | weights read GB/s | GFLOP/s | vs fp32 |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['weights']} | {r['rows']} | {r['ms']:.2f} | {r['GB/s']:.1f} | {r['GFLOP/s']:.0f} "
+            f"| {r['vs_fp32']:.2f}x |"
+            for r in results["products"]
+        ]
+        lines.append("")
+    if "steps" in results:
+        lines += [
+            "## 1B-shape decode step (benchmarks/big_model.py): --dtype bfloat16 vs float32",
+            "",
+            "| dtype | layers (of 16) | batch | context | ms / step | vs fp32 |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['dtype']} | {r['layers']} | {r['batch']} | {r['context']} | {r['ms']:.1f} "
+            f"| {r['vs_fp32']:.2f}x |"
+            for r in results["steps"]
+        ]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--parts", default="attention,products,steps")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--name", default="bf16_bench")
+    parser.add_argument("--layers", type=int, default=16, help="steps: layers of the 1B shape's 16")
+    args = parser.parse_args()
+    results: dict[str, Any] = {"machine": machine(), "load": os.getloadavg()[0], "args": vars(args)}
+    for part in args.parts.split(","):
+        if part == "steps":
+            results[part] = steps(args.repeats, args.layers)
+        elif part == "products":
+            results[part] = products(args.repeats)
+        else:
+            results[part] = attention(args.repeats)
+        print(part, results[part], flush=True)
+        RESULTS.mkdir(parents=True, exist_ok=True)  # after each part: a later part's failure keeps it
+        (RESULTS / f"{args.name}.json").write_text(json.dumps(results, indent=2) + "\n")
+        (RESULTS / f"{args.name}.md").write_text(render(results))
+    print(render(results))
+
+
+if __name__ == "__main__":
+    main()
