@@ -344,7 +344,7 @@ def _defines(path: Path, qualname: str) -> bool:
     module/class-level assignment)."""
     scope: list[ast.stmt] = ast.parse(path.read_text()).body
     for part in qualname.split("."):
-        match = None
+        match: ast.stmt | None = None
         for node in scope:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == part:
                 match = node
