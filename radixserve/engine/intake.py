@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,25 +23,17 @@ from radixserve.sampling.grammar import GrammarCompiler
 from radixserve.sampling.params import SamplingParams
 
 
+@dataclass
 class Intake:
-    def __init__(
-        self,
-        tokenizer: Any,
-        vocab_size: int,
-        max_model_len: int,
-        page_size: int,
-        num_pages: int,
-        device: torch.device,
-        detokenize: bool,
-    ) -> None:
-        self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.max_model_len = max_model_len
-        self.page_size = page_size
-        self.num_pages = num_pages
-        self.device = device
-        self.detokenize = detokenize
-        self._grammar: GrammarCompiler | None = None  # built on the first constrained request
+    tokenizer: Any
+    vocab_size: int
+    max_model_len: int
+    page_size: int
+    num_pages: int
+    device: torch.device
+    detokenize: bool
+    # Built on the first constrained request.
+    _grammar: GrammarCompiler | None = field(default=None, init=False)
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
