@@ -7,7 +7,6 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from radixserve.cache.tier_controller import WRITE_POLICIES
-from radixserve.engine.policy import POLICIES
 from radixserve.kernels.kv_dtype import KV_DTYPES
 from radixserve.knobs import knob, problems
 from radixserve.model.arithmetic import ARITHMETICS
@@ -15,6 +14,8 @@ from radixserve.model.attention import BACKENDS
 from radixserve.model.quant import QUANTIZATIONS
 from radixserve.presets import PRESETS, apply_preset
 
+# The names only: engine/policy.py orders by them (the engine imports this module, never the reverse).
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
 EVICTION_POLICIES = ("lru", "lfu", "priority")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -78,7 +79,7 @@ class EngineConfig:
     max_model_len: int | None = knob(None, "context length (default: the model's)", ge=1, integer=True)
     max_waiting_requests: int = knob(1024, "beyond this, new requests get 429", ge=1, integer=True)
     prefix_cache: bool = knob(True, "disable prefix caching")  # the flag is --no-prefix-cache
-    schedule_policy: str = knob("lpm", "admission order of waiting requests", choices=POLICIES)
+    schedule_policy: str = knob("lpm", "admission order of waiting requests", choices=SCHEDULE_POLICIES)
     eviction_policy: str = knob("lru", "which cached prefixes go first", choices=EVICTION_POLICIES)
     attention_backend: str = knob("auto", "attention kernels", choices=BACKENDS)
     # Run the model step eagerly instead of as a compiled graph (model/compiled.py), which is used

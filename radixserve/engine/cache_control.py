@@ -50,6 +50,22 @@ def cache_usage(req: Request) -> CacheUsage:
     )
 
 
+def ending_output(req: Request, finish_reason: str, now: float) -> StepOutput:
+    """The last output of a sample that ends without a token (a warm's, an abort's)."""
+    return StepOutput(
+        group_id=req.group_id,
+        index=req.index,
+        token_ids=[],
+        text=None if req.text is None else "",
+        logprobs=None,
+        finish_reason=finish_reason,
+        stop_reason=None,
+        cached_tokens=req.pages.num_cached_tokens,
+        time=now,
+        **cache_usage(req),
+    )
+
+
 class CacheControl:
     def __init__(self, kv_manager: KVCacheManager, max_pinned_fraction: float, max_model_len: int) -> None:
         self.kv = kv_manager
@@ -108,18 +124,7 @@ class CacheControl:
 
     @staticmethod
     def _warm_output(req: Request) -> StepOutput:
-        return StepOutput(
-            group_id=req.group_id,
-            index=req.index,
-            token_ids=[],
-            text=None if req.text is None else "",
-            logprobs=None,
-            finish_reason=WARM_FINISH,
-            stop_reason=None,
-            cached_tokens=req.pages.num_cached_tokens,
-            time=time.monotonic(),
-            **cache_usage(req),
-        )
+        return ending_output(req, WARM_FINISH, time.monotonic())
 
     # -- the calls ---------------------------------------------------------------------------------
     def pins(self, namespace: str | None) -> list[PinInfo]:

@@ -1,6 +1,6 @@
-"""The checks a request passes before it is queued (``Engine.add_request``): its prompt ids, its
-length against the context and the pool, its priority. Each refusal is an ``InvalidRequestError``
-naming the parameter at fault; nothing is queued for a refused request."""
+"""The checks a request passes before it is queued (``Intake.make``, for ``Engine.add_request``): its
+prompt ids, its length against the context and the pool, its priority. Each refusal is an
+``InvalidRequestError`` naming the parameter at fault; nothing is queued for a refused request."""
 
 from __future__ import annotations
 

@@ -10,9 +10,9 @@ import math
 import time
 from collections.abc import Callable, Sequence
 
+from radixserve.config import SCHEDULE_POLICIES
 from radixserve.engine.request import Request
 
-POLICIES = ("fcfs", "lpm", "dfs-weight")
 PRIORITY_NAMES = {"interactive": 0, "batch": 1}
 LPM_MAX_QUEUE = 128  # past this, matching every waiting request each step costs more than it saves
 
@@ -35,7 +35,7 @@ def order_waiting(
         return sorted(waiting, key=lambda r: (prio[id(r)], -hits[id(r)], r.arrival_time))
     if policy == "dfs-weight":
         return _dfs_weight(waiting, prio)
-    raise ValueError(f"schedule_policy must be one of {POLICIES}, got {policy!r}")
+    raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {policy!r}")
 
 
 def _dfs_weight(waiting: Sequence[Request], prio: dict[int, int]) -> list[Request]:

@@ -3,9 +3,9 @@
 A core record (identity, tokens, progress, timing) plus typed sub-records, each written by one owner:
 ``pages`` (``cache/kv_manager.py``'s ``RequestPages``: the page table, the tree lock, a load from the
 lower tiers), ``grammar`` (``Constraint``: the compile, then the matcher), ``spec``
-(``engine/speculator.py``'s ``Speculation``: drafts and the adaptive state) and ``text``
-(``TextStream``: detokenization and stop strings). Only ``RequestPages`` is needed at run time; the
-rest are types, so this module imports nothing it does not build.
+(``engine/speculation.py``'s ``Speculation``, written by the ``Speculator``: drafts and the adaptive
+state) and ``text`` (``TextStream``: detokenization and stop strings). Only ``RequestPages`` is
+needed at run time; the rest are types, so this module imports nothing it does not build.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from radixserve.engine.speculator import Speculation
+    from radixserve.engine.speculation import Speculation
     from radixserve.outputs import TokenLogprob
     from radixserve.sampling.detokenizer import TextStream
     from radixserve.sampling.grammar import Matcher
@@ -38,7 +38,7 @@ class Status(enum.Enum):
 @dataclass(slots=True, eq=False)
 class Constraint:
     """A constrained request's grammar: ``compiling`` on a worker thread until the request is first
-    sampled (``Engine._matcher``), then ``matcher``. The scheduler waits for ``ready``."""
+    sampled (``_matcher`` in ``engine/engine.py``), then ``matcher``. The scheduler waits for ``ready``."""
 
     compiling: Future[Matcher] | None
     matcher: Matcher | None = None

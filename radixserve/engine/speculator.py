@@ -32,63 +32,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from radixserve.cache.continuation import continuation
+from radixserve.engine.speculation import FIRST_PAUSE, MAX_PAUSE, MIN_GAIN, NgramIndex, Speculation
 
 if TYPE_CHECKING:
     from radixserve.cache.kv_manager import KVCacheManager
     from radixserve.engine.request import Request
     from radixserve.engine.scheduler import ScheduledBatch
 
-# Below this running mean of accepted drafts per verification a request pauses drafting.
-MIN_GAIN = 0.5
 _DECAY = 0.7  # weight of the past in the running mean
-_FIRST_PAUSE, _MAX_PAUSE = 4, 128  # steps without drafting after a pause starts; doubles each time
-
-
-class NgramIndex:
-    """Where each n-gram (n = 1..max_n) of a growing token list last occurred with a token after it.
-
-    ``update`` indexes what was appended since the last call, so each token is indexed once. Lists are
-    only ever appended to while a request decodes (a stop string can cut a few tokens, but then the
-    request is finished and drafts no more).
-    """
-
-    def __init__(self, max_n: int) -> None:
-        self.max_n = max_n
-        self._tables: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n + 1)]
-        self._size = 0
-
-    def update(self, tokens: list[int]) -> None:
-        for i in range(max(self._size, 1), len(tokens)):  # token i follows the n-grams that end at i - 1
-            for n in range(1, min(self.max_n, i) + 1):
-                self._tables[n][tuple(tokens[i - n : i])] = i
-        self._size = len(tokens)
-
-    def lookup(self, tokens: list[int], k: int, min_n: int) -> list[int]:
-        """Up to ``k`` tokens that followed the latest earlier occurrence of the longest suffix of
-        ``tokens`` (at least ``min_n`` long) seen before."""
-        end = len(tokens)
-        for n in range(min(self.max_n, end), min_n - 1, -1):
-            start = self._tables[n].get(tuple(tokens[end - n :]))
-            if start is not None:
-                return tokens[start : start + k]
-        return []
-
-
-@dataclass(slots=True)
-class Speculation:
-    """One request's speculation: this step's drafts and where they came from; its n-gram index, draft
-    length and running mean of accepted drafts."""
-
-    index: NgramIndex
-    k: int
-    drafts: list[int] = field(default_factory=list)
-    source: str = "prompt"
-    gain: float = 3 * MIN_GAIN
-    paused: int = 0  # steps left without drafting
-    # The tree's ``num_growths`` when it last had no continuation for this request. Until the tree
-    # grows, a longer context has none either (it extends the one that missed), so the walk is skipped.
-    tree_missed_at: int = -1
-    next_pause: int = _FIRST_PAUSE
 
 
 @dataclass(slots=True)
@@ -171,10 +122,10 @@ class Speculator:
         spec.k = min(self.k_max, spec.k + 1) if num_accepted == drafted else max(1, num_accepted + 1)
         spec.gain = _DECAY * spec.gain + (1 - _DECAY) * num_accepted
         if spec.gain < MIN_GAIN:
-            spec.paused, spec.next_pause = spec.next_pause, min(2 * spec.next_pause, _MAX_PAUSE)
+            spec.paused, spec.next_pause = spec.next_pause, min(2 * spec.next_pause, MAX_PAUSE)
             spec.gain = 2 * MIN_GAIN  # a fresh chance after the pause
         elif spec.gain >= 3 * MIN_GAIN:  # paying well again: the next pause starts short
-            spec.next_pause = _FIRST_PAUSE
+            spec.next_pause = FIRST_PAUSE
 
     @staticmethod
     def _speculates(req: Request) -> bool:

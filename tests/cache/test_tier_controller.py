@@ -118,7 +118,7 @@ def test_tier_page_copies_go_through_the_selected_backend(
 ) -> None:
     calls: list[str] = []
     spy = _spy_backend(calls)
-    monkeypatch.setattr("radixserve.engine.engine.select_backend", lambda name, device: spy)
+    monkeypatch.setattr("radixserve.engine.builder.select_backend", lambda name, device: spy)
     eng = Engine(str(tiny_llama), page_size=4, num_pages=40, host_cache_gb=200 * 1024 / 2**30)
     tiers = eng.kv_manager.tiers
     assert tiers is not None and tiers.backend is spy and eng.runner.backend is spy

@@ -299,7 +299,7 @@ def test_every_tier_stays_within_its_capacity(policy: str, tiny_llama: Path, tmp
 
 
 def _req(eng: Engine, prompt: list[int]) -> Any:
-    return eng._new_request("probe", 0, prompt, GREEDY, 0, None, time.monotonic())
+    return eng.intake.new_request("probe", 0, prompt, GREEDY, 0, None, time.monotonic())
 
 
 def test_churn_keeps_every_tier_consistent(tiny_llama: Path, tmp_path: Path) -> None:
