@@ -31,22 +31,13 @@ MAX_LINES = 400
 # modules or packages in one strongly connected component), and an entry that no longer occurs fails
 # the test so that it is removed.
 KNOWN_MODULE_CYCLES: dict[frozenset[str], str] = {
-    # TODO(native-step): model/layers.py imports model/quant.py inside a function; that branch owns both.
-    frozenset({"radixserve.model.layers", "radixserve.model.quant"}): "branch native-step",
     # TODO(cache-listeners): cache/radix_check.py names RadixCache under TYPE_CHECKING; radixserve/cache/*
     # is that branch's.
     frozenset({"radixserve.cache.radix", "radixserve.cache.radix_check"}): "branch cache-listeners",
 }
-KNOWN_PACKAGE_CYCLES: dict[frozenset[str], str] = {
-    # TODO(rpc, fanout): server/engine_process.py (rpc) and server/launch.py (fanout) import disagg/,
-    # which imports server/ and scale/ (scale/ imports server/). Issue 32 item 3: the roles plug into
-    # EngineLoop from the engine side, and the topology is picked in one function outside server/.
-    frozenset({"radixserve.server", "radixserve.disagg", "radixserve.scale"}): "branches rpc and fanout",
-}
-# The same fix, seen by the layer check: the imports that go up, and the branch that removes them.
-KNOWN_UPWARD: dict[tuple[str, str], str] = {
-    ("radixserve.server", "radixserve.disagg"): "branches rpc (engine_process.py) and fanout (launch.py)",
-}
+KNOWN_PACKAGE_CYCLES: dict[frozenset[str], str] = {}
+# Imports that go up a layer, each with the reason it is allowed (none today).
+KNOWN_UPWARD: dict[tuple[str, str], str] = {}
 
 
 @dataclass(frozen=True)
