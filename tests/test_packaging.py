@@ -50,6 +50,10 @@ def test_built_wheel_layout_and_imports(tmp_path: Path) -> None:
     sources = {f"radixserve/kernels/csrc/{name}" for name in (*cpu_build.SOURCES, *cpu_build.HEADERS)}
     assert "radixserve/kernels/cpu_build.py" in names and sources <= set(names)
     assert not [n for n in names if n.startswith(("kernels/", "frontend/"))]  # never top-level packages
+    # Every subpackage ships (pyproject.toml lists them one by one; a missing one imports only in place).
+    package = ROOT / "radixserve"
+    inits = {f"radixserve/{p.relative_to(package).as_posix()}" for p in package.glob("*/**/__init__.py")}
+    assert inits <= set(names), sorted(inits - set(names))
     # The browser pages ship as plain files beside the routes that serve them (server/dashboard.py).
     ui = {f"radixserve/server/ui/{name}" for name in (*ASSETS, *PAGES.values())}
     assert ui <= set(names), ui - set(names)
