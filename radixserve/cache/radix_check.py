@@ -6,7 +6,7 @@ so that its code reads as one class; it reads the tree's internals and changes n
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from radixserve.cache.radix_node import TreeNode
@@ -24,7 +24,6 @@ def check_tree(
     """Raise AssertionError naming the first broken invariant."""
     ps = tree.page_size
     evictable = protected = 0
-    pinned: Counter[Hashable] = Counter()
     for ns, root in tree.roots().items():
         assert root.is_root and root.parent is None, f"root of namespace {ns!r} is not a root"
         assert root.namespace == ns, f"root of namespace {ns!r} says namespace {root.namespace!r}"
@@ -44,10 +43,6 @@ def check_tree(
             assert node.hashes == chain, f"{node!r}: page keys do not continue its parent's chain"
         child_locks = sum(c.lock_ref for c in node.children.values())
         assert node.lock_ref >= child_locks, f"{node!r}: lock_ref below its children's sum {child_locks}"
-        child_pins = sum(c.pin_ref for c in node.children.values())
-        assert node.lock_ref >= node.pin_ref >= child_pins, f"{node!r}: pin_ref out of order"
-        if node.pin_ref:
-            pinned[node.namespace] += len(node.pages)
         if node.lock_ref:
             protected += len(node.pages)
         else:
@@ -58,7 +53,6 @@ def check_tree(
     assert protected == tree.protected_pages, (
         f"protected_pages is {tree.protected_pages}, the tree holds {protected}"
     )
-    assert pinned == tree._pinned, f"pinned_pages is {dict(tree._pinned)}, the tree holds {dict(pinned)}"
     held = tree.all_pages()
     assert len(set(held)) == len(held), f"pages held twice in the tree: {_duplicates(held)}"
     if free_pages is None and total_pages is None:

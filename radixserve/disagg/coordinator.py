@@ -29,7 +29,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from radixserve.cache.events import KVEvents
-from radixserve.cache.pin_types import PinInfo, PinSpec, PrefixEviction, WarmResult
+from radixserve.cache.pins.types import PinInfo, PinSpec, PrefixEviction, WarmResult
 from radixserve.config import EngineConfig
 from radixserve.disagg.metrics import TransferMetrics
 from radixserve.engine.prompt import Prompt
@@ -226,7 +226,7 @@ class DisaggregatedEngine:
 
     # -- cache control (docs/cache.md): the decode engines' caches are the ones that serve -------------
     # A warm runs on the decode engine a request for the prefix would go to, and computes there (no
-    # transfer). Pin ids are random (cache/pins.py), so a deletion can ask each decode engine in turn.
+    # transfer). Pin ids are random (cache/pins/), so a deletion can ask each decode engine in turn.
     async def warm(self, token_ids: list[int], cache_salt: str | None, pin: PinSpec | None) -> WarmResult:
         return await self.decode[self._pick_decode(token_ids, cache_salt)].warm(token_ids, cache_salt, pin)
 

@@ -18,8 +18,8 @@ import torch
 
 from radixserve.cache.kv_manager import KVCacheManager
 from radixserve.cache.page_pool import KVPool
-from radixserve.cache.pin_types import PinSpec
-from radixserve.cache.tier_controller import make_tiers
+from radixserve.cache.pins.types import PinSpec
+from radixserve.cache.tier_setup import make_tiers
 from radixserve.cache.tree_view import CacheTree, snapshot
 from radixserve.config import EngineConfig, context_within_pool
 from radixserve.engine import tensor_parallel
@@ -268,8 +268,7 @@ class Engine:
         """A read-only snapshot of the prefix cache (cache/tree_view.py): the namespaces whose salt is
         ``namespace_prefix`` or starts with it and a "/" (None: all), ``depth`` levels deep."""
         kv = self.kv_manager
-        stores = kv.tiers.stores if kv.tiers is not None else []
-        return snapshot(kv.tree, stores, namespace_prefix, depth, min_tokens)
+        return snapshot(kv.tree, kv.tiers.stores, namespace_prefix, depth, min_tokens)
 
     def close(self) -> None:
         """Finish queued writes to the disk tier and stop the copy threads (the engine is done)."""

@@ -14,7 +14,7 @@ Invariants:
 - ``stats()`` sums the replicas' latest stats (polled every ``STATS_PERIOD_S``).
 - Cache control: a warm goes where the router would send its prompt, or with ``replicas="all"`` to
   every replica; a pin made by a request lives on the replica that served it. Pins are listed from
-  every replica; a pin's id names its replica (``replica.split_pin_id``), so a deletion goes to that
+  every replica; a pin's id names its replica (``cache/pins/ids.py``), so a deletion goes to that
   one only; an eviction by prefix goes to every replica (each frees what it holds).
 - ``stats()`` sums the replicas' latest stats (polled every ``STATS_PERIOD_S``); its ``num_waiting``
   adds the requests Serve still holds for want of a free replica (ours in flight beyond what the
@@ -40,7 +40,8 @@ import msgspec
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from radixserve.cache.pin_types import PinInfo, PinSpec, PrefixEviction, WarmResult
+from radixserve.cache.pins.ids import split_pin_id
+from radixserve.cache.pins.types import PinInfo, PinSpec, PrefixEviction, WarmResult
 from radixserve.engine.prompt import Prompt, tokenize
 from radixserve.engine.stats import EngineStats, sum_stats
 from radixserve.model.loader import load_tokenizer, resolve_model_path
@@ -52,7 +53,6 @@ from radixserve.scale.replica import (
     ReplicaError,
     RouteKey,
     WarmCall,
-    split_pin_id,
 )
 from radixserve.scale.router_metrics import router_metrics
 from radixserve.server.engine_api import (

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterator
 
-from radixserve.cache.pin_types import CacheOp, PinInfo, PrefixEviction, WarmResult
+from radixserve.cache.pins.types import CacheOp, PinInfo, PrefixEviction, WarmResult
 from radixserve.outputs import RequestOutput
 from radixserve.sampling.params import SamplingParams
 from radixserve.server.engine_api import EngineUnavailableError

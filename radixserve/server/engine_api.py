@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from radixserve.cache.pin_types import PinInfo, PinSpec, PrefixEviction, WarmResult
+from radixserve.cache.pins.types import PinInfo, PinSpec, PrefixEviction, WarmResult
 from radixserve.engine.deltas import OutputAssembler
 from radixserve.engine.prompt import Prompt
 from radixserve.engine.stats import EngineStats

@@ -51,7 +51,7 @@ import msgspec
 import zmq
 
 from radixserve.cache.events import KVEventLog
-from radixserve.cache.pin_types import CacheOp
+from radixserve.cache.pins.types import CacheOp
 from radixserve.config import EngineConfig
 from radixserve.disagg.decode import DecodeRole
 from radixserve.disagg.prefill import PrefillRole
