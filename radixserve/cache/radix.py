@@ -49,7 +49,7 @@ from radixserve.cache.radix_node import (
     TreeNode,
     common_prefix,
 )
-from radixserve.cache.tiers import namespace_key, page_key
+from radixserve.cache.tiers import chain_keys, namespace_key
 
 
 class RadixCache:
@@ -93,7 +93,6 @@ class RadixCache:
         return self._seed
 
     # ---- sizes ----
-
     @property
     def evictable_pages(self) -> int:
         return self._evictable
@@ -107,7 +106,6 @@ class RadixCache:
         return self._evictable + self._protected
 
     # ---- lookup and insertion ----
-
     def match_prefix(self, tokens: Sequence[int], namespace: Hashable = None) -> MatchResult:
         """Longest cached page-aligned prefix of ``tokens`` (plain ints); splits a node matched in part.
 
@@ -184,7 +182,7 @@ class RadixCache:
                 namespace,
             )
             if self._seed is not None:
-                leaf.hashes = list(self._chain(key, leaf.key, 0, len(leaf.key)))
+                leaf.hashes = list(chain_keys(key, leaf.key, 0, len(leaf.key), self.page_size))
             if self.listener is not None:
                 self.listener.stored(leaf.hashes)
             node.children[self.child_key(leaf.key)] = leaf
@@ -202,7 +200,6 @@ class RadixCache:
         return InsertResult(num_existing, node)
 
     # ---- locking ----
-
     def lock(self, node: TreeNode) -> None:
         """Protect ``node`` and its ancestors from eviction. Locks nest."""
         self._check_attached(node)
@@ -238,7 +235,6 @@ class RadixCache:
         return self._lower_match(key, tokens, num_tokens)[0]
 
     # ---- eviction ----
-
     def evict(self, num_pages: int, within: Callable[[TreeNode], bool] | None = None) -> EvictResult:
         """Free up to ``num_pages`` pages from unlocked leaves, least valuable first; with ``within``,
         only from the nodes it accepts (``cache/radix_evict.py``). Exactly ``min(num_pages,
@@ -291,23 +287,17 @@ class RadixCache:
         return [p for node in self._nodes() for p in node.pages]
 
     # ---- checks ----
-
     def check_integrity(
         self,
         free_pages: Sequence[int] | None = None,
         request_pages: Sequence[int] = (),
         total_pages: int | None = None,
     ) -> None:
-        """Raise AssertionError on any broken invariant (see the module docstring).
-
-        With ``free_pages`` and/or ``total_pages``, also check that every page lies exactly once in the free
-        list, the tree or ``request_pages``, and that together they are ``range(total_pages)``
-        (``cache/radix_check.py``).
-        """
+        """Raise AssertionError on any broken invariant (module docstring; ``cache/radix_check.py``), and
+        with ``free_pages``/``total_pages`` if a page is not exactly once in free, tree or requests."""
         check_tree(self, free_pages, request_pages, total_pages)
 
     # ---- internals ----
-
     def _walk(
         self, tokens: Sequence[int], namespace: Hashable, split: bool = True
     ) -> tuple[TreeNode, int, bytes]:
@@ -318,7 +308,8 @@ class RadixCache:
         """
         ps = self.page_size
         end = len(tokens) // ps * ps
-        node = self._root(namespace)
+        node = self._roots.get(namespace) if not split else self._root(namespace)  # a lookup makes no root
+        node = node or TreeNode((), [], None, namespace, is_root=True)
         key = self._last_key(node)
         i = 0
         while i < end:
@@ -340,13 +331,6 @@ class RadixCache:
             return b""
         return namespace_key(self._seed, node.namespace) if node.is_root else node.hashes[-1]
 
-    def _chain(self, key: bytes, tokens: Sequence[int], start: int, end: int) -> Iterator[bytes]:
-        """Keys of the whole pages of ``tokens[start:end]``, continuing the chain from ``key``."""
-        ps = self.page_size
-        for i in range(start, start + (end - start) // ps * ps, ps):
-            key = page_key(key, tokens[i : i + ps])
-            yield key
-
     def _lower_match(self, key: bytes, tokens: Sequence[int], start: int) -> tuple[list[bytes], list[int]]:
         """Keys and tiers of the pages of ``tokens`` from ``start`` on that the lower tiers hold, in a row."""
         if self.tiers is None:
@@ -354,7 +338,7 @@ class RadixCache:
         keys: list[bytes] = []
 
         def chain() -> Iterator[bytes]:  # lazily: the lookup stops at the first miss
-            for k in self._chain(key, tokens, start, len(tokens)):
+            for k in chain_keys(key, tokens, start, len(tokens), self.page_size):
                 keys.append(k)
                 yield k
 

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from radixserve.cache.radix_node import TreeNode
+from radixserve.cache.tiers import chain_keys
 
 if TYPE_CHECKING:
     from radixserve.cache.radix import RadixCache
@@ -39,7 +40,7 @@ def check_tree(
         assert len(node.pages) == len(node.key) // ps, f"{node!r}: {len(node.pages)} pages for its key"
         assert node.namespace == _parent(node).namespace, f"{node!r} is in another namespace than its parent"
         if tree._seed is not None:
-            chain = list(tree._chain(tree._last_key(_parent(node)), node.key, 0, len(node.key)))
+            chain = list(chain_keys(tree._last_key(_parent(node)), node.key, 0, len(node.key), ps))
             assert node.hashes == chain, f"{node!r}: page keys do not continue its parent's chain"
         child_locks = sum(c.lock_ref for c in node.children.values())
         assert node.lock_ref >= child_locks, f"{node!r}: lock_ref below its children's sum {child_locks}"
