@@ -6,18 +6,32 @@ so that its code reads as one class; it reads the tree's internals and changes n
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Hashable, Iterator, Sequence
+from typing import Protocol
 
 from radixserve.cache.radix_node import TreeNode
 from radixserve.cache.tiers import chain_keys
 
-if TYPE_CHECKING:
-    from radixserve.cache.radix import RadixCache
+
+class CheckedTree(Protocol):
+    """What the check reads of ``RadixCache`` (a Protocol, so that this module does not import it)."""
+
+    page_size: int
+    _seed: bytes | None
+
+    @property
+    def evictable_pages(self) -> int: ...
+    @property
+    def protected_pages(self) -> int: ...
+    def roots(self) -> dict[Hashable, TreeNode]: ...
+    def nodes(self) -> Iterator[TreeNode]: ...
+    def all_pages(self) -> list[int]: ...
+    def child_key(self, tokens: Sequence[int]) -> Hashable: ...
+    def _last_key(self, node: TreeNode) -> bytes: ...
 
 
 def check_tree(
-    tree: RadixCache,
+    tree: CheckedTree,
     free_pages: Sequence[int] | None = None,
     request_pages: Sequence[int] = (),
     total_pages: int | None = None,

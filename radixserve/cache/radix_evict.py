@@ -12,15 +12,23 @@ gives up. Split from the tree so that its code reads as one class; the tree cuts
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import Protocol
 
-from radixserve.cache.radix_node import EvictResult, TreeNode
-
-if TYPE_CHECKING:
-    from radixserve.cache.radix import RadixCache
+from radixserve.cache.radix_node import EvictResult, LowerTiers, TreeNode
 
 EVICTION_POLICIES = ("lru", "lfu", "priority")
+
+
+class EvictedTree(Protocol):
+    """What eviction reads of ``RadixCache`` (a Protocol, so that this module does not import it)."""
+
+    eviction_policy: str
+    on_free: Callable[[list[int]], None] | None
+    tiers: LowerTiers | None
+
+    def nodes(self) -> Iterator[TreeNode]: ...
+    def cut_leaf(self, leaf: TreeNode, need: int) -> list[int]: ...
 
 
 def eviction_key(policy: str, node: TreeNode) -> tuple[int, int]:
@@ -33,7 +41,7 @@ def eviction_key(policy: str, node: TreeNode) -> tuple[int, int]:
 
 
 def evict_leaves(
-    tree: RadixCache, num_pages: int, within: Callable[[TreeNode], bool] | None = None
+    tree: EvictedTree, num_pages: int, within: Callable[[TreeNode], bool] | None = None
 ) -> EvictResult:
     """Free up to ``num_pages`` pages from unlocked leaves, least valuable first; with ``within``, only
     from the nodes it accepts (a leaf it accepts may expose a parent it accepts).
