@@ -118,7 +118,7 @@ class EngineConfig:
         choices=WRITE_POLICIES,
     )
     write_through_threshold: int = knob(2, "k for write_through_selective", ge=1, integer=True)
-    # Cache control (issue 23, cache/pins.py): the device pages pins may hold, per tenant with
+    # Cache control (issue 23, cache/pins/): the device pages pins may hold, per tenant with
     # --salt-per-key. A quarter keeps three quarters of the pool for running requests and the ordinary
     # LRU cache (a pinned system prompt rarely needs more), and four tenants cannot pin it all; pins
     # never leave less than one max_model_len request's pages, whatever the fraction.

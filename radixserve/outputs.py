@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from radixserve.cache.pin_types import PinRef
+from radixserve.cache.pins.types import PinRef
 
 
 @dataclass
@@ -45,7 +45,7 @@ class RequestOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     # Issue 23: where the cached tokens came from ("device", "host", "disk"; sums to ``cached_tokens``),
-    # the prompt tokens this request newly added to the cache, and its pin (cache/pins.py), if any.
+    # the prompt tokens this request newly added to the cache, and its pin (cache/pins/), if any.
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     cache_write_tokens: int = 0
     cache_pin: PinRef | None = None

@@ -31,9 +31,6 @@ MAX_LINES = 400
 # modules or packages in one strongly connected component), and an entry that no longer occurs fails
 # the test so that it is removed.
 KNOWN_MODULE_CYCLES: dict[frozenset[str], str] = {
-    # TODO(cache-listeners): cache/radix_check.py names RadixCache under TYPE_CHECKING; radixserve/cache/*
-    # is that branch's.
-    frozenset({"radixserve.cache.radix", "radixserve.cache.radix_check"}): "branch cache-listeners",
 }
 KNOWN_PACKAGE_CYCLES: dict[frozenset[str], str] = {}
 # Imports that go up a layer, each with the reason it is allowed (none today).

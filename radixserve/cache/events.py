@@ -42,7 +42,7 @@ class KVEvents(msgspec.Struct, array_like=True, kw_only=True):
 
 
 class KVEventLog:
-    """A ``CacheListener`` that buffers the tree's events until ``drain``; consecutive events of one
+    """A ``PageListener`` that buffers the tree's events until ``drain``; consecutive events of one
     kind are merged, so a step's batch stays a few entries long."""
 
     def __init__(self, seed: bytes, page_size: int) -> None:

@@ -1,12 +1,11 @@
-"""KVCacheManager (``Engine.kv_manager``): the pages of each request, shared through the radix tree when
-the prefix cache is on.
+"""KVCacheManager (``Engine.kv_manager``): the pages of each request, shared through the radix tree.
 
-A request's pages (``RequestPages``: ``req.pages``) are a ``table`` in two parts: the first entries
-belong to the radix tree (they stay valid because the request holds a lock on ``node``), the rest are
-private. This module knows a request only as a ``CachedRequest`` (the few fields it reads), so the
-cache layer imports nothing from the engine.
-Pages are handed to the tree only whole and already computed, so a shared page is never written;
-a match ending inside a page is recomputed from the page boundary.
+A request's pages (``RequestPages``: ``req.pages``, ``cache/request_pages.py``) are a ``table`` in two
+parts: the first entries belong to the radix tree (they stay valid because the request holds a lock on
+``node``), the rest are private. Pages are handed to the tree only whole and already computed, so a
+shared page is never written; a match ending inside a page is recomputed from the page boundary.
+Without the prefix cache (``prefix_cache=False``) the tree is there but never given a page, so every
+match is empty.
 
 With lower tiers (host RAM, disk: ``cache/tier_controller.py``), a waiting request whose prefix
 continues in them first gets a *load*: device pages are allocated for those pages, the path above them
@@ -14,81 +13,27 @@ is locked, and the controller's loader thread fills them; when it is done the pa
 of them, or none if a page had gone) and the load's lock is kept until the request is admitted, so
 nothing evicts them in between. Such a request is skipped by admission meanwhile (``prefetch``); others
 go ahead. The controller owns each load from start to release (``land``, ``abandon``); this class only
-starts them and hands them back. What gets copied down, and when, is the controller's write policy:
-this class only tells it what happened (``on_cached``, ``on_hit``, ``on_evicted``).
+starts them and hands them back. Without lower tiers ``tiers`` is a ``NoTiers``, which holds nothing.
 
-Pins (``cache/pins.py``, ``self.pins``): a request granted a pin holds it in ``RequestPages.pin``; the
-pin is held in the tree as soon as the request's computed pages cover its prefix, and a pin still
-pending when its request ends goes with it. Every admission on a pinned path renews the pin's TTL;
-pins past their TTL are dropped before an eviction, so an expired pin's pages are evictable again.
+Everything else that cares what happens to the tree hears it through a ``CacheListener``
+(``cache/listener.py``; ``listen``): the tiers' write policy, the pins (``cache/pins/``), the prompt
+scores. This class knows none of their rules.
 
 Accounting invariant: free + cached (tree) + in-use (private, and pages being loaded) == total pages.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sized
-from dataclasses import dataclass, field
-from typing import Protocol
+from collections.abc import Iterable
 
+from radixserve.cache.listener import CachedChunk, CacheListener, PrefixScope
 from radixserve.cache.page_pool import PageAllocator
-from radixserve.cache.pin_store import keep_pins_on_disk
-from radixserve.cache.pin_types import TIERS, PrefixEviction
-from radixserve.cache.pins import Pin, PinTable
+from radixserve.cache.pins.types import PrefixEviction
 from radixserve.cache.radix import RadixCache
-from radixserve.cache.radix_node import TreeNode
+from radixserve.cache.radix_node import EvictResult, TreeNode
+from radixserve.cache.request_pages import TIERS, CachedRequest
 from radixserve.cache.scores import ScoreTable
-from radixserve.cache.tier_controller import Load, TierController
-
-
-@dataclass(slots=True, eq=False)
-class RequestPages:
-    """The pages one request holds, written only by ``KVCacheManager``.
-
-    ``table`` maps the request's token positions to pool pages; its first entries are the tree's, held
-    through the lock on ``node``. ``num_cached_tokens`` of the request came from the cache at admission.
-    ``load``: while the request waits, its prefix coming back from host/disk (``prefetch``).
-    """
-
-    table: list[int] = field(default_factory=list)
-    node: TreeNode | None = None  # the locked radix node covering the shared prefix, if any
-    load: Load | None = None
-    num_cached_tokens: int = 0
-    # Of ``num_cached_tokens``, how many came from each tier ("device", "host", "disk") at admission.
-    cached_by_tier: dict[str, int] = field(default_factory=dict)
-    write_tokens: int = 0  # prompt tokens this request newly put into the tree
-    pin: Pin | None = None  # granted at add_request; held once the prefix is in the tree
-
-
-class _Params(Protocol):
-    @property
-    def prompt_logprobs(self) -> int | None: ...
-    @property
-    def prompt_logprobs_start(self) -> int: ...
-
-
-class CachedRequest(Protocol):
-    """What the manager reads of a request (``engine/request.py``'s ``Request`` is one)."""
-
-    pages: RequestPages
-    num_computed_tokens: int
-
-    @property
-    def token_ids(self) -> list[int]: ...
-    @property
-    def num_tokens(self) -> int: ...
-    @property
-    def num_prompt_tokens(self) -> int: ...
-    @property
-    def cache_salt(self) -> str | None: ...
-    @property
-    def priority(self) -> int: ...
-    @property
-    def num_preemptions(self) -> int: ...
-    @property
-    def params(self) -> _Params: ...
-    @property
-    def prompt_logprobs(self) -> Sized | None: ...  # the prompt positions scored so far
+from radixserve.cache.tier_controller import NoTiers, TierController
 
 
 class KVCacheManager:
@@ -104,13 +49,15 @@ class KVCacheManager:
     ) -> None:
         self.page_size = page_size
         self.page_bytes = page_bytes  # bytes of one device page (K and V, all layers), for tier_stats
+        self.prefix_cache = prefix_cache
         self.allocator = PageAllocator(num_pages)
-        self.tiers = tiers if prefix_cache else None
-        self.scores = scores  # prompt scores beside the pool's pages (None: prompt logprobs reuse nothing)
-        self.tree = None
-        if prefix_cache:
-            self.tree = RadixCache(page_size, eviction_policy, self.allocator.free, self.tiers)
-        self.pins: PinTable | None = None  # ``enable_pins``
+        lower = tiers if prefix_cache else None
+        self.tree = RadixCache(page_size, eviction_policy, self.allocator.free, lower)
+        self.tiers: TierController | NoTiers = lower or NoTiers()
+        # The prompt scores beside the pool's pages; a manager without a pool's keeps its own, which
+        # knows nothing (so a request that wants prompt logprobs reuses only what needs no scores).
+        self.scores = scores if scores is not None else ScoreTable(num_pages, page_size)
+        self.listeners: list[CacheListener] = [self.tiers, self.scores]
         self._tree_pages: dict[
             CachedRequest, int
         ] = {}  # per request: its table's entries that are the tree's
@@ -120,17 +67,9 @@ class KVCacheManager:
         self.evicted_pages = 0
         self.device_hit_pages = 0
 
-    def enable_pins(self, max_pinned_fraction: float, reserve_pages: int) -> PinTable | None:
-        """Let requests pin prefixes (cache/pins.py), within ``max_pinned_fraction`` of the pool per
-        tenant and never leaving fewer than ``reserve_pages`` unpinned; None without a prefix cache."""
-        tree, tiers = self.tree, self.tiers
-        if tree is None:
-            return None
-        pins = self.pins = PinTable(tree, self.num_pages, max_pinned_fraction, reserve_pages)
-        if tiers is not None:  # a pin's pages get a copy in every tier: they must outlive the device's
-            pins.on_hold = lambda node: tiers.persist(tree.path(node))
-            keep_pins_on_disk(pins, tree, self.allocator, tiers)
-        return pins
+    def listen(self, listener: CacheListener) -> None:
+        """Tell ``listener`` from now on what happens to the tree (``cache/listener.py``)."""
+        self.listeners.append(listener)
 
     # -- sizes --------------------------------------------------------------------------------
     @property
@@ -143,7 +82,7 @@ class KVCacheManager:
 
     @property
     def num_cached(self) -> int:
-        return self.tree.total_pages if self.tree else 0
+        return self.tree.total_pages
 
     @property
     def num_in_use(self) -> int:
@@ -151,26 +90,23 @@ class KVCacheManager:
 
     @property
     def _loading(self) -> int:
-        return self.tiers.loading_pages if self.tiers is not None else 0
+        return self.tiers.loading_pages
 
     @property
     def num_evictable(self) -> int:
-        return self.tree.evictable_pages if self.tree else 0
+        return self.tree.evictable_pages
 
     # -- admission ------------------------------------------------------------------------------
     def match(self, req: CachedRequest) -> int:
         """Tokens of ``req`` whose KV is cached in any tier (page-aligned), without taking anything."""
         usable = self._usable(req)
-        if self.tree is None or not usable:
-            return 0
-        return self.tree.prefix_len(req.token_ids[:usable], req.cache_salt, lower=self.tiers is not None)
+        return self.tree.prefix_len(req.token_ids[:usable], req.cache_salt, lower=True) if usable else 0
 
     def match_device(self, req: CachedRequest) -> int:
         """Tokens of ``req`` whose KV the device pool holds (page-aligned), without taking anything."""
         usable = self._usable(req)
-        if self.tree is None or not usable:
-            return 0
-        return self._scored(req, self.tree.prefix_len(req.token_ids[:usable], req.cache_salt))
+        cached = self.tree.prefix_len(req.token_ids[:usable], req.cache_salt) if usable else 0
+        return self._scored(req, cached)
 
     def _scored(self, req: CachedRequest, cached: int) -> int:
         """``cached`` cut to what a request that wants prompt logprobs can take: the prefix whose needed
@@ -178,9 +114,6 @@ class KVCacheManager:
         k = req.params.prompt_logprobs
         if k is None or not cached:
             return cached
-        if self.scores is None:
-            return 0
-        assert self.tree is not None
         need_from = max(req.params.prompt_logprobs_start, len(req.prompt_logprobs or ()))
         pages = self.tree.peek_pages(req.token_ids[:cached], req.cache_salt)
         return self.scores.known_prefix(pages, req.token_ids, cached, need_from, k)
@@ -197,14 +130,11 @@ class KVCacheManager:
         cached = self.match_device(req)
         pages: list[int] = []
         node = None
-        if self.tree is not None and cached:
+        if cached:
             result = self.tree.match_prefix(req.token_ids[:cached], req.cache_salt)
             node, pages = result.node, list(result.pages)
             self.tree.lock(node)
-            if self.tiers is not None:
-                self.tiers.on_hit(self.tree.path(node))
-            if self.pins is not None:
-                self.pins.hit(self.tree.path(node))
+            self._hit(node)
         load = req.pages.load
         loaded = len(load.pages) if load is not None else 0
         by_tier = dict.fromkeys(TIERS, 0)
@@ -252,15 +182,35 @@ class KVCacheManager:
             self.allocator.free(extra)
             self._private -= len(extra)
 
+    def hit(self, tokens: list[int], namespace: str | None) -> bool:
+        """If the device holds all of ``tokens`` (whole pages), count it as a hit (LRU order, hit
+        counts, and what the listeners do with hits) and return True; else change nothing."""
+        if self.tree.prefix_len(tokens, namespace) < len(tokens):
+            return False
+        self._hit(self.tree.match_prefix(tokens, namespace).node)
+        return True
+
+    def _hit(self, node: TreeNode) -> None:
+        path = list(self.tree.path(node))
+        for listener in self.listeners:
+            listener.on_hit(path)
+
     def _make_room(self, need: int) -> bool:
-        if not self.allocator.can_allocate(need) and self.tree is not None:
-            if self.pins is not None:
-                self.pins.expire()  # an expired pin's pages are evictable again
-            evicted = self.tree.evict(need - self.allocator.num_free)
-            self.evicted_pages += evicted.num_pages
-            if self.tiers is not None:  # before the caller allocates, and so may overwrite, those pages
-                self.tiers.on_evicted(evicted)
+        if not self.allocator.can_allocate(need):
+            self._evict(need - self.allocator.num_free)
         return self.allocator.can_allocate(need)
+
+    def _evict(self, num_pages: int, scope: PrefixScope | None = None) -> EvictResult:
+        """Evict up to ``num_pages`` (only within ``scope``, if given), telling the listeners before
+        and after."""
+        for listener in self.listeners:
+            listener.before_evict(scope)
+        within = None if scope is None else (lambda n: id(n) in scope.nodes)
+        evicted = self.tree.evict(num_pages, within)
+        self.evicted_pages += evicted.num_pages
+        for listener in self.listeners:  # before the caller allocates, and so may overwrite, those pages
+            listener.on_evicted(evicted, by_prefix=scope is not None)
+        return evicted
 
     # -- loads from the lower tiers -----------------------------------------------------------------
     def prefetch(self, req: CachedRequest) -> bool:
@@ -272,7 +222,7 @@ class KVCacheManager:
         if req.pages.load is not None:
             return not req.pages.load.ready
         usable = self._usable(req)
-        if self.tiers is None or self.tree is None or not usable:
+        if not usable:
             return False
         tokens = req.token_ids[:usable]
         if self.tree.prefix_len(tokens, req.cache_salt, lower=True) == self.tree.prefix_len(
@@ -295,21 +245,17 @@ class KVCacheManager:
 
     def poll_loads(self) -> None:
         """Put the pages of finished loads into the tree (or free them, if a load failed)."""
-        if self.tiers is not None:
-            assert self.tree is not None
-            for load in self.tiers.finished_loads():
-                self.tiers.land(load, self.tree, self.allocator.free)
+        for load in self.tiers.finished_loads():
+            self.tiers.land(load, self.tree, self.allocator.free)
 
     def wait_for_loads(self, timeout: float) -> None:
         """Block until a load in flight finishes or ``timeout`` passes (when there is nothing else to do)."""
-        if self.tiers is not None:
-            self.tiers.wait_for_loads(timeout)
+        self.tiers.wait_for_loads(timeout)
 
     def forget_load(self, req: CachedRequest) -> None:
         """``req`` is admitted or gone: its load's lock is dropped (now, or when the load lands)."""
         load, req.pages.load = req.pages.load, None
         if load is not None:
-            assert self.tiers is not None and self.tree is not None
             self.tiers.abandon(load, self.tree)
 
     # -- handing pages to the tree ----------------------------------------------------------------
@@ -317,20 +263,16 @@ class KVCacheManager:
         """Insert the whole computed pages of ``req`` into the tree and switch it to the tree's pages.
 
         Where the tree already held a page for the same tokens (another request computed it), ours is
-        a duplicate: it is freed and the tree's is used from now on, with the prompt scores it lacked
-        and ours hold.
+        a duplicate: it is freed and the tree's is used from now on (the listeners hear of both first:
+        the scores keep what ours know).
         """
-        if self.tree is None:
-            return
         num_full = req.num_computed_tokens // self.page_size
         owned = self._tree_pages[req]
-        if num_full <= owned:
+        if num_full <= owned or not self.prefix_cache:
             return
         key = req.token_ids[: num_full * self.page_size]
         inserted = self.tree.insert(key, req.pages.table[:num_full], req.cache_salt, req.priority)
         req.pages.write_tokens += max(0, min(len(key), req.num_prompt_tokens) - inserted.num_existing)
-        if self.tiers is not None:
-            self.tiers.on_cached(inserted.node, added_pages=inserted.num_existing < len(key))
         result = self.tree.match_prefix(key, req.cache_salt)
         self.tree.lock(result.node)
         if req.pages.node is not None:
@@ -338,30 +280,26 @@ class KVCacheManager:
         req.pages.node = result.node
         pairs = [(p, t) for p, t in zip(req.pages.table[owned:num_full], result.pages[owned:]) if p != t]
         duplicates = [p for p, _ in pairs]
-        if self.scores is not None:  # the tree's copy keeps the scores ours computed
-            self.scores.merge(duplicates, [t for _, t in pairs])
+        chunk = CachedChunk(
+            req, result.node, len(key), inserted.num_existing < len(key), duplicates, [t for _, t in pairs]
+        )
+        for listener in self.listeners:
+            listener.on_cached(chunk)
         self.allocator.free(duplicates)
         req.pages.table[:num_full] = result.pages
         self._private -= num_full - owned
         self._tree_pages[req] = num_full
-        pin = req.pages.pin
-        if pin is not None and pin.node is None and len(key) >= len(pin.tokens):
-            assert self.pins is not None
-            self.pins.hold(pin)
 
-    def end_pin(self, req: CachedRequest) -> None:
-        """``req`` has ended (finished or aborted, not preempted): its pin is held if its prefix is in
-        the tree, else it goes."""
-        pin, req.pages.pin = req.pages.pin, None
-        if pin is not None and self.pins is not None and not self.pins.hold(pin):
-            self.pins.drop_pending(pin)
+    def end(self, req: CachedRequest) -> None:
+        """``req`` has ended (finished or aborted, not preempted; after ``release``): the listeners hear
+        it (a pin still pending goes with it)."""
+        for listener in self.listeners:
+            listener.on_end(req)
 
     def evict_prefix(self, tokens: list[int], namespace: str | None) -> PrefixEviction:
         """Free the cached pages of the whole pages of ``tokens`` in ``namespace`` (and, when all of it
         is cached, of what continues it) that no request holds and no other prefix shares; the
-        namespace's pins on them are dropped first."""
-        if self.tree is None or self.pins is None:
-            return PrefixEviction(freed_pages=0, freed_tokens=0)
+        listeners lift their protection of them first (``before_evict``: the namespace's pins go)."""
         whole = tokens[: len(tokens) // self.page_size * self.page_size]
         node, num_tokens = self.tree.node_at(whole, namespace)
         scope = {id(n) for n in self.tree.path(node)}
@@ -371,14 +309,9 @@ class KVCacheManager:
                 n = stack.pop()
                 scope.add(id(n))
                 stack.extend(n.children.values())
-        for pin in self.pins.within(namespace, scope):
-            self.pins.drop(pin)
         below = self.tree.lower_keys(whole, namespace)  # pages past the device match only a tier holds
-        evicted = self.tree.evict(self.num_pages, within=lambda n: id(n) in scope)
-        self.evicted_pages += evicted.num_pages
-        copies = 0
-        if self.tiers is not None:  # not written back: the prefix leaves the cache, copies and all
-            copies = self.tiers.discard([*evicted.keys, *below])
+        evicted = self._evict(self.num_pages, PrefixScope(namespace, scope))
+        copies = self.tiers.discard([*evicted.keys, *below])  # not written back: copies go too
         return PrefixEviction(
             freed_pages=evicted.num_pages,
             freed_tokens=evicted.num_pages * self.page_size,
@@ -396,24 +329,21 @@ class KVCacheManager:
         private = req.pages.table[owned:]
         self.allocator.free(private)
         self._private -= len(private)
-        if self.tree is not None and req.pages.node is not None:
+        if req.pages.node is not None:
             self.tree.unlock(req.pages.node)
         req.pages.node = None
         req.pages.table = []
 
     # -- admin ------------------------------------------------------------------------------------
     def flush(self) -> bool:
-        """Drop every cached page; refused (False) while any request holds tree pages."""
-        if self.tree is None:
-            return True
+        """Drop every cached page; refused (False) while any request holds tree pages or a load is in
+        flight. The listeners let go first (pins are dropped, the lower tiers emptied)."""
         held = any(r.pages.node is not None for r in self._tree_pages)
-        if held or (self.tiers is not None and self.tiers.loads):
+        if held or self.tiers.loads:
             return False
-        if self.pins is not None:
-            self.pins.clear()  # the admin's flush drops pins too
+        for listener in self.listeners:
+            listener.on_flush()
         self.tree.reset()
-        if self.tiers is not None:
-            self.tiers.clear()
         return True
 
     def tier_stats(self) -> dict[str, dict[str, float]]:
@@ -424,31 +354,25 @@ class KVCacheManager:
             "evicted": float(self.evicted_pages),
             "used_bytes": float((self.num_cached + self.num_in_use) * self.page_bytes),
             "capacity_bytes": float(self.num_pages * self.page_bytes),
-            "loads": float(tiers.num_loads if tiers else 0),
-            "failed_loads": float(tiers.failed_loads if tiers else 0),
+            "loads": float(tiers.num_loads),
+            "failed_loads": float(tiers.failed_loads),
             "loading_pages": float(self._loading),
         }
-        return {"device": device, **(tiers.stats() if tiers is not None else {})}
+        return {"device": device, **tiers.stats()}
 
     def close(self) -> None:
         """Finish queued disk writes and stop the copy threads."""
-        if self.tiers is not None:
-            self.tiers.close()
+        for listener in self.listeners:
+            listener.close()
 
     def check_integrity(self, running: Iterable[CachedRequest]) -> None:
         private = [p for r in running for p in r.pages.table[self._tree_pages.get(r, 0) :]]
         assert len(private) == self._private, f"private page count {self._private} != {len(private)} held"
-        loads = self.tiers.loads if self.tiers is not None else []
+        loads = self.tiers.loads
         loading = [p for x in loads if not x.ready for p in x.pages]
         total = self.num_free + self.num_cached + self.num_in_use
         assert total == self.num_pages, f"free+cached+in-use = {total} != {self.num_pages} pages"
-        if self.tree is not None:
-            assert all(x.node.lock_ref > 0 for x in loads), "a load's path is not locked"
-            self.tree.check_integrity(self.allocator.free_pages(), private + loading, self.num_pages)
-            if self.pins is not None:
-                self.pins.check_integrity()
-            if self.tiers is not None:
-                self.tiers.check_integrity()
-        else:
-            seen = self.allocator.free_pages() + private
-            assert sorted(seen) == list(range(self.num_pages)), "a page is lost or held twice"
+        assert all(x.node.lock_ref > 0 for x in loads), "a load's path is not locked"
+        self.tree.check_integrity(self.allocator.free_pages(), private + loading, self.num_pages)
+        for listener in self.listeners:
+            listener.check_integrity()

@@ -9,9 +9,6 @@ adapter id) has its own root, so two namespaces never share a page. Invariants, 
 - a node's ``lock_ref`` counts the locks taken on it or on a descendant, so
   ``lock_ref >= sum(child.lock_ref)``: a locked node's ancestors are all locked;
 - roots hold no tokens, keep ``lock_ref == 1`` and are never evicted;
-- a pin (``pin``) is a lock that also counts in ``pin_ref``, so ``lock_ref >= pin_ref >=
-  sum(child.pin_ref)``; ``pinned_pages`` sums, per namespace, the pages of nodes with ``pin_ref > 0``
-  and changes only when a pin count crosses 0 <-> 1 (a subset of ``protected_pages``);
 - ``evictable_pages`` sums the pages of unlocked nodes and ``protected_pages`` those of locked ones; both
   change only when a lock count crosses 0 <-> 1, or when pages enter or leave the tree;
 - no page appears twice in the tree. The tree owns its pages: it hands them back only through
@@ -30,7 +27,7 @@ their keys, and leaves what to do with them to its caller (the tier controller's
 holds each. The tree records where pages live; it never copies one. (Node and result types:
 ``cache/radix_node.py``.)
 
-A ``CacheListener`` (``listen``) is told the chain key of every page as it enters the tree and as it
+A ``PageListener`` (``listen``) is told the chain key of every page as it enters the tree and as it
 leaves it (KV events, for a router that places requests by what each replica holds: docs/scaling.md).
 Without lower tiers the keys then start from the seed given to ``listen``. Every key reported stored
 is later reported removed, or dropped at once by ``cleared``.
@@ -38,24 +35,21 @@ is later reported removed, or dropped at once by ``cleared``.
 
 from __future__ import annotations
 
-import heapq
 import time as _time
-from collections import Counter
 from collections.abc import Callable, Hashable, Iterator, Sequence
 
 from radixserve.cache.radix_check import check_tree
+from radixserve.cache.radix_evict import EVICTION_POLICIES, evict_leaves
 from radixserve.cache.radix_node import (
-    CacheListener,
     EvictResult,
     InsertResult,
     LowerTiers,
     MatchResult,
+    PageListener,
     TreeNode,
     common_prefix,
 )
-from radixserve.cache.tiers import namespace_key, page_key
-
-_EVICTION_POLICIES = ("lru", "lfu", "priority")
+from radixserve.cache.tiers import chain_keys, namespace_key
 
 
 class RadixCache:
@@ -71,8 +65,8 @@ class RadixCache:
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
-        if eviction_policy not in _EVICTION_POLICIES:
-            raise ValueError(f"eviction_policy must be one of {_EVICTION_POLICIES}, got {eviction_policy!r}")
+        if eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(f"eviction_policy must be one of {EVICTION_POLICIES}, got {eviction_policy!r}")
         self.page_size = page_size
         self.eviction_policy = eviction_policy
         self.on_free = on_free
@@ -83,12 +77,11 @@ class RadixCache:
         self.num_growths = 0
         self._evictable = 0
         self._protected = 0
-        self._pinned: Counter[Hashable] = Counter()  # per namespace: pages of pinned nodes
         self._roots: dict[Hashable, TreeNode] = {}
-        self.listener: CacheListener | None = None
+        self.listener: PageListener | None = None
         self._seed: bytes | None = tiers.seed if tiers is not None else None  # set: nodes carry keys
 
-    def listen(self, listener: CacheListener, seed: bytes) -> bytes:
+    def listen(self, listener: PageListener, seed: bytes) -> bytes:
         """Report page insertions and removals to ``listener`` from now on; returns the chain's seed
         (the lower tiers' where there are some, else ``seed``). Only on an empty tree, so that every
         node carries its keys."""
@@ -100,7 +93,6 @@ class RadixCache:
         return self._seed
 
     # ---- sizes ----
-
     @property
     def evictable_pages(self) -> int:
         return self._evictable
@@ -113,12 +105,7 @@ class RadixCache:
     def total_pages(self) -> int:
         return self._evictable + self._protected
 
-    def pinned_pages(self, namespaces: Callable[[Hashable], bool] | None = None) -> int:
-        """Pages of pinned nodes, in the namespaces ``namespaces`` accepts (None: all)."""
-        return sum(n for ns, n in self._pinned.items() if namespaces is None or namespaces(ns))
-
     # ---- lookup and insertion ----
-
     def match_prefix(self, tokens: Sequence[int], namespace: Hashable = None) -> MatchResult:
         """Longest cached page-aligned prefix of ``tokens`` (plain ints); splits a node matched in part.
 
@@ -195,7 +182,7 @@ class RadixCache:
                 namespace,
             )
             if self._seed is not None:
-                leaf.hashes = list(self._chain(key, leaf.key, 0, len(leaf.key)))
+                leaf.hashes = list(chain_keys(key, leaf.key, 0, len(leaf.key), self.page_size))
             if self.listener is not None:
                 self.listener.stored(leaf.hashes)
             node.children[self.child_key(leaf.key)] = leaf
@@ -213,7 +200,6 @@ class RadixCache:
         return InsertResult(num_existing, node)
 
     # ---- locking ----
-
     def lock(self, node: TreeNode) -> None:
         """Protect ``node`` and its ancestors from eviction. Locks nest."""
         self._check_attached(node)
@@ -236,30 +222,6 @@ class RadixCache:
                 self._evictable += len(node.pages)
             node = self._parent(node)
 
-    def pin(self, node: TreeNode) -> None:
-        """Lock ``node`` as a pin: the same protection, also counted in ``pin_ref``/``pinned_pages``."""
-        self.lock(node)
-        while not node.is_root:
-            if node.pin_ref == 0:
-                self._pinned[node.namespace] += len(node.pages)
-            node.pin_ref += 1
-            node = self._parent(node)
-
-    def unpin(self, node: TreeNode) -> None:
-        """Undo one ``pin(node)``."""
-        self._check_attached(node)
-        if not node.is_root and node.pin_ref <= 0:
-            raise RuntimeError(f"unpin of an unpinned node {node!r}")
-        start = node
-        while not node.is_root:
-            node.pin_ref -= 1
-            if node.pin_ref == 0:
-                self._pinned[node.namespace] -= len(node.pages)
-                if not self._pinned[node.namespace]:
-                    del self._pinned[node.namespace]
-            node = self._parent(node)
-        self.unlock(start)
-
     def node_at(self, tokens: Sequence[int], namespace: Hashable = None) -> tuple[TreeNode, int]:
         """The node ending the cached page-aligned prefix of ``tokens`` (split there if need be), and
         that prefix's length; no access or hit is recorded."""
@@ -273,52 +235,33 @@ class RadixCache:
         return self._lower_match(key, tokens, num_tokens)[0]
 
     # ---- eviction ----
-
     def evict(self, num_pages: int, within: Callable[[TreeNode], bool] | None = None) -> EvictResult:
         """Free up to ``num_pages`` pages from unlocked leaves, least valuable first; with ``within``,
-        only from the nodes it accepts (a leaf it accepts may expose a parent it accepts).
+        only from the nodes it accepts (``cache/radix_evict.py``). Exactly ``min(num_pages,
+        evictable_pages)`` are freed, in one ``on_free`` call."""
+        return evict_leaves(self, num_pages, within)
 
-        A leaf larger than what is still needed loses only its last pages, so this frees exactly
-        ``min(num_pages, evictable_pages)``. With lower tiers, the result also lists the freed pages
-        that had no copy below.
-        """
-        heap = [
-            (self._eviction_key(n), id(n), n)
-            for n in self._nodes()
-            if self._is_evictable_leaf(n) and (within is None or within(n))
-        ]
-        heapq.heapify(heap)
-        freed: list[int] = []
-        unbacked: tuple[list[int], list[bytes]] = ([], [])
-        keys: list[bytes] = []
-        while heap and len(freed) < num_pages:
-            _, _, leaf = heapq.heappop(heap)
-            need = num_pages - len(freed)
-            keys.extend(leaf.hashes[-need:])
-            if not leaf.backed_up and self.tiers is not None:
-                unbacked[0].extend(leaf.pages[-need:])
-                unbacked[1].extend(leaf.hashes[-need:])
-            if self.listener is not None:
-                self.listener.removed(leaf.hashes[-need:])
-            if len(leaf.pages) > need:
-                freed += leaf.pages[-need:]
-                del leaf.pages[-need:]
-                del leaf.hashes[len(leaf.pages) :]
-                leaf.key = leaf.key[: len(leaf.pages) * self.page_size]
-                break
-            freed += leaf.pages
+    def cut_leaf(self, leaf: TreeNode, need: int) -> list[int]:
+        """Take the last ``need`` pages of the unlocked leaf ``leaf``, or all of them (the leaf then
+        leaves the tree); returns them for the caller to hand to ``on_free``. Eviction's step
+        (``cache/radix_evict.py``); nothing else cuts the tree."""
+        if self.listener is not None:
+            self.listener.removed(leaf.hashes[-need:])
+        if len(leaf.pages) > need:
+            freed = leaf.pages[-need:]
+            del leaf.pages[-need:]
+            del leaf.hashes[len(leaf.pages) :]
+            leaf.key = leaf.key[: len(leaf.pages) * self.page_size]
+        else:
+            freed = leaf.pages
             parent = self._parent(leaf)
             del parent.children[self.child_key(leaf.key)]
             leaf.parent = None
             leaf.pages = []
-            if self._is_evictable_leaf(parent) and (within is None or within(parent)):
-                heapq.heappush(heap, (self._eviction_key(parent), id(parent), parent))
-            elif parent.is_root and not parent.children and parent.namespace is not None:
+            if parent.is_root and not parent.children and parent.namespace is not None:
                 del self._roots[parent.namespace]  # salts come and go; don't keep their empty roots
         self._evictable -= len(freed)
-        if freed and self.on_free is not None:
-            self.on_free(freed)
-        return EvictResult(len(freed), *unbacked, keys)
+        return freed
 
     def reset(self) -> None:
         """Drop the whole tree (for /flush_cache). Raises if any node is locked."""
@@ -344,23 +287,17 @@ class RadixCache:
         return [p for node in self._nodes() for p in node.pages]
 
     # ---- checks ----
-
     def check_integrity(
         self,
         free_pages: Sequence[int] | None = None,
         request_pages: Sequence[int] = (),
         total_pages: int | None = None,
     ) -> None:
-        """Raise AssertionError on any broken invariant (see the module docstring).
-
-        With ``free_pages`` and/or ``total_pages``, also check that every page lies exactly once in the free
-        list, the tree or ``request_pages``, and that together they are ``range(total_pages)``
-        (``cache/radix_check.py``).
-        """
+        """Raise AssertionError on any broken invariant (module docstring; ``cache/radix_check.py``), and
+        with ``free_pages``/``total_pages`` if a page is not exactly once in free, tree or requests."""
         check_tree(self, free_pages, request_pages, total_pages)
 
     # ---- internals ----
-
     def _walk(
         self, tokens: Sequence[int], namespace: Hashable, split: bool = True
     ) -> tuple[TreeNode, int, bytes]:
@@ -371,7 +308,8 @@ class RadixCache:
         """
         ps = self.page_size
         end = len(tokens) // ps * ps
-        node = self._root(namespace)
+        node = self._roots.get(namespace) if not split else self._root(namespace)  # a lookup makes no root
+        node = node or TreeNode((), [], None, namespace, is_root=True)
         key = self._last_key(node)
         i = 0
         while i < end:
@@ -393,13 +331,6 @@ class RadixCache:
             return b""
         return namespace_key(self._seed, node.namespace) if node.is_root else node.hashes[-1]
 
-    def _chain(self, key: bytes, tokens: Sequence[int], start: int, end: int) -> Iterator[bytes]:
-        """Keys of the whole pages of ``tokens[start:end]``, continuing the chain from ``key``."""
-        ps = self.page_size
-        for i in range(start, start + (end - start) // ps * ps, ps):
-            key = page_key(key, tokens[i : i + ps])
-            yield key
-
     def _lower_match(self, key: bytes, tokens: Sequence[int], start: int) -> tuple[list[bytes], list[int]]:
         """Keys and tiers of the pages of ``tokens`` from ``start`` on that the lower tiers hold, in a row."""
         if self.tiers is None:
@@ -407,7 +338,7 @@ class RadixCache:
         keys: list[bytes] = []
 
         def chain() -> Iterator[bytes]:  # lazily: the lookup stops at the first miss
-            for k in self._chain(key, tokens, start, len(tokens)):
+            for k in chain_keys(key, tokens, start, len(tokens), self.page_size):
                 keys.append(k)
                 yield k
 
@@ -423,7 +354,6 @@ class RadixCache:
         parent = self._parent(node)
         upper = TreeNode(node.key[:n], node.pages[: n // self.page_size], parent, node.namespace)
         upper.lock_ref = node.lock_ref
-        upper.pin_ref = node.pin_ref
         upper.last_access = node.last_access
         upper.last_used = node.last_used
         upper.hit_count = node.hit_count
@@ -454,17 +384,6 @@ class RadixCache:
     def child_key(self, tokens: Sequence[int]) -> Hashable:
         """The key of a node's child whose key starts with ``tokens`` (a page of them)."""
         return tokens[0] if self.page_size == 1 else tuple(tokens[: self.page_size])
-
-    def _eviction_key(self, node: TreeNode) -> tuple[int, int]:
-        if self.eviction_policy == "lfu":
-            return node.hit_count, node.last_access
-        if self.eviction_policy == "priority":  # the least urgent (highest value) first, then LRU
-            return -node.priority, node.last_access
-        return node.last_access, 0
-
-    @staticmethod
-    def _is_evictable_leaf(node: TreeNode) -> bool:
-        return not node.is_root and not node.children and node.lock_ref == 0
 
     @staticmethod
     def _parent(node: TreeNode) -> TreeNode:

@@ -6,17 +6,32 @@ so that its code reads as one class; it reads the tree's internals and changes n
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Hashable, Iterator, Sequence
+from typing import Protocol
 
 from radixserve.cache.radix_node import TreeNode
+from radixserve.cache.tiers import chain_keys
 
-if TYPE_CHECKING:
-    from radixserve.cache.radix import RadixCache
+
+class CheckedTree(Protocol):
+    """What the check reads of ``RadixCache`` (a Protocol, so that this module does not import it)."""
+
+    page_size: int
+    _seed: bytes | None
+
+    @property
+    def evictable_pages(self) -> int: ...
+    @property
+    def protected_pages(self) -> int: ...
+    def roots(self) -> dict[Hashable, TreeNode]: ...
+    def nodes(self) -> Iterator[TreeNode]: ...
+    def all_pages(self) -> list[int]: ...
+    def child_key(self, tokens: Sequence[int]) -> Hashable: ...
+    def _last_key(self, node: TreeNode) -> bytes: ...
 
 
 def check_tree(
-    tree: RadixCache,
+    tree: CheckedTree,
     free_pages: Sequence[int] | None = None,
     request_pages: Sequence[int] = (),
     total_pages: int | None = None,
@@ -24,7 +39,6 @@ def check_tree(
     """Raise AssertionError naming the first broken invariant."""
     ps = tree.page_size
     evictable = protected = 0
-    pinned: Counter[Hashable] = Counter()
     for ns, root in tree.roots().items():
         assert root.is_root and root.parent is None, f"root of namespace {ns!r} is not a root"
         assert root.namespace == ns, f"root of namespace {ns!r} says namespace {root.namespace!r}"
@@ -40,14 +54,10 @@ def check_tree(
         assert len(node.pages) == len(node.key) // ps, f"{node!r}: {len(node.pages)} pages for its key"
         assert node.namespace == _parent(node).namespace, f"{node!r} is in another namespace than its parent"
         if tree._seed is not None:
-            chain = list(tree._chain(tree._last_key(_parent(node)), node.key, 0, len(node.key)))
+            chain = list(chain_keys(tree._last_key(_parent(node)), node.key, 0, len(node.key), ps))
             assert node.hashes == chain, f"{node!r}: page keys do not continue its parent's chain"
         child_locks = sum(c.lock_ref for c in node.children.values())
         assert node.lock_ref >= child_locks, f"{node!r}: lock_ref below its children's sum {child_locks}"
-        child_pins = sum(c.pin_ref for c in node.children.values())
-        assert node.lock_ref >= node.pin_ref >= child_pins, f"{node!r}: pin_ref out of order"
-        if node.pin_ref:
-            pinned[node.namespace] += len(node.pages)
         if node.lock_ref:
             protected += len(node.pages)
         else:
@@ -58,7 +68,6 @@ def check_tree(
     assert protected == tree.protected_pages, (
         f"protected_pages is {tree.protected_pages}, the tree holds {protected}"
     )
-    assert pinned == tree._pinned, f"pinned_pages is {dict(tree._pinned)}, the tree holds {dict(pinned)}"
     held = tree.all_pages()
     assert len(set(held)) == len(held), f"pages held twice in the tree: {_duplicates(held)}"
     if free_pages is None and total_pages is None:

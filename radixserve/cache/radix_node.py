@@ -1,5 +1,5 @@
 """The radix tree's vocabulary: its nodes (``TreeNode``), what its operations return (``MatchResult``,
-``InsertResult``, ``EvictResult``), what it asks of its neighbours (``LowerTiers``, ``CacheListener``),
+``InsertResult``, ``EvictResult``), what it asks of its neighbours (``LowerTiers``, ``PageListener``),
 and the key comparison its walks share (``common_prefix``).
 
 Split from ``cache/radix.py`` so that the tree's code reads as one class; the invariants these fields
@@ -22,8 +22,9 @@ class LowerTiers(Protocol):
         ...
 
 
-class CacheListener(Protocol):
-    """Told which pages enter and leave the tree, by chain key; called on the stepping thread."""
+class PageListener(Protocol):
+    """Told which pages enter and leave the tree, by chain key; called on the stepping thread (KV
+    events: ``cache/events.py``)."""
 
     def stored(self, keys: Sequence[bytes]) -> None: ...
 
@@ -51,7 +52,6 @@ class TreeNode:
         "is_root",
         "hashes",
         "backed_up",
-        "pin_ref",
     )
 
     def __init__(
@@ -76,7 +76,6 @@ class TreeNode:
         self.is_root = is_root
         self.hashes: list[bytes] = []  # chain key of each page; empty without lower tiers
         self.backed_up = False  # the pages have been copied to the lower tiers
-        self.pin_ref = 0  # pins on this node or a descendant (cache/pins.py); each pin also holds a lock
 
     def __repr__(self) -> str:
         return f"TreeNode(key={self.key}, pages={self.pages}, lock_ref={self.lock_ref})"

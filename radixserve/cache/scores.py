@@ -36,6 +36,8 @@ from collections.abc import Sequence
 
 import torch
 
+from radixserve.cache.listener import CachedChunk, CacheListener
+
 # Top alternatives kept per position: OpenAI's completions allow logprobs <= 5 and lm-eval asks for 1
 # (its is-greedy check), so 5 serves both; a request for more recomputes. Each costs 8 bytes a token.
 TOP_K = 5
@@ -43,9 +45,10 @@ TOP_K = 5
 MAX_ROWS = 32
 
 
-class ScoreTable:
+class ScoreTable(CacheListener):
     """``next_id [num_pages, page_size]`` int32, ``next_lp`` float32, ``top_ids``/``top_lps
-    [num_pages, page_size, TOP_K]``, on the pool's device."""
+    [num_pages, page_size, TOP_K]``, on the pool's device. As a listener of the cache manager it keeps,
+    in the tree's copy of a page, what a duplicate of it learned (``on_cached``)."""
 
     def __init__(self, num_pages: int, page_size: int, device: torch.device | str = "cpu") -> None:
         shape = (num_pages, page_size)
@@ -96,6 +99,9 @@ class ScoreTable:
                 self.rows[int(slots[i])] = logprobs[i].clone()
             while len(self.rows) > MAX_ROWS:
                 self.rows.popitem(last=False)
+
+    def on_cached(self, chunk: CachedChunk) -> None:
+        self.merge(chunk.duplicates, chunk.kept)
 
     def merge(self, src: list[int], dst: list[int]) -> None:
         """Copy into pages ``dst`` the scores that pages ``src`` (computed again for the same tokens, so

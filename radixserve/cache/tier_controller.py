@@ -10,31 +10,30 @@ The radix tree only records where each page lives (``TreeNode.backed_up`` and th
 are addressed by) and reports what eviction freed without a copy. ``KVCacheManager`` decides which
 pages to load and allocates their device pages; the controller owns each ``Load`` from ``start_load`` to
 its release (``land`` puts its pages into the tree, ``abandon`` drops it). The manager tells the
-controller what happened (a chunk was cached, a path was hit, pages were evicted) and the policy
-decides what to copy.
+controller what happened through its ``CacheListener`` hooks (a chunk was cached, a path was hit,
+pages were evicted) and the policy decides what to copy. Without stores the manager holds a
+``NoTiers`` instead, which holds nothing and loads nothing. (Building one from a config:
+``cache/tier_setup.py``.)
 """
 
 from __future__ import annotations
 
 import enum
-import logging
-import shutil
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from functools import partial
 from pathlib import Path
 
 import torch
 
+from radixserve.cache.listener import CachedChunk, CacheListener
 from radixserve.cache.page_pool import PageCopier, PagedPool
 from radixserve.cache.radix import RadixCache
 from radixserve.cache.radix_node import EvictResult, MatchResult, TreeNode
-from radixserve.cache.tiers import DiskStore, HostStore, KVStore, model_fingerprint
-
-logger = logging.getLogger(__name__)
+from radixserve.cache.request_pages import Load
+from radixserve.cache.tiers import DiskStore, KVStore
 
 
 class WritePolicy(enum.Enum):
@@ -47,30 +46,8 @@ class WritePolicy(enum.Enum):
 
 WRITE_POLICIES = tuple(p.value for p in WritePolicy)
 
-# The disk tier's size when only its directory is given: a tenth of the free space on that
-# filesystem, so a cache never fills a disk by default, and at most 64 GiB, past which a prefix cache
-# of one model rarely gets hits that pay for the space.
-DISK_DEFAULT_FRACTION = 0.10
-DISK_DEFAULT_MAX_BYTES = 64 * 2**30
 
-
-@dataclass(eq=False)
-class Load:
-    """Pages of one request's prefix coming back from the stores into device ``pages``."""
-
-    tokens: list[int]  # the prefix that ends with the loaded pages
-    namespace: Hashable
-    node: TreeNode  # locked by the load: the device match above the pages, then the node that ends them
-    prefix_pages: list[int]  # the tree's pages before the loaded ones
-    pages: list[int]  # device pages being filled; the tree's once landed
-    future: Future[bool]
-    tiers: list[str]  # the store each page was found in ("host", "disk"), for cached_tokens_by_tier
-    held: list[torch.Tensor] | None = None  # with scatter_on_land: the pages read, until they land
-    ready: bool = False  # landed: its pages are in the tree, or freed if it failed
-    abandoned: bool = False  # its request was admitted or has gone: unlock as soon as it lands
-
-
-class TierController:
+class TierController(CacheListener):
     """The stores beneath ``pool``, fastest first, with the write policy, the loads and the copy threads.
 
     ``backup`` puts pages into the first store now; under the write-through policies it also queues
@@ -123,30 +100,34 @@ class TierController:
         return tiers
 
     # -- the write policy -------------------------------------------------------------------------
-    def on_cached(self, node: TreeNode, added_pages: bool) -> None:
-        """A computed chunk entered the tree, ending at ``node``; write-through copies it down now."""
-        if self.policy is WritePolicy.WRITE_THROUGH and added_pages:
-            self._backup(node)
+    def on_cached(self, chunk: CachedChunk) -> None:
+        """A computed chunk entered the tree, ending at ``chunk.node``; write-through copies it down now."""
+        if self.policy is WritePolicy.WRITE_THROUGH and chunk.added_pages:
+            self._backup(chunk.node)
 
-    def on_hit(self, path: Iterable[TreeNode]) -> None:
+    def on_hit(self, path: Sequence[TreeNode]) -> None:
         """A request was admitted on ``path``; selective write-through copies the nodes hit often enough."""
         if self.policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
             for node in path:
                 if node.hit_count >= self.write_through_threshold:
                     self._backup(node)
 
-    def on_evicted(self, evicted: EvictResult) -> None:
-        """Write-back: pages that left the device without a copy below get one now.
+    def on_evicted(self, evicted: EvictResult, by_prefix: bool) -> None:
+        """Write-back: pages that left the device for room without a copy below get one now.
 
         Called on the stepping thread right after the eviction, before anything can allocate (and
-        overwrite) the freed pages. Under the write-through policies such pages are simply dropped.
+        overwrite) the freed pages. Under the write-through policies such pages are simply dropped, and
+        so are those of an eviction by prefix (the manager discards their copies).
         """
-        if self.policy is WritePolicy.WRITE_BACK and evicted.unbacked_pages:
+        if self.policy is WritePolicy.WRITE_BACK and evicted.unbacked_pages and not by_prefix:
             self.backup(evicted.unbacked_keys, self._gather(evicted.unbacked_pages))
 
-    def persist(self, nodes: Iterable[TreeNode]) -> None:
-        """Write the pages of ``nodes`` to every store, whatever the policy (a pin's pages: they must
-        survive a restart, cache/pin_store.py)."""
+    def on_flush(self) -> None:
+        self.clear()
+
+    def copy_everywhere(self, nodes: Iterable[TreeNode]) -> None:
+        """Write the pages of ``nodes`` to every store now, whatever the policy (what must survive a
+        restart: cache/pins/store.py)."""
         for node in nodes:
             pages = self._gather(node.pages).to("cpu")
             for key, page in zip(node.hashes, pages):
@@ -167,7 +148,7 @@ class TierController:
         )
 
     def load_now(self, keys: list[bytes], tiers: list[int], pages: list[int]) -> bool:
-        """Fill device ``pages`` with ``keys`` on this thread (start-up only: cache/pin_store.py)."""
+        """Fill device ``pages`` with ``keys`` on this thread (start-up only: cache/pins/store.py)."""
         return self._load(keys, tiers, partial(self._scatter, pages))
 
     def submit_write(self, job: Callable[[], None]) -> None:
@@ -347,55 +328,39 @@ class TierController:
             self._store(below, key, page)
 
 
-def default_disk_bytes(directory: str | Path) -> int:
-    """The disk tier's size when only its directory is given (``DISK_DEFAULT_FRACTION`` of the free
-    space on its filesystem, at most ``DISK_DEFAULT_MAX_BYTES``)."""
-    path = Path(directory).absolute()
-    while not path.exists():  # made later by DiskStore: measure the filesystem it will be on
-        path = path.parent
-    return min(int(shutil.disk_usage(path).free * DISK_DEFAULT_FRACTION), DISK_DEFAULT_MAX_BYTES)
+class NoTiers(CacheListener):
+    """The lower tiers of a manager without any: nothing is held below, so nothing loads, every hook
+    does nothing and every count is zero."""
 
+    def __init__(self) -> None:
+        self.loads: list[Load] = []  # stays empty
+        self.stores: list[KVStore] = []
+        self.loading_pages = 0
+        self.num_loads = 0
+        self.failed_loads = 0
 
-def make_tiers(
-    pool: PagedPool,
-    backend: PageCopier,
-    model: torch.nn.Module,
-    model_config: object,
-    *,
-    model_dtype: torch.dtype,
-    host_bytes: int,
-    disk_bytes: int,
-    disk_dir: str | None,
-    write_policy: str,
-    write_through_threshold: int,
-) -> TierController | None:
-    """The stores a config asks for beneath ``pool`` (host, then disk), or None when it asks for none.
+    def start_load(
+        self, match: MatchResult, tokens: list[int], namespace: Hashable, pages: list[int]
+    ) -> Load:
+        raise RuntimeError("no lower tiers to load from")  # prefetch never finds pages below
 
-    A disk directory without a size gets ``default_disk_bytes`` of it.
-    """
-    if disk_dir and disk_bytes <= 0:
-        disk_bytes = default_disk_bytes(disk_dir)
-        logger.info(
-            "disk KV cache in %s: %.1f GiB (the default share of its free space)",
-            disk_dir,
-            disk_bytes / 2**30,
-        )
-    if host_bytes <= 0 and disk_bytes <= 0:
-        return None
-    # A page travels as the pool's byte record (K, V and any scales); the fingerprint keys it by
-    # model, weights format, page size and KV dtype, so no page is read back at another dtype.
-    page_shape = (pool.page_bytes,)
-    fingerprint = model_fingerprint(
-        model, model_config, model_dtype, pool.page_size, pool.kv_dtype, shards=pool.shards
-    )
-    stores: list[KVStore] = []
-    if host_bytes > 0:
-        stores.append(HostStore(host_bytes, page_shape, torch.uint8, pin=pool.k_buffer.is_cuda))
-    if disk_bytes > 0:
-        if not disk_dir:
-            raise ValueError("a disk tier needs disk_cache_dir")
-        stores.append(DiskStore(disk_dir, disk_bytes, fingerprint, page_shape, torch.uint8))
-    policy = WritePolicy(write_policy)
-    return TierController(
-        stores, fingerprint, pool, backend, policy, write_through_threshold, scatter_on_land=pool.shards > 1
-    )
+    def finished_loads(self) -> list[Load]:
+        return []
+
+    def land(self, load: Load, tree: RadixCache, free: Callable[[list[int]], None]) -> None:
+        raise RuntimeError("no lower tiers to load from")
+
+    def abandon(self, load: Load, tree: RadixCache) -> None:
+        raise RuntimeError("no lower tiers to load from")
+
+    def wait_for_loads(self, timeout: float) -> None:
+        pass
+
+    def discard(self, keys: list[bytes]) -> int:
+        return 0
+
+    def drain(self) -> None:
+        pass
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        return {}

@@ -30,7 +30,7 @@ import struct
 import threading
 import zlib
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
@@ -49,6 +49,13 @@ def page_key(prev: bytes, tokens: Sequence[int]) -> bytes:
     """The key of the page holding ``tokens``, given the key of the page before it (or the seed)."""
     data = b"".join(int(t).to_bytes(4, "little") for t in tokens)
     return hashlib.blake2b(prev + data, digest_size=KEY_BYTES).digest()
+
+
+def chain_keys(key: bytes, tokens: Sequence[int], start: int, end: int, page_size: int) -> Iterator[bytes]:
+    """Keys of the whole pages of ``tokens[start:end]``, continuing the chain from ``key``."""
+    for i in range(start, start + (end - start) // page_size * page_size, page_size):
+        key = page_key(key, tokens[i : i + page_size])
+        yield key
 
 
 def model_fingerprint(

@@ -77,16 +77,14 @@ def in_scope(namespace: Hashable, prefix: str | None) -> bool:
 
 
 def snapshot(
-    tree: RadixCache | None,
+    tree: RadixCache,
     stores: Sequence[Tier],
     namespace_prefix: str | None,
     depth: int,
     min_tokens: int,
 ) -> CacheTree:
-    """The namespaces in scope of ``tree`` (None: the prefix cache is off, so an empty snapshot);
+    """The namespaces in scope of ``tree`` (none while the prefix cache is off: it stays empty);
     ``stores`` are the lower tiers, fastest first (none without tiers)."""
-    if tree is None:
-        return CacheTree(page_size=1, namespaces=[])
     now = time.monotonic()
     totals: dict[int, tuple[int, int]] = {}
     out = []

@@ -33,7 +33,7 @@ import uuid
 from collections.abc import AsyncGenerator, Callable
 
 from radixserve.cache.events import KVEvents
-from radixserve.cache.pin_types import PinSpec
+from radixserve.cache.pins.types import PinSpec
 from radixserve.config import EngineConfig
 from radixserve.disagg.dispatch import LocalPrefill, prefill_job, run_prefill
 from radixserve.disagg.metrics import TransferMetrics

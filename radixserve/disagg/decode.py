@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from radixserve.cache.kv_manager import RequestPages
 from radixserve.cache.radix_node import TreeNode
+from radixserve.cache.request_pages import RequestPages
 from radixserve.disagg.transfer import KVTransferError, TransferHeader, layout_fingerprint, verify
 from radixserve.disagg.transport import KVReceiver
 from radixserve.engine.checks import priority_value
@@ -124,7 +124,7 @@ class DecodeRole(EngineRole):
         receiver: KVReceiver,
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
-        if engine.kv_manager.tree is None:
+        if not engine.kv_manager.prefix_cache:
             raise ValueError("a decode engine needs the prefix cache (drop --no-prefix-cache)")
         super().__init__(engine)
         self._send = send

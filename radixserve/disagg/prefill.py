@@ -49,7 +49,7 @@ class PrefillRole(EngineRole):
     """Runs the ``PrefillKV`` jobs of one engine; ``send`` reaches the API server."""
 
     def __init__(self, engine: Engine, send: Callable[[FromEngine], None], sender: KVSender) -> None:
-        if engine.kv_manager.tree is None:
+        if not engine.kv_manager.prefix_cache:
             raise ValueError("a prefill engine needs the prefix cache (drop --no-prefix-cache)")
         super().__init__(engine)
         self._send = send

@@ -15,7 +15,7 @@ import torch
 
 from radixserve.cache.kv_manager import KVCacheManager
 from radixserve.cache.page_pool import KVPool
-from radixserve.cache.tier_controller import make_tiers
+from radixserve.cache.tier_setup import make_tiers
 from radixserve.config import EngineConfig, context_within_pool
 from radixserve.engine import tensor_parallel
 from radixserve.engine.cache_control import CacheControl

@@ -1,6 +1,7 @@
-"""CacheControl (``Engine.cache_control``): the engine's side of cache control (docs/cache.md): pins
-granted with requests, warms (prefill-only requests), the usage a step reports, and the calls the
-engine process answers (list, unpin, evict by prefix).
+"""CacheControl (``Engine.cache_control``): the engine's side of cache control (docs/cache.md): warms
+(prefill-only requests), the usage a step reports, and the calls the engine process answers (list,
+unpin, evict by prefix). Every pin rule is the cache's (``cache/pins/``: ``PinControl``); this class
+hands it the requests and the calls.
 
 A warm is a request whose prompt is whole pages. It is scheduled like any other and computes its
 prefill into the tree, but nothing is sampled: the step that finishes its prefill ends it with finish
@@ -20,17 +21,12 @@ from collections.abc import Callable
 from typing import TypedDict
 
 from radixserve.cache.kv_manager import KVCacheManager
-from radixserve.cache.pin_types import PinInfo, PinRef, PinSpec, PrefixEviction
+from radixserve.cache.pins.control import PinControl, PinStats
+from radixserve.cache.pins.types import PinInfo, PinRef, PinSpec, PrefixEviction
 from radixserve.engine.deltas import StepOutput
 from radixserve.engine.request import Request
-from radixserve.errors import InvalidRequestError
 
 WARM_FINISH = "warm"  # the finish reason of a warm
-
-
-class PinStats(TypedDict):
-    pinned_pages: int
-    num_pins: int
 
 
 class CacheUsage(TypedDict):
@@ -71,39 +67,27 @@ class CacheControl:
         self.kv = kv_manager
         # Pins never leave less than one whole-context request's pages unpinned, so it always runs.
         reserve = -(-max_model_len // kv_manager.page_size)
-        kv_manager.enable_pins(max_pinned_fraction, reserve)
+        self.pin_control = PinControl(kv_manager, max_pinned_fraction, reserve)
 
     # -- with add_request ------------------------------------------------------------------------
     def prepare(self, reqs: list[Request], pin: PinSpec | None, warm: bool) -> None:
         """Grant ``pin`` to the request's first sample (or refuse it: InvalidRequestError, PinBudgetError,
         nothing changed) and mark warms."""
         if pin is not None:
-            if self.kv.pins is None:
-                raise InvalidRequestError(
-                    f"{pin.param}: pins need the prefix cache, which is off (--no-prefix-cache)",
-                    pin.param,
-                    "prefix_cache_off",
-                )
             first = reqs[0]
-            first.pages.pin = self.kv.pins.grant(first.prompt_token_ids, first.cache_salt, pin)
+            first.pages.pin = self.pin_control.grant(first.prompt_token_ids, first.cache_salt, pin)
         for r in reqs:
             r.warm = warm
 
     def on_added(self, reqs: list[Request], finish: Callable[[Request, str], None]) -> list[StepOutput]:
         """Just taken from the inbox: a pin whose prefix is cached is held now, and a warm the device pool
         already holds in full ends here (its output is returned)."""
-        kv, outputs = self.kv, []
+        outputs = []
         for r in reqs:
-            if r.pages.pin is not None and kv.pins is not None:
-                kv.pins.hold(r.pages.pin)
-            if not r.warm or kv.tree is None:
-                continue
+            self.pin_control.hold(r)
             tokens = r.prompt_token_ids
-            if kv.tree.prefix_len(tokens, r.cache_salt) < len(tokens):
+            if not r.warm or not self.kv.hit(tokens, r.cache_salt):  # a hit: LRU order, pin TTLs, ...
                 continue
-            match = kv.tree.match_prefix(tokens, r.cache_salt)  # a hit: LRU order, hit counts, pin TTLs
-            if kv.pins is not None:
-                kv.pins.hit(kv.tree.path(match.node))
             r.pages.num_cached_tokens = len(tokens)
             r.pages.cached_by_tier = {"device": len(tokens), "host": 0, "disk": 0}
             outputs.append(self._warm_output(r))
@@ -128,27 +112,16 @@ class CacheControl:
 
     # -- the calls ---------------------------------------------------------------------------------
     def pins(self, namespace: str | None) -> list[PinInfo]:
-        return self.kv.pins.info(namespace) if self.kv.pins is not None else []
+        return self.pin_control.info(namespace)
 
     def unpin(self, pin_id: str, namespace: str | None) -> bool:
-        pins = self.kv.pins
-        pin = pins.find(pin_id, namespace) if pins is not None else None
-        if pin is None:
-            return False
-        assert pins is not None
-        pins.drop(pin)
-        return True
+        return self.pin_control.unpin(pin_id, namespace)
 
     def evict(self, token_ids: list[int], namespace: str | None) -> PrefixEviction:
         return self.kv.evict_prefix(token_ids, namespace)
 
     def advance_clock(self, seconds: float) -> None:
-        if self.kv.pins is not None:
-            self.kv.pins.advance(seconds)
+        self.pin_control.advance_clock(seconds)
 
     def stats(self) -> PinStats:
-        """Device pages held by pins (and pending ones), and the number of pins, for EngineStats."""
-        pins = self.kv.pins
-        if pins is None:
-            return PinStats(pinned_pages=0, num_pins=0)
-        return PinStats(pinned_pages=pins.pages(everyone=True), num_pins=len(pins))
+        return self.pin_control.stats()

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from radixserve.cache.pin_types import PinRef
+from radixserve.cache.pins.types import PinRef
 from radixserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from radixserve.sampling.detokenizer import TextStream
 from radixserve.sampling.stop import TokenStop

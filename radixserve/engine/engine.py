@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from radixserve.cache.pin_types import PinSpec
+from radixserve.cache.pins.types import PinSpec
 from radixserve.cache.tree_view import CacheTree, snapshot
 from radixserve.engine import postprocess
 from radixserve.engine.builder import EngineParts
@@ -119,8 +119,7 @@ class Engine(EngineParts, OfflineAPI):
         """A read-only snapshot of the prefix cache (cache/tree_view.py): the namespaces whose salt is
         ``namespace_prefix`` or starts with it and a "/" (None: all), ``depth`` levels deep."""
         kv = self.kv_manager
-        stores = kv.tiers.stores if kv.tiers is not None else []
-        return snapshot(kv.tree, stores, namespace_prefix, depth, min_tokens)
+        return snapshot(kv.tree, kv.tiers.stores, namespace_prefix, depth, min_tokens)
 
     def close(self) -> None:
         """Finish queued writes to the disk tier and stop the copy threads (the engine is done)."""

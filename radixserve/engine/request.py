@@ -1,7 +1,7 @@
 """Request: the state of one sample as it moves through the engine (waiting -> running -> finished).
 
 A core record (identity, tokens, progress, timing) plus typed sub-records, each written by one owner:
-``pages`` (``cache/kv_manager.py``'s ``RequestPages``: the page table, the tree lock, a load from the
+``pages`` (``cache/request_pages.py``'s ``RequestPages``: the page table, the tree lock, a load from the
 lower tiers), ``grammar`` (``Constraint``: the compile, then the matcher), ``spec``
 (``engine/speculation.py``'s ``Speculation``, written by the ``Speculator``: drafts and the adaptive
 state) and ``text`` (``TextStream``: detokenization and stop strings). Only ``RequestPages`` is
@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from radixserve.cache.kv_manager import RequestPages
+from radixserve.cache.request_pages import RequestPages
 
 if TYPE_CHECKING:
     from concurrent.futures import Future

@@ -110,7 +110,7 @@ class Scheduler:
             inflight.append(req)
 
     def _shares_inflight_prefix(self, req: Request, cached: int, inflight: list[Request]) -> bool:
-        if self.kv_manager.tree is None:
+        if not self.kv_manager.prefix_cache:
             return False
         end = cached + MIN_SHARED_TOKENS
         if req.num_tokens - 1 < end:
@@ -153,5 +153,5 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
             self.kv_manager.forget_load(req)
-        self.kv_manager.end_pin(req)  # held if its prefix is cached, else it goes
+        self.kv_manager.end(req)  # its listeners hear it (a pin: held if its prefix is cached, else it goes)
         req.status = Status.FINISHED

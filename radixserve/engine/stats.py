@@ -31,7 +31,7 @@ class EngineStats(msgspec.Struct, array_like=True, kw_only=True):
     spec_accepted: dict[str, int] = msgspec.field(default_factory=dict)
     spec_verify_steps: int = 0  # request-steps that verified drafts
     spec_emitted: int = 0  # tokens those steps produced: the accepted drafts plus one each
-    # Cache control (cache/pins.py): device pages held by pins, and the pins (held or pending).
+    # Cache control (cache/pins/): device pages held by pins, and the pins (held or pending).
     pinned_pages: int = 0
     num_pins: int = 0
 

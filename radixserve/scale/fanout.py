@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from radixserve.cache.pin_types import PinInfo, PinSpec, PrefixEviction, WarmResult
+from radixserve.cache.pins.types import PinInfo, PinSpec, PrefixEviction, WarmResult
 from radixserve.cache.tree_view import CacheTree
 from radixserve.engine.stats import EngineStats, sum_stats
 from radixserve.server.engine_api import EngineUnavailableError

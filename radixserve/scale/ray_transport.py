@@ -19,7 +19,8 @@ import msgspec
 
 from radixserve.engine.stats import EngineStats
 from radixserve.scale.fanout import CALL_TIMEOUT_S
-from radixserve.scale.replica import ReplicaError, RouteKey, WarmCall, split_pin_id
+from radixserve.cache.pins.ids import split_pin_id
+from radixserve.scale.replica import ReplicaError, RouteKey, WarmCall
 from radixserve.scale.router_metrics import router_metrics
 from radixserve.server.engine_api import SESSION_ID
 

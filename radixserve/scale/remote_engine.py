@@ -14,7 +14,7 @@ Invariants:
 - Cache control, the cache tree and the stats go through ``FanOut`` (scale/fanout.py) over the
   replicas (scale/ray_transport.py): a warm goes where the router would send its prompt, or with
   ``replicas="all"`` to every replica; a pin made by a request lives on the replica that served it;
-  a pin's id names its replica (``replica.split_pin_id``), so a deletion goes to that one only.
+  a pin's id names its replica (``cache/pins/ids.py``), so a deletion goes to that one only.
 - ``stats()`` sums the replicas' latest stats (polled every ``STATS_PERIOD_S``); its ``num_waiting``
   adds the requests Serve still holds for want of a free replica (ours in flight beyond what the
   replicas report running or waiting), so the queue depth counts every request not yet scheduled.
@@ -37,7 +37,7 @@ from typing import Any
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from radixserve.cache.pin_types import PinSpec
+from radixserve.cache.pins.types import PinSpec
 from radixserve.engine.prompt import Prompt, tokenize
 from radixserve.engine.stats import EngineStats
 from radixserve.model.loader import load_tokenizer, resolve_model_path

@@ -10,8 +10,9 @@ Invariants:
   them, and every event of a request is published before its ``Finished`` item is sent: a client
   that waits for an answer and then asks a follow-up is routed on a cache state that includes it.
 - A replica registers with the index when it starts, so the ingress knows it before its first event.
-- Pin ids leave a replica as ``<replica id>.<engine's pin id>`` (``PIN_SEP``), so the ingress sends a
-  pin's deletion to the one replica that holds it, and ids of different replicas never collide. The
+- Pin ids leave a replica as ``<replica id>.<engine's pin id>`` (``cache/pins/ids.py``), so the
+  ingress sends a pin's deletion to the one replica that holds it, and ids of different replicas
+  never collide. The
   index's pins of this replica are what its engine's pin table holds (``_sync_pins``: after every
   pin, unpin and eviction, and every ``PIN_SYNC_PERIOD_S`` while it holds any), each keyed by the
   tokens of the request that made it.
@@ -30,7 +31,8 @@ from typing import Any, Literal, TypeVar
 import msgspec
 
 from radixserve.cache.events import KVEvents
-from radixserve.cache.pin_types import PinInfo, PinRef, PinSpec, PrefixEviction, WarmResult
+from radixserve.cache.pins.ids import scoped
+from radixserve.cache.pins.types import PinInfo, PinRef, PinSpec, PrefixEviction, WarmResult
 from radixserve.cache.tree_view import CacheTree
 from radixserve.config import EngineConfig
 from radixserve.engine.stats import EngineStats
@@ -53,17 +55,6 @@ logger = logging.getLogger("radixserve.scale")
 
 PUBLISH_PERIOD_S = 0.05  # events of long requests (chunked prefills) are published at least this often
 PIN_SYNC_PERIOD_S = 1.0  # how soon the index forgets a pin whose TTL passed
-PIN_SEP = "."  # between the replica id and the engine's pin id (Serve's replica ids have no dot)
-
-
-def replica_pin_id(replica: str, pin_id: str) -> str:
-    return f"{replica}{PIN_SEP}{pin_id}"
-
-
-def split_pin_id(pin_id: str) -> tuple[str, str] | None:
-    """The replica and the engine's pin id of a scaled-out pin id, or None for one that is not."""
-    replica, sep, own = pin_id.partition(PIN_SEP)
-    return (replica, own) if sep and replica and own else None
 
 
 @dataclass(frozen=True)
@@ -271,7 +262,7 @@ class EngineReplica:
         return self.replica_id, None
 
     def _outward(self, pin: _Pin) -> _Pin:
-        return msgspec.structs.replace(pin, id=replica_pin_id(self.replica_id, pin.id))
+        return scoped(pin, self.replica_id)
 
     def _remember_pin(self, pin_id: str, route: RouteKey) -> None:
         self._pins[pin_id] = (route.cache_salt, list(route.token_ids))

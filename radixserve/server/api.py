@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import msgspec
 from starlette.requests import Request
 
-from radixserve.cache.pin_types import PinSpec
+from radixserve.cache.pins.types import PinSpec
 from radixserve.chat_template import template_source
 from radixserve.outputs import RequestOutput, TokenLogprob
 from radixserve.sampling.grammar import strict_schema

@@ -32,7 +32,7 @@ import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
 
 from radixserve.cache.events import KVEvent, KVEvents
-from radixserve.cache.pin_types import PinInfo, PinSpec, PrefixEviction, WarmResult
+from radixserve.cache.pins.types import PinInfo, PinSpec, PrefixEviction, WarmResult
 from radixserve.cache.tree_view import CacheTree
 from radixserve.config import EngineConfig
 from radixserve.engine.deltas import OutputAssembler

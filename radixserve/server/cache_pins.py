@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
-from radixserve.cache.pin_types import MAX_PIN_TTL_S, PinSpec
+from radixserve.cache.pins.types import MAX_PIN_TTL_S, PinSpec
 from radixserve.server import protocol as p
 from radixserve.server import protocol_chat as c
 from radixserve.server.http_util import ApiError

@@ -15,7 +15,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixserve.cache.pin_types import WarmResult
+from radixserve.cache.pins.types import WarmResult
 from radixserve.server import protocol_cache as pc
 from radixserve.server.api import ApiContext
 from radixserve.server.cache_pins import pin_spec

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from radixserve.cache.pin_types import PinInfo, PinSpec, PrefixEviction, WarmResult
+from radixserve.cache.pins.types import PinInfo, PinSpec, PrefixEviction, WarmResult
 from radixserve.cache.tree_view import CacheTree
 from radixserve.engine.deltas import OutputAssembler
 from radixserve.engine.prompt import Prompt

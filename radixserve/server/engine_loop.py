@@ -140,7 +140,7 @@ class EngineLoop:
         self._decoder = msgspec.msgpack.Decoder(ToEngine)
         self.kv_log: KVEventLog | None = None
         tree = engine.kv_manager.tree
-        if engine.config.kv_events and tree is not None:
+        if engine.config.kv_events and engine.kv_manager.prefix_cache:
             # Without lower tiers the seed only has to agree between replicas of one model.
             log = KVEventLog(b"", engine.config.page_size)
             log.seed = tree.listen(log, b"radixserve-kv-events")

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import msgspec
 from starlette.responses import Response, StreamingResponse
 
-from radixserve.cache.pin_types import TIERS
+from radixserve.cache.request_pages import TIERS
 from radixserve.errors import InvalidRequestError
 from radixserve.outputs import RequestOutput
 from radixserve.server import protocol as p

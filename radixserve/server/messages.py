@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Generic, Literal, TypeVar, get_args, get_origi
 import msgspec
 
 from radixserve.cache.events import KVEvents
-from radixserve.cache.pin_types import PinInfo, PinSpec, PrefixEviction
+from radixserve.cache.pins.types import PinInfo, PinSpec, PrefixEviction
 from radixserve.cache.tree_view import CacheTree
 from radixserve.engine.deltas import StepOutput
 from radixserve.engine.stats import EngineStats
@@ -41,7 +41,7 @@ class _Message(msgspec.Struct, tag=True, array_like=True, kw_only=True):
 # -- API server -> engine ---------------------------------------------------------------------------
 class AddRequest(_Message, kw_only=True):
     """One prompt (n samples), already tokenized by the API server. ``pin``: keep the prompt's prefix
-    cached (cache/pins.py); ``warm``: a prefill-only request, which computes the prompt's whole pages
+    cached (cache/pins/); ``warm``: a prefill-only request, which computes the prompt's whole pages
     into the cache, samples nothing and ends with finish reason "warm"."""
 
     request_id: str

@@ -1,4 +1,4 @@
-"""Pins in the cache (cache/pins.py, RadixCache.pin): protection from eviction until the TTL passes, a
+"""Pins in the cache (cache/pins/, RadixCache.pin): protection from eviction until the TTL passes, a
 hit renews it, the budget per tenant, the pinned sizes, eviction by prefix. No model: the tree and the
 manager over plain page numbers, with an injected clock."""
 
@@ -9,8 +9,9 @@ import math
 import pytest
 
 from radixserve.cache.kv_manager import KVCacheManager
-from radixserve.cache.pin_types import MAX_PIN_TTL_S, PinSpec
-from radixserve.cache.pins import tenant_of
+from radixserve.cache.pins.control import PinControl
+from radixserve.cache.pins.table import PinTable, tenant_of
+from radixserve.cache.pins.types import MAX_PIN_TTL_S, PinSpec
 from radixserve.errors import InvalidRequestError, PinBudgetError
 
 PS = 4
@@ -24,18 +25,16 @@ class Clock:
         return self.t
 
 
-def manager(num_pages: int = 32, fraction: float = 0.5, reserve: int = 0) -> tuple[KVCacheManager, Clock]:
+def manager(
+    num_pages: int = 32, fraction: float = 0.5, reserve: int = 0
+) -> tuple[KVCacheManager, PinTable, Clock]:
     kv = KVCacheManager(num_pages, PS, prefix_cache=True)
-    clock = Clock()
-    kv.enable_pins(fraction, reserve)
-    assert kv.pins is not None and kv.tree is not None
-    kv.pins._clock = clock  # the injectable clock
-    return kv, clock
+    clock = Clock()  # the injectable clock
+    return kv, PinControl(kv, fraction, reserve, clock).table, clock
 
 
 def cache(kv: KVCacheManager, tokens: list[int], namespace: str | None = None) -> None:
     """Put ``tokens`` (whole pages) into the tree as a finished request would."""
-    assert kv.tree is not None
     pages = kv.allocator.allocate(len(tokens) // PS)
     existing = kv.tree.insert(tokens, pages, namespace).num_existing
     kv.allocator.free(pages[: existing // PS])
@@ -53,14 +52,13 @@ def pressure(kv: KVCacheManager, seed: int) -> None:
 
 
 def test_a_pin_keeps_its_prefix_through_pressure_until_its_ttl_then_it_is_evictable() -> None:
-    kv, clock = manager()
-    pins, tree = kv.pins, kv.tree
-    assert pins is not None and tree is not None
+    kv, pins, clock = manager()
+    tree = kv.tree
     system, other = list(range(100, 116)), list(range(200, 216))
     cache(kv, system)
     cache(kv, other)
     pin = pins.grant(system + [1, 2], None, PinSpec(ttl_s=60))
-    assert pins.hold(pin) and tree.pinned_pages() == 4
+    assert pins.hold(pin) and pins.pages(everyone=True) == 4
     check(kv)
     pressure(kv, 1)
     assert tree.prefix_len(system) == 16, "the pinned prefix was evicted"
@@ -68,14 +66,13 @@ def test_a_pin_keeps_its_prefix_through_pressure_until_its_ttl_then_it_is_evicta
     check(kv)
     clock.t += 61
     pressure(kv, 2)
-    assert tree.prefix_len(system) == 0 and tree.pinned_pages() == 0 and len(pins) == 0
+    assert tree.prefix_len(system) == 0 and pins.pages(everyone=True) == 0 and len(pins) == 0
     check(kv)
 
 
 def test_a_hit_renews_the_ttl() -> None:
-    kv, clock = manager()
-    pins, tree = kv.pins, kv.tree
-    assert pins is not None and tree is not None
+    kv, pins, clock = manager()
+    tree = kv.tree
     system = list(range(100, 116))
     cache(kv, system)
     pin = pins.grant(system, None, PinSpec(ttl_s=60))
@@ -92,46 +89,40 @@ def test_a_hit_renews_the_ttl() -> None:
 
 
 def test_the_same_prefix_pinned_twice_is_one_pin_with_the_longer_ttl() -> None:
-    kv, clock = manager()
-    pins = kv.pins
-    assert pins is not None
+    kv, pins, clock = manager()
     system = list(range(100, 116))
     cache(kv, system, "ns")
     a = pins.grant(system, "ns", PinSpec(ttl_s=60))
     assert pins.hold(a)
     b = pins.grant(system + [5], "ns", PinSpec(ttl_s=600))
     assert a is b and len(pins) == 1 and b.ttl_s == 600 and b.expires_at == clock.t + 600
-    assert pins.hold(b) and kv.tree is not None and kv.tree.pinned_pages() == 4  # held once
+    assert pins.hold(b) and pins.pages(everyone=True) == 4  # held once
     other_ns = pins.grant(system, "other", PinSpec(ttl_s=60))
     assert other_ns is not a
     check(kv)
 
 
 def test_over_the_budget_is_refused_and_changes_nothing() -> None:
-    kv, _ = manager(num_pages=32, fraction=0.25)  # 8 pages per tenant
-    pins, tree = kv.pins, kv.tree
-    assert pins is not None and tree is not None
+    kv, pins, _ = manager(num_pages=32, fraction=0.25)  # 8 pages per tenant
     first, second, third = (list(range(s, s + 16)) for s in (100, 200, 300))
     for p in (first, second, third):
         cache(kv, p)
     held = [pins.grant(p, None, PinSpec(ttl_s=60)) for p in (first, second)]
     for pin in held:
         pins.hold(pin)
-    before = (tree.pinned_pages(), [(p.id, p.expires_at) for p in pins])
+    before = (pins.pages(everyone=True), [(p.id, p.expires_at) for p in pins])
     with pytest.raises(PinBudgetError) as err:
         pins.grant(third, None, PinSpec(ttl_s=60, param="cache_control"))
     assert err.value.param == "cache_control" and err.value.code == "pin_budget_exceeded"
     assert err.value.status == 429 and "8 pages pinned of 8 allowed" in str(err.value)
-    assert (tree.pinned_pages(), [(p.id, p.expires_at) for p in pins]) == before
+    assert (pins.pages(everyone=True), [(p.id, p.expires_at) for p in pins]) == before
     # An extension of a pinned prefix needs only its new pages; a prefix already pinned, none.
     assert pins.grant(first, None, PinSpec(ttl_s=5)) is held[0]
     check(kv)
 
 
 def test_each_key_has_its_own_budget_and_all_keys_leave_the_reserve() -> None:
-    kv, _ = manager(num_pages=32, fraction=0.25, reserve=16)  # 8 pages a key, 16 over all keys
-    pins = kv.pins
-    assert pins is not None
+    kv, pins, _ = manager(num_pages=32, fraction=0.25, reserve=16)  # 8 pages a key, 16 over all keys
     assert tenant_of("key:abc/doc") == "key:abc" and tenant_of("doc") is None
     for i, ns in enumerate(("key:a", "key:b/x")):
         pins.grant(list(range(100 * i, 100 * i + 32)), ns, PinSpec(ttl_s=60))  # 8 pages each: pending
@@ -142,45 +133,41 @@ def test_each_key_has_its_own_budget_and_all_keys_leave_the_reserve() -> None:
 
 @pytest.mark.parametrize("ttl", [0.0, -5.0, MAX_PIN_TTL_S + 1, math.nan])
 def test_a_ttl_out_of_range_is_refused_naming_the_field(ttl: float) -> None:
-    kv, _ = manager()
-    assert kv.pins is not None
+    kv, pins, _ = manager()
     with pytest.raises(InvalidRequestError) as err:
-        kv.pins.grant(list(range(16)), None, PinSpec(ttl_s=ttl, param="pin"))
-    assert err.value.param == "pin" and err.value.code == "invalid_ttl" and len(kv.pins) == 0
+        pins.grant(list(range(16)), None, PinSpec(ttl_s=ttl, param="pin"))
+    assert err.value.param == "pin" and err.value.code == "invalid_ttl" and len(pins) == 0
 
 
 def test_a_prompt_shorter_than_a_page_cannot_be_pinned() -> None:
-    kv, _ = manager()
-    assert kv.pins is not None
+    kv, pins, _ = manager()
     with pytest.raises(InvalidRequestError) as err:
-        kv.pins.grant([1, 2, 3], None, PinSpec(ttl_s=60))
-    assert err.value.code == "prompt_too_short" and len(kv.pins) == 0
+        pins.grant([1, 2, 3], None, PinSpec(ttl_s=60))
+    assert err.value.code == "prompt_too_short" and len(pins) == 0
 
 
 def test_pin_counts_move_pinned_sizes_only_on_zero_one_and_survive_splits() -> None:
-    kv, _ = manager()
-    pins, tree = kv.pins, kv.tree
-    assert pins is not None and tree is not None
+    kv, pins, _ = manager()
+    tree = kv.tree
     long = list(range(100, 132))  # 8 pages
     cache(kv, long)
     outer = pins.grant(long, None, PinSpec(ttl_s=60))
     pins.hold(outer)
     inner = pins.grant(long[:12], None, PinSpec(ttl_s=60))  # splits the pinned node
     pins.hold(inner)
-    assert tree.pinned_pages() == 8 and tree.evictable_pages == 0
+    assert pins.pages(everyone=True) == 8 and tree.evictable_pages == 0
     check(kv)
     pins.drop(outer)
-    assert tree.pinned_pages() == 3 and tree.evictable_pages == 5
+    assert pins.pages(everyone=True) == 3 and tree.evictable_pages == 5
     check(kv)
     pins.drop(inner)
-    assert tree.pinned_pages() == 0 and tree.protected_pages == 0
+    assert pins.pages(everyone=True) == 0 and tree.protected_pages == 0
     check(kv)
 
 
 def test_evict_by_prefix_frees_the_prefix_and_its_continuations_but_no_shared_page() -> None:
-    kv, _ = manager()
-    pins, tree = kv.pins, kv.tree
-    assert pins is not None and tree is not None
+    kv, pins, _ = manager()
+    tree = kv.tree
     shared = list(range(100, 108))  # 2 pages shared by both documents
     doc_a, doc_b = shared + list(range(200, 208)), shared + list(range(300, 312))
     cache(kv, doc_a)
@@ -196,17 +183,19 @@ def test_evict_by_prefix_frees_the_prefix_and_its_continuations_but_no_shared_pa
     assert kv.evict_prefix(list(range(900, 908)), None).freed_pages == 0  # nothing cached: nothing freed
 
 
-def test_check_integrity_catches_a_wrong_pinned_count() -> None:
-    kv, _ = manager()
-    assert kv.pins is not None and kv.tree is not None
+def test_check_integrity_catches_a_pin_that_lost_its_lock() -> None:
+    kv, pins, _ = manager()
     cache(kv, list(range(16)))
-    pin = kv.pins.grant(list(range(16)), None, PinSpec(ttl_s=60))
-    kv.pins.hold(pin)
-    kv.tree._pinned[None] += 1
-    with pytest.raises(AssertionError, match="pinned_pages"):
+    pin = pins.grant(list(range(16)), None, PinSpec(ttl_s=60))
+    assert pins.hold(pin) and pin.node is not None
+    check(kv)
+    kv.tree.unlock(pin.node)  # behind the pin table's back: its pages are evictable now
+    with pytest.raises(AssertionError, match="pin"):
         check(kv)
 
 
-def test_without_a_prefix_cache_there_is_no_pin_table() -> None:
+def test_without_a_prefix_cache_a_pin_is_refused() -> None:
     kv = KVCacheManager(8, PS, prefix_cache=False)
-    assert kv.enable_pins(0.25, 0) is None and kv.pins is None
+    with pytest.raises(InvalidRequestError) as err:
+        PinControl(kv, 0.25, 0).grant(list(range(16)), None, PinSpec(ttl_s=60))
+    assert err.value.code == "prefix_cache_off"

@@ -10,17 +10,15 @@ import pytest
 import torch
 
 from radixserve import Engine, SamplingParams
-from radixserve.cache import tier_controller
+from radixserve.cache import tier_controller, tier_setup
+from radixserve.cache.listener import CachedChunk
 from radixserve.cache.page_pool import KVPool
 from radixserve.cache.radix import RadixCache
-from radixserve.cache.tier_controller import (
-    DISK_DEFAULT_MAX_BYTES,
-    TierController,
-    WritePolicy,
-    default_disk_bytes,
-)
+from radixserve.cache.tier_controller import TierController, WritePolicy
+from radixserve.cache.tier_setup import DISK_DEFAULT_MAX_BYTES, default_disk_bytes
 from radixserve.cache.tiers import DiskStore, HostStore
 from radixserve.config import EngineConfig
+from radixserve.engine.request import Request
 from radixserve.model.attention import TorchBackend, get_backend
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
@@ -60,7 +58,8 @@ def test_each_policy_copies_on_its_own_event_only(policy: WritePolicy) -> None:
     tree = RadixCache(PAGE, on_free=lambda pages: None, tiers=ctl)
     node = tree.insert([1, 2, 3, 4], [5, 6]).node
     keys, pages = list(node.hashes), list(node.pages)
-    ctl.on_cached(node, added_pages=True)
+    req = Request("r", "r", 0, [1, 2, 3, 4], 4, SamplingParams())
+    ctl.on_cached(CachedChunk(req, node, 4, added_pages=True, duplicates=[], kept=[]))
     if _held(ctl, pages, keys):
         copied_on.append("cached")
         assert node.backed_up
@@ -69,10 +68,10 @@ def test_each_policy_copies_on_its_own_event_only(policy: WritePolicy) -> None:
     tree = RadixCache(PAGE, on_free=lambda pages: None, tiers=ctl)
     tree.insert([1, 2, 3, 4], [5, 6])
     m = tree.match_prefix([1, 2, 3, 4])
-    ctl.on_hit(tree.path(m.node))
+    ctl.on_hit(list(tree.path(m.node)))
     assert not _held(ctl, m.pages, m.node.hashes), "copied below the threshold"
     m = tree.match_prefix([1, 2, 3, 4])
-    ctl.on_hit(tree.path(m.node))
+    ctl.on_hit(list(tree.path(m.node)))
     if _held(ctl, m.pages, m.node.hashes):
         copied_on.append("hit")
     # The device evicts pages that have no copy below (write_back's).
@@ -82,7 +81,7 @@ def test_each_policy_copies_on_its_own_event_only(policy: WritePolicy) -> None:
     keys = list(node.hashes)
     evicted = tree.evict(2)
     assert evicted.unbacked_pages == [5, 6] and evicted.unbacked_keys == keys
-    ctl.on_evicted(evicted)
+    ctl.on_evicted(evicted, by_prefix=False)
     if _held(ctl, [5, 6], keys):
         copied_on.append("evicted")
     expected = {
@@ -121,7 +120,7 @@ def test_tier_page_copies_go_through_the_selected_backend(
     monkeypatch.setattr("radixserve.engine.builder.select_backend", lambda name, device: spy)
     eng = Engine(str(tiny_llama), page_size=4, num_pages=40, host_cache_gb=200 * 1024 / 2**30)
     tiers = eng.kv_manager.tiers
-    assert tiers is not None and tiers.backend is spy and eng.runner.backend is spy
+    assert isinstance(tiers, TierController) and tiers.backend is spy and eng.runner.backend is spy
     prompt = list(range(10, 90)) + [5]
     first = eng.generate([prompt], GREEDY)[0]
     assert "gather" in calls and "scatter" not in calls  # write-through copied the prefix down
@@ -140,7 +139,7 @@ def test_tier_page_copies_go_through_the_selected_backend(
 
 def _free_space(monkeypatch: pytest.MonkeyPatch, free: int) -> None:
     usage = shutil._ntuple_diskusage(10 * free, 9 * free, free)  # type: ignore[attr-defined]
-    monkeypatch.setattr(tier_controller.shutil, "disk_usage", lambda path: usage)
+    monkeypatch.setattr(tier_setup.shutil, "disk_usage", lambda path: usage)
 
 
 def test_disk_dir_alone_gets_a_share_of_the_free_space(
@@ -156,7 +155,7 @@ def test_disk_dir_alone_gets_a_share_of_the_free_space(
     _free_space(monkeypatch, 50 * 2**20)
     eng = Engine(str(tiny_llama), page_size=4, num_pages=40, disk_cache_dir=str(tmp_path / "kv"))
     tiers = eng.kv_manager.tiers
-    assert tiers is not None
+    assert isinstance(tiers, TierController)
     (disk,) = tiers.stores
     assert isinstance(disk, DiskStore) and disk.stats.capacity_bytes == 5 * 2**20
     out = eng.generate([list(range(10, 50))], GREEDY)[0]

@@ -21,7 +21,7 @@ from radixserve import Engine, SamplingParams
 from radixserve.cache.radix import RadixCache
 from radixserve.cache.radix_node import EvictResult
 from radixserve.cache.scores import ScoreTable
-from radixserve.cache.tiers import DiskStore, HostStore, namespace_key, page_key
+from radixserve.cache.tiers import DiskStore, HostStore, chain_keys, namespace_key, page_key
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 PAGE = 4
@@ -188,7 +188,7 @@ def _page_file(model: Path, kv: Path, doc: list[int], page: int) -> Path:
     chain)."""
     tree = engine(model, 8, host_cache_gb=gb(1)).kv_manager.tree
     assert tree is not None
-    keys = list(tree._chain(tree._last_key(tree._root(None)), doc, 0, len(doc)))
+    keys = list(chain_keys(tree._last_key(tree._root(None)), doc, 0, len(doc), tree.page_size))
     return kv / f"{keys[page].hex()}.kv"
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from radixserve.cache.pin_types import PinInfo, PinSpec, PrefixEviction, WarmResult
+from radixserve.cache.pins.types import PinInfo, PinSpec, PrefixEviction, WarmResult
 from radixserve.cache.tree_view import CacheNamespace, CacheNode, CacheTree
 from radixserve.disagg.dispatch import MAX_ATTEMPTS, NO_PREFILL, prefill_job, run_prefill
 from radixserve.disagg.metrics import TransferMetrics

@@ -17,7 +17,7 @@ import msgspec
 import pytest
 import zmq
 
-from radixserve.cache.pin_types import PinInfo, PrefixEviction
+from radixserve.cache.pins.types import PinInfo, PrefixEviction
 from radixserve.cache.tree_view import CacheTree
 from radixserve.engine.engine import Engine
 from radixserve.errors import InvalidRequestError, PinBudgetError

@@ -1,11 +1,12 @@
 """Pins: prefixes an application asked the cache to keep, each until its TTL passes after its last hit.
 
 A ``Pin`` is a prefix (whole pages) of one namespace. It is *pending* from the moment it is granted
-(its request was accepted) until the prefix is in the tree, then *held*: ``RadixCache.pin`` locks the
-node that ends it, so no eviction can take its pages (the pool's pressure falls on the unpinned
-prefixes). Every request (or warm) whose match covers the whole pinned prefix is a hit and moves its
-expiry to ``now + ttl_s``; a pin past its expiry is dropped at the next look (``expire``), and its pages
-are ordinary cache again. The clock is injectable (``clock``; tests move it with ``advance``).
+(its request was accepted) until the prefix is in the tree, then *held*: the table locks the node
+that ends it (``RadixCache.lock``, one lock per pin), so no eviction can take its pages (the pool's
+pressure falls on the unpinned prefixes). Every request (or warm) whose match covers the whole pinned
+prefix is a hit and moves its expiry to ``now + ttl_s``; a pin past its expiry is dropped at the next
+look (``expire``), and its pages are ordinary cache again. The clock is injectable (``clock``; tests
+move it with ``advance``).
 
 The budget (``max_pinned_fraction`` of the device pool) is per tenant: the namespace's first ``/``
 segment when it is a key's salt (``key:...``, ``--salt-per-key``), one shared budget otherwise. Over all
@@ -17,18 +18,21 @@ are not counted twice.
 The same prefix pinned again in the same namespace is the same pin: its TTL becomes the longer of the
 two and its expiry is refreshed, so a chat that marks its system prompt on every turn holds one pin.
 
-Invariants (``check_integrity``): a held pin's node is attached and ``pin_ref`` of every node equals
-the held pins on it or below it; pending pins hold nothing in the tree.
+The pinned pages are those of every node on a held pin's path, counted once (``pages``): pins are
+closed under prefixes, so a node is pinned exactly when a held pin ends on it or below it.
+
+Invariants (``check_integrity``): a held pin's node is attached, and every node's ``lock_ref`` is at
+least the number of held pins ending on it or below it; pending pins hold nothing in the tree.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 
-from radixserve.cache.pin_types import MAX_PIN_TTL_S, PinInfo, PinRef, PinSpec
+from radixserve.cache.pins.types import MAX_PIN_TTL_S, Pin, PinInfo, PinSpec
 from radixserve.cache.radix import RadixCache
 from radixserve.cache.radix_node import TreeNode
 from radixserve.errors import InvalidRequestError, PinBudgetError
@@ -60,21 +64,6 @@ def check_spec(spec: PinSpec) -> None:
         )
 
 
-@dataclass(eq=False)
-class Pin:
-    id: str
-    namespace: Hashable
-    tokens: tuple[int, ...]  # the pinned prefix, whole pages
-    ttl_s: float
-    created_at: float
-    expires_at: float
-    hits: int = 0
-    node: TreeNode | None = None  # held: the locked node that ends ``tokens``; None while pending
-
-    def ref(self) -> PinRef:
-        return PinRef(id=self.id, expires_at=self.expires_at, tokens=len(self.tokens), ttl_s=self.ttl_s)
-
-
 class PinTable:
     """The pins of one tree, their budget and their clock; touched by the stepping thread only."""
 
@@ -95,7 +84,7 @@ class PinTable:
         self._pins: dict[str, Pin] = {}
         self._by_prefix: dict[tuple[Hashable, tuple[int, ...]], Pin] = {}
         self._by_node: dict[int, list[Pin]] = {}  # id(node) -> the held pins ending there
-        # Told of changes (cache/pin_store.py: the pin file, and pages written through to disk).
+        # Told of changes (cache/pins/store.py: the pin file, and pages written through to disk).
         self.on_change: Callable[[], None] | None = None
         self.on_hold: Callable[[TreeNode], None] | None = None
 
@@ -151,7 +140,7 @@ class PinTable:
         node, num_tokens = self.tree.node_at(pin.tokens, pin.namespace)
         if num_tokens < len(pin.tokens):
             return False
-        self.tree.pin(node)
+        self.tree.lock(node)
         pin.node = node
         self._by_node.setdefault(id(node), []).append(pin)
         if self.on_hold is not None:
@@ -184,7 +173,7 @@ class PinTable:
             held.remove(pin)
             if not held:
                 del self._by_node[id(pin.node)]
-            self.tree.unpin(pin.node)
+            self.tree.unlock(pin.node)
             pin.node = None
         self._changed()
 
@@ -245,20 +234,28 @@ class PinTable:
             return everyone or tenant_of(ns) == tenant
 
         pending = [p for p in self._pins.values() if p.node is None and mine(p.namespace)]
-        return self.tree.pinned_pages(mine) + sum(len(p.tokens) // self.page_size for p in pending)
+        held = sum(len(n.pages) for n in self._pinned_nodes().values() if mine(n.namespace))
+        return held + sum(len(p.tokens) // self.page_size for p in pending)
+
+    def _pinned_nodes(self) -> dict[int, TreeNode]:
+        """Every node on a held pin's path, by id()."""
+        pins = [p for held in self._by_node.values() for p in held]
+        return {id(n): n for p in pins if p.node is not None for n in self.tree.path(p.node)}
 
     def check_integrity(self) -> None:
-        held: dict[int, int] = {}
+        held: Counter[int] = Counter()
         for pin in self._pins.values():
             assert self._by_prefix[(pin.namespace, pin.tokens)] is pin, f"pin {pin.id} is not indexed"
             if pin.node is None:
                 continue
             node = pin.node
+            assert pin in self._by_node.get(id(node), ()), f"pin {pin.id} is not indexed by its node"
             assert node.is_root or node.parent is not None, f"pin {pin.id}: its node was evicted"
-            for n in self.tree.path(node):
-                held[id(n)] = held.get(id(n), 0) + 1
+            held.update(id(n) for n in self.tree.path(node))
+        assert sum(map(len, self._by_node.values())) == sum(p.node is not None for p in self), "stale pins"
         for node in self.tree.nodes():
-            assert node.pin_ref == held.get(id(node), 0), f"{node!r}: pin_ref {node.pin_ref} for its pins"
+            pins = held.get(id(node), 0)
+            assert node.lock_ref >= pins, f"{node!r}: lock_ref {node.lock_ref} below its {pins} pin(s)"
 
     # -- the budget --------------------------------------------------------------------------------
     def _check_budget(self, whole: tuple[int, ...], namespace: Hashable, param: str) -> None:
@@ -284,11 +281,12 @@ class PinTable:
 
     def _pinned_len(self, whole: tuple[int, ...], namespace: Hashable) -> int:
         """How much of ``whole`` the tree already holds pinned (pins are closed under prefixes)."""
+        pinned = self._pinned_nodes()
         node = self.tree.root(namespace)
         i = 0
         while node is not None and i < len(whole):
             child = node.children.get(self.tree.child_key(whole[i : i + self.page_size]))
-            if child is None or child.pin_ref == 0 or tuple(whole[i : i + len(child.key)]) != child.key:
+            if child is None or id(child) not in pinned or tuple(whole[i : i + len(child.key)]) != child.key:
                 break
             i += len(child.key)
             node = child

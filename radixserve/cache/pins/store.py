@@ -1,7 +1,8 @@
 """Pins that outlive the process: their metadata in a small file beside the disk tier, their pages in it.
 
-With a disk tier, a pin's pages are written through to every tier when it is held (``TierController.
-persist``), and the pin table's records (namespace, prefix tokens, TTL, expiry, hits) are written to
+With lower tiers, a pin's pages are written through to every tier when it is held
+(``TierController.copy_everywhere``: they must outlive the device's). With a disk tier, the pin
+table's records (namespace, prefix tokens, TTL, expiry, hits) are written to
 ``pins-<fingerprint>.json`` in the disk tier's directory whenever a pin is granted, held or dropped,
 and with each hit (by the tier controller's writer thread: the stepping thread does no file I/O). The
 page format is unchanged: pages are found by their chain keys, as any disk page is.
@@ -24,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from radixserve.cache.page_pool import PageAllocator
-from radixserve.cache.pin_types import PinSpec
-from radixserve.cache.pins import Pin, PinTable
+from radixserve.cache.pins.table import PinTable
+from radixserve.cache.pins.types import Pin, PinSpec
 from radixserve.cache.radix import RadixCache
 from radixserve.cache.tier_controller import TierController
 from radixserve.errors import InvalidRequestError
@@ -69,10 +70,12 @@ class PinFile:
             return []
 
 
-def keep_pins_on_disk(
+def keep_pins_below(
     pins: PinTable, tree: RadixCache, allocator: PageAllocator, tiers: TierController
 ) -> None:
-    """With a disk tier: restore the pins its file holds, then keep the file up to date."""
+    """A held pin's pages get a copy in every tier; with a disk tier, restore the pins its file holds,
+    then keep the file up to date."""
+    pins.on_hold = lambda node: tiers.copy_everywhere(tree.path(node))
     directory = tiers.disk_dir
     if directory is None:
         return

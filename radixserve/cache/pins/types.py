@@ -1,23 +1,25 @@
 """The vocabulary of cache control (docs/cache.md, "Cache control"): what a pin asks for (``PinSpec``),
-what a caller learns of a pin (``PinRef``, ``PinInfo``), and what a warm or an eviction by prefix did
-(``WarmResult``, ``PrefixEviction``).
+what a caller learns of a pin (``PinRef``, ``PinInfo``), what a warm or an eviction by prefix did
+(``WarmResult``, ``PrefixEviction``), and a pin as the pin table keeps it (``Pin``).
 
-msgspec Structs, array-like and keyword-only, because they cross the engine process's boundary as
-they are (server/messages.py). The rules a pin keeps are in ``cache/pins.py``.
+The msgspec Structs are array-like and keyword-only, because they cross the engine process's boundary
+as they are (server/messages.py). The rules a pin keeps are in ``cache/pins/table.py``.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Hashable
+from dataclasses import dataclass
 
 import msgspec
+
+from radixserve.cache.radix_node import TreeNode
 
 # The longest TTL a pin may ask for: a day. A pin is a promise to keep pages out of the shared pool;
 # longer than a day it stops being a cache hint and becomes storage, which the disk tier (and the
 # client re-warming on start) does better. Anthropic's longest cache TTL is an hour.
 MAX_PIN_TTL_S = 24 * 3600.0
-
-TIERS = ("device", "host", "disk")  # the keys of ``cached_tokens_by_tier``, fastest first
 
 
 class CacheOp(enum.Enum):
@@ -48,6 +50,23 @@ class PinRef(msgspec.Struct, array_like=True, kw_only=True):
     expires_at: float  # unix seconds (the pin table's clock)
     tokens: int = 0  # the pinned prefix's length (whole pages)
     ttl_s: float = 0.0
+
+
+@dataclass(eq=False)
+class Pin:
+    """One pin: pending while ``node`` is None, held (its prefix locked in the tree) once it is set."""
+
+    id: str
+    namespace: Hashable
+    tokens: tuple[int, ...]  # the pinned prefix, whole pages
+    ttl_s: float
+    created_at: float
+    expires_at: float
+    hits: int = 0
+    node: TreeNode | None = None  # held: the locked node that ends ``tokens``; None while pending
+
+    def ref(self) -> PinRef:
+        return PinRef(id=self.id, expires_at=self.expires_at, tokens=len(self.tokens), ttl_s=self.ttl_s)
 
 
 class PinInfo(msgspec.Struct, array_like=True, kw_only=True):
