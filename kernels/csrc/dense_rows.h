@@ -10,7 +10,7 @@
 // the words k (low half) and k + 1 (high half), so `lane << 16` is weight k as fp32 and
 // `lane & 0xffff0000` is weight k + 1, both exact. x is laid out to match once per call (bf16_x_layout:
 // each block of 32 columns as its 16 even then its 16 odd columns). Against the fp32 tile's way (a
-// zero-extending, cross-lane vpmovzxwd per 16 weights) this ran the 1B layer's bf16 products 1.1-1.3x
+// zero-extending, cross-lane vpmovzxwd per 16 weights) this ran the 1B layer's bf16 products 1.05-1.3x
 // faster at 1 and 8 rows on a Zen 4 EPYC (benchmarks/results/bf16_rows.md).
 #pragma once
 
