@@ -20,7 +20,8 @@
 //   are exact in int32 (VNNI where the CPU has it, checked at run time; else AVX2's maddubs, whose
 //   16-bit pair sums cannot saturate as |q| <= 127). So this path computes what torch._int_mm computes,
 //   and the int8 mode's numerics do not change with the row count.
-// - bf16 weights and activations: converted to fp32 in registers, fp32 sums, the output rounded to bf16.
+// - bf16 weights and activations: converted to fp32 in registers, exactly (AVX-512: 32 words a load,
+//   widened by a shift and a mask, dense_rows.h), fp32 sums, the output rounded to bf16.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -47,7 +48,7 @@ using namespace dense;
 // Splits the N output rows over the threads in bands of whole tiles and runs dot_rows<M> on each.
 template <int M, typename TW, typename Store>
 void run_bands(const float* xp, int64_t Kp, const TW* w, int64_t K, int64_t N, Store store) {
-  constexpr int R = tile_rows(M);
+  constexpr int R = rows_per_tile<TW>(M);
   const int64_t tiles = (N + R - 1) / R;
   // Grain: ~64 KiB of weights a task, so a small layer does not fork more threads than it feeds.
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, R * K * int64_t(sizeof(TW))));
@@ -87,15 +88,13 @@ at::Tensor fp32_bias(const std::optional<at::Tensor>& bias) {
   return bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
 }
 
-// x rows as fp32, zero-padded to Kp columns.
+// x rows as fp32 in the layout dot_rows reads for weights of element type TW (x_layout), Kp apart.
+template <typename TW>
 std::vector<float> padded_rows(const at::Tensor& x, int64_t Kp) {
   const int64_t M = x.size(0), K = x.size(1);
   std::vector<float> xp(M * Kp, 0.f);
-  const at::Tensor xf = x.to(at::kFloat);
-  for (int64_t m = 0; m < M; ++m) {
-    const at::Tensor row = xf[m].contiguous();
-    std::memcpy(xp.data() + m * Kp, row.data_ptr<float>(), K * sizeof(float));
-  }
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  for (int64_t m = 0; m < M; ++m) x_layout<TW>(xf.data_ptr<float>() + m * K, K, xp.data() + m * Kp);
   return xp;
 }
 
@@ -247,17 +246,19 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const std::option
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "radixserve_cpu: gemv takes fp32 or bf16 weights");
   TORCH_CHECK(x.scalar_type() == dtype, "radixserve_cpu: gemv wants x of the weight's dtype");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  const int64_t Kp = round_up(K, kW);
-  const std::vector<float> xp = padded_rows(x, Kp);
   const at::Tensor bf = fp32_bias(bias);
   const float* b = bf.defined() ? bf.data_ptr<float>() : nullptr;
   if (dtype == at::kFloat) {
+    const int64_t Kp = x_cols<float>(K);
+    const std::vector<float> xp = padded_rows<float>(x, Kp);
     at::Tensor out = at::empty({M, N}, x.options());
     float* o = out.data_ptr<float>();
     dispatch_rows(M, xp.data(), Kp, weight.data_ptr<float>(), K, N,
                   [&](int m, int64_t n, float s) { o[m * N + n] = b != nullptr ? s + b[n] : s; });
     return out;
   }
+  const int64_t Kp = x_cols<uint16_t>(K);
+  const std::vector<float> xp = padded_rows<uint16_t>(x, Kp);
   at::Tensor out = at::empty({M, N}, x.options());
   auto* o = out.data_ptr<at::BFloat16>();
   const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());

@@ -98,6 +98,37 @@ def test_bf16_gemv_is_the_fp32_product_of_the_bf16_values_rounded_once() -> None
         assert _rel(got, want) < 2**-8  # one bf16 rounding of the fp32 result
 
 
+BF16_SHAPES = [(37, 53), (100, 17), (577, 130), (2048, 40), (64, 9)]  # (K, N): K off 32, and on it
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(("k", "n"), BF16_SHAPES)
+def test_bf16_gemv_is_within_fp32_summation_of_the_float64_product(k: int, n: int, bias: bool) -> None:
+    """bf16 weights times bf16 x: the float64 product of the same bf16 values, within the bound of an
+    fp32 sum of K terms (K * 2^-24 * sum |w x|, a widening to fp32 being exact) and then one bf16
+    rounding of the fp32 result (2^-8 of it), at 1, 3 and 8 rows."""
+    gen = torch.Generator().manual_seed(k + 7 * n)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    for m in (1, 3, 8):
+        x = torch.randn(m, k, generator=gen).bfloat16()
+        got = ops.gemv(x, w, b).double()
+        w64, x64 = w.double(), x.double()
+        want = x64 @ w64.T + (b.double() if b is not None else 0.0)
+        mag = x64.abs() @ w64.abs().T + (b.double().abs() if b is not None else 0.0)
+        fp32_sum = (k + 1) * 2.0**-24 * mag  # + 1: the bias added in fp32
+        allowed = fp32_sum + 2.0**-8 * (want.abs() + fp32_sum)
+        assert bool(((got - want).abs() <= allowed).all()), (m, float(((got - want).abs() / mag).max()))
+
+
+def test_a_bf16_rows_result_does_not_depend_on_its_batchmates() -> None:
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(90, 333, generator=gen).bfloat16()
+    x = torch.randn(8, 333, generator=gen).bfloat16()
+    for m in range(2, 9):
+        assert torch.equal(ops.gemv(x[:1], w, None)[0], ops.gemv(x[:m], w, None)[0])
+
+
 def test_a_rows_result_does_not_depend_on_its_batchmates() -> None:
     """Each output sums in a fixed order whatever M is: row 0 alone equals row 0 among 8 (bit for bit)."""
     gen = torch.Generator().manual_seed(5)
