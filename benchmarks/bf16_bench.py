@@ -24,18 +24,17 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from benchmarks.common import RESULTS, best_of, machine
+from benchmarks.common import best_of, machine, write_results
 
 
 def attention(repeats: int, rounds: int = 3) -> list[dict[str, Any]]:
-    from benchmarks import attention_cpu as A
+    from benchmarks import attention_steps as A
     from radixserve.model.attention import get_backend
 
     backend = get_backend("cpu")
@@ -69,7 +68,7 @@ def _calls(pairs: list[tuple[Any, torch.Tensor]]) -> Callable[[], None]:
 
 
 def products(repeats: int, rows_list: tuple[int, ...] = (1, 8, 512)) -> list[dict[str, Any]]:
-    from benchmarks.big_model import LLAMA_1B
+    from benchmarks.bench_models import LLAMA_1B
     from radixserve.model.layers import Linear
 
     s = LLAMA_1B
@@ -121,8 +120,8 @@ def steps(
     copy, was killed for memory on a shared 24 GiB machine)."""
     import dataclasses
 
-    from benchmarks.big_model import LLAMA_1B, build
-    from benchmarks.step_bench import Steps
+    from benchmarks.bench_models import LLAMA_1B, build
+    from benchmarks.steps import Steps
     from radixserve import Engine
 
     shape = (
@@ -215,10 +214,8 @@ def main() -> None:
         else:
             results[part] = attention(args.repeats)
         print(part, results[part], flush=True)
-        RESULTS.mkdir(parents=True, exist_ok=True)  # after each part: a later part's failure keeps it
-        (RESULTS / f"{args.name}.json").write_text(json.dumps(results, indent=2) + "\n")
-        (RESULTS / f"{args.name}.md").write_text(render(results))
-    print(render(results))
+        # After each part: a later part's failure keeps it.
+        write_results(args.name, results, markdown=render(results))
 
 
 if __name__ == "__main__":

@@ -22,14 +22,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import os
 from typing import Any
 
-from benchmarks.accuracy import agreement
-from benchmarks.common import RESULTS, machine
-from benchmarks.kv_dtype_bench import scores
-from benchmarks.step_bench import Steps
+from benchmarks.accuracy import agreement, offline_scores
+from benchmarks.common import machine, write_results
+from benchmarks.steps import Steps
 from radixserve import Engine, presets
 from radixserve.model.arithmetic import lists_bf16
 
@@ -38,7 +36,7 @@ def measure(
     model: str | None, knobs: dict[str, Any], args: argparse.Namespace
 ) -> tuple[list[Any], dict[str, float]]:
     engine = Engine(model=model, prefix_cache=False, kv_cache_gb=args.kv_cache_gb, **knobs)
-    scored = scores(engine)
+    scored = offline_scores(engine)
     steps = Steps(engine)
     times = {
         "prefill": steps.extend(args.prefill, 0, args.repeats),
@@ -100,8 +98,6 @@ def main() -> None:
     picked = presets.choose(measured)
     payload = {"machine": machine(), "load": load, "model": args.model or "embedded", "store": str(path)}
     payload.update({"measured": measured, "picked": picked and picked["name"], "min_top1": presets.MIN_TOP1})
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(payload, indent=2) + "\n")
     lines = [
         f"# --preset fast's candidates measured on this CPU for {payload['model']}",
         "",
@@ -121,8 +117,7 @@ def main() -> None:
             f"| {m['name']} | {100 * m['top1']:.1f}% | {m['mean_dloglik']:.4f} | {s['prefill']:.0f} | "
             f"{s['decode_b1']:.1f} | {s['decode_b8']:.1f} | {m['seconds']:.2f} |"
         )
-    (RESULTS / f"{args.name}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(args.name, payload, markdown="\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from benchmarks import big_model
-from benchmarks.big_model import LLAMA_1B, Shape
+from benchmarks import bench_models as big_model
+from benchmarks.bench_models import LLAMA_1B, Shape
 from radixserve import Engine, SamplingParams
 
 SMALL = Shape("small-test", layers=2, hidden=128, intermediate=256, heads=4, kv_heads=2)
