@@ -192,15 +192,7 @@ def _resolve_gguf(arithmetic: str, model: nn.Module) -> str:
         return "exact"
     qtype = max(set(qtypes), key=qtypes.count)
     shapes = sorted({(m.out_features, m.in_features) for m in linears})
-    times = probe(["exact", "int8"], shapes, qtype=qtype)
-    choice = min(times, key=times.__getitem__) if times else "exact"
-    logger.info(
-        "prefill_arithmetic auto over GGUF blocks: %s (timed at %d rows: %s)",
-        choice,
-        PROBE_ROWS,
-        ", ".join(f"{c} {t * 1e3:.1f} ms" for c, t in sorted(times.items())) or "no candidate ran",
-    )
-    return choice
+    return _fastest(probe(["exact", "int8"], shapes, qtype=qtype), "over GGUF blocks")
 
 
 def resolve(arithmetic: str, model: nn.Module) -> str:
@@ -245,13 +237,18 @@ def resolve(arithmetic: str, model: nn.Module) -> str:
                 "probe (it lists bf16 but does not execute it); use int8, exact or auto"
             )
         return "bfloat16"
-    ran = {c: t for c, t in times.items() if c in candidates}
-    choice = min(ran, key=ran.__getitem__) if ran else "exact"
+    return _fastest({c: t for c, t in times.items() if c in candidates}, "over the decoder's weights")
+
+
+def _fastest(times: dict[str, float], over: str) -> str:
+    """The fastest candidate that ran (exact if none did), logged with every timing."""
+    choice = min(times, key=times.__getitem__) if times else "exact"
     logger.info(
-        "prefill_arithmetic auto: %s (timed at %d rows over the decoder's weights: %s)",
+        "prefill_arithmetic auto: %s (timed at %d rows %s: %s)",
         choice,
         PROBE_ROWS,
-        ", ".join(f"{c} {t * 1e3:.1f} ms" for c, t in sorted(ran.items())) or "no candidate ran",
+        over,
+        ", ".join(f"{c} {t * 1e3:.1f} ms" for c, t in sorted(times.items())) or "no candidate ran",
     )
     return choice
 

@@ -17,9 +17,9 @@ from typing import Any
 
 import msgspec
 
+from radixserve.cache.pins.ids import split_pin_id
 from radixserve.engine.stats import EngineStats
 from radixserve.scale.fanout import CALL_TIMEOUT_S
-from radixserve.cache.pins.ids import split_pin_id
 from radixserve.scale.replica import ReplicaError, RouteKey, WarmCall
 from radixserve.scale.router_metrics import router_metrics
 from radixserve.server.engine_api import SESSION_ID

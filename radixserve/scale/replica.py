@@ -26,7 +26,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -43,6 +43,7 @@ from radixserve.scale import autoscale
 from radixserve.scale.policy import kv_use
 from radixserve.scale.warm_start import WarmReport, warm_up
 from radixserve.server.async_engine import AsyncEngine
+from radixserve.server.calls import exception
 from radixserve.server.engine_api import (
     EngineFailedError,
     EngineUnavailableError,
@@ -50,6 +51,7 @@ from radixserve.server.engine_api import (
     QueueFullError,
     RequestRecord,
 )
+from radixserve.server.messages import EngineError, ErrorKind
 
 logger = logging.getLogger("radixserve.scale")
 
@@ -92,9 +94,6 @@ class Finished:
     held_s: float = 0.0  # how long the replica held the request (the ingress infers Serve's queue time)
 
 
-ErrorKind = Literal["invalid", "over_budget", "queue_full", "unavailable", "failed"]
-
-
 @dataclass(frozen=True)
 class ReplicaError:
     """A typed failure: re-raised by the ingress as the engine error of the same kind."""
@@ -117,15 +116,9 @@ class ReplicaError:
         return ReplicaError("failed", f"{type(exc).__name__}: {exc}")
 
     def exception(self) -> Exception:
-        if self.kind == "over_budget":
-            return PinBudgetError(self.message, self.param, self.code)
-        if self.kind == "invalid":
-            return InvalidRequestError(self.message, self.param, self.code)
-        if self.kind == "queue_full":
-            return QueueFullError(self.message)
-        if self.kind == "unavailable":
-            return EngineUnavailableError(self.message)
-        return EngineFailedError(self.message)
+        if self.kind == "failed":  # the replica failed, not one call in its engine
+            return EngineFailedError(self.message)
+        return exception(EngineError(kind=self.kind, message=self.message, param=self.param, code=self.code))
 
 
 StreamItem = RequestOutput | Finished | ReplicaError
