@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import best_of, machine, write_results
+from benchmarks.common import best_of, machine, markdown_table, write_results
 
 
 def attention(repeats: int, rounds: int = 3) -> list[dict[str, Any]]:
@@ -155,44 +155,40 @@ def render(results: dict[str, Any]) -> str:
         f"1-minute load average at the start: {results['load']:.1f} (a shared machine: quote the ratios).",
         "",
     ]
-    if "attention" in results:
-        lines += [
-            "## Attention alone: bf16 vs fp32 K/V",
-            "",
-            "| case | K/V | ms | vs fp32 K/V |",
-            "|---|---|---|---|",
-        ]
-        lines += [
-            f"| {r['case']} | {r['kv']} | {r['ms']:.2f} | {r['vs_fp32_kv']:.2f}x |"
-            for r in results["attention"]
-        ]
-        lines.append("")
-    if "products" in results:
-        lines += [
-            "## One 1B-shape decoder layer's products (qkv, o, gate+up, down), as the engine runs them",
-            "",
-            "| weights | rows | ms | weights read GB/s | GFLOP/s | vs fp32 |",
-            "|---|---|---|---|---|---|",
-        ]
-        lines += [
-            f"| {r['weights']} | {r['rows']} | {r['ms']:.2f} | {r['GB/s']:.1f} | {r['GFLOP/s']:.0f} "
-            f"| {r['vs_fp32']:.2f}x |"
-            for r in results["products"]
-        ]
-        lines.append("")
-    if "steps" in results:
-        lines += [
-            "## 1B-shape decode step (benchmarks/big_model.py): --dtype bfloat16 vs float32",
-            "",
-            "| dtype | layers (of 16) | batch | context | ms / step | vs fp32 |",
-            "|---|---|---|---|---|---|",
-        ]
-        lines += [
-            f"| {r['dtype']} | {r['layers']} | {r['batch']} | {r['context']} | {r['ms']:.1f} "
-            f"| {r['vs_fp32']:.2f}x |"
-            for r in results["steps"]
-        ]
-        lines.append("")
+    sections: list[tuple[str, str, list[str], list[list[str]]]] = [
+        (
+            "attention",
+            "Attention alone: bf16 vs fp32 K/V",
+            ["case", "K/V", "ms", "vs fp32 K/V"],
+            [
+                [r["case"], r["kv"], f"{r['ms']:.2f}", f"{r['vs_fp32_kv']:.2f}x"]
+                for r in results.get("attention", [])
+            ],
+        ),
+        (
+            "products",
+            "One 1B-shape decoder layer's products (qkv, o, gate+up, down), as the engine runs them",
+            ["weights", "rows", "ms", "weights read GB/s", "GFLOP/s", "vs fp32"],
+            [
+                [r["weights"], str(r["rows"]), f"{r['ms']:.2f}", f"{r['GB/s']:.1f}", f"{r['GFLOP/s']:.0f}"]
+                + [f"{r['vs_fp32']:.2f}x"]
+                for r in results.get("products", [])
+            ],
+        ),
+        (
+            "steps",
+            "1B-shape decode step (benchmarks/bench_models.py): --dtype bfloat16 vs float32",
+            ["dtype", "layers (of 16)", "batch", "context", "ms / step", "vs fp32"],
+            [
+                [r["dtype"], str(r["layers"]), str(r["batch"]), str(r["context"]), f"{r['ms']:.1f}"]
+                + [f"{r['vs_fp32']:.2f}x"]
+                for r in results.get("steps", [])
+            ],
+        ),
+    ]
+    for part, title, header, rows in sections:
+        if part in results:
+            lines += [f"## {title}", "", *markdown_table(header, rows), ""]
     return "\n".join(lines)
 
 
