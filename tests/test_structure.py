@@ -30,8 +30,7 @@ MAX_LINES = 400
 # Cycles still present whose fix another branch of issue 32 owns; each is matched exactly (the set of
 # modules or packages in one strongly connected component), and an entry that no longer occurs fails
 # the test so that it is removed.
-KNOWN_MODULE_CYCLES: dict[frozenset[str], str] = {
-}
+KNOWN_MODULE_CYCLES: dict[frozenset[str], str] = {}
 KNOWN_PACKAGE_CYCLES: dict[frozenset[str], str] = {}
 # Imports that go up a layer, each with the reason it is allowed (none today).
 KNOWN_UPWARD: dict[tuple[str, str], str] = {}
