@@ -33,6 +33,9 @@ def test_engine_cpu_backend_matches_torch_backend(
 
     monkeypatch.setattr(cpu, "plan_step", spy)
     monkeypatch.setattr(cpu, "CASCADE_MIN_TOKENS", 16)  # this test's shared prefix is 40 tokens
+    # The attention backend's own decode path (its plan, the cascade) is under test here, so decode
+    # steps run the torch model over it, not the native step (tests/model/test_native_step.py).
+    monkeypatch.setenv("RADIXSERVE_NATIVE_STEP", "0")
     rng = random.Random(0)
     shared = [rng.randrange(3, 290) for _ in range(40)]
     # Three requests over one cached prefix, then decode side by side (a cascade group), and a short one.

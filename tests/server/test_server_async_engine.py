@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from tiny_models import make_tiny_model
 
 from radixserve import Engine, SamplingParams
 from radixserve.config import EngineConfig
@@ -138,7 +139,12 @@ def test_cancelling_the_consumer_aborts_its_request(config: EngineConfig) -> Non
     assert record.finish_reason == "abort" and record.output_tokens < 400, record
 
 
-def test_shutdown_drains_short_requests_and_aborts_the_rest(config: EngineConfig) -> None:
+def test_shutdown_drains_short_requests_and_aborts_the_rest(tmp_path_factory: pytest.TempPathFactory) -> None:
+    # The wide tiny model (tests/tiny_models.py WIDE): its 400 decode steps outlast the drain timeout by
+    # seconds, where the tiny model's native decode step could finish them within it.
+    wide = make_tiny_model(tmp_path_factory.mktemp("wide"), "llama-wide")
+    config = EngineConfig(str(wide), page_size=4, num_pages=1024)
+
     async def main() -> tuple[str | None, str | None]:
         ae = AsyncEngine(config)
         await ae.start()

@@ -16,6 +16,7 @@ import jsonschema
 import msgspec
 import pytest
 from server_util import MODEL_NAME, Served, scrape, serving
+from tiny_models import make_tiny_model
 
 import radixserve.server
 from radixserve.config import EngineConfig
@@ -114,6 +115,15 @@ def served(tiny_llama: Path) -> Iterator[Served]:
 
 
 @pytest.fixture(scope="module")
+def wide_served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """A server of the wide tiny model (tests/tiny_models.py WIDE): its 400 decode steps take seconds,
+    where the tiny model's native decode step does them in less than the client's read timeout."""
+    path = make_tiny_model(tmp_path_factory.mktemp("wide"), "llama-wide")
+    with serving(EngineConfig(str(path), page_size=4, num_pages=1024)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
 def client(served: Served) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=served.url, timeout=60) as c:
         yield c
@@ -188,9 +198,16 @@ def test_response_format_json_object_is_an_object(client: httpx.Client) -> None:
         assert choice["text"].lstrip().startswith("{")
 
 
+@pytest.fixture(scope="module")
+def wide_client(wide_served: Served) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=wide_served.url, timeout=60) as c:
+        yield c
+
+
 def test_non_streaming_client_disconnect_aborts_and_frees_its_pages(
-    served: Served, client: httpx.Client
+    wide_served: Served, wide_client: httpx.Client
 ) -> None:
+    served, client = wide_served, wide_client
     before = scrape(client)
     aborted = "radixserve:request_success_total{finished_reason=abort}"
     body = {
