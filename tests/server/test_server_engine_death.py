@@ -19,14 +19,18 @@ import httpx
 import msgspec
 import pytest
 from server_util import ENDLESS, Served, scrape, serving, wait_until_healthy
+from tiny_models import make_tiny_model
 
 from radixserve.config import EngineConfig
 
 
 @pytest.fixture(scope="module")
-def served(tiny_llama: Path) -> Iterator[Served]:
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     # Two running slots: a third request waits, so one stream has not started when the engine dies.
-    with serving(EngineConfig(str(tiny_llama), page_size=4, num_pages=1024, max_running_requests=2)) as s:
+    # The wide tiny model (tests/tiny_models.py WIDE): its streams outlast the kill by seconds, where the
+    # tiny model's native decode step can finish them first.
+    wide = make_tiny_model(tmp_path_factory.mktemp("wide"), "llama-wide")
+    with serving(EngineConfig(str(wide), page_size=4, num_pages=1024, max_running_requests=2)) as s:
         yield s
 
 
