@@ -265,7 +265,6 @@ class DecodeRole(EngineRole):
     def _complete(self, res: Reservation) -> None:
         kv = self.engine.kv_manager
         tree = kv.tree
-        assert tree is not None
         rid = res.add.request_id
         res.num_computed_tokens = res.end
         kv.release(res)  # the received pages join the tree; the reservation's lock goes
@@ -299,5 +298,5 @@ class DecodeRole(EngineRole):
     def _release_held(self, request_id: str) -> None:
         held = self._held.pop(request_id, None)
         tree = self.engine.kv_manager.tree
-        if held is not None and tree is not None:
+        if held is not None:
             tree.unlock(held[0])

@@ -101,7 +101,6 @@ class PrefillRole(EngineRole):
     def _send_new_pages(self, job: _Job) -> None:
         msg = job.msg
         tree = self.engine.kv_manager.tree
-        assert tree is not None
         tokens = msg.prompt_token_ids[: msg.end]
         have = tree.prefix_len(tokens, msg.cache_salt)
         if have <= job.sent:

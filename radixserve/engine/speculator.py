@@ -57,6 +57,7 @@ class Speculator:
         self.k_max = k_max
         self.kv_manager = kv_manager
         self.tree = kv_manager.tree
+        self.tree_drafts = kv_manager.prefix_cache  # without it the tree holds nothing to draft from
         self.max_n = max_n
         self.min_n = min_n
         self.stats = DraftStats()
@@ -80,7 +81,7 @@ class Speculator:
             if k <= 0:
                 continue
             draft, source = [], "tree"
-            if self.tree is not None and spec.tree_missed_at != self.tree.num_growths:
+            if self.tree_drafts and spec.tree_missed_at != self.tree.num_growths:
                 draft = continuation(self.tree, req.token_ids, req.cache_salt, k)
                 if not draft:
                     spec.tree_missed_at = self.tree.num_growths
