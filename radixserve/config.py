@@ -128,6 +128,19 @@ class EngineConfig:
     # Ranks (processes) the model is split over, each with its share of the cores
     # (engine/tensor_parallel.py); it must divide the query heads (SmolLM2-135M: 1, 3 or 9).
     tensor_parallel_size: int = knob(1, "tensor-parallel ranks the model is split over", ge=1, integer=True)
+    # The API server's watchdog (server/watchdog.py): an engine process that sends nothing for this long
+    # while it has open requests or calls is hung (a SIGSTOP, a deadlock, a rank stuck in a collective):
+    # its requests fail with 503 and it is killed and restarted. Its loop sends a message at least every
+    # half second except inside one step (or call), so the deadline only has to outlast the longest
+    # step: a 512-token prefill chunk (the CPU default of max_batched_tokens) takes ~0.5 s for the
+    # default 135M model on 2 cores (benchmarks/results/step_bench.md) and grows with the model, so
+    # 60 s covers such a chunk of a ~7B fp32 model on 2 cores or the default model on a machine
+    # ~100x oversubscribed. The start-up (model load, compile warm-up) is before Ready and not watched.
+    engine_hang_timeout_s: float = knob(
+        60.0,
+        "kill and restart an engine process that makes no progress this long while it has work (0: off)",
+        ge=0,
+    )
 
     def __post_init__(self) -> None:
         for name, why in problems(self):

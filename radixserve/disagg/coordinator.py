@@ -47,6 +47,7 @@ from radixserve.scale.policy import Load, RouterSettings, Sessions, decide, kv_u
 from radixserve.server.async_engine import AsyncEngine
 from radixserve.server.engine_api import (
     SESSION_ID,
+    EngineHealth,
     EngineUnavailableError,
     Limits,
     RelayedStream,
@@ -139,6 +140,7 @@ class DisaggregatedEngine(FanOut):
         for i, p in enumerate(self.prefill):
             p.on_role_message = self._pool.on_message
             p.on_engine_exit = functools.partial(self._pool.on_exit, i)
+            p.has_role_work = functools.partial(self._pool.busy, i)  # its jobs: a stuck one is hung
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -158,6 +160,19 @@ class DisaggregatedEngine(FanOut):
     @property
     def healthy(self) -> bool:
         return any(p.healthy for p in self.prefill) and any(d.healthy for d in self.decode)
+
+    def health(self) -> EngineHealth:
+        """Serving while a prefill and a decode engine are; the restarts of all of them, and the latest
+        reason of each engine that has one, named."""
+        engines = {**self._by_name, **{f"prefill-{i}": p for i, p in enumerate(self.prefill)}}
+        reports = {name: e.health() for name, e in engines.items()}
+        restarts = sum(r.restarts or 0 for r in reports.values())
+        reasons = [f"{n}: {r.last_restart_reason}" for n, r in reports.items() if r.last_restart_reason]
+        last = "; ".join(reasons) or None
+        if self.healthy:
+            return EngineHealth("serving", "a prefill and a decode engine serve", restarts, last)
+        down = "; ".join(f"{name}: {r.detail}" for name, r in reports.items() if not r.serving)
+        return EngineHealth("restarting", down, restarts, last)
 
     def limits(self) -> Limits:
         return self.decode[0].limits()

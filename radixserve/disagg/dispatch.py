@@ -112,6 +112,10 @@ class LocalPrefill:
         finally:
             self._running.pop(job.request_id, None)
 
+    def busy(self, engine: int) -> bool:
+        """Engine ``engine`` has a job running (its watchdog's work: server/watchdog.py)."""
+        return any(i == engine for i, _ in self._running.values())
+
     def on_message(self, msg: FromEngine) -> None:
         if isinstance(msg, PrefillDone):
             self._end(

@@ -58,6 +58,7 @@ class PrefillReplica:
         self._waiting: dict[str, asyncio.Future[PrefillDone]] = {}
         self.engine.on_role_message = self._on_message
         self.engine.on_engine_exit = self._on_exit
+        self.engine.has_role_work = lambda: bool(self._waiting)  # its jobs: a stuck one is hung
         await self.engine.start()
 
     async def prefill(self, msg: PrefillKV) -> PrefillDone:

@@ -49,6 +49,7 @@ from radixserve.scale.replica import Finished, GenerateCall, ReplicaError, Route
 from radixserve.scale.router_metrics import router_metrics
 from radixserve.server.engine_api import (
     SESSION_ID,
+    EngineHealth,
     EngineUnavailableError,
     Limits,
     RelayedStream,
@@ -117,6 +118,15 @@ class ReplicaSetEngine(FanOut):
     @property
     def healthy(self) -> bool:
         return self._accepting and self._limits is not None
+
+    def health(self) -> EngineHealth:
+        """The replicas restart their own engine processes (each replica's Supervisor; Ray Serve
+        replaces a replica whose health check fails): their restarts are not known here."""
+        if self.healthy:
+            return EngineHealth("serving", "an engine replica serves", None, None)
+        if not self._accepting:
+            return EngineHealth("stopping", "the server is shutting down", None, None)
+        return EngineHealth("starting", "no engine replica is ready yet", None, None)
 
     # -- what the routes know ---------------------------------------------------------------------
     def limits(self) -> Limits:

@@ -139,9 +139,10 @@ class _SmallRoutes:
 
     async def health(self, request: Request) -> Response:
         """Readiness: 200 only while the engine serves (scaled out: once a replica is up and warm)."""
-        if not self.engine.healthy:
-            return error_response(503, "the engine is not serving")
-        return json_response(p.HealthResponse("ok"))
+        health = self.engine.health()
+        if not self.engine.healthy or not health.serving:
+            return error_response(503, f"the engine is not serving: {health.detail}")
+        return json_response(p.HealthResponse("ok", health.restarts, health.last_restart_reason))
 
     async def live(self, request: Request) -> Response:
         """Liveness: 200 whenever this process answers, even while the engine starts or warms."""

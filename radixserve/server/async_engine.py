@@ -19,7 +19,9 @@ Invariants:
 - When the engine process dies, every open request fails at once (EngineFailedError where the
   engine raised, i.e. exit code 1; EngineUnavailableError where it was killed), new requests get
   EngineUnavailableError, and a new process is started (server/supervisor.py); ``healthy`` is True
-  again when it is ready.
+  again when it is ready. One that makes no progress while it has work (open requests, calls, or a
+  role's jobs: ``has_role_work``) for ``engine_hang_timeout_s`` is hung: it is killed and restarted
+  the same way, its requests failing with EngineUnavailableError (server/watchdog.py).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from radixserve.outputs import RequestOutput
 from radixserve.sampling.params import SamplingParams
 from radixserve.server.calls import Calls
 from radixserve.server.engine_api import (
+    EngineHealth,
     EngineUnavailableError,
     Limits,
     RequestRecord,
@@ -115,9 +118,14 @@ class AsyncEngine:
         # PrefillDone), and the engine process's death (with its exit status), after its requests failed.
         self.on_role_message: Callable[[FromEngine], None] | None = None
         self.on_engine_exit: Callable[[int], None] | None = None
+        # A role's work the API server holds outside the streams and calls (a prefill engine's jobs):
+        # while it returns True a process that makes no progress is hung (server/watchdog.py).
+        self.has_role_work: Callable[[], bool] | None = None
         options = (engine_threads, engine_cpus, log_level)
         command = list(process_args) or list(ENGINE_COMMAND)
-        self._process = Supervisor(self._config, options, command, self._on_message, self._on_death)
+        self._process = Supervisor(
+            self._config, options, command, self._on_message, self._on_death, self._has_work
+        )
         self._streams = Streams()
         self._calls = Calls(self.send)
         self._stats = EngineStats()
@@ -144,7 +152,22 @@ class AsyncEngine:
 
     @property
     def healthy(self) -> bool:
-        return self._process.accepting and self._process.client is not None
+        return self._process.accepting and self._process.client is not None and not self._process.hung
+
+    def health(self) -> EngineHealth:
+        """What ``/health`` says: whether the engine serves, what it is doing if not, and its restarts."""
+        process = self._process
+        if not process.accepting:
+            state, detail = "stopping", "the server is shutting down"
+        elif process.hung:
+            state, detail = "hung", f"the engine process is hung ({process.hung}); it is being restarted"
+        elif process.client is None and process.ready is None:
+            state, detail = "starting", "the engine process is starting"
+        elif process.client is None:
+            state, detail = "restarting", f"the engine process is restarting ({process.last_restart_reason})"
+        else:
+            state, detail = "serving", "the engine process is serving"
+        return EngineHealth(state, detail, process.restarts, process.last_restart_reason)
 
     @property
     def engine_pid(self) -> int | None:
@@ -211,11 +234,7 @@ class AsyncEngine:
         warm: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
         if not self.healthy:
-            raise EngineUnavailableError(
-                "the server is shutting down"
-                if not self._process.accepting
-                else "the engine process is restarting"
-            )
+            raise EngineUnavailableError(self.health().detail)
         rid = request_id or uuid.uuid4().hex
         token_ids = self.tokenize(prompt)
         req = self._streams.open(rid)
@@ -336,6 +355,9 @@ class AsyncEngine:
             self._calls.answer(msg)
         elif self.on_role_message is not None:
             self.on_role_message(msg)
+
+    def _has_work(self) -> bool:
+        return bool(self._streams) or bool(self._calls) or bool(self.has_role_work and self.has_role_work())
 
     def _fail_all(self, error: BaseException) -> None:
         self._streams.fail_all(error)

@@ -58,6 +58,10 @@ class Calls:
             raise EngineUnavailableError("the engine process is not available")
         return await future  # type: ignore[return-value]  # decoded as the op's ``returns``: an R
 
+    def __len__(self) -> int:
+        """The calls not answered yet."""
+        return len(self._pending)
+
     def answer(self, msg: CallResult) -> None:
         pending = self._pending.pop(msg.call_id, None)
         if pending is None or pending[1].done():

@@ -9,7 +9,8 @@ The routes (app.py, api.py, chat.py, completions.py, generate.py, metrics.py, da
   message): the context length, the vocabulary, the pool; EngineUnavailableError before that;
 - ``generate()`` (a ``RequestStream`` of deltas, whose ``result`` is the whole output so far),
   ``tokenize()``, ``flush_cache()``, ``cache_tree()`` (a snapshot of the prefix cache, for the
-  dashboard), ``stats()``, ``healthy``, ``on_finish`` (a ``RequestRecord`` per finished request),
+  dashboard), ``stats()``, ``healthy``, ``health()`` (an ``EngineHealth``), ``on_finish`` (a
+  ``RequestRecord`` per finished request),
   ``start()`` and ``shutdown()``;
 - cache control (docs/cache.md): ``warm()`` (``warm_all()``: on every replica), ``pins()``, ``unpin()``,
   ``evict()``, and ``generate``'s ``pin``;
@@ -60,6 +61,20 @@ class ServedModel:
 
     path: Path  # the model folder (for the embedded default: where it was converted to)
     tokenizer: Any  # a transformers tokenizer; its chat_template is --chat-template's where one was given
+
+
+@dataclass(frozen=True)
+class EngineHealth:
+    """What ``/health`` reports of the engine processes behind the routes."""
+
+    state: str  # "serving" | "starting" | "restarting" | "hung" | "stopping"
+    detail: str  # the state in words, for the 503's message (a hung one's "no progress for 2.1 s")
+    restarts: int | None  # engine processes restarted after a death or a hang; None: not known here
+    last_restart_reason: str | None  # why the latest was, e.g. "hung: no progress for 2.1 s"
+
+    @property
+    def serving(self) -> bool:
+        return self.state == "serving"
 
 
 @dataclass(frozen=True)
@@ -181,6 +196,10 @@ class ServingBackend(Protocol):
 
     @property
     def healthy(self) -> bool: ...
+
+    def health(self) -> EngineHealth:
+        """``healthy`` with its reasons and the engine processes' restarts (``/health``'s body)."""
+        ...
 
     def limits(self) -> Limits: ...
 

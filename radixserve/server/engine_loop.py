@@ -41,6 +41,7 @@ from radixserve.server.messages import (
     Evict,
     FlushCache,
     FromEngine,
+    Heartbeat,
     ListPins,
     PrefillKV,
     Ready,
@@ -57,7 +58,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("radixserve.engine_process")
 
-IDLE_POLL_MS = 1000  # while idle, look up this often whether the API server is still there
+# The loop sends a Heartbeat when it sent nothing else for this long, so the API server's watchdog
+# (server/watchdog.py) sees a live loop as progress even while no step has output (idle, a grammar
+# still compiling, a decode role waiting for pages). Its deadline is far longer (seconds to a minute).
+HEARTBEAT_S = 0.5
+IDLE_POLL_MS = int(HEARTBEAT_S * 1000)  # while idle, wake this often: a heartbeat, the parent's check
 STALLED_POLL_MS = 1  # work is queued but the last step could do none (a grammar still compiling)
 
 RoleMessage = PrefillKV | CancelTransfer
@@ -149,6 +154,7 @@ class EngineLoop:
         # its inbox until the next step). The one count of waiting requests; the API server has none.
         self._waiting_at_step = 0
         self._added_since_step = 0
+        self._sent_at = time.monotonic()  # of the latest message: a Heartbeat follows HEARTBEAT_S after
         self.role = EngineRole(engine) if role is None else role(self)
         self._poller = zmq.Poller()
         for sock in [inbox, *self.role.sockets()]:
@@ -183,6 +189,8 @@ class EngineLoop:
                 return
             if engine.has_unfinished():
                 progressed = self._step()
+            if time.monotonic() - self._sent_at >= HEARTBEAT_S:
+                self.send(Heartbeat())
 
     def _step(self) -> bool:
         engine = self.engine
@@ -297,6 +305,7 @@ class EngineLoop:
 
     def send(self, msg: FromEngine) -> None:
         self.outbox.send(self._encoder.encode(msg))
+        self._sent_at = time.monotonic()
 
     def close(self) -> None:
         """Release the role's own sockets (a decode role's shared-memory directory too)."""

@@ -4,7 +4,8 @@ One PUSH/PULL socket each way. API server -> engine: ``AddRequest``, ``Abort``, 
 ops below, run between two steps), ``Shutdown``; in disaggregated serving (radixserve/disagg) also
 ``PrefillKV`` and ``CancelTransfer``. Engine -> API server: ``Ready`` (once, first; or ``StartFailed``
 instead), ``StepOutputs`` (after every step that did something), ``RequestError``, ``CallResult`` (one
-per ``Call``, matched by its ``call_id``), ``EngineFailed``; for a role also ``KVReserved``,
+per ``Call``, matched by its ``call_id``), ``Heartbeat`` (when nothing else was sent for a while),
+``EngineFailed``; for a role also ``KVReserved``,
 ``KVReceived`` and ``PrefillDone``. A message is one frame; the tag (the class name) says its type.
 Errors cross typed (``EngineError``), never as text to parse.
 
@@ -255,6 +256,12 @@ class PrefillDone(_Message, kw_only=True):
     error: str | None = None
 
 
+class Heartbeat(_Message, kw_only=True):
+    """Sent by the loop when it sent nothing else for ``HEARTBEAT_S`` (server/engine_loop.py), idle or
+    not: any message is progress to the API server's watchdog (server/watchdog.py), so a loop that goes
+    round is never taken for a hung one, while one stopped inside a step sends nothing."""
+
+
 class EngineFailed(_Message, kw_only=True):
     """Sent as the engine process fails (the engine raised, or a tensor-parallel rank died), just
     before it exits: what went wrong, for the errors of the requests it fails."""
@@ -271,5 +278,6 @@ FromEngine = (
     | KVReserved
     | KVReceived
     | PrefillDone
+    | Heartbeat
     | EngineFailed
 )

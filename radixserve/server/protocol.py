@@ -303,5 +303,10 @@ class FlushCacheResponse(Struct):
     success: bool
 
 
-class HealthResponse(Struct):
+class HealthResponse(Struct, omit_defaults=True):
+    """``/health/live``: the status only. ``/health`` (readiness) adds the engine processes' restarts
+    since the server started and why the latest was (e.g. "hung: no progress for 2.1 s"), where known."""
+
     status: str
+    engine_restarts: int | None = None
+    last_restart_reason: str | None = None
