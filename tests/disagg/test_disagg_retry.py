@@ -1,6 +1,6 @@
-"""``--disaggregate 2:1``: a prefill engine killed mid-transfer has its job sent again to the other,
-and the request succeeds with the same greedy output; both decode-side reservations and the
-surviving prefill engine's pages are accounted for at the end (``serving_backend``)."""
+"""``--disaggregate 2:1``: a prefill engine killed mid-transfer, or hung (the watchdog kills it), has its
+job sent again to the other, and the request succeeds with the same greedy output; both decode-side
+reservations and the surviving prefill engine's pages are accounted for at the end (``serving_backend``)."""
 
 from __future__ import annotations
 
@@ -19,12 +19,15 @@ from radixserve.config import EngineConfig
 from radixserve.disagg.coordinator import DisaggregatedEngine
 
 PS = 4
+HANG_S = 3.0  # the engines' watchdog deadline (--engine-hang-timeout-s), short for the hung-engine test
 DOC = "the quick brown fox jumps over the lazy dog while the cat sleeps " * 6
 
 
 @pytest.fixture(scope="module")
 def disagg(tiny_llama: Path) -> Iterator[Served]:
-    config = EngineConfig(str(tiny_llama), page_size=PS, num_pages=1024, max_batched_tokens=32)
+    config = EngineConfig(
+        str(tiny_llama), page_size=PS, num_pages=1024, max_batched_tokens=32, engine_hang_timeout_s=HANG_S
+    )
     engine = DisaggregatedEngine(config, 2, 1, engine_threads=1, kv_timeout_s=30.0)
     with serving_backend(engine, collectors=[engine.metrics]) as s:
         yield s
@@ -63,3 +66,39 @@ def test_a_killed_prefill_engine_is_retried_on_the_other(disagg: Served) -> None
         deadline = time.monotonic() + 120
         while not engine.prefill[0].healthy and time.monotonic() < deadline:  # restarted, for the final check
             time.sleep(0.2)
+
+
+def test_a_hung_prefill_engine_is_killed_by_the_watchdog_and_its_job_retried(disagg: Served) -> None:
+    """Prefill engine 0 is stopped (hung, not dead) and never killed by the test: two requests at once
+    put a job on each prefill engine; the watchdog kills the stopped one after the deadline (its job
+    is its work), the job is sent again to the other, and both requests succeed."""
+    engine: DisaggregatedEngine = disagg.engine
+    pid = engine.prefill[0].engine_pid
+    assert pid is not None and engine.prefill[1].healthy
+    answers: dict[int, httpx.Response] = {}
+
+    def post(i: int) -> None:
+        body = {"model": MODEL_NAME, "prompt": f"Hung {i}: {DOC}", "max_tokens": 4, "temperature": 0}
+        answers[i] = httpx.post(
+            f"{disagg.url}/v1/completions", json={**body, "ignore_eos": True}, timeout=120
+        )
+
+    with httpx.Client(base_url=disagg.url, timeout=60) as c:
+        retries = scrape(c)["radixserve:kv_transfer_retries_total"]
+        os.kill(pid, signal.SIGSTOP)
+        posts = [threading.Thread(target=post, args=(i,)) for i in range(2)]
+        for t in posts:
+            t.start()
+        for t in posts:
+            t.join(timeout=120)
+        assert [answers[i].status_code for i in range(2)] == [200, 200], [a.text for a in answers.values()]
+        assert scrape(c)["radixserve:kv_transfer_retries_total"] == retries + 1
+        deadline = time.monotonic() + 120
+        while not engine.prefill[0].healthy and time.monotonic() < deadline:  # restarted, for the final check
+            time.sleep(0.2)
+        health = c.get("/health")
+        assert health.status_code == 200, health.text
+        assert "prefill-0: hung: no progress for" in health.json()["last_restart_reason"], health.json()
+    assert engine.prefill[0].engine_pid not in (None, pid)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # SIGKILLed and reaped, not left stopped

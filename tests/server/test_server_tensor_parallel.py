@@ -1,6 +1,7 @@
 """The server over a tensor-parallel engine (TP=2, tiny model): it serves and reports /metrics, and when
 one rank is SIGKILLed mid-stream the stream fails with an error naming the rank, /health turns 503,
-and the restarted engine (all its ranks) serves again."""
+and the restarted engine (all its ranks) serves again. One rank stopped (SIGSTOP) stalls rank 0 in a
+collective: the watchdog takes the engine for hung and kills its whole process group."""
 
 from __future__ import annotations
 
@@ -18,11 +19,18 @@ from server_util import ENDLESS, Served, serving, wait_until_healthy
 
 from radixserve.config import EngineConfig
 
+HANG_S = 5.0  # the watchdog's deadline (--engine-hang-timeout-s); the collectives' own is 300 s
+
 
 @pytest.fixture(scope="module")
 def served(tiny_llama: Path) -> Iterator[Served]:
     config = EngineConfig(
-        str(tiny_llama), page_size=4, num_pages=1024, tensor_parallel_size=2, enforce_eager=True
+        str(tiny_llama),
+        page_size=4,
+        num_pages=1024,
+        tensor_parallel_size=2,
+        enforce_eager=True,
+        engine_hang_timeout_s=HANG_S,
     )
     with serving(config) as s:
         yield s
@@ -61,3 +69,28 @@ def test_sigkill_of_one_rank_mid_stream_then_the_server_serves_again(served: Ser
     assert new_pid not in (None, pid) and len(worker_ranks(new_pid)) == 1
     assert not psutil.pid_exists(pid)  # the old engine process is gone
     c.close()
+
+
+def test_a_stopped_rank_is_a_hung_engine_killed_with_all_its_ranks(served: Served) -> None:
+    pid = served.engine.engine_pid
+    assert pid is not None
+    (rank1,) = worker_ranks(pid)
+    assert os.getpgid(rank1.pid) == pid  # one process group: the watchdog's kill reaches every rank
+    with httpx.Client(base_url=served.url, timeout=120) as c:
+        with c.stream("POST", "/v1/completions", json={**ENDLESS, "stream": True}) as streaming:
+            lines = streaming.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))  # the stream has started
+            os.kill(rank1.pid, signal.SIGSTOP)  # rank 0 waits for it in the next collective
+            rest = [line[len("data: ") :] for line in lines if line.startswith("data: ")]
+        assert rest and "[DONE]" not in rest, rest[-3:]
+        error = json.loads(rest[-1])["error"]
+        assert "hung (no progress for" in error["message"], error
+        wait_until_healthy(c, 120)
+        body = c.get("/health").json()
+        assert body["last_restart_reason"].startswith("hung: no progress for"), body
+        r = c.post("/v1/completions", json={**ENDLESS, "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    new_pid = served.engine.engine_pid
+    assert new_pid not in (None, pid) and len(worker_ranks(new_pid)) == 1
+    for gone in (pid, rank1.pid):  # SIGKILLed with its group, the stopped rank too
+        assert not psutil.pid_exists(gone) or psutil.Process(gone).status() == psutil.STATUS_ZOMBIE
