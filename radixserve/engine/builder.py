@@ -26,6 +26,7 @@ from radixserve.model import arithmetic
 from radixserve.model.attention import check_kv_dtype, select_backend
 from radixserve.model.loader import load_model, load_tokenizer, resolve_device_dtype, resolve_model_path
 from radixserve.model.runner import ModelRunner
+from radixserve.parallel import spawn
 
 
 class EngineParts:
@@ -33,6 +34,8 @@ class EngineParts:
         self.config = cfg = EngineConfig.from_kwargs(model=model, **options)
         self.device, dtype_name = resolve_device_dtype(cfg.device, cfg.dtype)
         self.dtype = getattr(torch, dtype_name)
+        if cfg.tensor_parallel_size > 1:  # before loading a model that a rank re-running a script won't use
+            spawn.check_main_script()
         self.model_path = path = resolve_model_path(model, cfg.quantization)
         self.model = load_model(path, self.dtype, self.device, cfg.quantization)
         arithmetic.apply(self.model, cfg.prefill_arithmetic, many_rows=cfg.max_running_requests)

@@ -33,7 +33,11 @@ def check_prompt(
         )
     pages = -(-total // page_size)
     if pages > num_pages:
-        raise InvalidRequestError(f"the request needs {pages} KV pages but the pool has only {num_pages}")
+        # The prompt's fault if it alone overflows the pool, else the output's it asks room for.
+        param = "prompt" if -(-len(token_ids) // page_size) > num_pages else "max_tokens"
+        raise InvalidRequestError(
+            f"the request needs {pages} KV pages but the pool has only {num_pages}", param
+        )
 
 
 def priority_value(priority: int | str) -> int:

@@ -21,7 +21,9 @@ model (``model/sharding.py``) and a KV pool of its KV heads with the same page i
 - Failure: a worker that dies (or a collective that fails or times out, ``comm.COLLECTIVE_TIMEOUT_S``)
   raises ``TensorParallelError`` from the step, naming the rank; in the engine process that ends the
   process, and the API server fails every request in flight and restarts it. A worker exits when rank
-  0's process is gone (its parent changes, or the group's connections close).
+  0's process is gone (its parent changes, or the group's connections close). A rank's failure names
+  its exit code or signal and the last line of the error it sent; one that could not start because it
+  re-ran an unguarded main script is ``MainScriptError`` (``parallel/spawn.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
+import signal
 import socket
 import traceback
 from dataclasses import dataclass
@@ -49,10 +52,13 @@ from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.runner import ModelRunner, RunnerOutput, SeqChunk
 from radixserve.model.sharding import check_tensor_parallel, local_kv_heads, shard_model
 from radixserve.parallel import comm
+from radixserve.parallel.spawn import MainScriptError, main_script_error
 
 logger = logging.getLogger("radixserve.engine")
 
 WireChunk = tuple[list[int], int, list[int], bool]  # new token ids, computed, page table, all logits
+# How long a rank whose pipe closed gets to exit (tearing down with torch loaded, on a loaded machine).
+EXIT_WAIT_S = 10.0
 
 
 class TensorParallelError(RuntimeError):
@@ -153,7 +159,7 @@ class TensorParallel:
         try:
             self._await("joining")  # each about to join: one that failed before says so
             comm.init_group(0, n, spec.port, device)
-        except TensorParallelError:
+        except (TensorParallelError, MainScriptError):
             self.close()
             raise
         except Exception as exc:
@@ -174,12 +180,16 @@ class TensorParallel:
 
     def _await(self, word: str) -> None:
         """Wait until every worker has said ``word``; a worker that died or failed first raises."""
-        for _, proc, conn in self.workers:
+        for rank, proc, conn in self.workers:
             while not conn.poll(0.2):
                 if not proc.is_alive():
                     raise self.failure(None)
-            if conn.recv()[0] != word:
-                raise self.failure(None)
+            try:
+                kind, text = conn.recv()
+            except (EOFError, OSError):  # it closed its end: it is exiting, its exit code says why
+                raise self.failure(None, exiting=rank) from None
+            if kind != word:
+                raise self.failure(None, exiting=rank, said=text if kind == "error" else "")
 
     def pages(self, pool: KVPool) -> ShardedPages:
         return ShardedPages(self, pool)
@@ -198,20 +208,32 @@ class TensorParallel:
             except OSError as exc:
                 raise self.failure(exc) from exc
 
-    def failure(self, exc: BaseException | None) -> TensorParallelError:
-        """The error to raise after a failed command or collective, naming a dead rank if there is one."""
+    def failure(
+        self, exc: BaseException | None, exiting: int | None = None, said: str = ""
+    ) -> TensorParallelError | MainScriptError:
+        """The error to raise after a failed command or collective: a dead rank's, with its exit code or
+        signal and the last line of the error it sent (``said`` by rank ``exiting``, whose pipe closed
+        so its exit is due, or one still in its pipe), else the collective's; never an empty reason."""
         for rank, proc, conn in self.workers:
-            proc.join(0.5 if exc is not None else 0)  # a killed peer: its exit lands at once
-            if proc.exitcode is not None:
-                said = ""
-                with contextlib.suppress(OSError, EOFError):
-                    if conn.poll():
-                        kind, text = conn.recv()
-                        said = f": {text.strip().splitlines()[-1]}" if kind == "error" else ""
-                return TensorParallelError(
-                    f"tensor-parallel rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}{said}"
-                )
-        return TensorParallelError(f"a collective between the tensor-parallel ranks failed: {exc}")
+            proc.join(EXIT_WAIT_S if rank == exiting else 0.5 if exc is not None else 0)
+            if proc.exitcode is None:
+                continue
+            text = said if rank == exiting else ""
+            with contextlib.suppress(OSError, EOFError):
+                if not text and conn.poll():
+                    kind, sent = conn.recv()
+                    text = sent if kind == "error" else ""
+            return main_script_error(rank, proc.exitcode) or TensorParallelError(
+                f"tensor-parallel rank {rank} (pid {proc.pid}) {_exit_text(proc.exitcode)}{_last_line(text)}"
+            )
+        if exiting is not None:  # it said why (or closed its pipe) but has not exited yet
+            why = _last_line(said) or ": it closed its pipe"
+            return TensorParallelError(f"tensor-parallel rank {exiting} failed{why}")
+        reason = "no rank has exited" if exc is None else str(exc) or type(exc).__name__
+        alive = [rank for rank, proc, _ in self.workers if proc.is_alive()]
+        return TensorParallelError(
+            f"a collective between the tensor-parallel ranks failed: {reason} (ranks {alive} still running)"
+        )
 
     def close(self) -> None:
         """Stop the workers (those still alive finish their last command first) and leave the group."""
@@ -290,6 +312,20 @@ class ShardedPages:
         except RuntimeError as exc:
             raise self.tp.failure(exc) from exc
         self.pool.write_pages(copier, pages, own)
+
+
+def _exit_text(code: int) -> str:
+    """A dead process's exit in words: its exit code, or the signal that killed it."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"died of {signal.Signals(-code).name}"
+        return f"died of signal {-code}"
+    return f"died with exit code {code}"
+
+
+def _last_line(text: str) -> str:
+    """ ": <the last line of text>", or "" for none (a traceback's last line names the error)."""
+    return "".join(f": {line}" for line in text.strip().splitlines()[-1:])
 
 
 def _free_port() -> int:

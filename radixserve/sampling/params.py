@@ -8,6 +8,8 @@ from typing import Any
 from radixserve.errors import InvalidRequestError
 from radixserve.knobs import knob, problems
 
+CONSTRAINTS = ("regex", "json_schema", "grammar", "choices")  # at most one a request
+
 
 @dataclass
 class SamplingParams:
@@ -108,8 +110,10 @@ class SamplingParams:
             raise InvalidRequestError("stop strings must be non-empty", "stop")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
-        n_constraints = sum(x is not None for x in (self.regex, self.json_schema, self.grammar, self.choices))
-        if n_constraints > 1:
-            raise InvalidRequestError("at most one of regex, json_schema, grammar and choices may be given")
+        given = [name for name in CONSTRAINTS if getattr(self, name) is not None]
+        if len(given) > 1:  # named by the second: the one that came on top of a constraint
+            raise InvalidRequestError(
+                f"at most one of regex, json_schema, grammar and choices may be given, got {given}", given[1]
+            )
         if self.choices is not None and (not self.choices or any(not c for c in self.choices)):
             raise InvalidRequestError("choices must be a non-empty list of non-empty strings", "choices")

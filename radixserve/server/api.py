@@ -3,7 +3,10 @@
 Invariants:
 - A request is submitted to the engine only after its body decoded and validated against the
   protocol types (and, on the OpenAI routes, the field policy of openai_fields.py); the engine
-  checks the rest and refuses with InvalidRequestError, answered as a 400 with its param and code.
+  checks the rest and refuses with InvalidRequestError, answered as a 400 with its param (the route's
+  name for it, where the two differ: ``submit``'s ``names``) and code.
+- Every 400 names its ``param``: a body that fails decoding names the field's path as msgspec's error
+  gives it (``invalid_field``, the one place that reads it); only a body that is not an object has none.
 - A batch (several prompts) is submitted at once; if any prompt is refused, the others are aborted
   and the whole request is answered with that refusal.
 - A client that disconnects while a non-streaming request runs aborts every request it started.
@@ -119,8 +122,12 @@ class ApiContext:
                 raise ApiError(413, f"request body exceeds the limit of {self.max_body_bytes} bytes")
         return bytes(body)
 
-    async def decode(self, request: Request, type_: type[S]) -> S:
-        return _decode(await self.body(request), type_)
+    async def decode(self, request: Request, type_: type[S], optional: bool = False) -> S:
+        """The body as ``type_``; ``optional``: an empty body is ``type_()`` (every field left out)."""
+        body = await self.body(request)
+        if optional and not body.strip():
+            return type_()
+        return _decode(body, type_)
 
     async def decode_openai(self, request: Request, type_: type[S], refused: Mapping[str, Refused]) -> S:
         """``decode``, after checking the body's top-level fields against the field policy."""
@@ -176,6 +183,8 @@ class ApiContext:
         req: p.SamplingFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
     ) -> SamplingParams:
         fmt = req.response_format
+        if fmt is not None and fmt.type != "text" and (req.regex is not None or req.choices is not None):
+            raise ApiError(400, "response_format cannot be combined with regex or choices", "response_format")
         json_schema: str | dict | None = None
         if fmt is not None and fmt.type == "json_object":
             json_schema = {"type": "object"}
@@ -200,15 +209,17 @@ class ApiContext:
         salt: str | None,
         priority: int | str,
         pin: PinSpec | None = None,
+        names: Mapping[str, str] | None = None,
     ) -> Submitted:
         """Start a request (the route tokenized its prompt, once); returns its first delta and its
         stream, whose iteration yields that delta first (``RequestStream.first``). A pin over the
-        budget is a 429 (PinBudgetError), any other refusal a 400."""
+        budget is a 429 (PinBudgetError), any other refusal a 400 naming the route's field for the
+        engine's parameter (``names``, where they differ)."""
         stream = self.engine.generate(prompt_token_ids, params, rid, salt, priority, pin)
         try:
             first = await stream.first()
         except ValueError as exc:
-            raise ApiError.invalid(exc) from None
+            raise ApiError.invalid(exc, names) from None
         except QueueFullError as exc:
             raise ApiError(429, f"server busy: {exc}", headers={"Retry-After": "1"}) from None
         except EngineUnavailableError as exc:
@@ -279,11 +290,29 @@ class ApiContext:
         return [task.result() for task in work]
 
 
+# msgspec's ValidationError names where the value failed as a path (`$.messages[0].role`; a dict's value
+# `$.logit_bias[...]`, its key "`key` in `$.logit_bias`"), and an unknown or missing field by name
+# beside the path of the object that holds it (no path: the body itself).
+_PATH = re.compile(r"`\$\.?([^`]*)`")
+_FIELD = re.compile(r"^Object (contains unknown|missing required) field `([^`]*)`")
+_FIELD_CODES = {"contains unknown": "unknown_parameter", "missing required": "missing_required_parameter"}
+
+
+def invalid_field(message: str) -> tuple[str | None, str | None]:
+    """The ``param`` (the field's path, as ``messages[0].role``) and ``code`` of a body that failed
+    validation with msgspec's ``message``; param None only where the body as a whole is wrong."""
+    path = _PATH.search(message)
+    param = path.group(1) if path else ""
+    field = _FIELD.match(message)
+    if field is None:
+        return param or None, None
+    return f"{param}.{field.group(2)}" if param else field.group(2), _FIELD_CODES[field.group(1)]
+
+
 def _decode(body: bytes, type_: type[S]) -> S:
     try:
         return msgspec.json.decode(body, type=type_, strict=False)  # lax like pydantic: 2.0 and "2" are ints
     except msgspec.ValidationError as exc:
-        path = re.search(r"at `\$\.?([^`]*)`", str(exc))
-        raise ApiError(400, str(exc), path.group(1) or None if path else None) from None
+        raise ApiError(400, str(exc), *invalid_field(str(exc))) from None
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"invalid JSON body: {exc}") from None

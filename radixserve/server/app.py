@@ -48,6 +48,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from radixserve.errors import InvalidRequestError
 from radixserve.server import cache_routes
 from radixserve.server import protocol as p
+from radixserve.server import protocol_cache as pc
 from radixserve.server import protocol_chat as c
 from radixserve.server.api import ApiContext
 from radixserve.server.chat import chat
@@ -149,6 +150,8 @@ class _SmallRoutes:
         return json_response(p.HealthResponse("ok"))
 
     async def flush_cache(self, request: Request) -> Response:
+        req = await self.ctx.decode(request, pc.FlushCacheRequest, optional=True)  # SGLang's has no body
+        self.ctx.check_model(req.model)
         if not await self.engine.flush_cache():
             raise ApiError(409, "cannot flush the cache while requests hold cached pages")
         return json_response(p.FlushCacheResponse(True))

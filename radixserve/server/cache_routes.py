@@ -1,9 +1,11 @@
 """The cache-control routes (docs/cache.md, "Cache control"): ``POST /v1/cache/warm``, ``GET
 /v1/cache/pins``, ``DELETE /v1/cache/pins/{pin_id}``, ``POST /v1/cache/evict``.
 
-Every route works in the caller's namespace: the key's salt with ``--salt-per-key`` plus any
-``cache_salt`` (``ApiContext.salt``). A pin of another namespace is invisible: an unknown and a foreign
-pin id get the same 400 (``param: pin_id``, ``code: pin_not_found``), so a pin's existence never leaks.
+Every route works in the caller's namespace (``namespace``): the key's salt with ``--salt-per-key`` plus
+any ``cache_salt`` (``ApiContext.salt``), once the ``model`` it names (in the body, or the query of the
+GET and DELETE routes) is checked as on every route: another model than the served one is a 404. A
+pin of another namespace is invisible: an unknown and a foreign pin id get the same 400 (``param:
+pin_id``, ``code: pin_not_found``), so a pin's existence never leaks.
 Listing and deleting see the caller's namespace and those under it (``salt/...``); warming and evicting
 act on one namespace exactly, as a request would.
 """
@@ -21,6 +23,17 @@ from radixserve.server.api import ApiContext
 from radixserve.server.cache_pins import pin_spec
 from radixserve.server.chat_render import render_chat
 from radixserve.server.http_util import ApiError, json_response
+
+
+def namespace(ctx: ApiContext, request: Request, model: str | None, cache_salt: str | None) -> str | None:
+    """The caller's namespace, after checking the ``model`` it names (404 ``model_not_found``)."""
+    ctx.check_model(model)
+    return ctx.salt(request, cache_salt)
+
+
+def _query_namespace(ctx: ApiContext, request: Request) -> str | None:
+    query = request.query_params
+    return namespace(ctx, request, query.get("model"), query.get("cache_salt"))
 
 
 def prompt_ids(ctx: ApiContext, req: pc.CachePrompt) -> list[int]:
@@ -46,9 +59,9 @@ def prompt_ids(ctx: ApiContext, req: pc.CachePrompt) -> list[int]:
 
 async def warm(ctx: ApiContext, request: Request) -> Response:
     req = await ctx.decode(request, pc.WarmRequest)
+    salt = namespace(ctx, request, req.model, req.cache_salt)
     ids = prompt_ids(ctx, req)
     pin = pin_spec(req.pin, "pin")
-    salt = ctx.salt(request, req.cache_salt)
     try:
         if req.replicas == "all":  # scaled out: every replica (a single server is its only one)
             each = await ctx.engine.warm_all(ids, salt, pin)
@@ -74,8 +87,7 @@ def warm_fields(result: WarmResult) -> dict[str, Any]:
 
 
 async def list_pins(ctx: ApiContext, request: Request) -> Response:
-    namespace = ctx.salt(request, request.query_params.get("cache_salt"))
-    pins = await ctx.engine.pins(namespace)
+    pins = await ctx.engine.pins(_query_namespace(ctx, request))
     data = [
         pc.PinEntry(
             id=x.id,
@@ -94,16 +106,15 @@ async def list_pins(ctx: ApiContext, request: Request) -> Response:
 
 async def delete_pin(ctx: ApiContext, request: Request) -> Response:
     pin_id = request.path_params["pin_id"]
-    namespace = ctx.salt(request, request.query_params.get("cache_salt"))
-    if not await ctx.engine.unpin(pin_id, namespace):
+    if not await ctx.engine.unpin(pin_id, _query_namespace(ctx, request)):
         raise ApiError(400, f"no pin {pin_id!r} in this namespace", "pin_id", "pin_not_found")
     return json_response(pc.PinDeleted(id=pin_id))
 
 
 async def evict(ctx: ApiContext, request: Request) -> Response:
     req = await ctx.decode(request, pc.EvictRequest)
-    ids = prompt_ids(ctx, req)
-    result = await ctx.engine.evict(ids, ctx.salt(request, req.cache_salt))
+    salt = namespace(ctx, request, req.model, req.cache_salt)
+    result = await ctx.engine.evict(prompt_ids(ctx, req), salt)
     return json_response(
         pc.EvictResponse(
             freed_pages=result.freed_pages,

@@ -156,14 +156,15 @@ async def chat(ctx: ApiContext, request: Request) -> Response:
         params.skip_special_tokens = False  # the format's markers are special tokens
     pin = chat_pin(req.messages, token_ids, lambda ms: _render_ids(ctx, req, ms))
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    try:
-        first, stream = await ctx.submit(
-            token_ids, params, rid, ctx.salt(request, req.cache_salt), req.priority, pin
-        )
-    except ApiError as exc:
-        if plan.grammar is not None and exc.param == "grammar":  # the grammar is made of the tools' schemas
-            exc.param = "tools"
-        raise
+    names = {  # the engine's parameters as this request gave them
+        "prompt": "messages",
+        "max_tokens": "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens",
+        "logprobs": "top_logprobs",
+        "json_schema": "response_format",
+        "grammar": "tools",  # the only grammar here is made of the tools' schemas
+    }
+    salt = ctx.salt(request, req.cache_salt)
+    first, stream = await ctx.submit(token_ids, params, rid, salt, req.priority, pin, names)
     inside = ctx.reasoning and starts_in_reasoning(prompt)
 
     def parser() -> ReplyParser:

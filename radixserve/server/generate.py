@@ -28,12 +28,26 @@ async def generate(ctx: ApiContext, request: Request) -> Response:
         params.prompt_logprobs_start = req.logprob_start_len
     rid = req.rid or uuid.uuid4().hex
     salt, pin = ctx.salt(request, req.cache_salt), pin_spec(req.cache_pin, "cache_pin")
-    first, stream = await ctx.submit(token_ids, params, rid, salt, req.priority, pin)
+    first, stream = await ctx.submit(token_ids, params, rid, salt, req.priority, pin, _names(req))
     if req.stream:
         return event_stream(_events(req, rid, first, stream), [stream])
     [res] = await ctx.collect(request, [(first, stream)])
     outs = [_response(req, rid, o, res, res.prompt_logprobs) for o in res.outputs]
     return json_response(outs[0] if sp.n == 1 else outs)
+
+
+def _names(req: p.GenerateRequest) -> dict[str, str]:
+    """The engine's parameters as this request gave them: the sampling ones in ``sampling_params``."""
+    sp = req.sampling_params
+    given_max = "max_tokens" if sp.max_new_tokens is None and sp.max_tokens is not None else "max_new_tokens"
+    return {
+        **{name: f"sampling_params.{name}" for name in p.GenerateSamplingParams.__struct_fields__},
+        "max_tokens": f"sampling_params.{given_max}",
+        "prompt": "text" if req.text is not None else "input_ids",
+        "logprobs": "top_logprobs_num",
+        "prompt_logprobs": "top_logprobs_num",
+        "request_id": "rid",
+    }
 
 
 def _response(

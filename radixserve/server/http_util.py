@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import msgspec
@@ -52,11 +52,13 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
     @classmethod
-    def invalid(cls, exc: ValueError) -> ApiError:
+    def invalid(cls, exc: ValueError, names: Mapping[str, str] | None = None) -> ApiError:
         """A refused request is a 400 with the parameter and code it named (InvalidRequestError; a pin
-        over the budget, PinBudgetError, is a 429)."""
+        over the budget, PinBudgetError, is a 429). ``names``: the route's field for an engine's
+        parameter where the two differ (``/generate``'s ``sampling_params.top_k`` for ``top_k``)."""
         if isinstance(exc, InvalidRequestError):
-            return cls(exc.status, str(exc), exc.param, exc.code)
+            param = exc.param if exc.param is None or names is None else names.get(exc.param, exc.param)
+            return cls(exc.status, str(exc), param, exc.code)
         return cls(400, str(exc))
 
 

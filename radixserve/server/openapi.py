@@ -35,6 +35,7 @@ _SCHEMA_TYPES: tuple[Any, ...] = (
     pc.PinDeleted,
     pc.EvictRequest,
     pc.EvictResponse,
+    pc.FlushCacheRequest,
 )
 
 
@@ -89,15 +90,16 @@ def openapi_schema(model_name: str, title: str = "radixserve", version: str = "0
     _, components = msgspec.json.schema_components(_SCHEMA_TYPES, ref_template="#/components/schemas/{name}")
     for name in ("ChatCompletionRequest", "CompletionRequest"):
         components[name]["properties"]["model"] = {"type": "string", "enum": [model_name]}
-    for name in ("TokenizeRequest", "DetokenizeRequest"):
+    for name in ("TokenizeRequest", "DetokenizeRequest", "WarmRequest", "EvictRequest", "FlushCacheRequest"):
         components[name]["properties"]["model"] = {"enum": [model_name, None]}
     generate_ok = {"oneOf": [_ref(p.GenerateResponse), {"type": "array", "items": _ref(p.GenerateResponse)}]}
     flush = {
         "post": {
             "summary": "Drop every cached prefix page",
+            "requestBody": {"required": False, "content": _json(_ref(pc.FlushCacheRequest))},
             "responses": {
                 "200": {"description": "OK", "content": _json(_ref(p.FlushCacheResponse))},
-                **_errors(401, 409),
+                **_errors(400, 401, 404, 409),
             },
         }
     }
@@ -108,18 +110,21 @@ def openapi_schema(model_name: str, title: str = "radixserve", version: str = "0
     ]
     model["get"]["responses"].update(_errors(404))
     salt = {"name": "cache_salt", "in": "query", "required": False, "schema": {"type": "string"}}
+    served = {"name": "model", "in": "query", "required": False, "schema": {"enum": [model_name]}}
     pins = _get("The caller's cache pins", _ref(pc.PinList))
-    pins["get"]["parameters"] = [salt]
+    pins["get"]["parameters"] = [salt, served]
+    pins["get"]["responses"].update(_errors(404))
     unpin = {
         "delete": {
             "summary": "Drop one of the caller's cache pins",
             "parameters": [
                 {"name": "pin_id", "in": "path", "required": True, "schema": {"type": "string"}},
                 salt,
+                served,
             ],
             "responses": {
                 "200": {"description": "OK", "content": _json(_ref(pc.PinDeleted))},
-                **_errors(400, 401),
+                **_errors(400, 401, 404),
             },
         }
     }
@@ -168,6 +173,7 @@ def openapi_schema(model_name: str, title: str = "radixserve", version: str = "0
                 pc.WarmRequest,
                 _ref(pc.WarmResponse),
                 False,
+                (400, 401, 404, 413, 429, 503),
             ),
             "/v1/cache/pins": pins,
             "/v1/cache/pins/{pin_id}": unpin,
@@ -176,7 +182,7 @@ def openapi_schema(model_name: str, title: str = "radixserve", version: str = "0
                 pc.EvictRequest,
                 _ref(pc.EvictResponse),
                 False,
-                (400, 401, 413, 503),
+                (400, 401, 404, 413, 503),
             ),
         },
         "components": {

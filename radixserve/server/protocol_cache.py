@@ -26,6 +26,7 @@ class CachePrompt(Struct, kw_only=True, forbid_unknown_fields=True):
     prompt: str | None = None
     prompt_token_ids: list[NonNegInt] | None = None
     cache_salt: str | None = None
+    model: str | None = None  # as on every route: another model than the served one is a 404
 
 
 class WarmRequest(CachePrompt, kw_only=True, forbid_unknown_fields=True):
@@ -70,6 +71,12 @@ class PinEntry(Struct, kw_only=True):
     created_at: float
     hits: int
     tier: str
+
+
+class FlushCacheRequest(Struct, kw_only=True, forbid_unknown_fields=True):
+    """The optional body of ``POST /flush_cache``."""
+
+    model: str | None = None
 
 
 class PinList(Struct, kw_only=True):

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from radixserve.engine.deltas import StepOutput
+from radixserve.errors import InvalidRequestError
 from radixserve.outputs import RequestOutput
 from radixserve.server.calls import exception
 from radixserve.server.engine_api import RequestRecord
@@ -62,7 +63,9 @@ class Streams:
 
     def open(self, request_id: str) -> OpenRequest:
         if request_id in self._open:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise InvalidRequestError(
+                f"request id {request_id!r} is already in use", "request_id", "duplicate_request_id"
+            )
         req = self._open[request_id] = OpenRequest(asyncio.Queue(), time.monotonic())
         return req
 

@@ -272,13 +272,13 @@ BAD: dict[str, tuple[str, Any, int, str | None]] = {
     "n-too-big": ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "n": 1000}, 400, "n"),
     "max-tokens-beyond-context": ("/v1/chat/completions", {**CHAT, "max_tokens": 100_000}, 400, "max_tokens"),
     "empty-prompt": ("/v1/completions", {"model": MODEL_NAME, "prompt": ""}, 400, "prompt"),
-    "bad-token-id": ("/generate", {"input_ids": [10**9]}, 400, "prompt"),
+    "bad-token-id": ("/generate", {"input_ids": [10**9]}, 400, "input_ids"),
     "text-and-ids": ("/generate", {"text": "a", "input_ids": [1]}, 400, "text"),
     "unknown-sampling-param": (
         "/generate",
         {"text": "a", "sampling_params": {"temprature": 0}},
         400,
-        "sampling_params",
+        "sampling_params.temprature",
     ),
     "body-too-large": ("/v1/completions", {"model": MODEL_NAME, "prompt": "x" * MAX_BODY}, 413, None),
 }

@@ -59,7 +59,7 @@ def test_sigkill_of_one_rank_mid_stream_then_the_server_serves_again(served: Ser
     assert time.monotonic() - killed < 30, "the client waited for a dead rank"
     assert rest and "[DONE]" not in rest, rest[-3:]
     error = json.loads(rest[-1])["error"]
-    assert "tensor-parallel rank 1" in error["message"] and "died" in error["message"], error
+    assert "tensor-parallel rank 1" in error["message"] and "died of SIGKILL" in error["message"], error
 
     assert c.get("/health").status_code == 503  # the engine (every rank) is being replaced
     wait_until_healthy(c, 120)
