@@ -17,6 +17,9 @@ and cache the OpenAI routes use.
   ``message_delta`` (stop reason, usage) and ``message_stop``. The blocks are made by the same parser as
   the whole reply's, so they assemble to the same message. An error after the headers is an ``error``
   event.
+- ``max_tokens: 0`` (Anthropic's pre-warming) computes the prompt's KV into the cache without
+  generating (the engine's ``warm``, as ``/v1/cache/warm``), its pin included: an empty reply whose
+  usage says what was read and written.
 - Every error before the headers has Anthropic's body (http_util.error_response picks it by path).
 """
 
@@ -32,12 +35,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from radixserve.outputs import CompletionOutput, RequestOutput
+from radixserve.server import protocol as p
 from radixserve.server import protocol_anthropic as pa
+from radixserve.server import protocol_chat as c
 from radixserve.server.anthropic_render import chat_request
 from radixserve.server.api import ApiContext
-from radixserve.server.chat import Piece, StartedChat, chat_prompt, start_chat
+from radixserve.server.chat import Piece, StartedChat, chat_prompt, prompt_pin, start_chat
 from radixserve.server.engine_api import EngineUnavailableError
-from radixserve.server.http_util import anthropic_error, event_stream, json_response, usage
+from radixserve.server.http_util import ApiError, anthropic_error, event_stream, json_response, usage
 from radixserve.server.openai_fields import MESSAGES_IGNORED, MESSAGES_REFUSED
 
 
@@ -45,7 +50,10 @@ async def messages(ctx: ApiContext, request: Request) -> Response:
     req = await ctx.decode_openai(request, pa.MessagesRequest, MESSAGES_REFUSED, MESSAGES_IGNORED)
     ctx.check_model(req.model)
     rid = f"msg_{uuid.uuid4().hex[:24]}"
-    started = await start_chat(ctx, request, chat_request(req), rid, call_id_prefix="toolu_")
+    chat = chat_request(req)
+    if req.max_tokens == 0:
+        return await _warm(ctx, request, chat, rid)
+    started = await start_chat(ctx, request, chat, rid, call_id_prefix="toolu_")
     if req.stream:
         return event_stream(_events(ctx, rid, started), [started.stream], _error_event)
     [res] = await ctx.collect(request, [(started.first, started.stream)])
@@ -62,6 +70,35 @@ async def messages(ctx: ApiContext, request: Request) -> Response:
             usage=_usage(started.prompt_tokens, len(o.token_ids), res),
         )
     )
+
+
+async def _warm(ctx: ApiContext, request: Request, chat: c.ChatCompletionRequest, rid: str) -> Response:
+    _, token_ids = chat_prompt(ctx, chat)
+    pin = prompt_pin(ctx, chat, token_ids)
+    try:
+        result = await ctx.engine.warm(token_ids, ctx.salt(request, chat.cache_salt), pin)
+    except ValueError as exc:  # InvalidRequestError (400) or PinBudgetError (429), nothing changed
+        raise ApiError.invalid(exc) from None
+    ref = result.pin
+    usage_ = pa.MessageUsage(
+        input_tokens=result.tokens - result.cached_tokens - result.computed_tokens,
+        output_tokens=0,
+        cache_read_input_tokens=result.cached_tokens,
+        cache_creation_input_tokens=result.computed_tokens,
+        cache_pin=None if ref is None else p.UsagePin(id=ref.id, expires_at=ref.expires_at),
+    )
+    message = pa.MessageResponse(
+        id=rid, content=[], model=ctx.model_name, stop_reason="max_tokens", stop_sequence=None, usage=usage_
+    )
+    if not chat.stream:
+        return json_response(message)
+
+    async def events() -> AsyncGenerator[bytes, None]:
+        yield _event(pa.MessageStart(msgspec.structs.replace(message, stop_reason=None)))
+        yield _event(pa.MessageDelta(pa.StopDelta("max_tokens", None), usage_))
+        yield _event(pa.MessageStop())
+
+    return event_stream(events(), [], _error_event)
 
 
 async def count_tokens(ctx: ApiContext, request: Request) -> Response:

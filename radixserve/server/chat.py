@@ -24,6 +24,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from radixserve.cache.pins.types import PinSpec
 from radixserve.outputs import CompletionOutput, RequestOutput
 from radixserve.server import protocol as p
 from radixserve.server import protocol_chat as c
@@ -147,6 +148,11 @@ def chat_prompt(ctx: ApiContext, req: c.ChatCompletionRequest) -> tuple[str, lis
     return prompt, list(ctx.tokenizer.encode(prompt, add_special_tokens=False))
 
 
+def prompt_pin(ctx: ApiContext, req: c.ChatCompletionRequest, token_ids: list[int]) -> PinSpec | None:
+    """The pin the request's ``cache_control`` blocks ask for over its prompt ``token_ids``."""
+    return chat_pin(req.messages, token_ids, lambda ms: _render_ids(ctx, req, ms))
+
+
 @dataclass
 class StartedChat:
     """A chat request the engine accepted: its prompt's length, its first delta and stream, and a
@@ -172,7 +178,7 @@ async def start_chat(
     params.grammar = plan.grammar
     if plan.parse and not ctx.tool_format.skip_special_tokens:
         params.skip_special_tokens = False  # the format's markers are special tokens
-    pin = chat_pin(req.messages, token_ids, lambda ms: _render_ids(ctx, req, ms))
+    pin = prompt_pin(ctx, req, token_ids)
     try:
         first, stream = await ctx.submit(
             token_ids, params, rid, ctx.salt(request, req.cache_salt), req.priority, pin

@@ -5,8 +5,9 @@ Structs): requests, content blocks, the reply, stream events, the error body.
   and ``thinking``; the kinds Anthropic has that radixserve cannot render (images, documents, server
   tools' blocks, ...) decode into ``RefusedBlock`` subclasses, so anthropic_render.py answers each with
   a 400 naming it instead of msgspec's bare "invalid tag".
-- ``max_tokens`` is required, as Anthropic requires it. The sampling ranges are SamplingParams' own
-  (protocol.py's aliases), as on the OpenAI routes.
+- ``max_tokens`` is required, as Anthropic requires it; 0 warms the cache with the prompt and
+  generates nothing. The sampling ranges are SamplingParams' own (protocol.py's aliases), as on the
+  OpenAI routes.
 - Nested objects ignore keys they do not know (``citations`` on a text block, ``allowed_callers`` on a
   tool), as the OpenAI routes' do; the top-level keys are checked by the field policy
   (openai_fields.py, ``MESSAGES_REFUSED``).
@@ -19,7 +20,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-from radixserve.server.protocol import MaxTokens, Temperature, TopK, TopP, UsagePin
+from radixserve.server.protocol import NonNegInt, Temperature, TopK, TopP, UsagePin
 from radixserve.server.protocol_chat import CacheControl
 
 
@@ -173,7 +174,7 @@ class CountTokensRequest(Struct, kw_only=True):
 
 
 class MessagesRequest(CountTokensRequest, kw_only=True):
-    max_tokens: MaxTokens
+    max_tokens: NonNegInt  # 0: only write the prompt to the cache (Anthropic's pre-warming)
     stop_sequences: list[str] | None = None
     temperature: Temperature = 1.0
     top_p: TopP = 1.0

@@ -21,6 +21,7 @@ from radixserve.server.openai_fields import MESSAGES_IGNORED, MESSAGES_REFUSED
 from radixserve.server.protocol_anthropic import MessagesRequest
 
 KEY = "anthropic-key"
+PAGE = 4  # tokens per KV page of tool_server
 GREEDY: Any = {"temperature": 0}  # the client has no temperature argument: extra_body sends it
 SYSTEM = "You are a terse assistant. Answer in one word, always, whatever the question is."
 TOOLS: Any = [{"name": "get_weather", "description": "The weather", "input_schema": WEATHER}]
@@ -171,6 +172,18 @@ def test_a_cache_control_block_pins_its_prefix_and_the_next_call_reads_it(
         model=MODEL_NAME, max_tokens=1, system=system, messages=other, extra_body=GREEDY
     )
     assert unsalted.usage.cache_read_input_tokens == 0  # another salt shares no pages
+
+
+def test_max_tokens_zero_warms_the_cache_without_generating(claude: Any) -> None:
+    body: Any = dict(model=MODEL_NAME, system=SYSTEM * 3, messages=ASK)
+    salt = {"cache_salt": "anthropic-warm"}
+    warm = claude.messages.create(**body, max_tokens=0, extra_body=salt)
+    assert (warm.content, warm.stop_reason, warm.usage.output_tokens) == ([], "max_tokens", 0)
+    written = warm.usage.cache_creation_input_tokens
+    assert warm.usage.cache_read_input_tokens == 0 and written > 0
+    after = claude.messages.create(**body, max_tokens=1, extra_body={**GREEDY, **salt})
+    # A request computes at least its last token: a prompt of whole pages reuses all but its last page.
+    assert written - PAGE <= after.usage.cache_read_input_tokens <= written
 
 
 # -- errors -----------------------------------------------------------------------------------------
