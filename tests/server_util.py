@@ -4,7 +4,9 @@ runs in its own process, as under ``radixserve serve``."""
 from __future__ import annotations
 
 import asyncio
+import importlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from tiny_models import HERMES_TEMPLATE
@@ -27,6 +30,17 @@ from radixserve.server.app import build_app
 from radixserve.server.async_engine import AsyncEngine
 
 MODEL_NAME = "tiny"
+INSTALL = "pip install -e '.[dev]' (make install does)"
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "server.md"
+# A tool's arguments: the schema the tool tests (OpenAI's and Anthropic's) call with.
+WEATHER: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+}
 # A greedy completion that runs long (ignore_eos): what an engine's death interrupts mid-stream.
 ENDLESS: dict[str, Any] = {
     "model": MODEL_NAME,
@@ -35,6 +49,24 @@ ENDLESS: dict[str, Any] = {
     "temperature": 0,
     "ignore_eos": True,
 }
+
+
+def client_package(name: str) -> Any:
+    """Import a client package. CI installs the dev extras, so there a missing one fails the test;
+    elsewhere the test is skipped with a message that says how to install it."""
+    if os.environ.get("CI"):
+        return importlib.import_module(name)
+    return pytest.importorskip(name, reason=f"{name} is not installed: {INSTALL}")
+
+
+def documented_fields(heading: str) -> dict[str, set[str]]:
+    """The field table under ``### <heading>`` in docs/server.md: status (served, refused, ignored) ->
+    the fields with it."""
+    section = DOCS.read_text().split(f"### {heading}", 1)[1].split("\n### ", 1)[0]
+    documented: dict[str, set[str]] = {}
+    for name, kind in re.findall(r"^\| `([a-z_]+)` \| (served|refused|ignored) \|", section, re.MULTILINE):
+        documented.setdefault(kind, set()).add(name)
+    return documented
 
 
 @dataclass

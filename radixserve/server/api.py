@@ -38,7 +38,7 @@ from radixserve.server.engine_api import (
     ServingBackend,
 )
 from radixserve.server.http_util import ApiError
-from radixserve.server.openai_fields import Refused, check_fields
+from radixserve.server.openai_fields import IGNORED, Refused, check_fields
 from radixserve.server.reasoning import REASONING_PARSERS
 from radixserve.server.tools import TOOL_CALL_PARSERS, choose_format
 
@@ -129,8 +129,15 @@ class ApiContext:
             return type_()
         return _decode(body, type_)
 
-    async def decode_openai(self, request: Request, type_: type[S], refused: Mapping[str, Refused]) -> S:
-        """``decode``, after checking the body's top-level fields against the field policy."""
+    async def decode_openai(
+        self,
+        request: Request,
+        type_: type[S],
+        refused: Mapping[str, Refused],
+        ignored: Mapping[str, str] = IGNORED,
+    ) -> S:
+        """``decode``, after checking the body's top-level fields against the field policy (the
+        OpenAI routes', or with ``refused`` and ``ignored`` another API's: openai_fields.py)."""
         body = await self.body(request)
         try:
             fields = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
@@ -139,7 +146,7 @@ class ApiContext:
         except msgspec.DecodeError as exc:
             raise ApiError(400, f"invalid JSON body: {exc}") from None
         try:
-            check_fields(fields, type_.__struct_fields__, refused)  # type: ignore[attr-defined]
+            check_fields(fields, type_.__struct_fields__, refused, ignored)  # type: ignore[attr-defined]
         except ValueError as exc:
             raise ApiError.invalid(exc) from None
         return _decode(body, type_)

@@ -1,7 +1,7 @@
 """The HTTP server: a Starlette app over an AsyncEngine, and uvicorn to run it (flags: launch.py).
 
-The routes live in chat.py, completions.py and generate.py (over api.py's ApiContext); the small
-ones are here.
+The routes live in chat.py, completions.py, generate.py and anthropic_messages.py (over api.py's
+ApiContext); the small ones are here.
 
 Invariants:
 - A request is submitted to the engine only after its body decoded and validated against the
@@ -9,14 +9,14 @@ Invariants:
   before the first byte of a response is an OpenAI-style error body (``ErrorResponse``) with the
   status code of its cause (400 bad input, 401 auth, 404 route or model, 405 method, 409 refused,
   413 body too large, 429 queue full, 503 shutting down or engine process down, 500 bug: in the API server, or
-  an engine that raised).
+  an engine that raised); under ``/v1/messages`` it is Anthropic's error body instead.
 - Streaming responses wait for the request's first output before sending headers, so bad input and
   back-pressure are still answered with a status code; errors after that end the stream with an
   ``error`` event.
 - A client that disconnects stops its consumer, which aborts the request (see AsyncEngine.generate),
   for streaming and non-streaming requests alike.
 - With an API key set, every route but ``/health`` and the static browser pages (server/dashboard.py)
-  needs ``Authorization: Bearer <key>``; with
+  needs ``Authorization: Bearer <key>`` or ``x-api-key: <key>``; with
   ``salt_per_key`` the key's hash prefixes the cache salt, so tenants never share prefix pages.
 - With ``allowed_origins``, CORS wraps everything (auth included), so browsers get their preflight
   answered and see error bodies.
@@ -46,7 +46,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixserve.errors import InvalidRequestError
-from radixserve.server import cache_routes
+from radixserve.server import anthropic_messages, cache_routes
 from radixserve.server import protocol as p
 from radixserve.server import protocol_cache as pc
 from radixserve.server import protocol_chat as c
@@ -63,7 +63,7 @@ from radixserve.server.engine_api import (
     ServingBackend,
 )
 from radixserve.server.generate import generate
-from radixserve.server.http_util import ApiError, error_response, json_response
+from radixserve.server.http_util import ApiError, app_path, error_response, json_response
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.openapi import openapi_schema
 
@@ -180,27 +180,38 @@ class _SessionHeader:
 
 
 class _BearerAuth:
-    """Pure ASGI (streaming responses pass through untouched); records the key for per-key salts."""
+    """Pure ASGI (streaming responses pass through untouched); records the key for per-key salts.
+
+    The key comes as ``Authorization: Bearer <key>`` (OpenAI's clients) or ``x-api-key: <key>``
+    (Anthropic's), on any route; a 401 has the body of the route's API (http_util.error_response)."""
 
     def __init__(self, app: ASGIApp, keys: Sequence[str], public: frozenset[str] = frozenset()) -> None:
         self.app = app
         self.keys = [k.encode() for k in keys]
         self.public = public | {"/health", "/health/live"}  # answered without a key: health, static pages
 
+    def _match(self, headers: dict[bytes, bytes]) -> bytes | None:
+        scheme, _, bearer = headers.get(b"authorization", b"").partition(b" ")
+        given = [bearer.strip()] if scheme.lower() == b"bearer" else []
+        given.append(headers.get(b"x-api-key", b"").strip())
+        for token in given:
+            if token and any(hmac.compare_digest(token, k) for k in self.keys):
+                return token
+        return None
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        # The path within the app: mounted under a prefix (a Serve route prefix), the path includes it.
-        path = scope.get("path", "")
-        root = scope.get("root_path", "")
-        if root and path.startswith(root):
-            path = path[len(root) :]
+        path = app_path(scope)
         if scope["type"] == "http" and path not in self.public:
-            header = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, token = header.partition(b" ")
-            token = token.strip()
-            if scheme.lower() != b"bearer" or not any(hmac.compare_digest(token, k) for k in self.keys):
-                msg = "missing API key" if not header else "invalid API key"
+            headers = dict(scope["headers"])
+            token = self._match(headers)
+            if token is None:
+                sent = b"authorization" in headers or b"x-api-key" in headers
                 await error_response(
-                    401, msg, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
+                    401,
+                    "invalid API key" if sent else "missing API key",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                    path=path,
                 )(scope, receive, send)
                 return
             scope["radixserve.api_key"] = token.decode(errors="replace")
@@ -268,31 +279,39 @@ def build_app(
             yield
         await engine.shutdown(drain_timeout)
 
+    # Each answers in the body of the request's API (OpenAI's, or Anthropic's under /v1/messages).
     async def on_api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
-        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+        return error_response(
+            exc.status, exc.message, exc.param, exc.code, exc.headers, app_path(request.scope)
+        )
 
     async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
-        return error_response(exc.status_code, exc.detail, headers=dict(exc.headers) if exc.headers else None)
+        headers = dict(exc.headers) if exc.headers else None
+        return error_response(exc.status_code, exc.detail, headers=headers, path=app_path(request.scope))
 
     async def on_invalid(request: Request, exc: Exception) -> Response:
         error = ApiError.invalid(exc)  # type: ignore[arg-type]
-        return error_response(error.status, error.message, error.param, error.code)
+        return error_response(
+            error.status, error.message, error.param, error.code, path=app_path(request.scope)
+        )
 
     async def on_unavailable(request: Request, exc: Exception) -> Response:
-        return error_response(503, str(exc))
+        return error_response(503, str(exc), path=app_path(request.scope))
 
     async def on_engine_failed(request: Request, exc: Exception) -> Response:
-        return error_response(500, str(exc))
+        return error_response(500, str(exc), path=app_path(request.scope))
 
     async def on_bug(request: Request, exc: Exception) -> Response:
         logger.exception("unhandled error", exc_info=exc)
-        return error_response(500, f"internal error: {type(exc).__name__}")
+        return error_response(500, f"internal error: {type(exc).__name__}", path=app_path(request.scope))
 
     routes = [
         Route("/v1/chat/completions", route(chat), methods=["POST"]),
         Route("/v1/completions", route(completions), methods=["POST"]),
+        Route("/v1/messages", route(anthropic_messages.messages), methods=["POST"]),
+        Route("/v1/messages/count_tokens", route(anthropic_messages.count_tokens), methods=["POST"]),
         Route("/generate", route(generate), methods=["POST"]),
         Route("/tokenize", small.tokenize, methods=["POST"]),
         Route("/detokenize", small.detokenize, methods=["POST"]),

@@ -74,12 +74,12 @@ def chat_pin(
     last: list[c.ChatMessage] | None = None
     for i, m in enumerate(messages):
         if m.cache_control is not None:
-            ttls.append(_block_ttl(m.cache_control, f"messages[{i}].cache_control"))
+            ttls.append(block_ttl(m.cache_control, f"messages[{i}].cache_control"))
             last = [*messages[:i], m]
         if isinstance(m.content, list):
             for j, part in enumerate(m.content):
                 if part.cache_control is not None:
-                    ttls.append(_block_ttl(part.cache_control, f"messages[{i}].content[{j}].cache_control"))
+                    ttls.append(block_ttl(part.cache_control, f"messages[{i}].content[{j}].cache_control"))
                     last = [*messages[:i], msgspec.structs.replace(m, content=m.content[: j + 1])]
     if last is None:
         return None
@@ -96,7 +96,8 @@ def chat_pin(
     return PinSpec(ttl_s=max(ttls), param="cache_control", num_tokens=n)
 
 
-def _block_ttl(block: c.CacheControl, param: str) -> float:
+def block_ttl(block: c.CacheControl, param: str) -> float:
+    """The TTL of one ``cache_control`` block (``param`` names it in a 400)."""
     if block.type != "ephemeral":
         raise ApiError(
             400,

@@ -17,19 +17,21 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
+from radixserve.cache.pins.types import PinSpec
 from radixserve.outputs import CompletionOutput, RequestOutput
 from radixserve.server import protocol as p
 from radixserve.server import protocol_chat as c
 from radixserve.server.api import ApiContext
 from radixserve.server.cache_pins import chat_pin
 from radixserve.server.chat_render import render_chat, tool_dict
+from radixserve.server.engine_api import RequestStream
 from radixserve.server.http_util import DONE, ApiError, event_stream, json_response, sse, usage
 from radixserve.server.openai_fields import CHAT_REFUSED
 from radixserve.server.reasoning import ReasoningStream, starts_in_reasoning
@@ -132,15 +134,10 @@ def _tool_call(call: ParsedCall) -> c.ToolCall:
     return c.ToolCall(id=call.id, function=c.FunctionCall(call.name, call.arguments))
 
 
-async def chat(ctx: ApiContext, request: Request) -> Response:
-    req = await ctx.decode_openai(request, c.ChatCompletionRequest, CHAT_REFUSED)
-    ctx.check_model(req.model)
-    if req.top_logprobs is not None and not req.logprobs:
-        raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-    tokenizer = ctx.tokenizer
-    plan = plan_tools(req, ctx.tool_format, tokenizer)
+def chat_prompt(ctx: ApiContext, req: c.ChatCompletionRequest) -> tuple[str, list[int]]:
+    """The request's prompt, rendered once by the chat template, and its token ids."""
     prompt = render_chat(
-        tokenizer,
+        ctx.tokenizer,
         req.messages,
         req.tools,
         ctx.tool_format,
@@ -148,14 +145,40 @@ async def chat(ctx: ApiContext, request: Request) -> Response:
         req.continue_final_message,
         req.chat_template_kwargs,
     )
-    token_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    return prompt, list(ctx.tokenizer.encode(prompt, add_special_tokens=False))
+
+
+def prompt_pin(ctx: ApiContext, req: c.ChatCompletionRequest, token_ids: list[int]) -> PinSpec | None:
+    """The pin the request's ``cache_control`` blocks ask for over its prompt ``token_ids``."""
+    return chat_pin(req.messages, token_ids, lambda ms: _render_ids(ctx, req, ms))
+
+
+@dataclass
+class StartedChat:
+    """A chat request the engine accepted: its prompt's length, its first delta and stream, and a
+    factory of the parser that splits one sample's reply (reasoning, content, tool calls)."""
+
+    prompt_tokens: int
+    first: RequestOutput
+    stream: RequestStream
+    parser: Callable[[], ReplyParser]
+
+
+async def start_chat(
+    ctx: ApiContext, request: Request, req: c.ChatCompletionRequest, rid: str, call_id_prefix: str = "call_"
+) -> StartedChat:
+    """Plan the tools, render and tokenize the prompt, pick the params and the ``cache_control`` pin,
+    submit: the one way a chat becomes an engine request, whichever API (OpenAI's, Anthropic's) it
+    came in by. Parsed calls get ids ``call_id_prefix`` + hex."""
+    tokenizer = ctx.tokenizer
+    plan = plan_tools(req, ctx.tool_format, tokenizer)
+    prompt, token_ids = chat_prompt(ctx, req)
     max_tokens = ctx.max_tokens(len(token_ids), req.max_completion_tokens or req.max_tokens, None, "messages")
     params = ctx.sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
     params.grammar = plan.grammar
     if plan.parse and not ctx.tool_format.skip_special_tokens:
         params.skip_special_tokens = False  # the format's markers are special tokens
-    pin = chat_pin(req.messages, token_ids, lambda ms: _render_ids(ctx, req, ms))
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    pin = prompt_pin(ctx, req, token_ids)
     names = {  # the engine's parameters as this request gave them
         "prompt": "messages",
         "max_tokens": "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens",
@@ -170,14 +193,25 @@ async def chat(ctx: ApiContext, request: Request) -> Response:
     def parser() -> ReplyParser:
         return ReplyParser(
             ReasoningStream(inside) if ctx.reasoning else None,
-            ToolCallStream(ctx.tool_format) if plan.parse else None,
+            ToolCallStream(ctx.tool_format, call_id_prefix) if plan.parse else None,
         )
 
+    return StartedChat(len(token_ids), first, stream, parser)
+
+
+async def chat(ctx: ApiContext, request: Request) -> Response:
+    req = await ctx.decode_openai(request, c.ChatCompletionRequest, CHAT_REFUSED)
+    ctx.check_model(req.model)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    started = await start_chat(ctx, request, req, rid)
+    first, stream = started.first, started.stream
     if req.stream:
-        return event_stream(_events(ctx, req, rid, first, stream, parser), [stream])
+        return event_stream(_events(ctx, req, rid, first, stream, started.parser), [stream])
     [res] = await ctx.collect(request, [(first, stream)])
-    choices = [_choice(ctx, o, parser()) for o in res.outputs]
-    usage_ = usage(len(token_ids), sum(len(o.token_ids) for o in res.outputs), [res])
+    choices = [_choice(ctx, o, started.parser()) for o in res.outputs]
+    usage_ = usage(started.prompt_tokens, sum(len(o.token_ids) for o in res.outputs), [res])
     return json_response(
         c.ChatCompletionResponse(
             id=rid, created=int(time.time()), model=ctx.model_name, choices=choices, usage=usage_

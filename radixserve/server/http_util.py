@@ -2,7 +2,10 @@
 
 Invariants:
 - Every error answered before a response starts is an OpenAI-style body (``ErrorResponse``) with the
-  status of its cause; ``ApiError`` carries it from wherever it is raised to the app's handler.
+  status of its cause; ``ApiError`` carries it from wherever it is raised to the app's handler. Under
+  ``/v1/messages`` (Anthropic's API) the same error has Anthropic's body instead
+  (``{"type": "error", "error": {"type", "message"}}``, the param named in the message): the body
+  follows the route's API, whoever raised it (auth, the router, a route).
 - An SSE response, however it ends (finished, client gone, error), closes the request streams it
   serves, which aborts the requests that are still running.
 """
@@ -12,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import msgspec
@@ -22,6 +25,7 @@ from radixserve.cache.request_pages import TIERS
 from radixserve.errors import InvalidRequestError
 from radixserve.outputs import RequestOutput
 from radixserve.server import protocol as p
+from radixserve.server import protocol_anthropic as pa
 
 logger = logging.getLogger("radixserve.server")
 
@@ -36,6 +40,20 @@ _ERROR_TYPES = {
     429: "rate_limit_error",
     503: "service_unavailable_error",
 }
+# Anthropic's error types by status (its 529 "overloaded" is our 503: the engine is down or draining).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+ANTHROPIC_ROUTES = "/v1/messages"  # this path and those under it answer in Anthropic's shapes
 DONE = b"data: [DONE]\n\n"
 
 
@@ -62,14 +80,39 @@ class ApiError(Exception):
         return cls(400, str(exc))
 
 
+def app_path(scope: Mapping[str, Any]) -> str:
+    """The request's path within the app (mounted under a prefix, e.g. a Serve route prefix, the
+    scope's path includes it)."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
+def is_anthropic(path: str) -> bool:
+    return path == ANTHROPIC_ROUTES or path.startswith(ANTHROPIC_ROUTES + "/")
+
+
+def anthropic_error(status: int, message: str, param: str | None = None) -> pa.ErrorBody:
+    """Anthropic's error body; its errors have no ``param``, so the message starts with it, as
+    Anthropic's own do (``max_tokens: Field required``)."""
+    if param and not message.startswith(param):
+        message = f"{param}: {message}"
+    return pa.ErrorBody(pa.ErrorDetail(_ANTHROPIC_TYPES.get(status, "api_error"), message))
+
+
 def error_response(
     status: int,
     message: str,
     param: str | None = None,
     code: str | None = None,
     headers: dict[str, str] | None = None,
+    path: str = "",
 ) -> Response:
-    err = p.ErrorResponse(p.ErrorInfo(message, _ERROR_TYPES.get(status, "server_error"), param, code))
+    """The error body of the API ``path`` belongs to (OpenAI's unless it is an Anthropic route)."""
+    err: Any
+    if is_anthropic(path):
+        err = anthropic_error(status, message, param)
+    else:
+        err = p.ErrorResponse(p.ErrorInfo(message, _ERROR_TYPES.get(status, "server_error"), param, code))
     return Response(msgspec.json.encode(err), status, headers, media_type="application/json")
 
 
@@ -141,10 +184,17 @@ async def merge(streams: Sequence[AsyncGenerator[T, None]]) -> AsyncGenerator[tu
                 await task
 
 
+def openai_error_event(exc: Exception) -> bytes:
+    return sse(p.ErrorResponse(p.ErrorInfo(str(exc), "server_error")))
+
+
 def event_stream(
-    events: AsyncGenerator[bytes, None], requests: Sequence[AsyncGenerator[RequestOutput, None]]
+    events: AsyncGenerator[bytes, None],
+    requests: Sequence[AsyncGenerator[RequestOutput, None]],
+    error_event: Callable[[Exception], bytes] = openai_error_event,
 ) -> StreamingResponse:
-    """SSE response; however it ends, the requests' streams are closed, which aborts any unfinished."""
+    """SSE response; however it ends, the requests' streams are closed, which aborts any unfinished.
+    An error after the headers ends it with ``error_event``'s event (the route's API's shape)."""
 
     async def guarded() -> AsyncIterator[bytes]:
         try:
@@ -152,7 +202,7 @@ def event_stream(
                 yield e
         except Exception as exc:  # headers are sent: the error can only travel as an event
             logger.exception("stream failed")
-            yield sse(p.ErrorResponse(p.ErrorInfo(str(exc), "server_error")))
+            yield error_event(exc)
         finally:
             await events.aclose()
             for request in requests:

@@ -1,4 +1,5 @@
-"""Which request fields the OpenAI routes serve, refuse or ignore: nothing that changes the output is dropped.
+"""Which request fields the OpenAI and Anthropic routes serve, refuse or ignore: nothing that changes the
+output is dropped.
 
 A top-level field of a ``/v1/chat/completions`` or ``/v1/completions`` body is one of:
 - **served**: a field of the request Struct (protocol.py, protocol_chat.py);
@@ -9,7 +10,11 @@ A top-level field of a ``/v1/chat/completions`` or ``/v1/completions`` body is o
 - **unknown**: anything else, a 400 naming it (``code: unknown_parameter``), as OpenAI answers: a
   misspelt field would otherwise change the output silently.
 
-docs/server.md has the table of every field; tests/server/test_server_api_surface.py checks that it matches.
+``/v1/messages`` (Anthropic's API, protocol_anthropic.py) has the same four kinds, with its own lists:
+``MESSAGES_IGNORED`` and ``MESSAGES_REFUSED`` (Anthropic answers an unknown field with a 400 too).
+
+docs/server.md has the tables of every field; tests/server/test_server_api_surface.py and
+tests/server/test_anthropic.py check that they match.
 """
 
 from __future__ import annotations
@@ -91,14 +96,36 @@ COMPLETION_REFUSED: dict[str, Refused] = {
 }
 
 
+# /v1/messages: Anthropic's fields with no effect on the output (ids, routing, billing, diagnostics).
+MESSAGES_IGNORED: dict[str, str] = {
+    "metadata": "an end-user id for abuse monitoring",
+    "service_tier": "Anthropic's capacity tier",
+    "inference_geo": "the region Anthropic runs the request in",
+    "speed": "Anthropic's fast mode: the tokens are the same",
+    "diagnostics": "Anthropic's explanation of prompt-cache misses",
+    "user_profile_id": "the party the request is made for",
+    "workspace_id": "Anthropic's workspace",
+}
+
+MESSAGES_REFUSED: dict[str, Refused] = {
+    "thinking": Refused("extended thinking budgets (a --reasoning-parser splits a model's own)", (None,)),
+    "container": Refused("code execution containers"),
+    "mcp_servers": Refused("MCP servers", (None, [])),
+    "context_management": Refused("server-side context editing"),
+}
+
+
 def check_fields(
-    fields: Mapping[str, msgspec.Raw], served: Iterable[str], refused: Mapping[str, Refused]
+    fields: Mapping[str, msgspec.Raw],
+    served: Iterable[str],
+    refused: Mapping[str, Refused],
+    ignored: Mapping[str, str] = IGNORED,
 ) -> None:
-    """Raise InvalidRequestError naming the first field that is neither served nor ignored, unless
-    it is a refused field whose value asks for nothing."""
+    """Raise InvalidRequestError naming the first field that is neither served nor ``ignored``,
+    unless it is a refused field whose value asks for nothing."""
     served = set(served)
     for name, raw in fields.items():
-        if name in served or name in IGNORED:
+        if name in served or name in ignored:
             continue
         rule = refused.get(name)
         if rule is None:

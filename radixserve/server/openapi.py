@@ -7,10 +7,12 @@ from typing import Any
 import msgspec
 
 from radixserve.server import protocol as p
+from radixserve.server import protocol_anthropic as pa
 from radixserve.server import protocol_cache as pc
 from radixserve.server import protocol_chat as c
 
 OPENAI_ERRORS = (400, 401, 404, 413, 429, 503)  # 404: an unknown model
+ANTHROPIC_ERRORS = OPENAI_ERRORS  # the same statuses, with Anthropic's body (pa.ErrorBody)
 
 _SCHEMA_TYPES: tuple[Any, ...] = (
     p.ErrorResponse,
@@ -36,6 +38,12 @@ _SCHEMA_TYPES: tuple[Any, ...] = (
     pc.EvictRequest,
     pc.EvictResponse,
     pc.FlushCacheRequest,
+    pa.MessagesRequest,
+    pa.MessageResponse,
+    pa.StreamEvent,
+    pa.CountTokensRequest,
+    pa.CountTokensResponse,
+    pa.ErrorBody,
 )
 
 
@@ -47,8 +55,8 @@ def _json(schema: dict[str, Any]) -> dict[str, Any]:
     return {"application/json": {"schema": schema}}
 
 
-def _errors(*codes: int) -> dict[str, Any]:
-    return {str(c): {"description": "error", "content": _json(_ref(p.ErrorResponse))} for c in codes}
+def _errors(*codes: int, body: type = p.ErrorResponse) -> dict[str, Any]:
+    return {str(c): {"description": "error", "content": _json(_ref(body))} for c in codes}
 
 
 def _post(
@@ -88,7 +96,7 @@ def _get(summary: str, ok: dict[str, Any], media_type: str = "application/json")
 def openapi_schema(model_name: str, title: str = "radixserve", version: str = "0.1.0") -> dict[str, Any]:
     """The OpenAPI 3.1 document served at ``GET /openapi.json``; ``model`` must be the served name."""
     _, components = msgspec.json.schema_components(_SCHEMA_TYPES, ref_template="#/components/schemas/{name}")
-    for name in ("ChatCompletionRequest", "CompletionRequest"):
+    for name in ("ChatCompletionRequest", "CompletionRequest", "MessagesRequest", "CountTokensRequest"):
         components[name]["properties"]["model"] = {"type": "string", "enum": [model_name]}
     for name in ("TokenizeRequest", "DetokenizeRequest", "WarmRequest", "EvictRequest", "FlushCacheRequest"):
         components[name]["properties"]["model"] = {"enum": [model_name, None]}
@@ -128,6 +136,12 @@ def openapi_schema(model_name: str, title: str = "radixserve", version: str = "0
             },
         }
     }
+    anthropic = _post("Messages (Anthropic)", pa.MessagesRequest, _ref(pa.MessageResponse), True, ())
+    anthropic["post"]["responses"].update(_errors(*ANTHROPIC_ERRORS, body=pa.ErrorBody))
+    count = _post(
+        "Count a prompt's tokens (Anthropic)", pa.CountTokensRequest, _ref(pa.CountTokensResponse), False, ()
+    )
+    count["post"]["responses"].update(_errors(400, 401, 404, 413, body=pa.ErrorBody))
     health["get"]["security"] = []
     health["get"]["responses"].update(_errors(503))
     return {
@@ -148,6 +162,8 @@ def openapi_schema(model_name: str, title: str = "radixserve", version: str = "0
                 True,
                 OPENAI_ERRORS,
             ),
+            "/v1/messages": anthropic,
+            "/v1/messages/count_tokens": count,
             "/generate": _post("Native generation", p.GenerateRequest, generate_ok, True),
             "/tokenize": _post(
                 "Tokenize a prompt or chat messages (vLLM)",

@@ -104,8 +104,9 @@ class ToolCallFormat:
         """The complete calls in ``section`` (from ``start`` on); None if it is not calls at all."""
         raise NotImplementedError
 
-    def new_id(self) -> str:
-        return f"call_{uuid.uuid4().hex[:24]}"
+    def new_id(self, prefix: str = "call_") -> str:
+        """A call id: ``prefix`` (OpenAI's ``call_``, Anthropic's ``toolu_``) and 24 hex digits."""
+        return f"{prefix}{uuid.uuid4().hex[:24]}"
 
     def grammar_body(self, call: str, parallel: bool, special_id: Callable[[str], int | None]) -> str:
         """The Lark rules of ``start`` around ``call``, the rule of one call's JSON."""
@@ -249,7 +250,7 @@ class MistralFormat(ToolCallFormat):
             calls.append(call)
         return calls
 
-    def new_id(self) -> str:  # Mistral's templates take ids of 9 letters and digits
+    def new_id(self, prefix: str = "call_") -> str:  # Mistral's templates take ids of 9 letters and digits
         return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
 
     def grammar_body(self, call: str, parallel: bool, special_id: Callable[[str], int | None]) -> str:
@@ -294,6 +295,7 @@ class ToolCallStream:
     """One sample's content, split into text and complete tool calls as it streams (module docstring)."""
 
     fmt: ToolCallFormat
+    id_prefix: str = "call_"  # of the calls' ids (the format may have its own: Mistral's)
     _text: str = ""
     _emitted: int = 0  # content characters handed out
     _start: int | None = None  # where the calls start
@@ -323,7 +325,7 @@ class ToolCallStream:
             return content, []
         new = calls[len(self._calls) :]
         for call in new:
-            call.id = self.fmt.new_id()
+            call.id = self.fmt.new_id(self.id_prefix)
         self._calls += new
         return content, new
 

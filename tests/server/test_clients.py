@@ -6,9 +6,7 @@ Qwen2.5's template; nothing is downloaded."""
 
 from __future__ import annotations
 
-import importlib
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -17,19 +15,9 @@ import httpx
 import jsonschema
 import pytest
 from pydantic import BaseModel, Field, SecretStr
-from server_util import MODEL_NAME, serving, tool_server
+from server_util import MODEL_NAME, client_package, serving, tool_server
 
 from radixserve.config import EngineConfig
-
-INSTALL = "pip install -e '.[dev]' (make install does)"
-
-
-def client_package(name: str) -> Any:
-    """Import a client package. CI installs the dev extras, so there a missing one fails the test;
-    elsewhere the test is skipped with a message that says how to install it."""
-    if os.environ.get("CI"):
-        return importlib.import_module(name)
-    return pytest.importorskip(name, reason=f"{name} is not installed: {INSTALL}")
 
 
 class GetWeather(BaseModel):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from server_util import MODEL_NAME, running_server
+from server_util import MODEL_NAME, documented_fields, running_server
 
 from radixserve.config import EngineConfig
 from radixserve.model.loader import load_tokenizer
@@ -25,7 +24,6 @@ from radixserve.server.openai_fields import CHAT_REFUSED, COMPLETION_REFUSED, IG
 ORIGIN = "https://app.example"
 TEXTS = ["Once upon a time", "The quick brown fox", "héllo wörld"]
 HELLO: Any = [{"role": "user", "content": "Hello there"}]
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "server.md"
 
 
 @pytest.fixture(scope="module")
@@ -195,10 +193,7 @@ def test_values_that_ask_for_nothing_and_fields_without_effect_are_accepted(clie
 
 def test_docs_table_lists_every_field_as_the_policy_does() -> None:
     """docs/server.md has one row per field: served, refused (400) or ignored, matching openai_fields.py."""
-    rows = re.findall(r"^\| `([a-z_]+)` \| (served|refused|ignored) \|", DOCS.read_text(), re.MULTILINE)
-    documented: dict[str, set[str]] = {}
-    for name, kind in rows:
-        documented.setdefault(kind, set()).add(name)
+    documented = documented_fields("OpenAI fields")
     assert documented["ignored"] == set(IGNORED)
     assert documented["refused"] == set(CHAT_REFUSED) | set(COMPLETION_REFUSED)
     from radixserve.server.protocol import CompletionRequest

@@ -49,6 +49,7 @@ ROUTE_MODULES = (
     "api.py",
     "chat.py",
     "completions.py",
+    "anthropic_messages.py",
     "generate.py",
     "metrics.py",
     "dashboard.py",

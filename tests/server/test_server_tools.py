@@ -14,18 +14,10 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from server_util import MODEL_NAME, tool_server
+from server_util import MODEL_NAME, WEATHER, tool_server
 
 from radixserve.model.loader import load_tokenizer
 
-WEATHER: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-}
 TIME: dict[str, Any] = {
     "type": "object",
     "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
