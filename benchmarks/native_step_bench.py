@@ -57,7 +57,7 @@ def products(engine: Engine, rows: list[int], repeats: int) -> dict[int, float]:
         m for name, m in engine.model.named_modules() if name.startswith("layers.") and name.endswith("proj")
     ]
     gen = torch.Generator().manual_seed(0)
-    dtype = engine.model.embed_tokens.weight.dtype  # the activations' dtype (bf16 weights: bf16)
+    dtype = engine.model.norm.weight.dtype  # the activations' dtype (bf16 weights: bf16)
     ks = {m.in_features for m in linears}
     xs = {r: {k: torch.randn(r, k, generator=gen).to(dtype) for k in ks} for r in rows}
     times: dict[int, list[float]] = {r: [] for r in rows}

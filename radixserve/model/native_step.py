@@ -143,7 +143,7 @@ class NativeStep:
         self.v_caches = [c.v for c in pool.layers]
         self.shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim**-0.5)
         self.op = torch.ops.radixserve_cpu.decode_step
-        self.dtype = model.embed_tokens.weight.dtype
+        self.dtype = model.norm.weight.dtype  # the residual stream's in the torch model (bf16 weights: bf16)
 
     @classmethod
     def create(cls, model: LlamaForCausalLM, pool: KVPool) -> NativeStep | None:
