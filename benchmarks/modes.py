@@ -1,9 +1,9 @@
 """The serving modes of issue 21 and what one step of each must read and compute.
 
-A mode is a weights format (fp32, gguf, int8) x a KV cache dtype (float32, bfloat16, int8) x a prefill
-arithmetic (exact, int8, bfloat16), or a preset (``fast``). ``step_bench`` times each and
-``accuracy_bench`` scores each against fp32, from the one list ``MODES``, so the two cover the same
-combinations.
+A mode is a weights format (fp32, gguf, int8, bf16: ``--dtype bfloat16``) x a KV cache dtype (float32,
+bfloat16, int8) x a prefill arithmetic (exact, int8, bfloat16), or a preset (``fast``). ``step_bench``
+times each and ``accuracy_bench`` scores each against fp32, from the one list ``MODES``, so the two
+cover the same combinations.
 
 The knobs come from parallel branches (docs/benchmarks.md): a mode whose knob or choice this build
 does not have is *unavailable* (``unavailable`` says why), never an error. A knob this build has is
@@ -27,7 +27,7 @@ from typing import Any
 
 from radixserve.config import EngineConfig
 
-WEIGHTS = ("fp32", "gguf", "int8")
+WEIGHTS = ("fp32", "gguf", "int8", "bf16")
 KV_DTYPES = ("float32", "bfloat16", "int8")
 ARITHMETICS = ("exact", "int8", "bfloat16")
 _SHORT = {"float32": "f32", "bfloat16": "bf16", "int8": "int8"}
@@ -54,8 +54,10 @@ class Mode:
         """The engine options this mode asks for, each knob at the value it needs."""
         if self.preset is not None:
             return {"preset": self.preset}
+        bf16 = {"dtype": "bfloat16"} if self.weights == "bf16" else {}  # the HF folder loaded as bf16
         return {
-            "quantization": None if self.weights == "fp32" else self.weights,
+            "quantization": None if self.weights in ("fp32", "bf16") else self.weights,
+            **bf16,
             "kv_cache_dtype": self.kv,
             "prefill_arithmetic": self.arithmetic,
         }

@@ -1,14 +1,16 @@
 """The native decode step against the torch step it replaces, side by side in one run.
 
-For each mode (benchmarks/modes.py names: fp32, gguf, ...), one engine; for each batch x context, the
+For each mode (benchmarks/modes.py names: fp32, gguf, bf16+kv-bf16 (``--dtype bfloat16``), ...), one
+engine; for each batch x context, the
 same decode steps timed alternately through the torch model (``runner.native`` off: the step as it was
 before) and through the native step (``model/native_step.py``), so a shared machine's load falls on
 both alike. Each is quoted against the step's physical limit (bytes over the measured bandwidth, or
 flops over the measured fp32 peak, whichever is larger; benchmarks/modes.py), and as a ratio.
 
-    python -m benchmarks.native_step_bench [--modes fp32,gguf] [--batches 1,8] [--contexts 512]
+    python -m benchmarks.native_step_bench [--modes fp32,gguf,bf16+kv-bf16] [--batches 1,8] [--contexts 512]
+        [--model FOLDER]  # another HF folder (the 1B shape: python -m benchmarks.big_model), not gguf
 
-Writes benchmarks/results/native_step.{json,md}.
+Writes benchmarks/results/<name>.{json,md} (``--name``, default native_step).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from benchmarks.common import RESULTS, args_json, write_results
 from benchmarks.modes import Shapes, StepModel, engine_options, parse_modes
-from benchmarks.step_modes import PAGE_SIZE, engine_formats, engine_kv_dtype
+from benchmarks.step_modes import PAGE_SIZE, engine_formats, engine_kv_dtype, used_arithmetics
 from benchmarks.steps import Steps, measure_limits
 from radixserve import Engine
 from radixserve.model.runner import ModelRunner
@@ -55,7 +57,9 @@ def products(engine: Engine, rows: list[int], repeats: int) -> dict[int, float]:
         m for name, m in engine.model.named_modules() if name.startswith("layers.") and name.endswith("proj")
     ]
     gen = torch.Generator().manual_seed(0)
-    xs = {r: {k: torch.randn(r, k, generator=gen) for k in {m.in_features for m in linears}} for r in rows}
+    dtype = engine.model.norm.weight.dtype  # the activations' dtype (bf16 weights: bf16)
+    ks = {m.in_features for m in linears}
+    xs = {r: {k: torch.randn(r, k, generator=gen).to(dtype) for k in ks} for r in rows}
     times: dict[int, list[float]] = {r: [] for r in rows}
     with torch.no_grad():
         for i in range(repeats + 1):
@@ -76,22 +80,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--name", default="native_step")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--model", default=None, help="an HF model folder (default: the default model)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
-    limits = measure_limits()
+    modes = parse_modes(args.modes)
+    limits = measure_limits(arithmetics=used_arithmetics(modes))
     print(f"limits: {limits}", flush=True)
     results: dict[str, Any] = {"limits": limits.as_json(), "modes": {}}
     rows: list[list[Any]] = []
-    for mode in parse_modes(args.modes):
+    for mode in modes:
         pages = max(batches) * -(-(max(contexts) + 2 * args.repeats + 8) // PAGE_SIZE) + 8
         engine = Engine(
             prefix_cache=False,
             page_size=PAGE_SIZE,
             num_pages=pages,
             max_model_len=max(contexts) + 64,
+            model=args.model,
             **engine_options(mode),
         )
         if not isinstance(engine.runner, ModelRunner) or engine.runner.native is None:
@@ -133,14 +140,14 @@ def main(argv: list[str] | None = None) -> None:
         print(rows[-1], flush=True)
         results["modes"][mode.name] = res
         del steps, engine
+    peaks = ", ".join(f"{a} {p:.0f}" for a, p in limits.peaks_gflop_s.items())
     write_results(
         args.name,
         {"args": args_json(args), **results},
         rows,
         HEADER,
-        f"Decode step, torch model vs native step, alternating in one run (SmolLM2-135M; read bandwidth "
-        f"{limits.bandwidth_gb_s:.1f} GB/s, fp32 peak {limits.peaks_gflop_s['fp32']:.0f} GFLOP/s, measured "
-        "in this run)",
+        f"Decode step, torch model vs native step, alternating in one run ({args.model or 'SmolLM2-135M'}; "
+        f"read bandwidth {limits.bandwidth_gb_s:.1f} GB/s, peaks GFLOP/s: {peaks}, measured in this run)",
         RESULTS,
     )
 

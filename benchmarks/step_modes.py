@@ -248,6 +248,8 @@ def used_arithmetics(modes: list[Mode]) -> set[str]:
     """The peaks the modes' limits need (a preset may pick any: all)."""
     used = {"fp32"}
     for m in modes:
+        if m.weights == "bf16":
+            used.add("bf16")
         if m.weights == "int8" or m.arithmetic == "int8":
             used.add("int8")
         if m.arithmetic == "bfloat16":

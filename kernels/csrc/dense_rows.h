@@ -12,12 +12,20 @@
 // each block of 32 columns as its 16 even then its 16 odd columns). Against the fp32 tile's way (a
 // zero-extending, cross-lane vpmovzxwd per 16 weights) this ran the 1B layer's bf16 products 1.05-1.3x
 // faster at 1 and 8 rows on a Zen 4 EPYC (benchmarks/results/bf16_rows.md).
+//
+// bf16 weights times bf16 activations (the native step's bf16 mode, native_step.cpp): AVX512_BF16's
+// vdpbf16ps multiplies a lane's (even, odd) word pair of x and of the weight, both exact in fp32, and
+// adds them into the lane's fp32 sum: one instruction for the 32 columns the widening tile spends two
+// FMAs and a shift or mask on. The weight's natural word order is already the pairs, and x is its row
+// rounded to bf16 in the same order. The build targets plain AVX-512, so this tile is compiled for
+// avx512bf16 on its own and runs only where the CPU reports it (cpu_has_bf16_dot, at run time).
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
@@ -79,6 +87,22 @@ inline FVec wload(const uint16_t* p) { return bf16_load(p); }
 constexpr int tile_rows(int M) { return std::min(8, std::max(1, (kRegs - 1) / (M + 1))); }
 
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// f(std::integral_constant<int, M>{}) for a row count M in [1, 8] (the caller checks the range; more
+// runs as 8): the one switch that turns a step's row count into the tiles' template argument.
+template <typename F>
+decltype(auto) with_rows(int64_t M, F&& f) {
+  switch (M) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
+}
 
 // ---- bf16 weights -----------------------------------------------------------------------------------
 #if defined(CPU_CAPABILITY_AVX512)
@@ -210,5 +234,76 @@ void dot_rows(const float* xp, int64_t Kp, const TW* w, int64_t K, int64_t n0, i
       for (int r = 0; r < rows; ++r) store(m, n + r, fsum(acc[m][r]));
   }
 }
+
+// ---- bf16 weights x bf16 activations (vdpbf16ps) ------------------------------------------------------
+#if defined(CPU_CAPABILITY_AVX512)
+#define RADIXSERVE_BF16_DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+
+// Whether this CPU runs vdpbf16ps (AVX512_BF16): checked once, at run time.
+inline bool cpu_has_bf16_dot() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512bf16");
+  }();
+  return has;
+}
+
+inline __mmask16 first_lanes(int64_t n) {
+  return n <= 0 ? __mmask16(0) : (n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1));
+}
+
+// M rows of K floats (ld apart) rounded to bf16, nearest even (torch's .to(torch.bfloat16)), into rows
+// of Kp = round_up(K, kBW) words, zeros past K. Only where cpu_has_bf16_dot().
+RADIXSERVE_BF16_DOT inline void bf16_rows(const float* x, int64_t ld, int M, int64_t K, uint16_t* out,
+                                          int64_t Kp) {
+  for (int m = 0; m < M; ++m)
+    for (int64_t k = 0; k < Kp; k += kBW) {
+      const __m512 lo = _mm512_maskz_loadu_ps(first_lanes(K - k), x + m * ld + k);
+      const __m512 hi = _mm512_maskz_loadu_ps(first_lanes(K - k - 16), x + m * ld + k + 16);
+      _mm512_storeu_si512(out + m * Kp + k, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
+// Output rows [n0, n1) of bf16 weights [N, K] against M rows of bf16 x (bf16_rows, Kp words apart).
+// Output (m, n) sums lane j's pair products over the 32-column blocks in order, then the lanes in a
+// fixed tree: independent of M and of the batchmates. Only where cpu_has_bf16_dot().
+template <int M, typename Store>
+RADIXSERVE_BF16_DOT void bf16_dot_rows_dp(const uint16_t* xb, int64_t Kp, const uint16_t* w, int64_t K,
+                                          int64_t n0, int64_t n1, Store store) {
+  constexpr int R = tile_rows(M);  // R weight vectors, R x M sums and one x vector in the 32 registers
+  const int64_t full = K / kBW * kBW;
+  const __mmask32 tail = full < K ? (__mmask32(1) << (K - full)) - 1 : __mmask32(0);
+  for (int64_t n = n0; n < n1; n += R) {
+    const int rows = static_cast<int>(std::min<int64_t>(R, n1 - n));
+    const uint16_t* wr[R];
+    for (int r = 0; r < R; ++r) wr[r] = w + (n + std::min(r, rows - 1)) * K;  // a short tile repeats its last row
+    __m512 acc[M][R];
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+    // The next tile's rows into L2 as this tile's are read, a line for a line (as bf16_dot_rows).
+    const char* next = reinterpret_cast<const char*>(w + (n + R) * K);
+    const bool fetch = n + R < n1;
+    for (int64_t k = 0; k < Kp; k += kBW) {
+      __m512i wv[R];
+      if (fetch)
+        for (int r = 0; r < R; ++r) _mm_prefetch(next + (r * K + k) * 2, _MM_HINT_T1);
+      if (k < full) {
+        for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_si512(wr[r] + k);
+      } else {  // a masked load reads nothing past a row's end
+        for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_epi16(tail, wr[r] + k);
+      }
+      for (int m = 0; m < M; ++m) {
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + m * Kp + k);
+        for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, (__m512bh)wv[r]);
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < rows; ++r) store(m, n + r, _mm512_reduce_add_ps(acc[m][r]));
+  }
+}
+#else
+inline bool cpu_has_bf16_dot() { return false; }
+#endif
 
 }  // namespace radixserve_cpu::dense

@@ -59,17 +59,8 @@ void run_bands(const float* xp, int64_t Kp, const TW* w, int64_t K, int64_t N, S
 
 template <typename TW, typename Store>
 void dispatch_rows(int64_t M, const float* xp, int64_t Kp, const TW* w, int64_t K, int64_t N, Store store) {
-  switch (M) {
-    case 1: return run_bands<1>(xp, Kp, w, K, N, store);
-    case 2: return run_bands<2>(xp, Kp, w, K, N, store);
-    case 3: return run_bands<3>(xp, Kp, w, K, N, store);
-    case 4: return run_bands<4>(xp, Kp, w, K, N, store);
-    case 5: return run_bands<5>(xp, Kp, w, K, N, store);
-    case 6: return run_bands<6>(xp, Kp, w, K, N, store);
-    case 7: return run_bands<7>(xp, Kp, w, K, N, store);
-    case 8: return run_bands<8>(xp, Kp, w, K, N, store);
-    default: TORCH_CHECK(false, "radixserve_cpu: gemv takes 1 to ", kGemvMaxRows, " rows, got ", M);
-  }
+  TORCH_CHECK(M >= 1 && M <= kGemvMaxRows, "radixserve_cpu: gemv takes 1 to ", kGemvMaxRows, " rows, got ", M);
+  with_rows(M, [&](auto rows) { run_bands<decltype(rows)::value>(xp, Kp, w, K, N, store); });
 }
 
 void check_args(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
@@ -288,16 +279,7 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::T
   const int8_t* w = qweight.data_ptr<int8_t>();
   const float* ws = scale.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  switch (M) {
-    case 1: int8_rows<1>(q.data(), Kp, xs, w, ws, b, K, N, o); break;
-    case 2: int8_rows<2>(q.data(), Kp, xs, w, ws, b, K, N, o); break;
-    case 3: int8_rows<3>(q.data(), Kp, xs, w, ws, b, K, N, o); break;
-    case 4: int8_rows<4>(q.data(), Kp, xs, w, ws, b, K, N, o); break;
-    case 5: int8_rows<5>(q.data(), Kp, xs, w, ws, b, K, N, o); break;
-    case 6: int8_rows<6>(q.data(), Kp, xs, w, ws, b, K, N, o); break;
-    case 7: int8_rows<7>(q.data(), Kp, xs, w, ws, b, K, N, o); break;
-    default: int8_rows<8>(q.data(), Kp, xs, w, ws, b, K, N, o); break;
-  }
+  with_rows(M, [&](auto rows) { int8_rows<decltype(rows)::value>(q.data(), Kp, xs, w, ws, b, K, N, o); });
   return out;
 }
 

@@ -17,11 +17,14 @@
 //   x += attn W_o^T
 //   h = rmsnorm(x); gate/up: a thread computes gate and up rows [j0, j1) and silu(gate) * up there
 //   x += act W_down^T
-// The weights are streamed as they are held (fp32 [N, K], or GGUF blocks [N, row bytes]), each read
-// once for all M rows (dense_rows.h, block_rows.h); nothing is copied per step.
+// The weights are streamed as they are held (fp32 or bf16 [N, K], or GGUF blocks [N, row bytes]), each
+// read once for all M rows (step_products.h); nothing is copied per step.
 //
-// Numbers: the same operations as the torch model in fp32, summed in another order (the products'
-// order is gemv.cpp's and gguf_linear.cpp's), so the step equals the reference within fp32 rounding.
+// Numbers: fp32 and GGUF weights: the same operations as the torch model in fp32, summed in another
+// order (the products' order is gemv.cpp's and gguf_linear.cpp's), so the step equals the reference
+// within fp32 rounding. bf16 weights (an approximate mode): each product's x rounded to bf16, the
+// products' sums, the residual stream, norms, RoPE, SiLU and attention in fp32, where the torch bf16
+// model rounds every activation to bf16; so it is within bf16 rounding of that model, not equal.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -33,9 +36,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "block_rows.h"
-#include "dense_rows.h"
 #include "kernel_common.h"
+#include "step_products.h"
 
 namespace radixserve_cpu {
 namespace {
@@ -43,11 +45,13 @@ namespace {
 using detail::Ctx;
 using detail::KvType;
 using detail::VecKernel;
+using step::kBF16;
+using step::kF32;
+using step::kPad;
+using step::product;
+using step::Weight;
 
 constexpr int64_t kMaxRows = 8;
-constexpr int64_t kF32 = 0;  // a dense fp32 weight; else a GGUF block type id
-constexpr int64_t kPad = 32;  // activation rows are padded to whole blocks (and vectors) of this
-
 // Tensors per layer in `weights`, in this order (an absent one is an empty tensor).
 enum LayerTensor : int {
   kInNorm = 0,
@@ -64,56 +68,7 @@ enum LayerTensor : int {
 // Weight kinds per layer in `kinds`: qkv, o, gate_up, down.
 constexpr int kKindsPerLayer = 4;
 
-struct Weight {
-  int64_t kind;
-  const void* data;
-  int64_t N, K, row_bytes;
-  const float* bias;
-};
-
 const float* opt_ptr(const at::Tensor& t) { return t.numel() > 0 ? t.data_ptr<float>() : nullptr; }
-
-// out(m, n) for rows [n0, n1) of w against M rows of x (kPad-padded, ld apart); store(m, n, value).
-template <int M, typename Store>
-void product_m(const Weight& w, const float* x, int64_t ld, int64_t n0, int64_t n1, Store store) {
-  if (n0 >= n1) return;
-  if (w.kind == kF32) {
-    dense::dot_rows<M>(x, ld, static_cast<const float*>(w.data), w.K, n0, n1, store);
-    return;
-  }
-  // The block kernels write out[r * N + n]: a small buffer of this band, then stored.
-  thread_local std::vector<float> buf;
-  const int64_t width = n1 - n0;
-  if (static_cast<int64_t>(buf.size()) < M * width) buf.resize(M * width);
-  const blocks::Args a{x, ld, static_cast<const uint8_t*>(w.data) + n0 * w.row_bytes, w.row_bytes, w.K, width,
-                       nullptr, buf.data()};
-  for (int m0 = 0; m0 < M; m0 += blocks::kMaxFewRows) {  // AVX2 takes 4 rows a pass
-    const int rows = std::min<int>(M - m0, blocks::kMaxFewRows);
-    const float* xm = x + m0 * ld;
-    float* om = buf.data() + m0 * width;
-    switch (w.kind) {
-      case blocks::kQ4_0: blocks::few_rows_dispatch<blocks::kQ4_0>(rows, a, xm, om, 0, width); break;
-      case blocks::kQ4_1: blocks::few_rows_dispatch<blocks::kQ4_1>(rows, a, xm, om, 0, width); break;
-      default: blocks::few_rows_dispatch<blocks::kQ8_0>(rows, a, xm, om, 0, width); break;
-    }
-  }
-  for (int m = 0; m < M; ++m)
-    for (int64_t n = 0; n < width; ++n) store(m, n0 + n, buf[m * width + n]);
-}
-
-template <typename Store>
-void product(int64_t M, const Weight& w, const float* x, int64_t ld, int64_t n0, int64_t n1, Store store) {
-  switch (M) {
-    case 1: return product_m<1>(w, x, ld, n0, n1, store);
-    case 2: return product_m<2>(w, x, ld, n0, n1, store);
-    case 3: return product_m<3>(w, x, ld, n0, n1, store);
-    case 4: return product_m<4>(w, x, ld, n0, n1, store);
-    case 5: return product_m<5>(w, x, ld, n0, n1, store);
-    case 6: return product_m<6>(w, x, ld, n0, n1, store);
-    case 7: return product_m<7>(w, x, ld, n0, n1, store);
-    default: return product_m<8>(w, x, ld, n0, n1, store);
-  }
-}
 
 // This thread's share [begin, end) of `units` split into `parts` runs of whole `align`s.
 std::pair<int64_t, int64_t> band(int64_t units, int64_t align, int64_t part, int64_t parts) {
@@ -216,6 +171,10 @@ at::Tensor decode_step(const at::Tensor& x_in, const at::Tensor& cos, const at::
                   j, " of layer ", l, " has shape ", t.sizes());
       if (kind == kF32) {
         TORCH_CHECK(t.scalar_type() == at::kFloat && t.size(1) == K, "radixserve_cpu::decode_step: fp32 weight");
+      } else if (kind == kBF16) {
+        TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.size(1) == K, "radixserve_cpu::decode_step: bf16 weight");
+        TORCH_CHECK(step::runs_here(kind), "radixserve_cpu::decode_step: bf16 weights need AVX512_BF16 ",
+                    "(vdpbf16ps), which this CPU or build lacks");
       } else {
         TORCH_CHECK(K % blocks::kBlock == 0 && t.scalar_type() == at::kByte &&
                         t.size(1) == K / blocks::kBlock * blocks::block_bytes(kind),
@@ -341,7 +300,13 @@ at::Tensor decode_step(const at::Tensor& x_in, const at::Tensor& cos, const at::
 }  // namespace
 }  // namespace radixserve_cpu
 
+namespace radixserve_cpu {
+// Whether decode_step takes bf16 weights here: an AVX-512 build on a CPU with AVX512_BF16.
+bool decode_step_bf16() { return step::runs_here(step::kBF16); }
+}  // namespace radixserve_cpu
+
 TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
+  m.def("decode_step_bf16() -> bool", &radixserve_cpu::decode_step_bf16);  // no tensor: a catch-all kernel
   m.def(
       "decode_step(Tensor x, Tensor cos, Tensor sin, Tensor[] weights, int[] kinds, Tensor(a!)[] k_caches, "
       "Tensor(b!)[] v_caches, Tensor page_table, Tensor seq_lens, Tensor slots, int num_heads, "

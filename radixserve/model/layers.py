@@ -11,6 +11,10 @@ from torch import nn
 
 from radixserve.model.quant import quantize_rows
 
+# The native step's weight kinds of the dense dtypes: their GGML type ids (GGUF blocks use theirs).
+NATIVE_F32, NATIVE_BF16 = 0, 30
+NATIVE_KINDS = {torch.float32: NATIVE_F32, torch.bfloat16: NATIVE_BF16}
+
 
 class Linear(nn.Linear):
     """A dense (fp32 or bf16) linear weight whose ``forward`` goes straight to the product chosen once,
@@ -76,12 +80,14 @@ class Linear(nn.Linear):
         self.many_rows = rows
 
     def native_weight(self) -> tuple[torch.Tensor, int, torch.Tensor | None] | None:
-        """What the native decode step streams (``model/native_step.py``): the fp32 ``[N, K]`` weight,
-        kind 0 (dense fp32), and the bias; None for another dtype or device."""
+        """What the native decode step streams (``model/native_step.py``): the fp32 or bf16 ``[N, K]``
+        weight, its kind (the GGML type id: 0 fp32, 30 bf16), and the bias; None for another dtype or
+        device."""
         w = self.weight
-        if w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous():
+        kind = NATIVE_KINDS.get(w.dtype)
+        if kind is None or w.device.type != "cpu" or not w.is_contiguous():
             return None
-        return w.detach(), 0, self.bias
+        return w.detach(), kind, self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x)

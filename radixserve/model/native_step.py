@@ -14,14 +14,20 @@ with SiLU, down and residual) with 5 barriers a layer and no Python between them
   torch; the next decode-only step is native again), and more rows. The embedding, the final norm and
   the LM head stay the model's own modules.
 - Chosen once at load (``NativeStep.create``), like an attention backend: the decoder's linears must
-  each be one weight the kernel streams (``native_weight()``: fp32 ``[N, K]`` or GGUF Q4_0/Q4_1/Q8_0
-  blocks), the K/V pages float32 or bfloat16, the kernels built for AVX-512 or AVX2, one rank. Else one
-  log line says why, and every step runs in torch.
-- Weights: streamed as the model holds them (already the kernel's layout: rows of fp32, or rows of
-  GGUF blocks), so the native step adds no memory.
-- ``RADIXSERVE_NATIVE_STEP=0`` turns it off (the torch step for every decode, as before).
-- Numbers: fp32 arithmetic in another summation order; equal to the reference within fp32 rounding
-  (``tests/model/test_native_step.py``: 1e-4, and greedy token-identical on the real model).
+  each be one weight the kernel streams (``native_weight()``: fp32 or bf16 ``[N, K]``, or GGUF
+  Q4_0/Q4_1/Q8_0 blocks), the K/V pages float32 or bfloat16, the kernels built for AVX-512 or AVX2, one
+  rank; bf16 weights also need AVX512_BF16 (``vdpbf16ps``, checked at run time: the build targets
+  plain AVX-512). Else one log line says why, and every step runs in torch.
+- Weights: streamed as the model holds them (already the kernel's layout: rows of fp32 or bf16, or
+  rows of GGUF blocks), so the native step adds no memory.
+- ``RADIXSERVE_NATIVE_STEP=0`` turns it off (the torch step for every decode, as before);
+  ``RADIXSERVE_NATIVE_BF16=0`` only for bf16 weights (the fallback a CPU without AVX512_BF16 takes).
+- Numbers: fp32 and GGUF weights: fp32 arithmetic in another summation order, equal to the reference
+  within fp32 rounding (``tests/model/test_native_step.py``: 1e-4, and greedy token-identical on the
+  real model). bf16 weights (``--dtype bfloat16``, approximate): each product's activations rounded to
+  bf16 and multiplied by the bf16 weights with fp32 sums, everything between the products in fp32 (the
+  torch bf16 model rounds each activation to bf16); within a stated bound of the torch bf16 step, and
+  no further from fp32 than it (``tests/model/test_native_step_bf16.py``).
 """
 
 from __future__ import annotations
@@ -33,11 +39,13 @@ from collections.abc import Sequence
 import torch
 
 from radixserve.cache.page_pool import KVPool
+from radixserve.model.layers import NATIVE_BF16
 from radixserve.model.llama import DecoderLayer, LlamaForCausalLM
 
 logger = logging.getLogger("radixserve.model")
 
 ENV = "RADIXSERVE_NATIVE_STEP"
+BF16_ENV = "RADIXSERVE_NATIVE_BF16"  # "0": bf16 weights run in torch, as on a CPU without AVX512_BF16
 MAX_ROWS = 8  # the kernel's most rows (its products' register tiles)
 ISAS = ("AVX512", "AVX2")  # builds whose vector kernels the step is written for
 KV_DTYPES = (torch.float32, torch.bfloat16)
@@ -64,6 +72,12 @@ def _native_weight(m: torch.nn.Module) -> tuple[torch.Tensor, int, torch.Tensor 
     return None if weight is None else weight()  # type: ignore[no-any-return]
 
 
+def bf16_dot_here() -> bool:
+    """Whether the kernels take bf16 weights on this CPU: an AVX-512 build where the CPU reports
+    AVX512_BF16 (the op asks the CPU itself; the kernels must be loaded)."""
+    return bool(torch.ops.radixserve_cpu.decode_step_bf16())
+
+
 def unsupported(model: LlamaForCausalLM, pool: KVPool) -> str | None:
     """Why the native step cannot run ``model`` over ``pool`` here (None: it can)."""
     if os.environ.get(ENV, "1") == "0":
@@ -81,9 +95,17 @@ def unsupported(model: LlamaForCausalLM, pool: KVPool) -> str | None:
     cfg = model.config
     if cfg.head_dim % 16 or cfg.num_heads % cfg.num_kv_heads or cfg.num_heads // cfg.num_kv_heads > 8:
         return f"head_dim {cfg.head_dim} with {cfg.num_heads}/{cfg.num_kv_heads} heads"
+    kinds = set()
     for m in _linears(model):
-        if _native_weight(m) is None:
+        weight = _native_weight(m)
+        if weight is None:
             return f"a decoder linear held as {type(m).__name__} of a format it does not stream"
+        kinds.add(weight[1])
+    if NATIVE_BF16 in kinds:
+        if os.environ.get(BF16_ENV, "1") == "0":
+            return f"{BF16_ENV}=0 (bf16 weights)"
+        if not bf16_dot_here():
+            return "bf16 weights need AVX512_BF16 (vdpbf16ps), which this CPU does not report"
     if model.embed_tokens.weight.device.type != "cpu":
         return "the model is not on CPU"
     return None
@@ -121,6 +143,7 @@ class NativeStep:
         self.v_caches = [c.v for c in pool.layers]
         self.shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim**-0.5)
         self.op = torch.ops.radixserve_cpu.decode_step
+        self.dtype = model.norm.weight.dtype  # the residual stream's in the torch model (bf16 weights: bf16)
 
     @classmethod
     def create(cls, model: LlamaForCausalLM, pool: KVPool) -> NativeStep | None:
@@ -164,7 +187,8 @@ class NativeStep:
             eps,
             scale,
         )
-        hidden: torch.Tensor = self.model.norm(out)
+        # The final norm and the LM head in the model's dtype, as its own forward runs them.
+        hidden: torch.Tensor = self.model.norm(out.to(self.dtype))
         return hidden
 
 

@@ -134,7 +134,7 @@ def test_unavailable_names_the_missing_knob_or_choice() -> None:
 
 def test_parse_modes_expands_groups_once_and_refuses_unknown_names() -> None:
     grid = modes.parse_modes("grid")
-    assert len(grid) == 9 and {(m.weights, m.kv) for m in grid} == {
+    assert len(grid) == 12 and {(m.weights, m.kv) for m in grid} == {
         (w, kv) for w in modes.WEIGHTS for kv in modes.KV_DTYPES
     }
     picked = [m.name for m in modes.parse_modes("fp32,arith,fp32")]

@@ -1,0 +1,81 @@
+// The native decode step's products by weight format (native_step.cpp): a band of a weight's output
+// rows against the step's M activation rows, one thread, each weight read once for all M rows.
+//
+// Formats (a weight's kind is its GGML type id):
+// - fp32 [N, K] (kind 0): dense::dot_rows, exact fp32 (gemv.cpp's order);
+// - bf16 [N, K] (kind 30, the --dtype bfloat16 model's own weights): the x rows rounded to bf16 once
+//   per product (as the torch bf16 model's activations are), then vdpbf16ps pairs summed in fp32
+//   (dense::bf16_dot_rows_dp); only where the CPU reports AVX512_BF16 (native_step.py checks, and
+//   decode_step refuses the kind elsewhere);
+// - GGUF Q4_0 / Q4_1 / Q8_0 blocks [N, row bytes]: block_rows.h's few-row kernels, exact fp32.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "block_rows.h"
+#include "dense_rows.h"
+
+namespace radixserve_cpu::step {
+
+constexpr int64_t kF32 = 0;   // a dense fp32 weight (GGML_TYPE_F32)
+constexpr int64_t kBF16 = 30;  // a dense bf16 weight (GGML_TYPE_BF16)
+constexpr int64_t kPad = 32;  // activation rows are padded to whole blocks (and vectors) of this
+
+struct Weight {
+  int64_t kind;
+  const void* data;
+  int64_t N, K, row_bytes;
+  const float* bias;
+};
+
+// out(m, n) for rows [n0, n1) of w against M rows of x (kPad-padded, ld apart); store(m, n, value).
+template <int M, typename Store>
+void product_m(const Weight& w, const float* x, int64_t ld, int64_t n0, int64_t n1, Store store) {
+  if (n0 >= n1) return;
+  if (w.kind == kF32) {
+    dense::dot_rows<M>(x, ld, static_cast<const float*>(w.data), w.K, n0, n1, store);
+    return;
+  }
+#if defined(CPU_CAPABILITY_AVX512)
+  if (w.kind == kBF16) {
+    // Each thread rounds the M rows itself (M x K words, against its band's share of the weight):
+    // cheaper than one more barrier.
+    thread_local std::vector<uint16_t> xb;
+    const int64_t Kp = dense::round_up(w.K, dense::kBW);
+    if (static_cast<int64_t>(xb.size()) < M * Kp) xb.resize(M * Kp);
+    dense::bf16_rows(x, ld, M, w.K, xb.data(), Kp);
+    dense::bf16_dot_rows_dp<M>(xb.data(), Kp, static_cast<const uint16_t*>(w.data), w.K, n0, n1, store);
+    return;
+  }
+#endif
+  // The block kernels write out[r * N + n]: a small buffer of this band, then stored.
+  thread_local std::vector<float> buf;
+  const int64_t width = n1 - n0;
+  if (static_cast<int64_t>(buf.size()) < M * width) buf.resize(M * width);
+  const blocks::Args a{x, ld, static_cast<const uint8_t*>(w.data) + n0 * w.row_bytes, w.row_bytes, w.K, width,
+                       nullptr, buf.data()};
+  for (int m0 = 0; m0 < M; m0 += blocks::kMaxFewRows) {  // AVX2 takes 4 rows a pass
+    const int rows = std::min<int>(M - m0, blocks::kMaxFewRows);
+    const float* xm = x + m0 * ld;
+    float* om = buf.data() + m0 * width;
+    switch (w.kind) {
+      case blocks::kQ4_0: blocks::few_rows_dispatch<blocks::kQ4_0>(rows, a, xm, om, 0, width); break;
+      case blocks::kQ4_1: blocks::few_rows_dispatch<blocks::kQ4_1>(rows, a, xm, om, 0, width); break;
+      default: blocks::few_rows_dispatch<blocks::kQ8_0>(rows, a, xm, om, 0, width); break;
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int64_t n = 0; n < width; ++n) store(m, n0 + n, buf[m * width + n]);
+}
+
+template <typename Store>
+void product(int64_t M, const Weight& w, const float* x, int64_t ld, int64_t n0, int64_t n1, Store store) {
+  dense::with_rows(M, [&](auto rows) { product_m<decltype(rows)::value>(w, x, ld, n0, n1, store); });
+}
+
+// Whether a weight of `kind` runs here (bf16: the build and the CPU have vdpbf16ps).
+inline bool runs_here(int64_t kind) { return kind != kBF16 || dense::cpu_has_bf16_dot(); }
+
+}  // namespace radixserve_cpu::step
