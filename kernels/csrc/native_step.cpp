@@ -91,11 +91,7 @@ void product_m(const Weight& w, const float* x, int64_t ld, int64_t n0, int64_t 
     const int rows = std::min<int>(M - m0, blocks::kMaxFewRows);
     const float* xm = x + m0 * ld;
     float* om = buf.data() + m0 * width;
-    switch (w.kind) {
-      case blocks::kQ4_0: blocks::few_rows_dispatch<blocks::kQ4_0>(rows, a, xm, om, 0, width); break;
-      case blocks::kQ4_1: blocks::few_rows_dispatch<blocks::kQ4_1>(rows, a, xm, om, 0, width); break;
-      default: blocks::few_rows_dispatch<blocks::kQ8_0>(rows, a, xm, om, 0, width); break;
-    }
+    blocks::with_type(w.kind, [&](auto q) { blocks::few_rows_dispatch<decltype(q)::value>(rows, a, xm, om, 0, width); });
   }
   for (int m = 0; m < M; ++m)
     for (int64_t n = 0; n < width; ++n) store(m, n0 + n, buf[m * width + n]);
@@ -217,8 +213,7 @@ at::Tensor decode_step(const at::Tensor& x_in, const at::Tensor& cos, const at::
       if (kind == kF32) {
         TORCH_CHECK(t.scalar_type() == at::kFloat && t.size(1) == K, "radixserve_cpu::decode_step: fp32 weight");
       } else {
-        TORCH_CHECK(K % blocks::kBlock == 0 && t.scalar_type() == at::kByte &&
-                        t.size(1) == K / blocks::kBlock * blocks::block_bytes(kind),
+        TORCH_CHECK(t.scalar_type() == at::kByte && t.size(1) == blocks::block_row_bytes(kind, K),
                     "radixserve_cpu::decode_step: GGUF block weight of type ", kind);
       }
       lin[l * kKindsPerLayer + j] = {kind, t.data_ptr(), N, K, t.size(1) * t.element_size(), nullptr};
