@@ -33,6 +33,7 @@ from collections.abc import Sequence
 import torch
 
 from radixserve.cache.page_pool import KVPool
+from radixserve.model.gguf_blocks import TYPE_NAMES
 from radixserve.model.llama import DecoderLayer, LlamaForCausalLM
 
 logger = logging.getLogger("radixserve.model")
@@ -83,6 +84,10 @@ def unsupported(model: LlamaForCausalLM, pool: KVPool) -> str | None:
         return f"head_dim {cfg.head_dim} with {cfg.num_heads}/{cfg.num_kv_heads} heads"
     for m in _linears(model):
         if _native_weight(m) is None:
+            qtypes = getattr(m, "qtypes", [])
+            if len(qtypes) > 1:  # llama.cpp's k-quant mixes give attn_v more bits in some layers
+                names = ", ".join(TYPE_NAMES.get(q, str(q)) for q in qtypes)
+                return f"a fused GGUF projection holds parts of several block types ({names})"
             return f"a decoder linear held as {type(m).__name__} of a format it does not stream"
     if model.embed_tokens.weight.device.type != "cpu":
         return "the model is not on CPU"
