@@ -10,11 +10,14 @@ logprobs and greedy outputs of the same GGUF through both servers.
   softmax of its logits) are scored by radixserve at the same positions (``/generate`` prompt
   logprobs), so every position compares the same context whether or not the greedy runs diverged:
   max and mean |d logprob|, and how often radixserve's top-1 is llama.cpp's token.
+- Exact (``--parts exact``): the same file through the offline engine against the fp32 folder of its
+  dequantization (``default_model.convert_gguf``, gguf.quants' decoding): greedy token-identical is
+  what radixserve's exact mode promises, and the max |d logprob| of the greedy tokens says how close.
 - Both run the file's blocks on the CPU; llama.cpp multiplies them with its own dot products (its
   activations quantized to Q8_K/Q8_0 blocks for the k-quants), radixserve's exact mode in fp32 on the
   decoded weights, so a small difference per token is expected and is what this measures.
 
-    python -m benchmarks.kquant_check [--prompts 6] [--tokens 48] [--peers-dir /work/peers]
+    python -m benchmarks.kquant_check [--parts servers,exact] [--prompts 6] [--tokens 48] [--peers-dir DIR]
 
 Writes benchmarks/results/kquant_check.{json,md}.
 """
@@ -90,8 +93,42 @@ def agreed_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def exact_check(gguf: Path, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
+    """The GGUF against the fp32 folder of its dequantization, offline, greedy: tokens and logprobs."""
+    from radixserve import Engine, SamplingParams
+    from radixserve.model.default_model import build_atomically, convert_gguf
+
+    folder = gguf.parent / f"{gguf.stem}-dequantized"
+    marker = "DEQUANTIZED"
+
+    def build(staging: Path) -> None:
+        convert_gguf(gguf, staging, False)
+        (staging / marker).write_text(gguf.name)  # last: the folder is complete once it exists
+
+    if not (folder / marker).is_file():
+        build_atomically(folder, build)
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, logprobs=0)
+    runs = []
+    for model in (folder, gguf):
+        engine = Engine(model=str(model))
+        runs.append([o.outputs[0] for o in engine.generate(prompts, params)])
+        engine.close()
+    identical = [a.token_ids == b.token_ids for a, b in zip(*runs, strict=True)]
+    d = []
+    for a, b in zip(*runs, strict=True):  # the greedy tokens' logprobs, up to the first difference
+        n = agreed_prefix(a.token_ids, b.token_ids)
+        d += [abs(x.logprob - y.logprob) for x, y in zip((a.logprobs or [])[:n], (b.logprobs or [])[:n])]
+    return {
+        "reference": folder.name,
+        "greedy_identical_prompts": sum(identical),
+        "prompts": len(identical),
+        "max_abs_d_logprob": max(d) if d else None,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parts", default="servers,exact", help="servers (llama-server), exact, or both")
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--prompt-tokens", type=int, default=96)
     parser.add_argument("--tokens", type=int, default=48)
@@ -109,15 +146,45 @@ def main() -> None:
     gguf = quantized_file(folder, args.peers_dir, args.ftype)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     prompts = [tokenizer.encode(prose(tokenizer, args.prompt_tokens, seed)) for seed in range(args.prompts)]
-    log_dir = args.out / "logs"
+    parts = set(args.parts.split(","))
+    payload: dict[str, Any] = {"args": args_json(args), "gguf": gguf.name, "tensor_types": tensor_types(gguf)}
+    table: list[list[Any]] = []
+    notes = f"\nFile: {gguf.name}, tensor types {payload['tensor_types']}.\n"
+    if "servers" in parts:
+        payload["servers"], table = servers_check(gguf, folder, prompts, args)
+        notes += servers_notes(payload["servers"])
+    if "exact" in parts:
+        payload["exact"] = exact = exact_check(gguf, prompts, args.tokens)
+        notes += (
+            f"\nExact mode against the fp32 folder of the file's dequantization (offline engines): greedy "
+            f"identical for {exact['greedy_identical_prompts']} of {exact['prompts']} prompts, max "
+            f"|d logprob| of the greedy tokens {exact['max_abs_d_logprob']}.\n"
+        )
+    write_results(
+        args.name,
+        payload,
+        table,
+        HEADER,
+        f"radixserve against llama-server on a llama.cpp {args.ftype} file of the default model",
+        args.out,
+        notes=notes,
+    )
 
+
+HEADER = ["prompt", "greedy tokens agreed", "of", "max abs d logprob", "mean abs d logprob", "top-1 agree %"]
+
+
+def servers_check(
+    gguf: Path, folder: Path, prompts: list[list[int]], args: argparse.Namespace
+) -> tuple[dict[str, Any], list[list[Any]]]:
+    """Both servers on ``gguf``, one after the other: the summary and a row per prompt."""
+    log_dir = args.out / "logs"
     port = free_port()
     cmd, why = peer_command("llama-server", str(folder), port, gguf=str(gguf), peers_dir=args.peers_dir)
     if cmd is None:
         raise SystemExit(f"llama-server unavailable: {why}")
     with serving("llama-server", cmd, port, log_dir) as url:
         llama = [llama_greedy(url, p, args.tokens, 1) for p in prompts]
-
     port = free_port()
     with serving("radixserve", radixserve_command(port, model=str(gguf)), port, log_dir) as url:
         own = [radix_generate(url, p, args.tokens)["meta_info"] for p in prompts]
@@ -125,8 +192,9 @@ def main() -> None:
             radix_generate(url, p + [t for t, _ in lt], 1, start=len(p), top=1)["meta_info"]
             for p, lt in zip(prompts, llama, strict=True)
         ]
-
-    rows, diffs, top1 = [], [], []
+    rows: list[list[Any]] = []
+    diffs: list[float] = []
+    top1: list[bool] = []
     for i, (lt, mine, tf) in enumerate(zip(llama, own, forced, strict=True)):
         theirs = [t for t, _ in lt]
         ours = [t for _, t in mine["output_token_logprobs"]]
@@ -137,19 +205,16 @@ def main() -> None:
         agree = [top_k[0][1] == t for (t, _), top_k in zip(lt, tops, strict=True)]
         diffs += d
         top1 += agree
-        rows.append(
-            [
-                i,
-                agreed_prefix(theirs, ours),
-                len(theirs),
-                max(d),
-                statistics.fmean(d),
-                100 * statistics.fmean(agree),
-            ]
-        )
+        row = [
+            i,
+            agreed_prefix(theirs, ours),
+            len(theirs),
+            max(d),
+            statistics.fmean(d),
+            100 * statistics.fmean(agree),
+        ]
+        rows.append(row)
     summary = {
-        "gguf": gguf.name,
-        "tensor_types": tensor_types(gguf),
         "greedy_identical_prompts": sum(r[1] == r[2] for r in rows),
         "prompts": len(rows),
         "max_abs_d_logprob": max(diffs),
@@ -157,30 +222,18 @@ def main() -> None:
         "p99_abs_d_logprob": sorted(diffs)[int(0.99 * (len(diffs) - 1))],
         "top1_agreement_pct": 100 * statistics.fmean(top1),
         "scored_tokens": len(diffs),
+        "rows": rows,
     }
-    header = [
-        "prompt",
-        "greedy tokens agreed",
-        "of",
-        "max abs d logprob",
-        "mean abs d logprob",
-        "top-1 agree %",
-    ]
-    notes = (
-        f"\nFile: {gguf.name}, tensor types {summary['tensor_types']}.\n\n"
-        f"Over {len(diffs)} teacher-forced tokens: max |d logprob| {summary['max_abs_d_logprob']:.4f}, "
-        f"p99 {summary['p99_abs_d_logprob']:.4f}, mean {summary['mean_abs_d_logprob']:.5f}; radixserve's "
-        f"top-1 is llama.cpp's greedy token at {summary['top1_agreement_pct']:.1f}% of positions. Greedy "
-        f"outputs identical for {summary['greedy_identical_prompts']} of {len(rows)} prompts.\n"
-    )
-    write_results(
-        args.name,
-        {"args": args_json(args), "summary": summary, "rows": rows},
-        rows,
-        header,
-        f"radixserve against llama-server on a llama.cpp {args.ftype} file of the default model",
-        args.out,
-        notes=notes,
+    return summary, rows
+
+
+def servers_notes(summary: dict[str, Any]) -> str:
+    return (
+        f"\nOver {summary['scored_tokens']} teacher-forced tokens: max |d logprob| "
+        f"{summary['max_abs_d_logprob']:.4f}, p99 {summary['p99_abs_d_logprob']:.4f}, mean "
+        f"{summary['mean_abs_d_logprob']:.5f}; radixserve's top-1 is llama.cpp's greedy token at "
+        f"{summary['top1_agreement_pct']:.1f}% of positions. Greedy outputs identical for "
+        f"{summary['greedy_identical_prompts']} of {summary['prompts']} prompts.\n"
     )
 
 
