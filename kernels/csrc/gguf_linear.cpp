@@ -2,7 +2,7 @@
 //
 // The weight stays in the file's own block format (uint8 [N, bytes_per_row]: row n is K / B blocks
 // of B weights, B = 32, or 256 for a k-quant); each block is decoded, 32 weights at a time
-// (block_rows.h), into fp32 registers where it is used and multiplied in fp32. Why: a decode step on
+// (block_decode.h), into fp32 registers where it is used and multiplied in fp32. Why: a decode step on
 // CPU is bound by reading the weights, and a Q4_K block is 144 bytes for 256 weights, a seventh of
 // fp32's 1024.
 //

@@ -2,7 +2,7 @@
 
 Why a module of its own: the formats are data (layouts, sizes) shared by the reader (``gguf.py``), the
 sharding of block rows (``sharding.py``) and the tests; the kernels that multiply the blocks
-(``kernels/csrc/block_rows.h``) decode the same layouts, and ``dequantize`` here is their reference.
+(``kernels/csrc/block_decode.h``) decode the same layouts, and ``dequantize`` here is their reference.
 
 - Types: the legacy ones (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) are blocks of 32 weights, one fp16
   scale (and for Q4_1/Q5_1 an fp16 minimum) each; the k-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) are
