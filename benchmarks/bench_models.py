@@ -199,7 +199,8 @@ def permute_rotary_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def write_gguf(folder: Path, qtype: str, out: Path) -> None:
     """The GGUF form of a built folder: its matrices as ``qtype`` blocks (Q8_0 or Q4_1, quantized by
-    ``gguf.quants``), norms F32, q/k rows in llama.cpp's rotary order, the default model's tokenizer
+    ``gguf.quants``; or F32 as they are, for llama-quantize to make the k-quants from), norms F32,
+    q/k rows in llama.cpp's rotary order, the default model's tokenizer
     metadata. The writer holds every tensor until it writes: memory is the quantized model's size."""
     import gguf
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
@@ -222,7 +223,10 @@ def write_gguf(folder: Path, qtype: str, out: Path) -> None:
     writer.add_rope_freq_base(cfg["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_vocab_size(cfg["vocab_size"])
-    writer.add_file_type(int(getattr(gguf.LlamaFileType, f"MOSTLY_{qtype}")))
+    file_type = (
+        gguf.LlamaFileType.ALL_F32 if qtype == "F32" else getattr(gguf.LlamaFileType, f"MOSTLY_{qtype}")
+    )
+    writer.add_file_type(int(file_type))
     reader = GGUFReader(find_default_gguf())
     for key, field in reader.fields.items():  # the tokenizer, as the default model's file has it
         if not key.startswith("tokenizer."):
@@ -240,7 +244,7 @@ def write_gguf(folder: Path, qtype: str, out: Path) -> None:
                 proj = hf.split(".")[-2]
                 if proj in heads:
                     w = permute_rotary_rows(w, heads[proj])
-                if w.ndim == 1:
+                if w.ndim == 1 or kind == GGMLQuantizationType.F32:
                     writer.add_tensor(gguf_name(hf), w.astype(np.float32))
                 else:
                     writer.add_tensor(gguf_name(hf), quantize(w, kind), raw_dtype=kind)

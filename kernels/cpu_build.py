@@ -52,7 +52,15 @@ SOURCES = (
     "native_step.cpp",
     "gguf_int8.cpp",
 )
-HEADERS = ("radixserve_cpu.h", "kernel_common.h", "gemv.h", "dense_rows.h", "block_rows.h", "step_products.h")
+HEADERS = (
+    "radixserve_cpu.h",
+    "kernel_common.h",
+    "gemv.h",
+    "dense_rows.h",
+    "block_decode.h",
+    "block_rows.h",
+    "step_products.h",
+)
 DISABLE_ENV = "RADIXSERVE_CPU_KERNELS"
 COST = (
     "CPU attention and linear products fall back to the torch reference kernels, and decode steps to "

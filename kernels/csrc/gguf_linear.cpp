@@ -1,13 +1,14 @@
 // radixserve_cpu::gguf_linear: x [M, K] fp32 times a weight held as GGUF blocks, out [M, N] fp32.
 //
-// The weight stays in the file's own block format (uint8 [N, bytes_per_row]: row n is K/32 blocks of
-// 32 weights each); each block is decoded into fp32 registers where it is used and multiplied in
-// fp32. Why: a decode step on CPU is bound by reading the weights, and a Q4_1 block is 20 bytes for
-// 32 weights, a seventh of fp32's 128.
+// The weight stays in the file's own block format (uint8 [N, bytes_per_row]: row n is K / B blocks
+// of B weights, B = 32, or 256 for a k-quant); each block is decoded, 32 weights at a time
+// (block_decode.h), into fp32 registers where it is used and multiplied in fp32. Why: a decode step on
+// CPU is bound by reading the weights, and a Q4_K block is 144 bytes for 256 weights, a seventh of
+// fp32's 1024.
 //
-// Exactness: a decoded weight equals the reference dequantization bit for bit (q * d and (q - 8) * d
-// are exact products of a small integer and an fp16 scale, so q * d + m rounds once, fused or not),
-// so the product equals the fp32 model's up to the order of its sums.
+// Exactness: a decoded weight equals the reference dequantization bit for bit (q * d, (q - 8) * d,
+// (d * sc) * q are exact products of small integers and an fp16 scale, so q * d + m or d * sc * q - dm
+// rounds once, fused or not), so the product equals the fp32 model's up to the order of its sums.
 //
 // Two paths, split by the rows M:
 // - few rows (a decode step): each weight row's blocks are decoded in registers and multiplied
@@ -72,14 +73,15 @@ float* tile_buffer(int64_t n) {
 // Weight rows [n0, n0 + rows) decoded into tile [rows, K].
 template <int64_t Q>
 void decode_tile(const Args& a, int64_t n0, int64_t rows, float* tile) {
-  const int64_t nb = a.K / kBlock, bb = block_bytes(Q);
+  constexpr int64_t per = weights_of(Q) / kChunk, bb = bytes_of(Q);
+  const int64_t nc = a.K / kChunk;
   for (int64_t j = 0; j < rows; ++j) {
     const uint8_t* row = a.w + (n0 + j) * a.row_bytes;
     float* dst = tile + j * a.K;
-    for (int64_t b = 0; b < nb; ++b) {
-      Vec v[kVecsPerBlock];
-      decode<Q>(row + b * bb, v);
-      for (int64_t i = 0; i < kVecsPerBlock; ++i) v[i].store(dst + b * kBlock + i * kVS);
+    for (int64_t c = 0; c < nc; ++c) {
+      Vec v[kVecsPerChunk];
+      decode<Q>(row + c / per * bb, c % per, v);
+      for (int64_t i = 0; i < kVecsPerChunk; ++i) v[i].store(dst + c * kChunk + i * kVS);
     }
   }
 }
@@ -121,14 +123,13 @@ void run(const Args& a, int64_t M) {
 
 at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& blocks_in, int64_t qtype, int64_t K,
                        const std::optional<at::Tensor>& bias_in) {
-  const int64_t bb = block_bytes(qtype);
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(1) == K,
               "radixserve_cpu::gguf_linear: x must be float32 [M, ", K, "], got ", x_in.sizes(), " ",
               x_in.scalar_type());
-  TORCH_CHECK(K % kBlock == 0, "radixserve_cpu::gguf_linear: K (", K, ") must be a multiple of 32");
-  TORCH_CHECK(blocks_in.dim() == 2 && blocks_in.scalar_type() == at::kByte && blocks_in.size(1) == K / kBlock * bb,
-              "radixserve_cpu::gguf_linear: blocks must be uint8 [N, ", K / kBlock * bb, "], got ", blocks_in.sizes(),
-              " ", blocks_in.scalar_type());
+  const int64_t rb = block_row_bytes(qtype, K);
+  TORCH_CHECK(blocks_in.dim() == 2 && blocks_in.scalar_type() == at::kByte && blocks_in.size(1) == rb,
+              "radixserve_cpu::gguf_linear: blocks must be uint8 [N, ", rb, "], got ", blocks_in.sizes(), " ",
+              blocks_in.scalar_type());
   const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   const at::Tensor blocks = blocks_in.contiguous();
   const int64_t M = x.size(0), N = blocks.size(0);
@@ -140,13 +141,9 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& blocks_in, int6
   }
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
-  const Args a{x.data_ptr<float>(), x.stride(0), blocks.data_ptr<uint8_t>(), bb * (K / kBlock), K, N,
+  const Args a{x.data_ptr<float>(), x.stride(0), blocks.data_ptr<uint8_t>(), rb, K, N,
                bias.defined() ? bias.data_ptr<float>() : nullptr, out.data_ptr<float>()};
-  switch (qtype) {
-    case kQ4_0: run<kQ4_0>(a, M); break;
-    case kQ4_1: run<kQ4_1>(a, M); break;
-    default: run<kQ8_0>(a, M); break;
-  }
+  with_type(qtype, [&](auto q) { run<decltype(q)::value>(a, M); });
   return out;
 }
 

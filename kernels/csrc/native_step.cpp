@@ -176,8 +176,7 @@ at::Tensor decode_step(const at::Tensor& x_in, const at::Tensor& cos, const at::
         TORCH_CHECK(step::runs_here(kind), "radixserve_cpu::decode_step: bf16 weights need AVX512_BF16 ",
                     "(vdpbf16ps), which this CPU or build lacks");
       } else {
-        TORCH_CHECK(K % blocks::kBlock == 0 && t.scalar_type() == at::kByte &&
-                        t.size(1) == K / blocks::kBlock * blocks::block_bytes(kind),
+        TORCH_CHECK(t.scalar_type() == at::kByte && t.size(1) == blocks::block_row_bytes(kind, K),
                     "radixserve_cpu::decode_step: GGUF block weight of type ", kind);
       }
       lin[l * kKindsPerLayer + j] = {kind, t.data_ptr(), N, K, t.size(1) * t.element_size(), nullptr};

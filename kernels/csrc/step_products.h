@@ -7,7 +7,7 @@
 //   per product (as the torch bf16 model's activations are), then vdpbf16ps pairs summed in fp32
 //   (dense::bf16_dot_rows_dp); only where the CPU reports AVX512_BF16 (native_step.py checks, and
 //   decode_step refuses the kind elsewhere);
-// - GGUF Q4_0 / Q4_1 / Q8_0 blocks [N, row bytes]: block_rows.h's few-row kernels, exact fp32.
+// - GGUF blocks of any type block_decode.h reads [N, row bytes]: block_rows.h's few-row kernels, exact fp32.
 #pragma once
 
 #include <algorithm>
@@ -60,11 +60,7 @@ void product_m(const Weight& w, const float* x, int64_t ld, int64_t n0, int64_t 
     const int rows = std::min<int>(M - m0, blocks::kMaxFewRows);
     const float* xm = x + m0 * ld;
     float* om = buf.data() + m0 * width;
-    switch (w.kind) {
-      case blocks::kQ4_0: blocks::few_rows_dispatch<blocks::kQ4_0>(rows, a, xm, om, 0, width); break;
-      case blocks::kQ4_1: blocks::few_rows_dispatch<blocks::kQ4_1>(rows, a, xm, om, 0, width); break;
-      default: blocks::few_rows_dispatch<blocks::kQ8_0>(rows, a, xm, om, 0, width); break;
-    }
+    blocks::with_type(w.kind, [&](auto q) { blocks::few_rows_dispatch<decltype(q)::value>(rows, a, xm, om, 0, width); });
   }
   for (int m = 0; m < M; ++m)
     for (int64_t n = 0; n < width; ++n) store(m, n0 + n, buf[m * width + n]);

@@ -43,6 +43,7 @@ from torch import nn
 
 from radixserve.kernels import gguf_int8
 from radixserve.model.gguf import GGUFLinear, Weight
+from radixserve.model.gguf_blocks import TYPE_NAMES, is_blocks
 from radixserve.model.layers import Linear
 from radixserve.model.llama import LlamaForCausalLM
 
@@ -258,12 +259,27 @@ def apply(model: LlamaForCausalLM, arithmetic: str, many_rows: int) -> str:
     rows; returns the arithmetic in use (recorded as ``model.arithmetic``)."""
     chosen = resolve(arithmetic, model)
     if chosen != "exact" and getattr(model, "quantization", None) == "gguf":
-        for g in _decoder_gguf_linears(model):
+        linears = _decoder_gguf_linears(model)
+        for g in linears:
             g.use_many_rows_arithmetic("int8", many_rows)
         logger.info(
             "products of more than %d rows run in int8 on the GGUF blocks (approximate); fewer stay exact",
             many_rows,
         )
+        exact = sorted(
+            {
+                TYPE_NAMES[q]
+                for g in linears
+                for q in g.qtypes
+                if is_blocks(q) and q not in gguf_int8.BLOCK_BYTES
+            }
+        )
+        if exact:
+            logger.info(
+                "GGUF weights of type %s stay exact at every row count (the int8 block kernel takes %s)",
+                ", ".join(exact),
+                ", ".join(TYPE_NAMES[q] for q in gguf_int8.BLOCK_BYTES),
+            )
     elif chosen != "exact":
         for name, m in model.named_modules():
             if _is_decoder_linear(name, m):

@@ -5,9 +5,10 @@ Why: on CPU a decode step is bound by reading the weights; a Q4_1 block holds 32
 a seventh of their fp32 bytes. The C++ op ``radixserve_cpu::gguf_linear`` (``kernels/csrc/gguf_linear.cpp``)
 decodes each block where it multiplies it, in fp32.
 
-- Block formats (``BLOCK_BYTES``): Q4_0, Q4_1, Q8_0, 32 weights a block, a row of a weight matrix a
-  whole number of blocks. ``dequantize`` decodes them in torch exactly as ``gguf.quants.dequantize``
-  does (bit for bit); F32, F16 and BF16 tensors are plain arrays.
+- Block formats (``gguf_blocks.FORMATS``): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL (32 weights a block)
+  and the k-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (256), a row of a weight matrix a whole number of
+  blocks. ``gguf_blocks.dequantize`` decodes them in torch exactly as ``gguf.quants.dequantize`` does
+  (bit for bit); F32, F16 and BF16 tensors are plain arrays.
 - Exactness: the op's decoded weights equal ``dequantize``'s, so a GGUF model's products equal those of
   its fp32 dequantization (which is what the default model's fp32 folder holds) up to summation order.
 - Reading (``read_gguf``): every tensor's type, shape and byte range is checked against the header and
@@ -28,44 +29,11 @@ import torch
 from torch import nn
 
 from radixserve.kernels import gguf_int8
+from radixserve.model.gguf_blocks import F32, FORMATS, TYPE_NAMES, dequantize, is_blocks, row_bytes
 
-logger = logging.getLogger("radixserve.model")
-
-QK = 32  # weights per block, every supported block type
-# GGML type ids (gguf.GGMLQuantizationType), as the C++ op takes them.
-F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
-BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
-PLAIN_DTYPES = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
-TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", BF16: "BF16"}
 SUPPORTED = ", ".join(TYPE_NAMES.values())
 
-
-def row_bytes(qtype: int, cols: int) -> int:
-    """Bytes of one row of ``cols`` weights of type ``qtype``."""
-    if qtype in BLOCK_BYTES:
-        return cols // QK * BLOCK_BYTES[qtype]
-    return cols * PLAIN_DTYPES[qtype].itemsize
-
-
-def _half(raw: torch.Tensor) -> torch.Tensor:
-    """fp16 values from their 2 bytes ``[..., 2]`` uint8, as fp32 ``[..., 1]``."""
-    return raw.contiguous().view(torch.float16).float()
-
-
-def dequantize(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
-    """fp32 ``[N, K]`` of a quantized tensor's rows ``blocks [N, K / 32 * block bytes]`` uint8, computed
-    as ``gguf.quants.dequantize`` computes it (the same fp32 operations, so bit for bit)."""
-    rows = blocks.shape[0]
-    b = blocks.reshape(rows, -1, BLOCK_BYTES[qtype])
-    d = _half(b[..., 0:2])
-    if qtype == Q8_0:
-        return (b[..., 2:].contiguous().view(torch.int8).float() * d).reshape(rows, -1)
-    qs = b[..., 4:] if qtype == Q4_1 else b[..., 2:]
-    # Weight j of a block is byte j's low nibble, weight j + 16 its high nibble.
-    q = torch.cat((qs & 0x0F, qs >> 4), dim=-1)
-    if qtype == Q4_1:
-        return (d * q.float() + _half(b[..., 2:4])).reshape(rows, -1)
-    return (d * (q.to(torch.int8) - 8).float()).reshape(rows, -1)
+logger = logging.getLogger("radixserve.model")
 
 
 def _op_loaded() -> bool:
@@ -96,10 +64,11 @@ def gguf_linear(
 ) -> torch.Tensor:
     """``x [..., K] @ W.T + bias`` with ``W`` the rows ``blocks`` of type ``qtype``: through the C++ op,
     or (``use_op`` False) the reference: dequantize, then ``F.linear``. Above ``many_rows`` rows (> 0,
-    set by model/arithmetic.py), int8 arithmetic on the blocks (approximate, kernels/gguf_int8.py)."""
+    set by model/arithmetic.py), int8 arithmetic on the blocks (approximate, kernels/gguf_int8.py)
+    for the types that kernel takes (``gguf_int8.BLOCK_BYTES``); the others stay exact."""
     k = x.shape[-1]
     rows = x.reshape(-1, k)
-    if use_op and 0 < many_rows < rows.shape[0]:
+    if use_op and 0 < many_rows < rows.shape[0] and qtype in gguf_int8.BLOCK_BYTES:
         out: torch.Tensor = gguf_int8.linear(rows, blocks, qtype, bias)
     elif use_op:
         out = torch.ops.radixserve_cpu.gguf_linear(rows, blocks, qtype, k, bias)
@@ -122,7 +91,7 @@ class Weight:
 
     def dense(self) -> torch.Tensor:
         """The weight as fp32."""
-        if self.qtype in BLOCK_BYTES:
+        if is_blocks(self.qtype):
             return dequantize(self.data, self.qtype)
         return self.data.float()
 
@@ -150,11 +119,11 @@ class GGUFLinear(nn.Module):
         self.qtypes: list[int] = []
         for i, group in enumerate(groups):
             qtype = group[0].qtype
-            tensors = [p.data if qtype in BLOCK_BYTES else p.dense() for p in group]
+            tensors = [p.data if is_blocks(qtype) else p.dense() for p in group]
             data = tensors[0] if len(tensors) == 1 else torch.cat(tensors)  # one part: no copy
             # Parameters (frozen), not buffers: the disk tier's model fingerprint hashes parameters.
             self.register_parameter(f"weight{i}", nn.Parameter(data.contiguous(), requires_grad=False))
-            self.qtypes.append(qtype if qtype in BLOCK_BYTES else F32)
+            self.qtypes.append(qtype if is_blocks(qtype) else F32)
         self.out_features = sum(p.data.shape[0] for p in parts)
         self.bias = nn.Parameter(bias.float(), requires_grad=False) if bias is not None else None
         self.use_op = _op_loaded()
@@ -177,7 +146,8 @@ class GGUFLinear(nn.Module):
     def use_many_rows_arithmetic(self, arithmetic: str, rows: int) -> None:
         """Products of more than ``rows`` rows in ``arithmetic`` over the blocks themselves (prefill,
         extend: ``model/arithmetic.py``): "int8" (activations per 32-block times the blocks,
-        ``kernels/gguf_int8.py``); fewer rows keep the blocks' exact fp32 arithmetic."""
+        ``kernels/gguf_int8.py``; parts of a type that kernel does not take stay exact); fewer rows
+        keep the blocks' exact fp32 arithmetic."""
         if arithmetic != "int8":
             raise ValueError(f"many-rows arithmetic {arithmetic!r} over GGUF blocks is not built")
         self.many_rows = rows
@@ -221,7 +191,7 @@ class GGUFEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.weight.index_select(0, ids.reshape(-1))
-        dense = dequantize(rows, self.qtype) if self.qtype in BLOCK_BYTES else rows.float()
+        dense = dequantize(rows, self.qtype) if is_blocks(self.qtype) else rows.float()
         return dense.reshape(*ids.shape, -1)
 
 
@@ -241,7 +211,7 @@ class GGUFFile:
         qtype = int(t.tensor_type)
         array = np.ascontiguousarray(t.data)
         data = torch.from_numpy(array.copy())
-        if qtype in BLOCK_BYTES:
+        if is_blocks(qtype):
             data = data.reshape(-1, row_bytes(qtype, shape[-1]))
         else:
             data = data.reshape(shape)
@@ -266,12 +236,16 @@ def read_gguf(path: Path) -> GGUFFile:
         if qtype not in TYPE_NAMES:
             raise ValueError(
                 f"GGUF tensor {t.name} in {path} has type {t.tensor_type.name}, which radixserve does not "
-                f"support; supported types: {SUPPORTED}"
+                f"support; supported types: {SUPPORTED} (llama-quantize --allow-requantize converts a "
+                "file to one of them)"
             )
         cols = int(t.shape[0])
         count = int(np.prod([int(d) for d in t.shape]))
-        if qtype in BLOCK_BYTES and cols % QK:
-            raise ValueError(f"GGUF tensor {t.name} in {path}: {cols} columns are not whole blocks of {QK}")
+        if is_blocks(qtype) and cols % FORMATS[qtype].weights:
+            raise ValueError(
+                f"GGUF tensor {t.name} in {path}: {cols} columns are not whole {t.tensor_type.name} "
+                f"blocks of {FORMATS[qtype].weights} weights"
+            )
         need = count // cols * row_bytes(qtype, cols)
         start = int(t.data_offset)
         if int(t.n_bytes) != need or start + need > size:

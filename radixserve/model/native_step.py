@@ -15,9 +15,10 @@ with SiLU, down and residual) with 5 barriers a layer and no Python between them
   the LM head stay the model's own modules.
 - Chosen once at load (``NativeStep.create``), like an attention backend: the decoder's linears must
   each be one weight the kernel streams (``native_weight()``: fp32 or bf16 ``[N, K]``, or GGUF
-  Q4_0/Q4_1/Q8_0 blocks), the K/V pages float32 or bfloat16, the kernels built for AVX-512 or AVX2, one
-  rank; bf16 weights also need AVX512_BF16 (``vdpbf16ps``, checked at run time: the build targets
-  plain AVX-512). Else one log line says why, and every step runs in torch.
+  blocks of one type, any of ``gguf_blocks.FORMATS``), the K/V pages float32 or bfloat16, the kernels
+  built for AVX-512 or AVX2, one rank; bf16 weights also need AVX512_BF16 (``vdpbf16ps``, checked at run time: the build targets
+  plain AVX-512). Else one log line says why (a fused projection of several block types
+  names them), and every step runs in torch.
 - Weights: streamed as the model holds them (already the kernel's layout: rows of fp32 or bf16, or
   rows of GGUF blocks), so the native step adds no memory.
 - ``RADIXSERVE_NATIVE_STEP=0`` turns it off (the torch step for every decode, as before);
@@ -39,6 +40,7 @@ from collections.abc import Sequence
 import torch
 
 from radixserve.cache.page_pool import KVPool
+from radixserve.model.gguf_blocks import TYPE_NAMES
 from radixserve.model.layers import NATIVE_BF16
 from radixserve.model.llama import DecoderLayer, LlamaForCausalLM
 
@@ -99,6 +101,10 @@ def unsupported(model: LlamaForCausalLM, pool: KVPool) -> str | None:
     for m in _linears(model):
         weight = _native_weight(m)
         if weight is None:
+            qtypes = getattr(m, "qtypes", [])
+            if len(qtypes) > 1:  # llama.cpp's k-quant mixes give attn_v more bits in some layers
+                names = ", ".join(TYPE_NAMES.get(q, str(q)) for q in qtypes)
+                return f"a fused GGUF projection holds parts of several block types ({names})"
             return f"a decoder linear held as {type(m).__name__} of a format it does not stream"
         kinds.add(weight[1])
     if NATIVE_BF16 in kinds:

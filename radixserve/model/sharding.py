@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from radixserve.model.config import ModelConfig
-from radixserve.model.gguf import BLOCK_BYTES, QK, GGUFEmbedding, GGUFLinear
+from radixserve.model.gguf import GGUFEmbedding, GGUFLinear
+from radixserve.model.gguf_blocks import CHUNK, FORMATS, is_blocks
 from radixserve.model.layers import Linear
 from radixserve.model.llama import DecoderLayer, LlamaForCausalLM
 from radixserve.model.quant import Int8Linear
@@ -52,10 +53,11 @@ def check_tensor_parallel(cfg: ModelConfig, n: int, quantization: str | None = N
         )
     if quantization == "gguf":
         for what, cols in (("o_proj", cfg.num_heads * cfg.head_dim), ("down_proj", cfg.intermediate_size)):
-            if (cols // n) % QK:
+            # The smallest block of any type here; a k-quant weight's 256 are checked where it is cut.
+            if (cols // n) % CHUNK:
                 raise ValueError(
                     f"tensor_parallel_size {n} splits the GGUF {what}'s {cols} input columns into "
-                    f"{cols // n} per rank, not whole blocks of {QK}"
+                    f"{cols // n} per rank, not whole blocks of {CHUNK}"
                 )
 
 
@@ -164,8 +166,14 @@ def keep_cols(m: nn.Module, start: int, end: int, keep_bias: bool) -> None:
     elif isinstance(m, GGUFLinear):
         for i, qtype in enumerate(m.qtypes):
             w = getattr(m, f"weight{i}").data
-            if qtype in BLOCK_BYTES:
-                w = w.view(w.shape[0], -1, BLOCK_BYTES[qtype])[:, start // QK : end // QK].reshape(
+            if is_blocks(qtype):
+                f = FORMATS[qtype]
+                if start % f.weights or end % f.weights:
+                    raise ValueError(
+                        f"cannot split a {f.name} weight (blocks of {f.weights} weights) at columns "
+                        f"[{start}, {end}): use a tensor_parallel_size that cuts its rows at whole blocks"
+                    )
+                w = w.view(w.shape[0], -1, f.bytes)[:, start // f.weights : end // f.weights].reshape(
                     w.shape[0], -1
                 )
             else:

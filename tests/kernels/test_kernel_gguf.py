@@ -11,10 +11,10 @@ import shutil
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from gguf_files import random_blocks
+from gguf_files import BLOCK_TYPES, random_blocks
 
 from radixserve.kernels import cpu_build
-from radixserve.model import gguf
+from radixserve.model import gguf, gguf_blocks
 from radixserve.model.gguf import GGUFLinear, Weight
 
 if not cpu_build.load() and shutil.which(os.environ.get("CXX", "c++")) is None:
@@ -29,20 +29,41 @@ def _reference(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.Te
     return torch.nn.functional.linear(x.double(), w, None if bias is None else bias.double())
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+def _cols(qtype: Q) -> int:
+    """A row of five blocks of 32 weights, three of a k-quant's 256."""
+    weights = gguf_blocks.FORMATS[int(qtype)].weights
+    return 5 * weights if weights == 32 else 3 * weights
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
 @pytest.mark.parametrize("rows", [1, 3, 8, 64, 513])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gguf_linear_matches_dequantize_then_linear(qtype: Q, rows: int, with_bias: bool) -> None:
     gen = torch.Generator().manual_seed(rows)
-    blocks = random_blocks(qtype, N, K // 32, seed=rows)
-    x, bias = torch.randn(rows, K, generator=gen), torch.randn(N, generator=gen) if with_bias else None
-    got = torch.ops.radixserve_cpu.gguf_linear(x, blocks, int(qtype), K, bias)
+    k = _cols(qtype)
+    blocks = random_blocks(qtype, N, k // gguf_blocks.FORMATS[int(qtype)].weights, seed=rows)
+    x, bias = torch.randn(rows, k, generator=gen), torch.randn(N, generator=gen) if with_bias else None
+    got = torch.ops.radixserve_cpu.gguf_linear(x, blocks, int(qtype), k, bias)
     want = _reference(x, blocks, int(qtype), bias)
     assert got.shape == (rows, N) and got.dtype == torch.float32
     assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-4
     # The torch fallback (no compiler) computes the same product.
     fallback = gguf.gguf_linear(x, blocks, int(qtype), bias, use_op=False)
     assert ((fallback.double() - want).abs().max() / want.abs().max()).item() < 1e-4
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
+def test_the_kernels_decoded_weights_equal_the_reference_bit_for_bit(qtype: Q) -> None:
+    """x = the identity: the product's rows are the decoded weights themselves (each a sum of one
+    nonzero product; torch.equal takes -0.0 as 0.0, as such a sum does), on both paths (few rows in
+    registers, many rows through the decoded tile)."""
+    k = _cols(qtype)
+    blocks = random_blocks(qtype, 8, k // gguf_blocks.FORMATS[int(qtype)].weights, seed=7)
+    want = gguf_blocks.dequantize(blocks, int(qtype)).T.contiguous()
+    eye = torch.eye(k)
+    for rows in (range(0, 1), range(0, 8), range(k)):  # 1 and 8 rows: few-rows kernels; k: the tile
+        got = torch.ops.radixserve_cpu.gguf_linear(eye[rows], blocks, int(qtype), k, None)
+        assert torch.equal(got, want[rows])
 
 
 def test_a_row_does_not_depend_on_its_batchmates() -> None:
@@ -56,8 +77,10 @@ def test_a_row_does_not_depend_on_its_batchmates() -> None:
 
 def test_bad_arguments_raise() -> None:
     blocks = random_blocks(Q.Q8_0, N, K // 32)
-    with pytest.raises(RuntimeError, match="unsupported block type 6"):
-        torch.ops.radixserve_cpu.gguf_linear(torch.randn(2, K), blocks, 6, K, None)
+    with pytest.raises(RuntimeError, match="unsupported GGUF block type 9"):  # Q8_1
+        torch.ops.radixserve_cpu.gguf_linear(torch.randn(2, K), blocks, 9, K, None)
+    with pytest.raises(RuntimeError, match="not whole blocks of 256"):
+        torch.ops.radixserve_cpu.gguf_linear(torch.randn(2, K), blocks, int(Q.Q4_K), K, None)
     with pytest.raises(RuntimeError, match="blocks must be uint8"):
         torch.ops.radixserve_cpu.gguf_linear(torch.randn(2, K), blocks, int(Q.Q4_0), K, None)
     with pytest.raises(RuntimeError, match="x must be float32"):

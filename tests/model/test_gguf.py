@@ -12,13 +12,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize as reference_dequantize
-from gguf_files import random_blocks, write_fp32_folder, write_tiny_gguf
+from gguf_files import BLOCK_TYPES, random_blocks, write_fp32_folder, write_tiny_gguf
 from server_util import running_server
 
 from radixserve import Engine, SamplingParams
 from radixserve.cache.tiers import model_fingerprint
 from radixserve.config import EngineConfig
-from radixserve.model import gguf, gguf_load
+from radixserve.model import gguf, gguf_blocks, gguf_load
 from radixserve.model.gguf import GGUFEmbedding, GGUFLinear, read_gguf
 from radixserve.model.llama import DecoderLayer
 from radixserve.model.loader import load_model
@@ -36,17 +36,24 @@ def _cache_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gguf_load, "models_cache", lambda: tmp_path / "cache")
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
 def test_block_decoding_equals_the_reference_bit_for_bit(qtype: GGMLQuantizationType) -> None:
     blocks = random_blocks(qtype, rows=37, blocks=5)
-    want = reference_dequantize(blocks.numpy(), qtype).reshape(37, 160)
+    want = reference_dequantize(blocks.numpy(), qtype).reshape(37, -1)
+    assert want.shape[1] == 5 * gguf_blocks.FORMATS[int(qtype)].weights
     got = gguf.dequantize(blocks, int(qtype)).numpy()
     assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 @pytest.mark.parametrize(
     ("decoder", "embedding", "head"),
-    [(Q.Q4_0, Q.Q8_0, None), (Q.Q4_1, Q.Q4_1, Q.Q8_0), (Q.Q8_0, Q.F16, Q.F32)],
+    [
+        (Q.Q4_0, Q.Q8_0, None),
+        (Q.Q4_1, Q.Q4_1, Q.Q8_0),
+        (Q.Q8_0, Q.F16, Q.F32),
+        (Q.Q5_0, Q.Q5_1, Q.Q5_0),
+        (Q.Q5_1, Q.Q5_0, None),
+    ],
 )
 def test_gguf_model_is_token_identical_to_its_fp32_dequantization(
     tmp_path: Path, decoder: Q, embedding: Q, head: Q | None
@@ -112,17 +119,18 @@ def test_quantization_gguf_options_are_checked(tmp_path: Path) -> None:
 
 
 def test_unsupported_tensor_type_is_refused_naming_it(tmp_path: Path) -> None:
-    file = tmp_path / "q5.gguf"
+    file = tmp_path / "tq1.gguf"
     writer = GGUFWriter(str(file), "llama")
     from gguf.quants import quantize
 
-    writer.add_tensor("blk.0.attn_q.weight", quantize(np.ones((4, 64), np.float32), Q.Q5_0), raw_dtype=Q.Q5_0)
+    data = quantize(np.ones((4, 256), np.float32), Q.TQ1_0)
+    writer.add_tensor("blk.0.attn_q.weight", data, raw_dtype=Q.TQ1_0)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(
-        ValueError, match=r"blk\.0\.attn_q\.weight .* type Q5_0.*supported types: .*Q4_0.*Q8_0"
+        ValueError, match=r"blk\.0\.attn_q\.weight .* type TQ1_0.*supported types: .*Q4_0.*Q5_0.*Q4_K.*Q6_K"
     ):
         read_gguf(file)
 

@@ -1,0 +1,193 @@
+"""GGUF block formats: each quantized type's block (weights and bytes) and its decoding in torch.
+
+Why a module of its own: the formats are data (layouts, sizes) shared by the reader (``gguf.py``), the
+sharding of block rows (``sharding.py``) and the tests; the kernels that multiply the blocks
+(``kernels/csrc/block_decode.h``) decode the same layouts, and ``dequantize`` here is their reference.
+
+- Types: the legacy ones (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) are blocks of 32 weights, one fp16
+  scale (and for Q4_1/Q5_1 an fp16 minimum) each; the k-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) are
+  super-blocks of 256 weights with one or two fp16 scales and 8 or 16 sub-block scales of 6, 8 or 4
+  bits. A row of a weight matrix is a whole number of blocks of its type (``BlockFormat.weights``).
+- Bit for bit: every decoder does what ``gguf.quants.dequantize`` does, in the same fp32 operations
+  and order (tests/model/test_gguf_blocks.py). Each weight is one product of an fp16 scale and small
+  integers (exact in fp32: at most 23 significant bits) minus or plus at most one fp32 value, so it is
+  rounded once, and a kernel that fuses the multiply-add gets the same bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+# GGML type ids (gguf.GGMLQuantizationType), as the C++ ops take them.
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, BF16 = 10, 11, 12, 13, 14, 20, 30
+QK_K = 256  # weights per k-quant super-block
+CHUNK = 32  # the kernels decode a block this many weights at a time; every block holds whole chunks
+PLAIN_DTYPES = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
+PLAIN_NAMES = {F32: "F32", F16: "F16", BF16: "BF16"}
+# IQ4_NL's 16 non-linear levels (llama.cpp's kvalues_iq4nl).
+_IQ4_NL_LEVELS = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113])
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """One quantized type: ``weights`` per block in ``bytes`` bytes, and ``decode``: ``[n, bytes]``
+    uint8 blocks to ``[n, weights]`` fp32."""
+
+    name: str
+    weights: int
+    bytes: int
+    decode: Callable[[torch.Tensor], torch.Tensor]
+
+
+def _half(raw: torch.Tensor) -> torch.Tensor:
+    """fp16 values from their 2 bytes ``[n, 2]`` uint8, as fp32 ``[n, 1]``."""
+    return raw.contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor, groups: int) -> torch.Tensor:
+    """``qs [n, groups * L]`` as ``[n, groups, 2, L]``: each group's low nibbles, then its high ones."""
+    g = qs.reshape(qs.shape[0], groups, 1, -1)
+    return torch.cat((g & 0x0F, g >> 4), dim=2)
+
+
+def _bits(raw: torch.Tensor, shifts: range, mask: int) -> torch.Tensor:
+    """``raw [n, G, L]`` shifted right by each of ``shifts`` and masked: ``[n, G, len(shifts), L]``."""
+    s = torch.tensor(list(shifts), dtype=torch.uint8).reshape(1, 1, -1, 1)
+    return (raw.unsqueeze(2) >> s) & mask
+
+
+def _high_bits_32(qh: torch.Tensor) -> torch.Tensor:
+    """Q5_0/Q5_1's 4 bytes of high bits (a little-endian uint32, bit j for weight j) as ``[n, 32]``."""
+    return _bits(qh.reshape(-1, 4, 1), range(8), 1).reshape(-1, 32)
+
+
+def _q4_0(b: torch.Tensor) -> torch.Tensor:
+    q = _nibbles(b[:, 2:], 1).reshape(b.shape[0], 32)
+    return _half(b[:, 0:2]) * (q.to(torch.int8) - 8).float()
+
+
+def _q4_1(b: torch.Tensor) -> torch.Tensor:
+    q = _nibbles(b[:, 4:], 1).reshape(b.shape[0], 32)
+    return _half(b[:, 0:2]) * q.float() + _half(b[:, 2:4])
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:
+    q = _nibbles(b[:, 6:], 1).reshape(b.shape[0], 32) | (_high_bits_32(b[:, 2:6]) << 4)
+    return _half(b[:, 0:2]) * (q.to(torch.int8) - 16).float()
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:
+    q = _nibbles(b[:, 8:], 1).reshape(b.shape[0], 32) | (_high_bits_32(b[:, 4:8]) << 4)
+    return _half(b[:, 0:2]) * q.float() + _half(b[:, 2:4])
+
+
+def _q8_0(b: torch.Tensor) -> torch.Tensor:
+    return b[:, 2:].contiguous().view(torch.int8).float() * _half(b[:, 0:2])
+
+
+def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
+    q = _nibbles(b[:, 2:], 1).reshape(b.shape[0], 32)
+    return _half(b[:, 0:2]) * _IQ4_NL_LEVELS[q.long()].float()
+
+
+def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K's 12 bytes of 6-bit sub-block scales and minimums, each as ``[n, 8]`` uint8: bytes
+    0-3 hold scales 0-3 (low 6 bits), 4-7 minimums 0-3, 8-11 the low 4 bits of scales and minimums
+    4-7, whose top 2 bits are the top bits of bytes 0-3 (scales) and 4-7 (minimums)."""
+    d, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    scale = torch.cat((d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)), dim=1)
+    minimum = torch.cat((m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)), dim=1)
+    return scale, minimum
+
+
+def _q4_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    sc, mn = _k_scales(b[:, 4:16])
+    d = (_half(b[:, 0:2]) * sc.float()).reshape(n, 8, 1)
+    dm = (_half(b[:, 2:4]) * mn.float()).reshape(n, 8, 1)
+    q = _nibbles(b[:, 16:], 4).reshape(n, 8, 32).float()
+    return (d * q - dm).reshape(n, QK_K)
+
+
+def _q5_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    sc, mn = _k_scales(b[:, 4:16])
+    d = (_half(b[:, 0:2]) * sc.float()).reshape(n, 8, 1)
+    dm = (_half(b[:, 2:4]) * mn.float()).reshape(n, 8, 1)
+    low = _nibbles(b[:, 48:], 4).reshape(n, 8, 32)
+    high = _bits(b[:, 16:48].reshape(n, 1, 32), range(8), 1).reshape(n, 8, 32)  # bit c: sub-block c
+    q = (low | (high << 4)).float()
+    return (d * q - dm).reshape(n, QK_K)
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    d = (_half(b[:, 208:210]) * b[:, 192:208].contiguous().view(torch.int8).float()).reshape(n, 16, 1)
+    low = _nibbles(b[:, 0:128], 2).reshape(n, 8, 32)
+    high = _bits(b[:, 128:192].reshape(n, 2, 32), range(0, 8, 2), 3).reshape(n, 8, 32)
+    q = ((low | (high << 4)).to(torch.int8) - 32).reshape(n, 16, 16).float()
+    return (d * q).reshape(n, QK_K)
+
+
+def _q2_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    scales = b[:, 0:16]
+    dl = (_half(b[:, 80:82]) * (scales & 0x0F).float()).reshape(n, 16, 1)
+    ml = (_half(b[:, 82:84]) * (scales >> 4).float()).reshape(n, 16, 1)
+    q = _bits(b[:, 16:80].reshape(n, 2, 32), range(0, 8, 2), 3).reshape(n, 16, 16).float()
+    return (dl * q - ml).reshape(n, QK_K)
+
+
+def _q3_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    s = b[:, 96:108]
+    low = _bits(s[:, 0:8].reshape(n, 1, 8), range(0, 8, 4), 0x0F).reshape(n, 16)
+    high = _bits(s[:, 8:12].reshape(n, 1, 4), range(0, 8, 2), 3).reshape(n, 16)
+    scale = ((low | (high << 4)).to(torch.int8) - 32).float()
+    dl = (_half(b[:, 108:110]) * scale).reshape(n, 16, 1)
+    ql = _bits(b[:, 32:96].reshape(n, 2, 32), range(0, 8, 2), 3).reshape(n, 16, 16)
+    # A set bit of hmask means no offset; a clear one subtracts 4.
+    qh = _bits(b[:, 0:32].reshape(n, 1, 32), range(8), 1).reshape(n, 16, 16) ^ 1
+    q = (ql.to(torch.int8) - (qh << 2).to(torch.int8)).float()
+    return (dl * q).reshape(n, QK_K)
+
+
+FORMATS: dict[int, BlockFormat] = {
+    Q4_0: BlockFormat("Q4_0", 32, 18, _q4_0),
+    Q4_1: BlockFormat("Q4_1", 32, 20, _q4_1),
+    Q5_0: BlockFormat("Q5_0", 32, 22, _q5_0),
+    Q5_1: BlockFormat("Q5_1", 32, 24, _q5_1),
+    Q8_0: BlockFormat("Q8_0", 32, 34, _q8_0),
+    IQ4_NL: BlockFormat("IQ4_NL", 32, 18, _iq4_nl),
+    Q2_K: BlockFormat("Q2_K", QK_K, 84, _q2_k),
+    Q3_K: BlockFormat("Q3_K", QK_K, 110, _q3_k),
+    Q4_K: BlockFormat("Q4_K", QK_K, 144, _q4_k),
+    Q5_K: BlockFormat("Q5_K", QK_K, 176, _q5_k),
+    Q6_K: BlockFormat("Q6_K", QK_K, 210, _q6_k),
+}
+TYPE_NAMES = {**PLAIN_NAMES, **{q: f.name for q, f in FORMATS.items()}}
+
+
+def is_blocks(qtype: int) -> bool:
+    """Whether ``qtype`` is a block type (else a plain array: F32, F16, BF16)."""
+    return qtype in FORMATS
+
+
+def row_bytes(qtype: int, cols: int) -> int:
+    """Bytes of one row of ``cols`` weights of type ``qtype`` (``cols`` whole blocks of it)."""
+    if qtype in FORMATS:
+        f = FORMATS[qtype]
+        return cols // f.weights * f.bytes
+    return cols * PLAIN_DTYPES[qtype].itemsize
+
+
+def dequantize(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """fp32 ``[N, K]`` of a quantized tensor's rows ``blocks [N, row_bytes(qtype, K)]`` uint8, computed
+    as ``gguf.quants.dequantize`` computes it (the same fp32 operations, so bit for bit)."""
+    f = FORMATS[qtype]
+    rows = blocks.shape[0]
+    return f.decode(blocks.reshape(-1, f.bytes)).reshape(rows, -1)
