@@ -22,6 +22,7 @@ from radixserve.cache.request_pages import TIERS
 from radixserve.errors import InvalidRequestError
 from radixserve.outputs import RequestOutput
 from radixserve.server import protocol as p
+from radixserve.server.engine_api import EngineUnavailableError
 
 logger = logging.getLogger("radixserve.server")
 
@@ -149,8 +150,14 @@ def event_stream(
             async for e in events:
                 yield e
         except Exception as exc:  # headers are sent: the error can only travel as an event
-            logger.exception("stream failed")
-            yield sse(p.ErrorResponse(p.ErrorInfo(str(exc), "server_error")))
+            # Typed as the status a request not yet started would get: an engine process that died
+            # (and is being restarted) is a 503, service_unavailable_error, as before the headers.
+            status = 503 if isinstance(exc, EngineUnavailableError) else 500
+            if status == 503:
+                logger.warning("stream ended: %s", exc)
+            else:
+                logger.exception("stream failed")
+            yield sse(p.ErrorResponse(p.ErrorInfo(str(exc), _ERROR_TYPES.get(status, "server_error"))))
         finally:
             await events.aclose()
             for request in requests:
