@@ -76,12 +76,8 @@ def test_the_kill_and_the_corrupt_page_were_injected_and_the_server_recovered(so
     assert soak["summary"]["outcomes"]["restart_503"] > 0, _reasons(soak)
 
 
-@pytest.mark.xfail(
-    reason="hang detection (the watchdog's --engine-hang-timeout-s) is not in this server yet: a SIGSTOPped "
-    "engine process stalls every request until SIGCONT",
-    strict=True,
-)
 def test_a_hung_engine_process_is_replaced(soak: dict[str, Any]) -> None:
+    assert soak["hang_detection"].startswith("--engine-hang-timeout-s"), soak["hang_detection"]
     f = next(f for f in soak["faults"] if f["name"] == "stop-engine")
     # Replaced, not merely continued: the server killed the hung process before the SIGCONT came.
     assert f["result"]["after"].startswith("gone"), f
