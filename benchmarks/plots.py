@@ -192,3 +192,45 @@ def plot_timeline(
     bottom.set_xlabel("time (s); shaded: the 5x burst")
     top.set_title(title)
     return _save(fig, path)
+
+
+def plot_soak(
+    series: Mapping[str, Sequence[float]], faults: Sequence[Mapping[str, Any]], path: Path, title: str
+) -> list[Path]:
+    """A soak's timeline: top, answers and output tokens per second; bottom, failures and 429s per
+    second; each fault a vertical line from its injection (labelled) and a shaded span to its recovery.
+    ``series`` has ``t``, ``ok``, ``tokens``, ``failed``, ``shed`` (benchmarks/soak_outcomes.timeline)."""
+    if not series.get("t"):
+        return []
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 6.5), sharex=True)
+    t = list(series["t"])
+    top.plot(t, list(series["ok"]), label="ok answers/s", color="tab:green")
+    tokens = top.twinx()
+    tokens.plot(t, list(series["tokens"]), label="output tokens/s", color="tab:blue", alpha=0.4)
+    tokens.set_ylabel("output tokens/s")
+    bottom.plot(t, list(series["failed"]), label="failed/s (lost, wrong, 5xx, 503)", color="tab:red")
+    bottom.plot(t, list(series["shed"]), label="429 shed/s", color="tab:orange", alpha=0.7)
+    for f in faults:
+        end = f.get("recovered_at_s")
+        for ax in (top, bottom):
+            ax.axvline(f["at_s"], color="black", lw=0.8, ls="--")
+            if end is not None:
+                ax.axvspan(f["at_s"], end, color="grey", alpha=0.15)
+        top.annotate(
+            f["name"],
+            (f["at_s"], 1.0),
+            xycoords=("data", "axes fraction"),
+            rotation=90,
+            va="top",
+            ha="right",
+            fontsize=7,
+        )
+    top.set_ylabel("answers/s")
+    bottom.set_ylabel("requests/s")
+    bottom.set_xlabel("time (s); dashed: a fault injected, shaded: until the first correct probe after it")
+    for ax in (top, bottom):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left")
+    tokens.legend(fontsize=8, loc="upper right")
+    top.set_title(title)
+    return _save(fig, path)

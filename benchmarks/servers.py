@@ -114,7 +114,8 @@ class Server:
             cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
 
-    def wait_ready(self, timeout_s: float) -> None:
+    def wait_ready(self, timeout_s: float, path: str = "/v1/models") -> None:
+        """Until ``path`` answers 200 (``/health`` for a server that wants an API key elsewhere)."""
         deadline = time.monotonic() + timeout_s
         with httpx.Client(base_url=self.url, trust_env=False, timeout=5) as http:
             while time.monotonic() < deadline:
@@ -123,7 +124,7 @@ class Server:
                         f"{self.engine} exited with {self.proc.returncode}; see {self.log_path}"
                     )
                 try:
-                    if http.get("/v1/models").status_code == 200:
+                    if http.get(path).status_code == 200:
                         return
                 except httpx.HTTPError:
                     pass

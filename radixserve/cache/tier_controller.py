@@ -19,6 +19,7 @@ pages were evicted) and the policy decides what to copy. Without stores the mana
 from __future__ import annotations
 
 import enum
+import logging
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -34,6 +35,8 @@ from radixserve.cache.radix import RadixCache
 from radixserve.cache.radix_node import EvictResult, MatchResult, TreeNode
 from radixserve.cache.request_pages import Load
 from radixserve.cache.tiers import DiskStore, KVStore
+
+logger = logging.getLogger(__name__)
 
 
 class WritePolicy(enum.Enum):
@@ -309,6 +312,16 @@ class TierController(CacheListener):
     def _put_queued(self, tier: int, key: bytes, page: torch.Tensor, cascade: bool) -> None:
         try:
             self._put(tier, key, page, cascade)
+        except OSError as exc:  # a full or failing disk: the page is forgotten, the engine goes on
+            with self._pending_lock:
+                self.dropped_writes += 1
+                first = self.dropped_writes == 1
+            if first:
+                logger.warning(
+                    "a KV page write to the %s tier failed (%s): such pages are dropped",
+                    self.stores[tier].name,
+                    exc,
+                )
         finally:
             with self._pending_lock:
                 self._pending -= 1

@@ -285,12 +285,18 @@ class DiskStore:
         header = _HEADER.pack(_MAGIC, self.fingerprint, key, self.payload_bytes, zlib.crc32(payload.data))
         final = self.path(key)
         tmp = final.with_name(f"{final.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(header.ljust(_HEADER_BYTES, b"\0"))
-            f.write(payload.data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)  # atomic: readers see the whole page or no file
+        try:
+            with open(tmp, "wb") as f:
+                f.write(header.ljust(_HEADER_BYTES, b"\0"))
+                f.write(payload.data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)  # atomic: readers see the whole page or no file
+        except OSError:
+            # A full or failing disk: the page is not stored (the caller counts a dropped write), and
+            # the partial temporary goes now; left, it would hold its space until the next start.
+            tmp.unlink(missing_ok=True)
+            raise
         with self._lock:
             self._index[key] = self.file_bytes
             self.stats.pages_in += 1

@@ -16,9 +16,9 @@ with SiLU, down and residual) with 5 barriers a layer and no Python between them
 - Chosen once at load (``NativeStep.create``), like an attention backend: the decoder's linears must
   each be one weight the kernel streams (``native_weight()``: fp32 or bf16 ``[N, K]``, or GGUF
   blocks of one type, any of ``gguf_blocks.FORMATS``), the K/V pages float32 or bfloat16, the kernels
-  built for AVX-512 or AVX2, one rank; bf16 weights also need AVX512_BF16 (``vdpbf16ps``, checked at run time: the build targets
-  plain AVX-512). Else one log line says why (a fused projection of several block types
-  names them), and every step runs in torch.
+  built for AVX-512 or AVX2, one rank; bf16 weights also need AVX512_BF16 (``vdpbf16ps``, checked at
+  run time: the build targets plain AVX-512). Else one log line says why (a fused projection of
+  several block types names them), and every step runs in torch.
 - Weights: streamed as the model holds them (already the kernel's layout: rows of fp32 or bf16, or
   rows of GGUF blocks), so the native step adds no memory.
 - ``RADIXSERVE_NATIVE_STEP=0`` turns it off (the torch step for every decode, as before);

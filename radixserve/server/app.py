@@ -59,6 +59,7 @@ from radixserve.server.engine_api import (
     SESSION_ID,
     EngineFailedError,
     EngineUnavailableError,
+    QueueFullError,
     RequestRecord,
     ServingBackend,
 )
@@ -297,6 +298,9 @@ def build_app(
             error.status, error.message, error.param, error.code, path=app_path(request.scope)
         )
 
+    async def on_queue_full(request: Request, exc: Exception) -> Response:
+        return error_response(429, f"server busy: {exc}", headers={"Retry-After": "1"})
+
     async def on_unavailable(request: Request, exc: Exception) -> Response:
         return error_response(503, str(exc), path=app_path(request.scope))
 
@@ -333,6 +337,7 @@ def build_app(
         ApiError: on_api_error,
         InvalidRequestError: on_invalid,
         HTTPException: on_http_error,
+        QueueFullError: on_queue_full,  # e.g. a warm (a request too) beyond max_waiting_requests
         EngineUnavailableError: on_unavailable,  # e.g. the engine process was killed under a request
         EngineFailedError: on_engine_failed,  # the engine raised under a request
         Exception: on_bug,

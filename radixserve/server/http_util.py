@@ -26,6 +26,7 @@ from radixserve.errors import InvalidRequestError
 from radixserve.outputs import RequestOutput
 from radixserve.server import protocol as p
 from radixserve.server import protocol_anthropic as pa
+from radixserve.server.engine_api import EngineUnavailableError
 
 logger = logging.getLogger("radixserve.server")
 
@@ -185,7 +186,10 @@ async def merge(streams: Sequence[AsyncGenerator[T, None]]) -> AsyncGenerator[tu
 
 
 def openai_error_event(exc: Exception) -> bytes:
-    return sse(p.ErrorResponse(p.ErrorInfo(str(exc), "server_error")))
+    """Typed as the status a request not yet started would get (503 service_unavailable_error for an
+    engine process being restarted, else 500 server_error)."""
+    status = 503 if isinstance(exc, EngineUnavailableError) else 500
+    return sse(p.ErrorResponse(p.ErrorInfo(str(exc), _ERROR_TYPES.get(status, "server_error"))))
 
 
 def event_stream(
@@ -201,7 +205,12 @@ def event_stream(
             async for e in events:
                 yield e
         except Exception as exc:  # headers are sent: the error can only travel as an event
-            logger.exception("stream failed")
+            # An engine process that died (and is being restarted) is a 503, as before the headers: a
+            # warning, not a traceback; the event's shape is the route's API's.
+            if isinstance(exc, EngineUnavailableError):
+                logger.warning("stream ended: %s", exc)
+            else:
+                logger.exception("stream failed")
             yield error_event(exc)
         finally:
             await events.aclose()

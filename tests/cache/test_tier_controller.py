@@ -169,3 +169,32 @@ def test_unknown_write_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="write_policy must be one of"):
         EngineConfig(write_policy="write_sometimes")
     assert [p.value for p in WritePolicy] == list(tier_controller.WRITE_POLICIES)
+
+
+def test_a_full_disk_drops_the_write_and_leaves_no_partial_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ENOSPC while a page is written (found by benchmarks/soak.py's disk-full fault): the page is not
+    stored, the write counts as dropped, its temporary file goes at once (it used to stay until the
+    next start, holding the space), and the disk takes pages again once it has room."""
+    import errno
+
+    pool = KVPool(2, 16, PAGE, 1, 4, torch.float32)
+    disk = DiskStore(tmp_path, 1 << 20, b"f" * 16, (pool.page_bytes,), torch.uint8)
+    ctl = TierController([disk], b"s" * 16, pool, get_backend("torch"))
+    page, keys = torch.zeros(pool.page_bytes, dtype=torch.uint8), [b"a" * 16, b"b" * 16]
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(tier_controller.DiskStore.__module__ + ".os.fsync", full)
+        ctl._store(0, keys[0], page)
+        ctl.drain()
+    assert not disk.contains(keys[0]) and list(tmp_path.iterdir()) == []
+    assert ctl.stats()["disk"]["dropped_writes"] == 1
+    ctl._store(0, keys[1], page)
+    ctl.drain()
+    assert disk.contains(keys[1]) and disk.get(keys[1]) is not None
+    disk.check_integrity()
+    ctl.close()

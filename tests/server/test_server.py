@@ -365,6 +365,10 @@ def test_queue_full_is_429_with_retry_after(tiny_llama: Path) -> None:
             r = c.post("/v1/completions", json={**body, "stream": False})
             assert r.status_code == 429 and r.headers["retry-after"] == "1"
             assert r.json()["error"]["type"] == "rate_limit_error"
+            # A warm waits in the same queue: refused alike (it was a 500 QueueFullError).
+            r = c.post("/v1/cache/warm", json={"prompt": "warm me " * 8})
+            assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
+            assert r.json()["error"]["type"] == "rate_limit_error"
         waiting.join(timeout=30)
         assert c.post("/v1/completions", json={**body, "max_tokens": 2, "stream": False}).status_code == 200
 

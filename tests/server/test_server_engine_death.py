@@ -79,6 +79,8 @@ def test_sigkill_mid_stream_fails_every_request_then_the_server_serves_again(
 
     # The started stream ends with an error event; the other two get an OpenAI-style 503 body.
     assert rest and "[DONE]" not in rest and "error" in json.loads(rest[-1]), rest[-3:]
+    # Typed as the 503 of a request not yet started (it was a server_error).
+    assert json.loads(rest[-1])["error"]["type"] == "service_unavailable_error", rest[-1]
     for name in ("whole", "waiting"):
         r = results[name]
         assert r.status_code == 503 and "died" in _error(r)["message"], (name, r.text)

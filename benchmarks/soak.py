@@ -1,0 +1,331 @@
+"""Chaos soak: ``radixserve serve`` in one topology under a mixed load at a multiple of its measured
+capacity, with faults injected on a schedule, every request classified, and probes checked against an
+idle server's answers.
+
+    python -m benchmarks.soak --topology single --load 2 --duration-s 600
+
+Steps: start the server (servers.radixserve_command: API keys with ``--salt-per-key``, a disk KV tier on
+a small tmpfs of its own when this process may mount one, a small device pool so pages go to disk and
+come back); run each probe alone, twice (the baselines); measure capacity with a short closed-loop ramp
+of the mix (answers per second, bad inputs included, at concurrency 1, 2, 4, ... until it stops
+growing); then offer ``--load`` times that as a Poisson stream for ``--duration-s`` (at most
+``--max-requests``) while the probes loop and the faults of the topology (soak_faults.TOPOLOGY_FAULTS)
+fire evenly spaced. After it: page accounting from /metrics once idle, every process's RSS at start and
+end, outcome counts (soak_outcomes.py), each fault's recovery time. Writes
+``results/soak-<topology>-<load>x.{json,md,png}`` through ``common.write_results``.
+
+Bounded: only 127.0.0.1, at most ``--max-requests`` requests, each bounded by ``--bound-s``; the run
+stops dispatching at ``--duration-s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.common import RESULTS, args_json, machine, write_results
+from benchmarks.plots import plot_soak
+from benchmarks.servers import Server, free_port, radixserve_command
+from benchmarks.soak_faults import FAULTS, TOPOLOGY_FAULTS, Target, process_tree
+from benchmarks.soak_outcomes import classify, page_accounting, recover, summarize, timeline
+from benchmarks.soak_report import report, verdict
+from benchmarks.soak_server import (
+    HANG_FLAG,
+    KEYS,
+    MAX_BODY_BYTES,
+    TOPOLOGIES,
+    disk_tier,
+    has_flag,
+    negative_bodies,
+    rss,
+    server_flags,
+    wait_idle,
+)
+from benchmarks.soak_traffic import KINDS, Record, Texts, Traffic
+
+
+def log(msg: str) -> None:
+    print(f"[soak {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__.split("\n\n")[0])
+    a = p.add_argument
+    a("--topology", choices=TOPOLOGIES, default="single")
+    a("--load", type=float, default=2.0, help="offered load as a multiple of the measured capacity")
+    a("--duration-s", type=float, default=600.0)
+    a("--max-requests", type=int, default=20000)
+    a("--model", default=None, help="model folder (default: the embedded SmolLM2-135M-Instruct)")
+    a(
+        "--faults",
+        default="auto",
+        help="comma-separated soak_faults.FAULTS names, auto (the topology's) or none",
+    )
+    a("--stop-hold-s", type=float, default=20.0, help="how long stop-engine keeps the process stopped")
+    a("--full-hold-s", type=float, default=10.0, help="how long disk-full keeps the disk tier full")
+    a("--hang-timeout-s", type=float, default=5.0, help=f"the server's {HANG_FLAG}, where it has that flag")
+    a("--capacity", type=float, default=None, help="answers/s to take as capacity (default: measure it)")
+    a("--ramp-step-s", type=float, default=10.0)
+    a("--ramp-max-concurrency", type=int, default=16)
+    a("--bound-s", type=float, default=90.0, help="a request with no answer by then is lost")
+    a(
+        "--recover-timeout-s",
+        type=float,
+        default=180.0,
+        help="how long a fault waits for the server to recover from the one before, and the probes "
+        "after the load for the last one",
+    )
+    a("--max-tokens", type=int, default=16)
+    a("--num-pages", type=int, default=256, help="device KV pages (small: pages go to disk and back)")
+    a("--page-size", type=int, default=16)
+    a("--max-running-requests", type=int, default=8)
+    a("--max-waiting-requests", type=int, default=32, help="beyond this the server sheds with 429")
+    a("--tmpfs-mb", type=int, default=96, help="size of the disk tier's own tmpfs (when it can be mounted)")
+    a("--engine-threads", type=int, default=None)
+    a("--system-chars", type=int, default=1200, help="characters of each shared system prompt")
+    a("--user-chars", type=int, default=200)
+    a("--seed", type=int, default=0)
+    a("--out-dir", type=Path, default=RESULTS)
+    a("--name", default=None, help="result name (default soak-<topology>-<load>x)")
+    return p.parse_args(argv)
+
+
+async def warm_up(traffic: Traffic, rounds: int = 3) -> None:
+    """Each kind a few times, alone then together, unrecorded: the first of each (a grammar, prompt
+    logprobs, a batch shape) compiles, which would make the ramp's first steps look slow."""
+    for _ in range(rounds):
+        for kind in KINDS:
+            await traffic.send(kind)
+    await asyncio.gather(*(traffic.send(kind) for kind in KINDS for _ in range(2)))
+
+
+async def measure_capacity(traffic: Traffic, step_s: float, max_c: int) -> tuple[float, list[dict[str, Any]]]:
+    """Answers per second of the mix (ok or an expected 4xx) at concurrency 1, 2, 4, ... until it grows
+    by less than 10%."""
+    steps: list[dict[str, Any]] = []
+    c = 1
+    while c <= max_c:
+        records: list[Record] = []
+
+        async def worker(end: float, records: list[Record]) -> None:
+            while time.perf_counter() < end:
+                records.append(await traffic.send(traffic.pick_kind()))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(start + step_s, records) for _ in range(c)))
+        span = time.perf_counter() - start
+        answered = sum(classify(r, []) in ("ok", "bad_input_4xx") for r in records)
+        steps.append({"concurrency": c, "requests": len(records), "answered_per_s": answered / span})
+        if len(steps) > 1 and steps[-1]["answered_per_s"] < 1.1 * steps[-2]["answered_per_s"]:
+            break
+        c *= 2
+    return max(s["answered_per_s"] for s in steps), steps
+
+
+async def run_load(
+    traffic: Traffic, args: argparse.Namespace, rate: float, schedule: list[tuple[float, str]], target: Target
+) -> tuple[list[Record], list[Record], list[dict[str, Any]], int]:
+    """The soak proper: Poisson arrivals at ``rate``, the probe loop, the faults; returns the load's
+    records, the probes', the faults and how many arrivals found the client's in-flight cap full."""
+    records: list[Record] = []
+    probes: list[Record] = []
+    faults: list[dict[str, Any]] = []
+    tasks: set[asyncio.Task[None]] = set()
+    cap = 4 * (args.max_running_requests + args.max_waiting_requests)
+    skipped = 0
+    traffic.start = start = time.perf_counter()
+    done = asyncio.Event()
+
+    async def one(kind: str) -> None:
+        records.append(await traffic.send(kind))
+
+    async def arrivals() -> None:
+        nonlocal skipped
+        rng, t = random.Random(args.seed + 1), 0.0
+        for _ in range(args.max_requests):
+            t += rng.expovariate(rate)
+            if t >= args.duration_s:
+                break
+            await asyncio.sleep(max(0.0, start + t - time.perf_counter()))
+            if len(tasks) >= cap:
+                skipped += 1
+                continue
+            task = asyncio.create_task(one(traffic.pick_kind()))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        await asyncio.gather(*list(tasks), return_exceptions=True)
+
+    def recovered_after(t: float) -> bool:
+        return any(p.sent >= t and p.reply.done and not p.mismatch for p in probes)
+
+    async def probing() -> None:
+        i = 0
+        while not done.is_set():
+            probes.append(await traffic.probe(i))
+            i += 1
+            await asyncio.sleep(0.2)
+
+    async def until_recovered(deadline: float) -> None:
+        """Until a probe sent after the latest fault answered right (or the deadline)."""
+        while faults and not recovered_after(faults[-1]["at_s"]) and time.perf_counter() < deadline:
+            await asyncio.sleep(0.2)
+
+    async def faulting() -> None:
+        for at, name in schedule:
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            # One fault at a time: the next waits for the server to recover from the one before.
+            await until_recovered(time.perf_counter() + args.recover_timeout_s)
+            entry: dict[str, Any] = {"name": name, "planned_s": at, "at_s": time.perf_counter() - start}
+            try:
+                result = await asyncio.to_thread(FAULTS[name], target)
+                entry["at_s"] = result.pop("t") - start
+                entry["result"] = result
+            except (LookupError, OSError) as exc:
+                entry["skipped"] = f"{type(exc).__name__}: {exc}"
+            entry["ended_at_s"] = time.perf_counter() - start
+            log(f"fault {name}: {entry.get('result') or entry.get('skipped')}")
+            faults.append(entry)
+
+    prober = asyncio.create_task(probing())
+    await asyncio.gather(arrivals(), faulting())
+    await until_recovered(time.perf_counter() + args.recover_timeout_s)
+    done.set()
+    await prober
+    return records, probes, faults, skipped
+
+
+def fault_schedule(args: argparse.Namespace) -> list[tuple[float, str]]:
+    names = (
+        TOPOLOGY_FAULTS[args.topology]
+        if args.faults == "auto"
+        else []
+        if args.faults == "none"
+        else [f.strip() for f in args.faults.split(",") if f.strip()]
+    )
+    unknown = [n for n in names if n not in FAULTS]
+    if unknown:
+        raise SystemExit(f"unknown faults {unknown}; choose from {', '.join(FAULTS)}")
+    gap = args.duration_s / (len(names) + 1)
+    return [(gap * (i + 1), n) for i, n in enumerate(names)]
+
+
+def run_soak(args: argparse.Namespace) -> tuple[dict[str, Any], list[Path]]:
+    """One soak; returns its result document and the files written."""
+    name = args.name or f"soak-{args.topology}-{args.load:g}x"
+    schedule = fault_schedule(args)
+    hang = has_flag(HANG_FLAG)
+    with disk_tier(args.tmpfs_mb) as (disk, mounted):
+        port = free_port()
+        cmd = radixserve_command(
+            port, *server_flags(args, disk, mounted, hang), model=args.model, threads=args.engine_threads
+        )
+        server = Server(name, cmd, port, args.out_dir / "logs")
+        try:
+            log(f"starting {' '.join(cmd[3:])}")
+            server.wait_ready(600, path="/health")
+            log("server ready")
+            doc = asyncio.run(_soak(args, server, disk, schedule))
+            doc["tmp_files_at_end"] = sorted(p.name for p in disk.glob("*.tmp"))
+        finally:
+            server.stop()
+    doc["server"] = {"command": cmd[1:], "log": str(server.log_path), "exit_code": server.proc.returncode}
+    doc["disk_tier"] = {"own_tmpfs": mounted, "tmpfs_mb": args.tmpfs_mb if mounted else None}
+    doc["hang_detection"] = (
+        f"{HANG_FLAG} {args.hang_timeout_s}" if hang else f"absent: the server has no {HANG_FLAG}"
+    )
+    doc["config"] = args_json(args)
+    doc["machine"] = machine()
+    doc["passed"] = verdict(doc)
+    plots = plot_soak(
+        doc["timeline"], doc["faults"], args.out_dir / f"{name}.png", f"{name}: {doc['hang_detection']}"
+    )
+    paths = write_results(name, doc, markdown=report(name, doc), plots=plots, out_dir=args.out_dir)
+    return doc, paths
+
+
+async def _soak(
+    args: argparse.Namespace, server: Server, disk: Path, schedule: list[tuple[float, str]]
+) -> dict[str, Any]:
+    from benchmarks.workloads import Corpus
+
+    url = server.url
+    async with httpx.AsyncClient(base_url=url, trust_env=False) as http:
+        model = (await http.get("/v1/models", headers={"Authorization": f"Bearer {KEYS[0]}"})).json()["data"][
+            0
+        ]["id"]
+    paragraphs = Corpus(None).paragraphs  # the prose only: no tokenizer needed
+    texts = Texts.from_corpus(paragraphs, args.system_chars, args.user_chars, args.seed)
+    log("generating negative bodies")
+    negatives, negatives_note = await asyncio.to_thread(negative_bodies, url, 8, args.seed)
+    traffic = Traffic(
+        url,
+        model,
+        KEYS,
+        texts,
+        seed=args.seed,
+        bound_s=args.bound_s,
+        max_tokens=args.max_tokens,
+        max_body_bytes=MAX_BODY_BYTES,
+        negatives=negatives,
+    )
+    try:
+        log(negatives_note + "; baselines")
+        baselines = await traffic.baseline()
+        log(f"{len(baselines)} baselines; capacity ramp")
+        await warm_up(traffic)
+        if args.capacity is None:
+            capacity, ramp = await measure_capacity(traffic, args.ramp_step_s, args.ramp_max_concurrency)
+        else:
+            capacity, ramp = args.capacity, []
+        rate = args.load * capacity
+        log(f"capacity {capacity:.2f}/s; offering {rate:.2f}/s for {args.duration_s:.0f} s: {schedule}")
+        target = Target(server.proc.pid, disk, random.Random(args.seed), args.stop_hold_s, args.full_hold_s)
+        rss_start = rss(process_tree(server.proc.pid))
+        t0 = time.perf_counter()
+        records, probes, faults, skipped = await run_load(traffic, args, rate, schedule, target)
+        span = time.perf_counter() - t0
+        log(f"load done: {len(records)} requests, {len(probes)} probes; final probes")
+        final = [await traffic.probe(i) for i in range(len(baselines))]
+    finally:
+        await traffic.close()
+    idle = await asyncio.to_thread(wait_idle, url)
+    recover(faults, probes)
+    everything = records + probes + final
+    summary = summarize(everything, faults, span)
+    per_request = summary.pop("per_request")
+    return {
+        "model": model,
+        "capacity": {"answered_per_s": capacity, "ramp": ramp},
+        "offered_rate_per_s": rate,
+        "duration_s": span,
+        "skipped_arrivals": skipped,
+        "negatives": negatives_note,
+        "summary": summary,
+        "probes": {
+            "count": len(probes) + len(final),
+            "baselines": len(baselines),
+            "final_round_ok": all(classify(p, []) == "ok" for p in final),
+        },
+        "faults": faults,
+        "pages": page_accounting(idle),
+        "rss_mb": {"start": rss_start, "end": rss(process_tree(server.proc.pid))},
+        "timeline": timeline(everything, per_request, span),
+        "requests": [dict(r.row(), outcome=o) for r, o in zip(everything, per_request, strict=True)],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    doc, _ = run_soak(parse_args(argv))
+    failed = [k for k, ok in doc["passed"].items() if not ok]
+    print("soak passed" if not failed else f"soak failed: {', '.join(failed)}")
+
+
+if __name__ == "__main__":
+    main()

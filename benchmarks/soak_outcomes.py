@@ -1,0 +1,139 @@
+"""The soak's verdicts (benchmarks/soak.py): each request's outcome, each fault's recovery, the
+per-second timeline, and the page accounting read from /metrics.
+
+Outcomes (``OUTCOMES``), one per request:
+- ``ok``: the answer, whole (a dropped stream: the client's own disconnect after its chunks);
+- ``shed_429``: refused with a 429 (queue full, pin budget);
+- ``bad_input_4xx``: a bad input refused with a 4xx, as it must be (and a delete of a pin that is gone);
+- ``restart_503``: a 503 (a body or a stream's error event) while a process was being restarted: it
+  failed or was sent between a fault and the first probe that succeeded after it (plus ``GRACE_S``);
+- ``error_4xx``: a 4xx to a valid request; ``error_5xx``: any other 5xx, with its message;
+- ``lost``: no answer within the bound, a transport failure, or a stream cut without an error event;
+- ``wrong``: a 200 whose content is wrong: a probe that differs from its idle-server baseline, echo
+  logprobs of the wrong length, a required tool call missing.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from benchmarks.soak_traffic import Record
+
+OUTCOMES = ("ok", "shed_429", "bad_input_4xx", "restart_503", "error_4xx", "error_5xx", "lost", "wrong")
+GRACE_S = 2.0
+UNAVAILABLE = {"service_unavailable_error"}
+
+
+def fault_windows(faults: Sequence[dict[str, Any]], end: float) -> list[tuple[float, float]]:
+    """[injected, recovered + GRACE_S] of each fault (to the run's end when it never recovered)."""
+    out = []
+    for f in faults:
+        rec = f.get("recovered_at_s")
+        out.append((f["at_s"], (end if rec is None else rec) + GRACE_S))
+    return out
+
+
+def classify(r: Record, windows: Sequence[tuple[float, float]]) -> str:
+    reply = r.reply
+    if reply.transport:
+        return "lost"
+    status, err = reply.status, reply.error or {}
+    in_window = any(a <= r.finished <= b or a <= r.sent <= b for a, b in windows)
+    unavailable = status == 503 or err.get("type") in UNAVAILABLE
+    if unavailable:
+        return "restart_503" if in_window else "error_5xx"
+    if status == 429 or err.get("type") == "rate_limit_error":
+        return "shed_429"
+    if status == 200 and reply.error is not None:
+        return "error_5xx"  # a stream that ended with an error event other than a 503
+    if status == 200:
+        if not reply.done:
+            return "lost"
+        return "wrong" if r.mismatch else "ok"
+    if status is not None and 400 <= status < 500:
+        return "bad_input_4xx" if r.expect_4xx else "error_4xx"
+    return "error_5xx"
+
+
+def recover(faults: list[dict[str, Any]], probes: Sequence[Record]) -> None:
+    """Set each fault's ``recovered_at_s`` and ``recovery_s``: the first probe sent after the fault
+    took hold that answered correctly (a hang's probe waits for the hang to end, or for the server to
+    replace the process)."""
+    ok = sorted((p for p in probes if p.reply.done and not p.mismatch), key=lambda p: p.finished)
+    for f in faults:
+        first = next((p for p in ok if p.sent >= f["at_s"]), None)
+        f["recovered_at_s"] = None if first is None else round(first.finished, 3)
+        f["recovery_s"] = None if first is None else round(first.finished - f["at_s"], 3)
+
+
+def summarize(records: Sequence[Record], faults: list[dict[str, Any]], end: float) -> dict[str, Any]:
+    """Outcome counts overall and by kind, the 5xx and lost messages, and the ok throughput."""
+    windows = fault_windows(faults, end)
+    outcome = [classify(r, windows) for r in records]
+    by_kind: dict[str, Counter[str]] = {}
+    for r, o in zip(records, outcome, strict=True):
+        by_kind.setdefault(r.kind, Counter())[o] += 1
+    reasons: dict[str, Counter[str]] = {o: Counter() for o in ("error_5xx", "error_4xx", "lost", "wrong")}
+    for r, o in zip(records, outcome, strict=True):
+        if o in reasons:
+            err = r.reply.error or {}
+            why = (
+                r.mismatch or str(err.get("message", "")) or r.reply.transport or "stream cut, no error event"
+            )
+            reasons[o][f"{r.kind} {r.reply.status}: {why[:140]}"] += 1
+    totals = Counter(outcome)
+    return {
+        "requests": len(records),
+        "outcomes": {o: totals.get(o, 0) for o in OUTCOMES},
+        "by_kind": {k: {o: c.get(o, 0) for o in OUTCOMES} for k, c in sorted(by_kind.items())},
+        "reasons": {o: dict(c.most_common(12)) for o, c in reasons.items() if c},
+        "ok_per_s": totals.get("ok", 0) / end if end > 0 else 0.0,
+        "per_request": outcome,
+    }
+
+
+def timeline(records: Sequence[Record], outcomes: Sequence[str], end: float) -> dict[str, list[float]]:
+    """Per second of the run: ok answers finished, output tokens of those, failures (not ok, not an
+    expected 4xx or 429) and 429s."""
+    n = int(end) + 1
+    ok, tokens, failed, shed = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
+    for r, o in zip(records, outcomes, strict=True):
+        s = min(n - 1, max(0, int(r.finished)))
+        if o == "ok":
+            ok[s] += 1
+            tokens[s] += r.reply.tokens
+        elif o == "shed_429":
+            shed[s] += 1
+        elif o != "bad_input_4xx":
+            failed[s] += 1
+    return {"t": [float(i) for i in range(n)], "ok": ok, "tokens": tokens, "failed": failed, "shed": shed}
+
+
+def page_accounting(metrics: dict[str, float]) -> dict[str, Any]:
+    """free + cached + in-use == total from /metrics' gauges (summed over engines), and in-use 0 (the
+    server is idle when this is read: a page still held privately is leaked)."""
+    get = lambda name: metrics.get(f"radixserve:{name}")  # noqa: E731
+    free, cached, used, total = (
+        get(n) for n in ("kv_pages_free", "kv_pages_cached", "kv_pages_used", "kv_pages_total")
+    )
+    known = None not in (free, cached, used, total)
+    return {
+        "free": free,
+        "cached": cached,
+        "in_use": used,
+        "total": total,
+        "pinned": get("pinned_pages"),
+        "balanced": bool(known and free + cached + used == total),  # type: ignore[operator]
+        "leaked": None if not known else used,
+        # What the tiers saw over the server's life (summed over tiers and engines): disk files
+        # rejected as torn or corrupt, loads that failed and were recomputed.
+        "tier_counters": {
+            k.removeprefix("radixserve:kv_tier_"): v
+            for k, v in sorted(metrics.items())
+            if k.startswith("radixserve:kv_tier_") and k.endswith("_total")
+        },
+        "running": get("num_requests_running"),
+        "waiting": get("num_requests_waiting"),
+    }

@@ -1,0 +1,129 @@
+"""The soak's server (benchmarks/soak.py): its flags per topology, the disk tier's own tmpfs, whether
+the server has hang detection, the negative bodies of its own schema, and its state once idle.
+
+``--api-key`` with several keys and ``--salt-per-key``; a small device pool (pages go to disk and come
+back); a short queue (overload is shed with 429s, not queued past the client's bound).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import random
+import subprocess
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.metrics import parse_prometheus
+from benchmarks.soak_faults import Proc
+
+TOPOLOGIES = {
+    "single": [],
+    "replicas": ["--replicas", "2"],
+    "disagg": ["--disaggregate", "1:1"],
+    "tp": ["--tensor-parallel-size", "3"],
+}
+KEYS = ["soak-key-a", "soak-key-b", "soak-key-c"]
+HANG_FLAG = "--engine-hang-timeout-s"  # the server's hang detection, where it has it
+MAX_BODY_BYTES = 256 * 1024
+
+
+def has_flag(flag: str) -> bool:
+    """Whether ``radixserve serve`` has ``flag``: its parser, built here, not a server started."""
+    from radixserve.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return flag in sub.choices["serve"]._option_string_actions
+
+
+@contextlib.contextmanager
+def disk_tier(size_mb: int) -> Iterator[tuple[Path, bool]]:
+    """A folder for the disk tier, on a tmpfs of ``size_mb`` of its own when ``mount`` works here
+    (root), so that a full disk is a real ENOSPC; else a plain temporary folder (yields False)."""
+    with tempfile.TemporaryDirectory(prefix="soak-disk-") as d:
+        path = Path(d)
+        mounted = (
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", d], capture_output=True
+            ).returncode
+            == 0
+        )
+        try:
+            yield path, mounted
+        finally:
+            if mounted:
+                subprocess.run(["umount", "-l", d], capture_output=True)
+
+
+def server_flags(args: argparse.Namespace, disk: Path, mounted: bool, hang: bool) -> list[str]:
+    # The tier's bound below the tmpfs: the store's LRU keeps within it, a filler makes the disk full.
+    disk_gb = (0.6 if mounted else 0.25) * args.tmpfs_mb / 1024
+    flags = [*TOPOLOGIES[args.topology], "--api-key", ",".join(KEYS), "--salt-per-key"]
+    flags += ["--max-body-bytes", str(MAX_BODY_BYTES), "--num-pages", str(args.num_pages)]
+    flags += ["--page-size", str(args.page_size), "--max-running-requests", str(args.max_running_requests)]
+    flags += ["--max-waiting-requests", str(args.max_waiting_requests)]
+    flags += ["--disk-cache-dir", str(disk), "--disk-cache-gb", f"{disk_gb:.4f}"]
+    return flags + ([HANG_FLAG, str(args.hang_timeout_s)] if hang else [])
+
+
+def negative_bodies(base_url: str, n: int, seed: int) -> tuple[list[tuple[str, Any]], str]:
+    """Schemathesis' schema-violating bodies for the generating routes, from the server's own
+    /openapi.json (tests/server/test_server_fuzz.py drives the same strategies); [] and the reason
+    when schemathesis is not installed."""
+    try:
+        import schemathesis
+        from hypothesis import HealthCheck, given, settings
+    except ImportError:
+        return [], "schemathesis is not installed (pip install -e .[dev]): no generated negative bodies"
+    raw = httpx.get(f"{base_url}/openapi.json", headers={"Authorization": f"Bearer {KEYS[0]}"}).json()
+    schema = schemathesis.openapi.from_dict(raw)
+    out: list[tuple[str, Any]] = []
+
+    def collector(path: str) -> Any:
+        @settings(max_examples=n, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(case=schema[path]["POST"].as_strategy(schemathesis.GenerationMode.NEGATIVE))
+        def collect(case: Any) -> None:
+            body = case.body
+            if isinstance(body, dict):  # a few tokens, as the fuzz test does: parsing is the target
+                for k in ("n", "max_tokens", "max_completion_tokens"):
+                    if isinstance(body.get(k), int) and not isinstance(body[k], bool) and body[k] > 4:
+                        body[k] = 4
+            if isinstance(body, dict | list | str | int | float | bool) or body is None:
+                out.append((path, body))
+
+        return collect
+
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/cache/warm"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            collector(path)()
+    random.Random(seed).shuffle(out)
+    return out, f"{len(out)} schemathesis negative bodies"
+
+
+def wait_idle(url: str, timeout_s: float = 60.0) -> dict[str, float]:
+    """/metrics once nothing runs or waits and no page is held privately (or at the timeout)."""
+    headers = {"Authorization": f"Bearer {KEYS[0]}"}
+    deadline = time.monotonic() + timeout_s
+    metrics: dict[str, float] = {}
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            metrics = parse_prometheus(httpx.get(f"{url}/metrics", headers=headers, timeout=10).text)
+            busy = sum(
+                metrics.get(f"radixserve:{k}", 1) for k in ("num_requests_running", "num_requests_waiting")
+            )
+            if busy == 0 and metrics.get("radixserve:kv_pages_used", 1) == 0:
+                return metrics
+        time.sleep(0.5)
+    return metrics
+
+
+def rss(tree: list[Proc]) -> list[dict[str, Any]]:
+    """Each process's role and resident memory, for the report."""
+    return [{"pid": p.pid, "role": p.role, "rss_mb": round(p.rss_mb, 1)} for p in tree]
