@@ -112,8 +112,14 @@ class Int8Linear(nn.Module):
         ``int8_linear`` (the same quantization, exact int32 sums, the same roundings), and 1-8 rows
         without oneDNN's per-call setup (``csrc/gemv.cpp``)."""
         from radixserve.kernels import cpu_build
+        from radixserve.model.arithmetic import cpu_flags
 
-        if self.qweight.device.type == "cpu" and cpu_build.load():
+        if self.qweight.device.type != "cpu" or not cpu_build.load():
+            return
+        # A checkpoint's int8 weights may hold -128 (llm-compressor's range is [-128, 127]; ours is
+        # symmetric): the kernel's AVX2 tile multiplies by sign(w) and cannot negate -128, its VNNI
+        # tile can. Without VNNI such weights keep torch._int_mm, which takes any int8.
+        if "avx512_vnni" in cpu_flags() or int(self.qweight.min()) > -128:
             self.product = self._kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
