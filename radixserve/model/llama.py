@@ -20,6 +20,25 @@ from radixserve.model.config import ModelConfig
 from radixserve.model.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos and sin [T, head_dim / 2] of the step's positions
+# HF's separate projections and the fused matrix (and part) each one fills.
+FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def target_of(hf_name: str) -> tuple[str, tuple[str, int] | None]:
+    """The model's name for the HF tensor (or module) ``hf_name``, and for a part of a fused matrix its
+    fused module's local name and part: ``model.layers.0.self_attn.k_proj.weight`` ->
+    ``("layers.0.self_attn.qkv_proj.weight", ("qkv_proj", 1))``."""
+    name = hf_name.removeprefix("model.")
+    for part, (target, shard) in FUSED.items():
+        if f".{part}." in f"{name}.":
+            return name.replace(part, target), (target, shard)
+    return name, None
 
 
 class Attention(nn.Module):
@@ -76,6 +95,7 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     quantization: str | None = None  # "int8": the decoder Linears are int8 (model/quant.py)
+    checkpoint_quantization: str | None = None  # a quantized HF checkpoint's scheme (model/hf_quant.py)
     arithmetic: str = "exact"  # of products with many rows (model/arithmetic.py)
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -124,24 +144,14 @@ class LlamaForCausalLM(nn.Module):
         a parameter named in ``skip`` (e.g. ``layers.0.mlp.down_proj.weight``) are passed over: their
         module gets them elsewhere (an int8 copy, ``model/quant.py``)."""
         params = dict(self.named_parameters())
-        fused = {
-            "q_proj": ("qkv_proj", 0),
-            "k_proj": ("qkv_proj", 1),
-            "v_proj": ("qkv_proj", 2),
-            "gate_proj": ("gate_up_proj", 0),
-            "up_proj": ("gate_up_proj", 1),
-        }
         seen: set[str] = set()
         for hf_name, tensor in weights:
-            name = hf_name.removeprefix("model.")
+            name, fused = target_of(hf_name)
             if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue
-            for part, (target, shard) in fused.items():
-                if f".{part}." in name:
-                    name = name.replace(part, target)
-                    if name not in skip:
-                        self._fused_slice(params[name], target, shard).copy_(tensor)
-                    break
+            if fused is not None:
+                if name not in skip:
+                    self._fused_slice(params[name], *fused).copy_(tensor)
             else:
                 if name in skip:
                     continue
@@ -154,6 +164,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint lacks weights: {sorted(missing)[:5]}")
 
     def _fused_slice(self, param: torch.Tensor, target: str, shard: int) -> torch.Tensor:
+        """The rows of the fused ``param`` (or any tensor with its rows) that part ``shard`` fills."""
         cfg = self.config
         if target == "qkv_proj":
             sizes = [

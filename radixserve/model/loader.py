@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +13,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from radixserve.model import arithmetic, quant
 from radixserve.model.config import ModelConfig
+from radixserve.model.hf_quant_load import load_quantized, quantization_config
 from radixserve.model.layers import RotaryEmbedding
 from radixserve.model.llama import LlamaForCausalLM
 
@@ -61,7 +63,8 @@ def load_model(
 ) -> LlamaForCausalLM:
     """The model in ``path``; with ``quantization`` ("int8"), its decoder Linears quantized
     (``model/quant.py``), from a cached int8 copy where one is current. A GGUF file keeps its blocks
-    (``model/gguf_load.py``)."""
+    (``model/gguf_load.py``); a folder whose config has a ``quantization_config`` (AWQ, GPTQ,
+    compressed-tensors) loads in its own format (``model/hf_quant_load.py``)."""
     if path.suffix == ".gguf":
         from radixserve.model.gguf_load import load_gguf_model
 
@@ -69,6 +72,12 @@ def load_model(
     if quantization == "gguf":
         raise ValueError(f"quantization gguf needs a .gguf model file, got the folder {str(path)!r}")
     cfg = ModelConfig.from_dir(path)
+    qcfg = quantization_config(json.loads((path / "config.json").read_text()))
+    if qcfg is not None and quantization is not None:
+        raise ValueError(
+            f"the model folder {str(path)!r} is a {qcfg['quant_method']} quantized checkpoint, loaded as its "
+            f"own format; --quantization {quantization} does not apply to it"
+        )
     if quantization is not None:
         quant.check_supported(quantization, dtype, device)
     with torch.device("meta"):
@@ -87,7 +96,9 @@ def load_model(
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
                     yield name, f.get_tensor(name)
 
-    if quantization is None:
+    if qcfg is not None:
+        load_quantized(model, qcfg, tensors(), dtype, device)
+    elif quantization is None:
         model.load_weights(tensors())
     else:
         quant.load_int8(model, path, lambda skip: model.load_weights(tensors(), skip))

@@ -28,6 +28,7 @@ Why: on CPU a decode step is bound by reading the weights; int8 reads a quarter 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -113,7 +114,12 @@ class Int8Linear(nn.Module):
         without oneDNN's per-call setup (``csrc/gemv.cpp``)."""
         from radixserve.kernels import cpu_build
 
-        if self.qweight.device.type == "cpu" and cpu_build.load():
+        if self.qweight.device.type != "cpu" or not cpu_build.load():
+            return
+        # A checkpoint's int8 weights may hold -128 (llm-compressor's range is [-128, 127]; ours is
+        # symmetric): the kernel's AVX2 tile multiplies by sign(w) and cannot negate -128, its VNNI
+        # and scalar tiles can. Where it cannot, such weights keep torch._int_mm, which takes any int8.
+        if int(self.qweight.min()) >= -QMAX or _kernel_takes_minus_128():
             self.product = self._kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -125,6 +131,17 @@ class Int8Linear(nn.Module):
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = torch.ops.radixserve_cpu.int8_linear(x, self.qweight, self.scale, self.bias)
         return out
+
+
+@functools.cache
+def _kernel_takes_minus_128() -> bool:
+    """Whether ``radixserve_cpu::int8_linear`` gives ``int8_linear``'s numbers for weights of -128 on
+    this CPU (which of its tiles runs is the C++ side's choice): one product, compared."""
+    x = -torch.ones(1, 128)
+    w = torch.full((8, 128), -128, dtype=torch.int8)
+    scale = torch.ones(8)
+    got = torch.ops.radixserve_cpu.int8_linear(x, w, scale, None)
+    return bool(torch.equal(got, int8_linear(x, w, scale, None)))
 
 
 def quantized_linears(model: nn.Module) -> list[str]:
