@@ -10,7 +10,7 @@ tests check it on synthetic scores; ``mode_bench`` and ``accuracy_bench`` share 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +101,36 @@ def agreement(ref: list[Scored], test: list[Scored]) -> Agreement:
         deltas.extend(abs(a - b) for a, b in zip(r.logliks, t.logliks, strict=True))
         same += sum(a == b for a, b in zip(r.top1, t.top1, strict=True))
     return Agreement(len(deltas), sum(deltas) / len(deltas), max(deltas), same / len(deltas))
+
+
+MIN_TOKENS = 400  # issue 21: accuracy over at least 400 scored tokens
+HEADER = ["mode", "versus", "tokens", "mean abs d loglik", "max abs d loglik", "top-1 agreement %", "note"]
+
+
+def compare_scores(ref: list[Scored], test: list[Scored]) -> dict[str, Any]:
+    """``agreement`` as JSON, or why the two cannot be compared (they tokenized a text differently)."""
+    try:
+        acc = agreement(ref, test)
+    except ValueError as exc:
+        return {"error": str(exc)}
+    out = asdict(acc)
+    out["enough_tokens"] = acc.tokens >= MIN_TOKENS
+    return out
+
+
+def table_row(name: str, versus: str, acc: dict[str, Any]) -> list[Any]:
+    if "error" in acc:
+        return [name, versus, "", "", "", "", acc["error"]]
+    note = "" if acc["enough_tokens"] else f"fewer than {MIN_TOKENS} tokens"
+    return [
+        name,
+        versus,
+        acc["tokens"],
+        acc["mean_abs_dloglik"],
+        acc["max_abs_dloglik"],
+        100 * acc["top1_agreement"],
+        note,
+    ]
 
 
 def chunk_flags(chunk_tokens: int | None) -> list[str]:

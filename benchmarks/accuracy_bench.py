@@ -21,46 +21,17 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from benchmarks.accuracy import TEXTS, Scored, agreement, score, served_scores
+from benchmarks.accuracy import HEADER, TEXTS, Scored, compare_scores, score, served_scores, table_row
 from benchmarks.common import RESULTS, args_json, write_results
 from benchmarks.modes import MODES, engine_options, parse_modes, unavailable
 from benchmarks.servers import SERVED_NAME, free_port, peer_command, server_flags, serving
 
-MIN_TOKENS = 400  # issue 21: accuracy over at least 400 scored tokens
 REFERENCE = "fp32"
-HEADER = ["mode", "versus", "tokens", "mean abs d loglik", "max abs d loglik", "top-1 agreement %", "note"]
-
-
-def compare_scores(ref: list[Scored], test: list[Scored]) -> dict[str, Any]:
-    """``agreement`` as JSON, or why the two cannot be compared (they tokenized a text differently)."""
-    try:
-        acc = agreement(ref, test)
-    except ValueError as exc:
-        return {"error": str(exc)}
-    out = asdict(acc)
-    out["enough_tokens"] = acc.tokens >= MIN_TOKENS
-    return out
-
-
-def table_row(name: str, versus: str, acc: dict[str, Any]) -> list[Any]:
-    if "error" in acc:
-        return [name, versus, "", "", "", "", acc["error"]]
-    note = "" if acc["enough_tokens"] else f"fewer than {MIN_TOKENS} tokens"
-    return [
-        name,
-        versus,
-        acc["tokens"],
-        acc["mean_abs_dloglik"],
-        acc["max_abs_dloglik"],
-        100 * acc["top1_agreement"],
-        note,
-    ]
 
 
 def score_radixserve(args: argparse.Namespace, log_dir: Path) -> tuple[dict[str, Any], list[list[Any]]]:

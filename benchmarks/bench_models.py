@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from filelock import FileLock
 
-from radixserve.model.default_model import build_atomically, prepare_default_model
+from radixserve.model.default_model import build_atomically, convert_gguf, prepare_default_model
 from radixserve.paths import cache_root
 
 VERSION = 1  # bump when the written folder changes
@@ -265,3 +265,19 @@ def build_gguf(folder: Path, qtype: str = "Q8_0") -> Path:
             write_gguf(folder, qtype, tmp)
             tmp.rename(out)
     return out
+
+
+def dequantized_folder(gguf: Path) -> Path:
+    """The fp32 HF folder of ``gguf``'s dequantization (gguf.quants' decoding), beside it, written once."""
+    folder = gguf.parent / f"{gguf.stem}-dequantized"
+    if (folder / MARKER).is_file():
+        return folder
+
+    def write(staging: Path) -> None:
+        convert_gguf(gguf, staging, False)
+        (staging / MARKER).write_text(gguf.name)  # last: the folder is complete once it exists
+
+    with FileLock(str(folder) + ".lock"):
+        if not (folder / MARKER).is_file():
+            build_atomically(folder, write)
+    return folder

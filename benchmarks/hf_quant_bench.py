@@ -26,8 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.accuracy import TEXTS, Scored, score
-from benchmarks.accuracy_bench import HEADER, compare_scores, table_row
+from benchmarks.accuracy import HEADER, TEXTS, Scored, compare_scores, score, table_row
 from benchmarks.common import RESULTS, args_json, write_results
 from benchmarks.servers import SERVED_NAME, free_port, peer_command, radixserve_command, serving
 

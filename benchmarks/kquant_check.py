@@ -33,7 +33,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.bench_models import build_gguf
+from benchmarks.bench_models import build_gguf, dequantized_folder
 from benchmarks.common import RESULTS, args_json, write_results
 from benchmarks.servers import PEERS_DIR, free_port, peer_command, radixserve_command, serving
 from benchmarks.workloads import prose
@@ -96,17 +96,8 @@ def agreed_prefix(a: list[int], b: list[int]) -> int:
 def exact_check(gguf: Path, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
     """The GGUF against the fp32 folder of its dequantization, offline, greedy: tokens and logprobs."""
     from radixserve import Engine, SamplingParams
-    from radixserve.model.default_model import build_atomically, convert_gguf
 
-    folder = gguf.parent / f"{gguf.stem}-dequantized"
-    marker = "DEQUANTIZED"
-
-    def build(staging: Path) -> None:
-        convert_gguf(gguf, staging, False)
-        (staging / marker).write_text(gguf.name)  # last: the folder is complete once it exists
-
-    if not (folder / marker).is_file():
-        build_atomically(folder, build)
+    folder = dequantized_folder(gguf)
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, logprobs=0)
     runs = []
     for model in (folder, gguf):

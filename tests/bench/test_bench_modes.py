@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from benchmarks import modes, servers, step_modes, step_targets
-from benchmarks.accuracy import Scored, agreement, parse_choice
-from benchmarks.accuracy_bench import compare_scores
+from benchmarks.accuracy import Scored, agreement, compare_scores, parse_choice
 from benchmarks.common import cpu_flags
 from benchmarks.modes import Formats, Limits, Shapes, StepModel, kv_token_bytes, matrix_bytes
 

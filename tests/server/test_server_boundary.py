@@ -40,6 +40,7 @@ INTERFACE = {
     "cache_tree",
     "stats",
     "healthy",
+    "health",
     "on_finish",
     "start",
     "shutdown",
