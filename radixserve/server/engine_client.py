@@ -174,11 +174,6 @@ class EngineClient:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self._proc.pid, signal.SIGKILL)
 
-    def pending(self) -> bool:
-        """True when a message of the process has arrived that the receiver has not taken yet (the
-        event loop was busy): the process made progress, whatever the receiver saw so far."""
-        return not self._ctx.closed and bool(int(self._pull.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
-
     def close(self) -> None:
         """Release the sockets and the directory (the process, if any, is already gone or going)."""
         if self._ctx.closed:

@@ -116,7 +116,7 @@ class Supervisor:
         timeout = self._config.engine_hang_timeout_s
         if timeout > 0:  # watched from Ready on: the start-up (load, compile warm-up) never counts
             on_hang = functools.partial(self._on_hang, client)
-            self._watchdog = Watchdog(timeout, self._busy, client.pending, on_hang)
+            self._watchdog = Watchdog(timeout, self._busy, on_hang)
             self._watching = asyncio.create_task(self._watchdog.run())
         self._started_at = time.monotonic()
         # Start-up by phase: starting the process and loading the model, then the compile warm-up.

@@ -12,8 +12,12 @@ Invariants:
 - The clock runs only while the process has work (open requests or calls, or a role's jobs: ``busy``),
   counted from the later of its last message and the moment the work began: an idle process is never
   called hung, however long it says nothing, and new work gives a stopped idle one the whole deadline.
-- A message that has arrived but not yet been handed on (the event loop was busy: ``pending``) is
-  progress, so a stalled API server never has its engine killed for its own lateness.
+- A stalled API server never has its engine killed for its own lateness: before it calls a process
+  hung, the watchdog yields to the event loop (``CONFIRM_YIELDS`` times), so that messages which arrived
+  while the loop was busy are handed on first and count. It never looks at the socket itself: a
+  ZMQ socket's readiness is edge-triggered, and reading its ``EVENTS`` from outside zmq.asyncio
+  consumes the edge that would have woken the receiver, which then sleeps on a full socket forever
+  (seen in the soak: the engine idle, its outputs queued, every request waiting).
 - ``on_hang(seconds)`` runs once per watchdog; the Supervisor then kills the process (SIGKILL: a
   stopped process cannot handle SIGTERM), and its death takes the usual path: requests fail, restart.
 """
@@ -25,6 +29,7 @@ import time
 from collections.abc import Callable
 
 MAX_TICK_S = 1.0  # how often the clock is read, at most; a quarter of a short deadline
+CONFIRM_YIELDS = 3  # loop turns given to the receivers before a stall is called a hang
 
 
 class Watchdog:
@@ -34,12 +39,10 @@ class Watchdog:
         self,
         timeout_s: float,
         busy: Callable[[], bool],
-        pending: Callable[[], bool],
         on_hang: Callable[[float], None],
     ) -> None:
         self.timeout_s = timeout_s
         self._busy = busy
-        self._pending = pending
         self._on_hang = on_hang
         self._last = time.monotonic()  # the latest progress (the process's Ready, then each message)
 
@@ -60,8 +63,10 @@ class Watchdog:
                 continue
             if busy_since is None:  # the work began within the last tick: count from now
                 busy_since = time.monotonic()
-            if self._pending():
-                self.progress()
+            if self.stalled_s(busy_since) < self.timeout_s:
+                continue
+            for _ in range(CONFIRM_YIELDS):  # what arrived while this loop was busy is handed on first
+                await asyncio.sleep(0)
             stalled = self.stalled_s(busy_since)
             if stalled >= self.timeout_s:
                 self._on_hang(stalled)

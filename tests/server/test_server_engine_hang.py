@@ -5,6 +5,7 @@ still makes progress, are never killed."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -12,6 +13,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -145,3 +147,43 @@ def test_a_hung_engine_fails_its_requests_and_is_restarted(
     messages = [rec.getMessage() for rec in caplog.records if rec.name == "radixserve.server"]
     assert [m for m in messages if f"engine process {pid} is hung (no progress for" in m], messages
     assert [m for m in messages if "restarted: serving again" in m], messages
+
+
+def test_a_busy_engine_under_hang_detection_answers_every_request(tiny_llama: Path) -> None:
+    """Thousands of short requests, 32 at a time, with a short deadline (the watchdog reads its clock
+    four times a second while there is work): every one finishes, and nothing is called hung. The
+    watchdog once read the output socket's ZMQ ``EVENTS`` to see whether a message was waiting, which
+    consumed the socket's edge-triggered wake-up: the receiver slept on a full socket, the engine idled
+    and every request waited forever (here within ~3,000 requests; in the soak within a minute)."""
+    from radixserve.sampling.params import SamplingParams
+    from radixserve.server.async_engine import AsyncEngine
+
+    total, at_once = 4000, 32
+    config = EngineConfig(str(tiny_llama), page_size=4, num_pages=1024, engine_hang_timeout_s=0.4)
+
+    async def scenario() -> tuple[int, int]:
+        engine = AsyncEngine(config, engine_threads=1)
+        await engine.start()
+        gate = asyncio.Semaphore(at_once)
+        finished = 0
+
+        async def one(i: int) -> None:
+            nonlocal finished
+            async with gate:
+                async for _ in engine.generate(
+                    f"short {i} " * 3, SamplingParams(max_tokens=3, temperature=0)
+                ):
+                    pass
+                finished += 1
+
+        try:
+            # Minutes of slack on a loaded machine; the hang it guards against never ends.
+            await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(total))), timeout=240)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            await engine.shutdown(drain_timeout=1.0)
+        return finished, engine.health().restarts
+
+    finished, restarts = asyncio.run(scenario())
+    assert (finished, restarts) == (total, 0)

@@ -1,12 +1,18 @@
 """The watchdog's rule, without a process (server/watchdog.py): hung means no progress for the deadline
 while there is work, counted from the later of the last message and the start of the work; a message
-that has arrived but not been handed on is progress. The real process: test_server_engine_hang.py."""
+handed on while the watchdog yields, after its own loop was busy, is progress; and nothing reads a ZMQ
+socket's EVENTS behind zmq.asyncio's back. The real process: test_server_engine_hang.py."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
 
+import radixserve
 from radixserve.disagg.dispatch import LocalPrefill
 from radixserve.server.messages import PrefillKV
 from radixserve.server.watchdog import Watchdog
@@ -14,11 +20,9 @@ from radixserve.server.watchdog import Watchdog
 DEADLINE_S = 0.4
 
 
-def _watch(
-    busy: Callable[[], bool], pending: Callable[[], bool] = lambda: False
-) -> tuple[Watchdog, list[float]]:
+def _watch(busy: Callable[[], bool]) -> tuple[Watchdog, list[float]]:
     hangs: list[float] = []
-    return Watchdog(DEADLINE_S, busy, pending, hangs.append), hangs
+    return Watchdog(DEADLINE_S, busy, hangs.append), hangs
 
 
 async def _run_for(dog: Watchdog, seconds: float, beat_s: float | None = None) -> None:
@@ -51,10 +55,45 @@ def test_progress_within_the_deadline_is_no_hang() -> None:
     assert hangs == []
 
 
-def test_a_message_not_yet_handed_on_is_progress() -> None:
-    dog, hangs = _watch(lambda: True, pending=lambda: True)
-    asyncio.run(_run_for(dog, 5 * DEADLINE_S))
+def test_a_message_that_arrived_while_the_loop_was_blocked_is_progress() -> None:
+    """The API server's own loop blocks for three deadlines; a message arrives meanwhile (a thread hands
+    it to the loop, as zmq.asyncio's reader would). The watchdog wakes late, sees the old clock, and
+    yields before judging: the receiver hands the message on, and nothing is called hung."""
+    dog, hangs = _watch(lambda: True)
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        task = asyncio.create_task(dog.run())
+        await asyncio.sleep(DEADLINE_S / 2)
+        arrived: asyncio.Future[None] = loop.create_future()
+
+        async def receiver() -> None:
+            await arrived
+            dog.progress()
+
+        handing_on = asyncio.create_task(receiver())
+        threading.Timer(DEADLINE_S, loop.call_soon_threadsafe, (arrived.set_result, None)).start()
+        time.sleep(3 * DEADLINE_S)  # the loop is blocked: neither the watchdog nor the receiver runs
+        await asyncio.sleep(DEADLINE_S / 2)
+        task.cancel()
+        await handing_on
+
+    asyncio.run(scenario())
     assert hangs == []
+
+
+def test_nothing_reads_a_zmq_sockets_events_behind_zmq_asyncio() -> None:
+    """ZMQ readiness is edge-triggered: ``getsockopt(zmq.EVENTS)`` outside zmq.asyncio's own poll
+    consumes the edge that wakes an awaiting ``recv``, which then sleeps on a full socket forever (the
+    soak's stall: the engine idle, its outputs queued in the API server's socket, every request waiting)."""
+    root = Path(radixserve.__file__).parent
+    readers = [
+        f"{path.relative_to(root)}:{node.lineno}"
+        for path in sorted(root.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr == "EVENTS"
+    ]
+    assert readers == []
 
 
 def test_new_work_gets_the_whole_deadline() -> None:
