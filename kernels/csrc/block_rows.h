@@ -27,6 +27,10 @@ struct Args {
 // Most x rows one pass of the few-rows path takes: its accumulators (two per row) must stay in
 // registers, 32 vector registers with AVX-512, 16 with AVX2.
 constexpr int64_t kMaxFewRows = kVS == 16 ? 8 : 4;
+// Most x rows that take the few-rows path at all, on every ISA (AVX2 in passes of kMaxFewRows): up to
+// here a row's sums do not depend on its batchmates, so a speculative verify step of up to 8 rows gives
+// each row what a 1-row decode step gives it (greedy speculation stays token-identical).
+constexpr int64_t kFewRowsLimit = 8;
 
 // out[r, n] for x rows [0, R) (at a.x) and weight rows [n0, n1). Two accumulators per row break the
 // chain of dependent FMAs that one would make.

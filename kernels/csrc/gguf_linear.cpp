@@ -13,7 +13,8 @@
 // Two paths, split by the rows M:
 // - few rows (a decode step): each weight row's blocks are decoded in registers and multiplied
 //   against every x row at once, so the weights are read once (at 1-2 rows, several weight rows a
-//   pass; every x row's sums keep one order, so up to 8 rows a row does not depend on its batchmates);
+//   pass; every x row's sums keep one order, so up to 8 rows a row does not depend on its batchmates,
+//   AVX2 included, in passes of 4);
 // - many rows (prefill): a tile of 16-64 weight rows is decoded once into a thread-local fp32
 //   buffer (L2-sized) and every x row is multiplied against it by sgemm, so a block is decoded once
 //   per step, not once per x row.
@@ -115,7 +116,7 @@ void run_many_rows(const Args& a, int64_t M) {
 
 template <int64_t Q>
 void run(const Args& a, int64_t M) {
-  if (M <= kMaxFewRows)
+  if (M <= kFewRowsLimit)
     run_few_rows<Q>(a, M);
   else
     run_many_rows<Q>(a, M);
