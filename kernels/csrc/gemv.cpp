@@ -298,4 +298,9 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
   return {q, s};
 }
 
+bool cpu_has_vnni() {
+  static const bool yes = __builtin_cpu_supports("avx512vnni") || __builtin_cpu_supports("avxvnni");
+  return yes;
+}
+
 }  // namespace radixserve_cpu

@@ -20,6 +20,11 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const std::option
 at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
                      const std::optional<at::Tensor>& bias);
 
+// Whether the CPU multiplies int8 at VNNI speed (avx512vnni or avx_vnni, checked at run time), where
+// oneDNN's int8 GEMM (torch._int_mm) is fast. Without VNNI it takes a path ~15x slower than an fp32
+// GEMM (measured on an AVX2-only EPYC), so many rows go through int8_gemv 8 rows at a time instead.
+bool cpu_has_vnni();
+
 // quant.quantize_rows: (q [M, K] int8, scale [M, 1] fp32), the same values bit for bit.
 std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x);
 

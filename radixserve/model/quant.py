@@ -15,8 +15,9 @@ Why: on CPU a decode step is bound by reading the weights; int8 reads a quarter 
   embedding stays fp32 for lookups (a tied head's int8 copy is its own tensor beside it; a lookup
   reads a few rows, not the table). The fp32 copy of a quantized Linear weight is not kept.
 - Kernels: ``radixserve_cpu::int8_linear`` where the C++ kernels load (1-8 rows: ``csrc/gemv.cpp``,
-  VNNI where the CPU has it; more: ``torch._int_mm``), computing what ``int8_linear`` computes, the
-  same numbers at every row count; ``int8_linear`` itself where they do not.
+  VNNI where the CPU has it; more: ``torch._int_mm`` where the CPU has VNNI, else the 1-8-row kernel 8
+  rows a pass, since without VNNI ``_int_mm`` runs ~15x slower than an fp32 GEMM), computing what
+  ``int8_linear`` computes, the same numbers at every row count; ``int8_linear`` itself where they do not.
 - Compiled step: the activation quantization and rescaling are plain tensor ops and ``_int_mm`` an
   aten op, so the captured graph (``model/compiled.py``) fuses the element-wise work around it and
   computes what the eager path computes.
