@@ -149,9 +149,12 @@ def test_shutdown_drains_short_requests_and_aborts_the_rest(tmp_path_factory: py
         ae = AsyncEngine(config)
         await ae.start()
 
+        started = {"short": asyncio.Event(), "long": asyncio.Event()}
+
         async def last_reason(prompt: str, params: SamplingParams) -> str | None:
             reason = None
             async for d in ae.generate(prompt, params):
+                started[prompt].set()
                 reason = d.outputs[0].finish_reason or reason
             return reason
 
@@ -159,8 +162,10 @@ def test_shutdown_drains_short_requests_and_aborts_the_rest(tmp_path_factory: py
             last_reason("short", SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
         )
         long = asyncio.create_task(last_reason("long", LONG))
-        await asyncio.sleep(0.05)
-        await ae.shutdown(drain_timeout=0.3)
+        # Both running (a loaded machine may take a while to prefill): the short one has one step left,
+        # the long one hundreds, and the drain window lies between the two.
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started.values())), timeout=60)
+        await ae.shutdown(drain_timeout=0.5)
         assert not ae.healthy
         with pytest.raises(EngineUnavailableError):
             await ae.generate("late", SamplingParams()).__anext__()
