@@ -4,6 +4,7 @@ runs in its own process, as under ``radixserve serve``."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import os
 import re
@@ -83,6 +84,7 @@ def running_server(
     max_waiting_requests: int | None = None,
     chat_template: str | None = None,
     engine_threads: int | None = None,
+    compiled: bool = False,
     **app_options: Any,
 ) -> Iterator[str]:
     """Serve an engine built from ``config`` until the block exits; yields the base URL.
@@ -91,7 +93,7 @@ def running_server(
     without an error, the engine's page accounting must be whole once its requests have drained
     (every test module's traffic ends with that check)."""
     with serving(
-        config, model_name, max_waiting_requests, chat_template, engine_threads, **app_options
+        config, model_name, max_waiting_requests, chat_template, engine_threads, compiled, **app_options
     ) as served:
         yield served.url
 
@@ -103,9 +105,16 @@ def serving(
     max_waiting_requests: int | None = None,
     chat_template: str | None = None,
     engine_threads: int | None = None,
+    compiled: bool = False,
     **app_options: Any,
 ) -> Iterator[Served]:
-    """``running_server``, yielding the AsyncEngine and its loop too."""
+    """``running_server``, yielding the AsyncEngine and its loop too.
+
+    The engine steps eagerly unless ``compiled``: a compiled step's warm-up costs ~10 s a server on
+    2 cores, most servers here test the API and not the step, and the compiled step has tests of its
+    own (tests/model/test_compiled.py, and the servers of test_server_real.py, which pass compiled)."""
+    if not compiled:
+        config = dataclasses.replace(config, enforce_eager=True)
     engine = AsyncEngine(
         config, max_waiting_requests, chat_template=chat_template, engine_threads=engine_threads
     )

@@ -16,7 +16,9 @@ SEED = b"seed"
 
 
 def _engine(model: Path) -> DisaggregatedEngine:
-    return DisaggregatedEngine(EngineConfig(str(model), page_size=PS, num_pages=64), 1, 3, engine_threads=1)
+    return DisaggregatedEngine(
+        EngineConfig(str(model), page_size=PS, num_pages=64, enforce_eager=True), 1, 3, engine_threads=1
+    )
 
 
 def _holds(engine: DisaggregatedEngine, decode: str, tokens: list[int]) -> None:

@@ -26,7 +26,12 @@ DOC = "the quick brown fox jumps over the lazy dog while the cat sleeps " * 6
 @pytest.fixture(scope="module")
 def disagg(tiny_llama: Path) -> Iterator[Served]:
     config = EngineConfig(
-        str(tiny_llama), page_size=PS, num_pages=1024, max_batched_tokens=32, engine_hang_timeout_s=HANG_S
+        str(tiny_llama),
+        page_size=PS,
+        num_pages=1024,
+        max_batched_tokens=32,
+        engine_hang_timeout_s=HANG_S,
+        enforce_eager=True,  # three engine processes: their compile warm-ups cost half a minute
     )
     engine = DisaggregatedEngine(config, 2, 1, engine_threads=1, kv_timeout_s=30.0)
     with serving_backend(engine, collectors=[engine.metrics]) as s:

@@ -29,7 +29,8 @@ DOC = "the quick brown fox jumps over the lazy dog while the cat sleeps " * 6
 
 
 def _config(model: Path) -> EngineConfig:
-    return EngineConfig(str(model), page_size=PS, num_pages=1024, max_batched_tokens=32)
+    # Eager: the roles' engine processes would each spend ~10 s compiling a step these tests do not test.
+    return EngineConfig(str(model), page_size=PS, num_pages=1024, max_batched_tokens=32, enforce_eager=True)
 
 
 @pytest.fixture(scope="module")

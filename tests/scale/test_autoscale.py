@@ -42,7 +42,7 @@ def port() -> Iterator[int]:
     os.environ.update(FAST_PUSH)  # before ray.init: the raylet and every worker inherit them
     p = free_port()
     try:
-        with local_ray(num_cpus=3, port=p):
+        with local_ray(num_cpus=4, port=p):  # 2 replicas of 1 CPU, with room for one still leaving
             yield p
     finally:
         for k, v in saved.items():

@@ -23,7 +23,7 @@ def oai() -> Iterator[openai.OpenAI]:
     from radixserve.model.default_model import prepare_default_model
 
     config = EngineConfig(str(prepare_default_model(progress=False)), page_size=16, kv_cache_gb=0.25)
-    with running_server(config, model_name=NAME) as url:
+    with running_server(config, model_name=NAME, compiled=True) as url:
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
