@@ -34,7 +34,15 @@ from benchmarks.common import RESULTS, args_json, machine, write_results
 from benchmarks.plots import plot_soak
 from benchmarks.servers import Server, free_port, radixserve_command
 from benchmarks.soak_faults import FAULTS, TOPOLOGY_FAULTS, Target, process_tree
-from benchmarks.soak_outcomes import classify, page_accounting, recover, summarize, timeline
+from benchmarks.soak_outcomes import (
+    classify,
+    hang_errors,
+    page_accounting,
+    recover,
+    rss_growth,
+    summarize,
+    timeline,
+)
 from benchmarks.soak_report import report, verdict
 from benchmarks.soak_server import (
     HANG_FLAG,
@@ -91,6 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--engine-threads", type=int, default=None)
     a("--system-chars", type=int, default=1200, help="characters of each shared system prompt")
     a("--user-chars", type=int, default=200)
+    a("--rss-every-s", type=float, default=15.0, help="how often every process's RSS is sampled")
     a("--seed", type=int, default=0)
     a("--out-dir", type=Path, default=RESULTS)
     a("--name", default=None, help="result name (default soak-<topology>-<load>x)")
@@ -201,6 +210,20 @@ async def run_load(
     return records, probes, faults, skipped
 
 
+RSS_FROM_S = 120.0  # issue 34: RSS growth is judged from the 2nd minute on (start-up and caches fill before)
+
+
+async def sample_rss(pid: int, t0: float, every_s: float, out: list[dict[str, Any]]) -> None:
+    """Every ``every_s``: the seconds since ``t0`` and each role's resident MB summed over its processes."""
+    while True:
+        tree = await asyncio.to_thread(process_tree, pid)
+        by_role: dict[str, float] = {}
+        for p in tree:
+            by_role[p.role] = round(by_role.get(p.role, 0.0) + p.rss_mb, 1)
+        out.append({"t_s": round(time.perf_counter() - t0, 1), "mb": by_role})
+        await asyncio.sleep(every_s)
+
+
 def fault_schedule(args: argparse.Namespace) -> list[tuple[float, str]]:
     names = (
         TOPOLOGY_FAULTS[args.topology]
@@ -240,6 +263,7 @@ def run_soak(args: argparse.Namespace) -> tuple[dict[str, Any], list[Path]]:
     doc["hang_detection"] = (
         f"{HANG_FLAG} {args.hang_timeout_s}" if hang else f"absent: the server has no {HANG_FLAG}"
     )
+    doc["hang_timeout_s"] = args.hang_timeout_s if hang else None
     doc["config"] = args_json(args)
     doc["machine"] = machine()
     doc["passed"] = verdict(doc)
@@ -289,7 +313,12 @@ async def _soak(
         target = Target(server.proc.pid, disk, random.Random(args.seed), args.stop_hold_s, args.full_hold_s)
         rss_start = rss(process_tree(server.proc.pid))
         t0 = time.perf_counter()
-        records, probes, faults, skipped = await run_load(traffic, args, rate, schedule, target)
+        samples: list[dict[str, Any]] = []
+        sampler = asyncio.create_task(sample_rss(server.proc.pid, t0, args.rss_every_s, samples))
+        try:
+            records, probes, faults, skipped = await run_load(traffic, args, rate, schedule, target)
+        finally:
+            sampler.cancel()
         span = time.perf_counter() - t0
         log(f"load done: {len(records)} requests, {len(probes)} probes; final probes")
         final = [await traffic.probe(i) for i in range(len(baselines))]
@@ -298,6 +327,7 @@ async def _soak(
     idle = await asyncio.to_thread(wait_idle, url)
     recover(faults, probes)
     everything = records + probes + final
+    hang_errors(faults, everything)
     summary = summarize(everything, faults, span)
     per_request = summary.pop("per_request")
     return {
@@ -316,6 +346,8 @@ async def _soak(
         "faults": faults,
         "pages": page_accounting(idle),
         "rss_mb": {"start": rss_start, "end": rss(process_tree(server.proc.pid))},
+        "rss_samples": samples,
+        "rss_growth": rss_growth(samples, RSS_FROM_S),
         "timeline": timeline(everything, per_request, span),
         "requests": [dict(r.row(), outcome=o) for r, o in zip(everything, per_request, strict=True)],
     }

@@ -111,6 +111,44 @@ def timeline(records: Sequence[Record], outcomes: Sequence[str], end: float) -> 
     return {"t": [float(i) for i in range(n)], "ok": ok, "tokens": tokens, "failed": failed, "shed": shed}
 
 
+def rss_growth(samples: Sequence[dict[str, Any]], from_s: float) -> dict[str, Any] | None:
+    """Resident memory by role (MB summed over its processes) at the first sample at or after ``from_s``
+    and at the last one, and the growth between them in percent (None before there are two such
+    samples). A role's processes may have been replaced by a fault in between: the totals are compared."""
+    later = [x for x in samples if x["t_s"] >= from_s]
+    if len(later) < 2:
+        return None
+    first, last = later[0], later[-1]
+    roles = sorted(set(first["mb"]) | set(last["mb"]))
+    growth = {
+        r: round(100 * (last["mb"].get(r, 0.0) / first["mb"][r] - 1), 2) if first["mb"].get(r) else None
+        for r in roles
+    }
+    total_a, total_b = sum(first["mb"].values()), sum(last["mb"].values())
+    return {
+        "from_s": first["t_s"],
+        "to_s": last["t_s"],
+        "mb_from": first["mb"],
+        "mb_to": last["mb"],
+        "growth_pct": growth,
+        "total_growth_pct": round(100 * (total_b / total_a - 1), 2) if total_a else None,
+    }
+
+
+def hang_errors(faults: Sequence[dict[str, Any]], records: Sequence[Record]) -> None:
+    """For each stop-engine fault, ``hang_error_s``: seconds from the SIGSTOP to the first error a
+    request got that names the hang (the watchdog's 503), None when none did."""
+    for f in faults:
+        if f["name"] != "stop-engine" or "skipped" in f:
+            continue
+        times = [
+            r.finished - f["at_s"]
+            for r in records
+            if r.finished >= f["at_s"] and "hung" in str((r.reply.error or {}).get("message", ""))
+        ]
+        f["hang_error_s"] = round(min(times), 3) if times else None
+
+
 def page_accounting(metrics: dict[str, float]) -> dict[str, Any]:
     """free + cached + in-use == total from /metrics' gauges (summed over engines), and in-use 0 (the
     server is idle when this is read: a page still held privately is leaked)."""

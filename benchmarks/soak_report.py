@@ -22,7 +22,35 @@ def verdict(doc: dict[str, Any]) -> dict[str, bool]:
             f.get("recovery_s") is not None for f in doc["faults"] if "skipped" not in f
         ),
         "final_probes_ok": doc["probes"]["final_round_ok"],
+        **extra_checks(doc),
     }
+
+
+RECOVERY_TARGET_S = 15.0  # issue 34: recovery within 15 s of any single fault
+RSS_GROWTH_TARGET_PCT = 5.0  # issue 34: RSS growth under 5% from the 2nd minute to the end
+HANG_SLACK_S = 3.0  # the watchdog's tick (<= 1 s), its confirming yields, the kill and the 503's way back
+
+
+def extra_checks(doc: dict[str, Any]) -> dict[str, bool]:
+    """The issue's targets that apply to this run: recovery time (a run with faults), RSS growth (a run
+    of 5 minutes or more), and the hung engine's requests failed within the deadline (a stop-engine
+    fault where the server detects hangs)."""
+    out: dict[str, bool] = {}
+    faults = [f for f in doc["faults"] if "skipped" not in f]
+    if faults:
+        out["recovery_within_15s"] = all(
+            f.get("recovery_s") is not None and f["recovery_s"] <= RECOVERY_TARGET_S for f in faults
+        )
+    growth = doc.get("rss_growth")
+    if growth is not None and doc["duration_s"] >= 300:
+        out["rss_growth_under_5pct"] = (growth["total_growth_pct"] or 0.0) < RSS_GROWTH_TARGET_PCT
+    deadline = doc.get("hang_timeout_s")
+    stops = [f for f in faults if f["name"] == "stop-engine"]
+    if stops and deadline:
+        out["hang_failed_within_deadline"] = all(
+            f.get("hang_error_s") is not None and f["hang_error_s"] <= deadline + HANG_SLACK_S for f in stops
+        )
+    return out
 
 
 def report(name: str, doc: dict[str, Any]) -> str:
@@ -48,9 +76,15 @@ def report(name: str, doc: dict[str, Any]) -> str:
         "## Faults",
         "",
         *markdown_table(
-            ["fault", "at s", "recovery s", "what"],
+            ["fault", "at s", "recovery s", "hang's first 503 s", "what"],
             [
-                [f["name"], round(f["at_s"], 1), f.get("recovery_s"), f.get("skipped") or f.get("result")]
+                [
+                    f["name"],
+                    round(f["at_s"], 1),
+                    f.get("recovery_s"),
+                    f.get("hang_error_s", ""),
+                    f.get("skipped") or f.get("result"),
+                ]
                 for f in doc["faults"]
             ],
         ),
@@ -66,6 +100,8 @@ def report(name: str, doc: dict[str, Any]) -> str:
         + " -> "
         + ", ".join(f"{p['role']}:{p['rss_mb']}" for p in doc["rss_mb"]["end"]),
         "",
+        rss_line(doc.get("rss_growth")),
+        "",
     ]
     for outcome, reasons in s["reasons"].items():
         lines += [f"**{outcome}**:", *(f"- {n} x {why}" for why, n in reasons.items()), ""]
@@ -74,3 +110,18 @@ def report(name: str, doc: dict[str, Any]) -> str:
         f"{m.get('load_avg_1m', 0):.1f} (a shared machine: figures are not benchmark figures)."
     )
     return "\n".join(lines) + "\n"
+
+
+def rss_line(growth: dict[str, Any] | None) -> str:
+    if growth is None:
+        return "RSS growth: not measured (fewer than two samples after the 2nd minute)."
+    by_role = ", ".join(
+        f"{role} {growth['mb_from'].get(role, 0):.0f} -> {growth['mb_to'].get(role, 0):.0f} MB ({pct:+.1f}%)"
+        if pct is not None
+        else f"{role} (new)"
+        for role, pct in growth["growth_pct"].items()
+    )
+    return (
+        f"RSS from {growth['from_s']:.0f} s to {growth['to_s']:.0f} s, by role: {by_role}; "
+        f"all processes {growth['total_growth_pct']:+.1f}%."
+    )

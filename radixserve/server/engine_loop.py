@@ -66,6 +66,26 @@ IDLE_POLL_MS = int(HEARTBEAT_S * 1000)  # while idle, wake this often: a heartbe
 STALLED_POLL_MS = 1  # work is queued but the last step could do none (a grammar still compiling)
 
 RoleMessage = PrefillKV | CancelTransfer
+PARENT_CHECK_MS = 500  # while the API server's queue is full, look this often whether it still lives
+
+
+class APIServerGone(Exception):
+    """The API server died while the loop waited for room to send to it: nobody will read, so the
+    loop ends (the process exits) instead of waiting forever."""
+
+
+def send_while_alive(sock: zmq.Socket[bytes], frame: bytes, alive: Callable[[], bool]) -> None:
+    """Send ``frame``, waiting for room while ``sock``'s queue is full (the API server is busy or
+    stopped), but not past the reader's death: a blocking send to a dead PUSH peer never returns, and
+    an engine process of a killed API server lived on forever (seen after a soak). APIServerGone then."""
+    while True:
+        try:
+            sock.send(frame, zmq.NOBLOCK)
+            return
+        except zmq.Again:
+            if not alive():
+                raise APIServerGone from None
+            sock.poll(PARENT_CHECK_MS, zmq.POLLOUT)
 
 
 class EngineRole:
@@ -161,6 +181,12 @@ class EngineLoop:
             self._poller.register(sock, zmq.POLLIN)
 
     def run(self) -> None:
+        try:
+            self._run()
+        except APIServerGone:
+            logger.warning("the API-server process is gone (its queue was full); closing the engine")
+
+    def _run(self) -> None:
         engine = self.engine
         cfg = engine.config
         self.send(
@@ -304,8 +330,11 @@ class EngineLoop:
         self.send(RequestError(request_id=request_id, error=error))
 
     def send(self, msg: FromEngine) -> None:
-        self.outbox.send(self._encoder.encode(msg))
+        send_while_alive(self.outbox, self._encoder.encode(msg), self._parent_alive)
         self._sent_at = time.monotonic()
+
+    def _parent_alive(self) -> bool:
+        return os.getppid() == self._parent
 
     def close(self) -> None:
         """Release the role's own sockets (a decode role's shared-memory directory too)."""

@@ -82,6 +82,8 @@ def test_a_hung_engine_process_is_replaced(soak: dict[str, Any]) -> None:
     # Replaced, not merely continued: the server killed the hung process before the SIGCONT came.
     assert f["result"]["after"].startswith("gone"), f
     assert f["recovery_s"] is not None, f
+    # Its requests got the watchdog's 503 within the deadline (plus the tick, the kill, the way back).
+    assert soak["passed"]["hang_failed_within_deadline"], f
 
 
 def test_the_results_are_written(soak: dict[str, Any]) -> None:
