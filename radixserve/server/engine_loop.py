@@ -182,11 +182,11 @@ class EngineLoop:
 
     def run(self) -> None:
         try:
-            self._run()
+            self._loop()
         except APIServerGone:
             logger.warning("the API-server process is gone (its queue was full); closing the engine")
 
-    def _run(self) -> None:
+    def _loop(self) -> None:
         engine = self.engine
         cfg = engine.config
         self.send(
