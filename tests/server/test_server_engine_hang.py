@@ -161,7 +161,7 @@ def test_a_busy_engine_under_hang_detection_answers_every_request(tiny_llama: Pa
     total, at_once = 4000, 32
     config = EngineConfig(str(tiny_llama), page_size=4, num_pages=1024, engine_hang_timeout_s=0.4)
 
-    async def scenario() -> tuple[int, int]:
+    async def scenario() -> tuple[int, int | None]:
         engine = AsyncEngine(config, engine_threads=1)
         await engine.start()
         gate = asyncio.Semaphore(at_once)
