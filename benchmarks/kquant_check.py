@@ -27,7 +27,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import subprocess
+import time
 from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +73,14 @@ def llama_greedy(url: str, prompt: list[int], tokens: int, top: int) -> list[tup
     r = httpx.post(f"{url}/completion", json=body, timeout=600, trust_env=False)
     r.raise_for_status()
     return [(int(p["id"]), float(p["logprob"])) for p in r.json()["completion_probabilities"]]
+
+
+def llama_tokens(url: str, prompt: list[int], tokens: int) -> int:
+    """llama-server's greedy continuation, for its speed: how many tokens it generated."""
+    body = {"prompt": prompt, "n_predict": tokens, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
+    r = httpx.post(f"{url}/completion", json=body, timeout=600, trust_env=False)
+    r.raise_for_status()
+    return int(r.json()["tokens_predicted"])
 
 
 def radix_generate(url: str, ids: list[int], tokens: int, start: int = -1, top: int = 1) -> dict[str, Any]:
@@ -174,8 +185,10 @@ def servers_check(
     cmd, why = peer_command("llama-server", str(folder), port, gguf=str(gguf), peers_dir=args.peers_dir)
     if cmd is None:
         raise SystemExit(f"llama-server unavailable: {why}")
+    speed: dict[str, dict[str, float]] = {}
     with serving("llama-server", cmd, port, log_dir) as url:
         llama = [llama_greedy(url, p, args.tokens, 1) for p in prompts]
+        speed["llama-server"] = timed(lambda p: llama_tokens(url, p, args.tokens), prompts)
     port = free_port()
     with serving("radixserve", radixserve_command(port, model=str(gguf)), port, log_dir) as url:
         own = [radix_generate(url, p, args.tokens)["meta_info"] for p in prompts]
@@ -183,6 +196,9 @@ def servers_check(
             radix_generate(url, p + [t for t, _ in lt], 1, start=len(p), top=1)["meta_info"]
             for p, lt in zip(prompts, llama, strict=True)
         ]
+        speed["radixserve"] = timed(
+            lambda p: radix_generate(url, p, args.tokens, top=0)["meta_info"]["completion_tokens"], prompts
+        )
     rows: list[list[Any]] = []
     diffs: list[float] = []
     top1: list[bool] = []
@@ -214,12 +230,33 @@ def servers_check(
         "top1_agreement_pct": 100 * statistics.fmean(top1),
         "scored_tokens": len(diffs),
         "rows": rows,
+        "speed": speed,
     }
     return summary, rows
 
 
+def timed(generate: Callable[[list[int]], int], prompts: list[list[int]]) -> dict[str, float]:
+    """Generated tokens per second of ``generate`` over ``prompts`` (each a fresh prompt: neither
+    server's prefix cache helps), one stream at a time and all at once (each server batches them)."""
+    out: dict[str, float] = {}
+    for label, workers in (("1 stream", 1), (f"{len(prompts)} streams", len(prompts))):
+        # A first token of its own per round keeps every prompt new to both servers' prefix caches.
+        fresh = [[13 + workers, *p] for p in prompts]
+        start = time.perf_counter()
+        with ThreadPoolExecutor(workers) as pool:
+            tokens = sum(pool.map(generate, fresh))
+        out[label] = round(tokens / (time.perf_counter() - start), 2)
+    return out
+
+
 def servers_notes(summary: dict[str, Any]) -> str:
+    speed = "; ".join(
+        f"{server}: " + ", ".join(f"{label} {tps} tok/s" for label, tps in figures.items())
+        for server, figures in summary["speed"].items()
+    )
     return (
+        f"\nSpeed (greedy, generated tokens per second, same prompts and lengths, one server at a time): "
+        f"{speed}.\n"
         f"\nOver {summary['scored_tokens']} teacher-forced tokens: max |d logprob| "
         f"{summary['max_abs_d_logprob']:.4f}, p99 {summary['p99_abs_d_logprob']:.4f}, mean "
         f"{summary['mean_abs_d_logprob']:.5f}; radixserve's top-1 is llama.cpp's greedy token at "
