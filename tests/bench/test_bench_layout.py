@@ -37,6 +37,7 @@ LIBRARIES = {
     "step_modes",
     "step_targets",
     "steps",
+    "token_rate",
     "workloads",
 }
 
