@@ -97,6 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--max-waiting-requests", type=int, default=32, help="beyond this the server sheds with 429")
     a("--tmpfs-mb", type=int, default=96, help="size of the disk tier's own tmpfs (when it can be mounted)")
     a("--engine-threads", type=int, default=None)
+    a("--enforce-eager", action="store_true", help="serve eager steps (a quick run: no compile per restart)")
     a("--system-chars", type=int, default=1200, help="characters of each shared system prompt")
     a("--user-chars", type=int, default=200)
     a("--rss-every-s", type=float, default=15.0, help="how often every process's RSS is sampled")

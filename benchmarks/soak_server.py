@@ -69,6 +69,7 @@ def server_flags(args: argparse.Namespace, disk: Path, mounted: bool, hang: bool
     flags += ["--page-size", str(args.page_size), "--max-running-requests", str(args.max_running_requests)]
     flags += ["--max-waiting-requests", str(args.max_waiting_requests)]
     flags += ["--disk-cache-dir", str(disk), "--disk-cache-gb", f"{disk_gb:.4f}"]
+    flags += ["--enforce-eager"] if args.enforce_eager else []
     return flags + ([HANG_FLAG, str(args.hang_timeout_s)] if hang else [])
 
 

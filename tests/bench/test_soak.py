@@ -36,6 +36,7 @@ def soak(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "--max-tokens", "8",
             "--tmpfs-mb", "8",
             "--engine-threads", "1",
+            "--enforce-eager",  # each restart would compile again: ~10 s of the test's minute each
             "--out-dir", str(out),
         ]
     )  # fmt: skip

@@ -182,7 +182,7 @@ def test_chat_template_open_role_is_a_prefix_of_the_closed_message() -> None:
 # -- on the tiny model, in process ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def engine(tiny_llama: Path) -> Iterator[rf.LocalEngine]:
-    be = rf.LocalEngine(str(tiny_llama), num_pages=512, page_size=PAGE)
+    be = rf.LocalEngine(str(tiny_llama), num_pages=512, page_size=PAGE, enforce_eager=True)
     yield be
     be.close()
 
@@ -251,7 +251,7 @@ def test_select_after_a_long_prompt_computes_the_prompt_once_and_the_choices(
     from tiny_models import make_tiny_model
 
     model = make_tiny_model(tmp_path_factory.mktemp("long"), "llama", context=2048)
-    be = rf.LocalEngine(str(model), num_pages=4096, page_size=page_size)
+    be = rf.LocalEngine(str(model), num_pages=4096, page_size=page_size, enforce_eager=True)
     try:
         doc = " ".join(f"item {i} of the list is {i * 7 % 13}." for i in range(22))
         choices = ["red", "green", "blue sky", "a very dark shade of purple"]

@@ -33,6 +33,7 @@ def test_generate_streams_to_the_terminal(tiny_llama: Path) -> None:
         "--no-chat",
         "--kv-cache-gb",
         "0.01",
+        "--enforce-eager",  # the command's streaming is the test, not the compiled step (its own tests)
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.endswith("\n") and len(out.stdout) > 1
@@ -114,6 +115,7 @@ def test_serve_flags_for_the_chat_template_reasoning_tools_and_cors(tmp_path: Pa
         "--allowed-origins",
         origin,
         "--no-dashboard",
+        "--enforce-eager",
     )
     ask = [{"role": "user", "content": "Hi"}]
     tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
@@ -178,6 +180,7 @@ def test_sigterm_during_live_streams_drains_them_then_aborts_at_the_drain_timeou
         "1024",
         "--drain-timeout",
         str(drain),
+        "--enforce-eager",
     )
     body = {"model": "tiny", "prompt": "go", "temperature": 0, "ignore_eos": True, "stream": True}
     with serve_cli(tmp_path / "serve.log", *flags) as (proc, c), ThreadPoolExecutor(2) as pool:

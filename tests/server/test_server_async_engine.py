@@ -27,7 +27,8 @@ T = TypeVar("T")
 
 @pytest.fixture(scope="module")
 def config(tiny_llama: Path) -> EngineConfig:
-    return EngineConfig(str(tiny_llama), page_size=4, num_pages=1024)
+    # Eager: every test starts an engine process of its own, and a compiled warm-up would cost each ~10 s.
+    return EngineConfig(str(tiny_llama), page_size=4, num_pages=1024, enforce_eager=True)
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +144,7 @@ def test_shutdown_drains_short_requests_and_aborts_the_rest(tmp_path_factory: py
     # The wide tiny model (tests/tiny_models.py WIDE): its 400 decode steps outlast the drain timeout by
     # seconds, where the tiny model's native decode step could finish them within it.
     wide = make_tiny_model(tmp_path_factory.mktemp("wide"), "llama-wide")
-    config = EngineConfig(str(wide), page_size=4, num_pages=1024)
+    config = EngineConfig(str(wide), page_size=4, num_pages=1024, enforce_eager=True)
 
     async def main() -> tuple[str | None, str | None]:
         ae = AsyncEngine(config)

@@ -159,7 +159,9 @@ def test_a_busy_engine_under_hang_detection_answers_every_request(tiny_llama: Pa
     from radixserve.server.async_engine import AsyncEngine
 
     total, at_once = 4000, 32
-    config = EngineConfig(str(tiny_llama), page_size=4, num_pages=1024, engine_hang_timeout_s=0.4)
+    config = EngineConfig(
+        str(tiny_llama), page_size=4, num_pages=1024, engine_hang_timeout_s=0.4, enforce_eager=True
+    )
 
     async def scenario() -> tuple[int, int | None]:
         engine = AsyncEngine(config, engine_threads=1)
