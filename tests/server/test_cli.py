@@ -33,7 +33,6 @@ def test_generate_streams_to_the_terminal(tiny_llama: Path) -> None:
         "--no-chat",
         "--kv-cache-gb",
         "0.01",
-        "--enforce-eager",  # the command's streaming is the test, not the compiled step (its own tests)
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.endswith("\n") and len(out.stdout) > 1

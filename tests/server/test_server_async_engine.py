@@ -34,7 +34,7 @@ def config(tiny_llama: Path) -> EngineConfig:
 @pytest.fixture(scope="module")
 def engine(config: EngineConfig) -> Engine:
     """The offline engine, in this process: what the server must agree with."""
-    return Engine(config.model, page_size=config.page_size, num_pages=config.num_pages)
+    return Engine(config.model, page_size=config.page_size, num_pages=config.num_pages, enforce_eager=True)
 
 
 def run(config: EngineConfig, body: Callable[[AsyncEngine], Awaitable[T]], **options: Any) -> T:
