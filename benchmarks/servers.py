@@ -20,8 +20,6 @@ from typing import Any
 
 import httpx
 
-from benchmarks.common import cpu_flags
-
 # The model name every benchmark server serves under (run_vllm.sh and run_llama_server.sh use it too).
 SERVED_NAME = "smollm2"
 HERE = Path(__file__).resolve().parent
@@ -72,15 +70,15 @@ def peer_command(
     engine: str, model_dir: str, port: int, gguf: str | None = None, peers_dir: Path | None = None
 ) -> tuple[list[str] | None, str]:
     """The command that serves the peer ``engine`` (one of ``PEER_ENGINES``), or None and the reason it
-    is skipped (not installed; bf16 on a CPU without avx512_bf16). vLLM serves the HF folder
+    is skipped (not installed). vLLM serves the HF folder
     ``model_dir``, llama-server the GGUF file ``gguf`` (None: the script's default file)."""
     peers_dir = peers_dir or PEERS_DIR
     env = ["env", f"PEERS_DIR={peers_dir}"]  # where the run scripts find the installed peer
     if engine.startswith("vllm-cpu"):
         if not (peers_dir / "vllm-venv" / ".installed").exists():
             return None, f"vLLM is not installed in {peers_dir} (run benchmarks/peers/setup_vllm.sh)"
-        if engine == "vllm-cpu-bf16" and not cpu_flags()["avx512_bf16"]:
-            return None, "the CPU lists no avx512_bf16, so vLLM bf16 has no bf16 arithmetic here"
+        # bf16 runs on every x86 CPU: vLLM's CPU platform lists bf16 for all of them and widens to fp32
+        # products where the CPU has no avx512_bf16, so a user can pick it anywhere and we measure it.
         cmd = [*env, "bash", str(PEERS / "run_vllm.sh"), model_dir, str(port)]
         extra = {
             "vllm-cpu-ngram": ["--speculative-config", VLLM_NGRAM],

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Awaitable, Callable
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -54,6 +55,51 @@ def run(config: EngineConfig, body: Callable[[AsyncEngine], Awaitable[T]], **opt
     return asyncio.run(main())
 
 
+class Shared:
+    """One AsyncEngine (and engine process) for the tests that need no options of their own, on an
+    event loop in a thread of its own, since starting an engine process per test costs seconds in CI."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.ae: AsyncEngine = self._await(self._start(config))
+
+    async def _start(self, config: EngineConfig) -> AsyncEngine:
+        ae = AsyncEngine(config)
+        await ae.start()
+        return ae
+
+    def _await(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=300)
+
+    def run(self, body: Callable[[AsyncEngine], Awaitable[T]]) -> T:
+        """Run ``body`` on the shared engine, then check its pages as ``run`` does."""
+
+        async def main() -> T:
+            try:
+                result = await body(self.ae)
+                await _assert_pages_whole(self.ae)
+                return result
+            finally:
+                self.ae.on_finish = None
+
+        return self._await(main())
+
+    def close(self) -> None:
+        self._await(self.ae.shutdown(0))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=30)
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def shared(config: EngineConfig) -> Iterator[Shared]:
+    s = Shared(config)
+    yield s
+    s.close()
+
+
 async def _wait_idle(ae: AsyncEngine) -> None:
     for _ in range(500):
         s = ae.stats()
@@ -70,7 +116,7 @@ async def _assert_pages_whole(ae: AsyncEngine) -> None:
     await ae.check_integrity()  # page by page, in the engine process
 
 
-def test_stream_matches_offline_generate(config: EngineConfig, engine: Engine) -> None:
+def test_stream_matches_offline_generate(shared: Shared, engine: Engine) -> None:
     params = SamplingParams(max_tokens=10, temperature=0, n=2)
     expected = engine.generate(["stream me"], params)[0]
     records: list[RequestRecord] = []
@@ -79,7 +125,7 @@ def test_stream_matches_offline_generate(config: EngineConfig, engine: Engine) -
         ae.on_finish = records.append
         return [d async for d in ae.generate("stream me", params)]
 
-    deltas = run(config, body)
+    deltas = shared.run(body)
     for i in range(2):
         mine = [d.outputs[0] for d in deltas if d.outputs[0].index == i]
         assert "".join(c.text for c in mine) == expected.outputs[i].text
@@ -89,7 +135,7 @@ def test_stream_matches_offline_generate(config: EngineConfig, engine: Engine) -
     assert rec.output_tokens == 20 and rec.finish_reason == "length" and len(rec.token_gaps) == 9
 
 
-def test_bad_input_raises_before_streaming(config: EngineConfig) -> None:
+def test_bad_input_raises_before_streaming(shared: Shared) -> None:
     async def body(ae: AsyncEngine) -> None:
         with pytest.raises(ValueError, match="prompt is empty"):
             await ae.generate("", SamplingParams()).__anext__()
@@ -97,10 +143,10 @@ def test_bad_input_raises_before_streaming(config: EngineConfig) -> None:
             await ae.generate("x", SamplingParams(max_tokens=10**6)).__anext__()
         assert (info.value.param, info.value.code) == ("max_tokens", "context_length_exceeded")
 
-    run(config, body)
+    shared.run(body)
 
 
-def test_closing_a_stream_aborts_its_request(config: EngineConfig) -> None:
+def test_closing_a_stream_aborts_its_request(shared: Shared) -> None:
     records: list[RequestRecord] = []
 
     async def body(ae: AsyncEngine) -> None:
@@ -110,15 +156,16 @@ def test_closing_a_stream_aborts_its_request(config: EngineConfig) -> None:
         await stream.aclose()
         await _wait_idle(ae)
 
-    run(config, body)
+    shared.run(body)
     assert [r.finish_reason for r in records] == ["abort"] and records[0].output_tokens < 400
 
 
-def test_cancelling_the_consumer_aborts_its_request(config: EngineConfig) -> None:
+def test_cancelling_the_consumer_aborts_its_request(shared: Shared) -> None:
     records: list[RequestRecord] = []
 
     async def body(ae: AsyncEngine) -> int:
         ae.on_finish = records.append
+        before = ae.stats().generation_tokens  # the shared engine's count from earlier tests
         first = asyncio.Event()
 
         async def consume() -> None:
@@ -131,9 +178,9 @@ def test_cancelling_the_consumer_aborts_its_request(config: EngineConfig) -> Non
         with pytest.raises(asyncio.CancelledError):
             await task
         await _wait_idle(ae)
-        return ae.stats().generation_tokens
+        return ae.stats().generation_tokens - before
 
-    generated = run(config, body)
+    generated = shared.run(body)
     # Aborted in the engine, not run to its end unread: going idle alone would not tell the two apart.
     assert generated < 400, generated
     [record] = records
@@ -178,7 +225,7 @@ def test_shutdown_drains_short_requests_and_aborts_the_rest(tmp_path_factory: py
     assert asyncio.run(main()) == ("length", "abort")
 
 
-def test_stop_string_ends_only_its_sample_as_offline(config: EngineConfig, engine: Engine) -> None:
+def test_stop_string_ends_only_its_sample_as_offline(shared: Shared, engine: Engine) -> None:
     """n=2, sampled: a stop string that occurs in sample 0's text only ends sample 0, mid-stream, and
     both samples match the offline engine's (which makes its text in-process) exactly."""
     base = SamplingParams(max_tokens=24, temperature=1.0, seed=7, n=2)
@@ -197,7 +244,7 @@ def test_stop_string_ends_only_its_sample_as_offline(config: EngineConfig, engin
     async def body(ae: AsyncEngine) -> list[RequestOutput]:
         return [d async for d in ae.generate("two samples", params)]
 
-    deltas = run(config, body)
+    deltas = shared.run(body)
     for i in range(2):
         mine = [d.outputs[0] for d in deltas if d.outputs[0].index == i]
         assert "".join(c.text for c in mine) == expected[i].text
