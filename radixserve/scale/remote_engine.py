@@ -186,7 +186,10 @@ class ReplicaSetEngine(FanOut):
                 async for item in gen:
                     if isinstance(item, ReplicaError):
                         if item.kind == "unavailable" and not started and attempt < MAX_ATTEMPTS - 1:
-                            break  # its engine process is restarting: another replica may serve it
+                            # Its engine process is restarting: another replica may serve it, so the
+                            # retry avoids this one (the cache-aware router would pick it again).
+                            call = avoiding(call, item.replica)
+                            break
                         raise item.exception()
                     if isinstance(item, Finished):
                         stream.source = lambda out=item.result: out  # the replica's own fold
@@ -208,6 +211,14 @@ class ReplicaSetEngine(FanOut):
             finally:
                 if stream.source is None:
                     gen.cancel()
+
+
+def avoiding(call: GenerateCall, replica: str | None) -> GenerateCall:
+    """``call`` with ``replica`` added to the replicas its route avoids."""
+    if replica is None or replica in call.route.avoid:
+        return call
+    route = dataclasses.replace(call.route, avoid=(*call.route.avoid, replica))
+    return dataclasses.replace(call, route=route)
 
 
 def rebased(record: RequestRecord, outside_s: float) -> RequestRecord:

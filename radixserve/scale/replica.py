@@ -67,6 +67,9 @@ class RouteKey:
     cache_salt: str | None
     session_id: str | None = None
     target: str | None = None  # a replica id: this call goes there or nowhere (broadcasts, tests)
+    # Replica ids that answered this call "unavailable" (their engine process restarting): its retry
+    # goes elsewhere while another replica exists, whatever they cache.
+    avoid: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,7 @@ class ReplicaError:
     message: str
     param: str | None = None
     code: str | None = None
+    replica: str | None = None  # the replica that failed the call (set by its generate)
 
     @staticmethod
     def of(exc: BaseException) -> ReplicaError:
@@ -204,7 +208,7 @@ class EngineReplica:
                 yield delta
             result = stream.result
         except Exception as exc:
-            yield ReplicaError.of(exc)
+            yield dataclasses.replace(ReplicaError.of(exc), replica=self.replica_id)
             return
         finally:
             self._unstarted.pop(call.request_id, None)

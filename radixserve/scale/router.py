@@ -6,7 +6,9 @@
 - ``PowerOfTwoRouter``: Ray's default router, unchanged for requests.
 
 All three send a call that names a ``target`` replica (``RouteKey.target``: broadcasts such as
-/flush_cache and the stats poll) to that replica only. The routers run inside the process that holds
+/flush_cache and the stats poll) to that replica only, and rank only the replicas a call does not
+``avoid`` (those that answered it "unavailable" while their engine process restarts) while any other
+is left. The routers run inside the process that holds
 the DeploymentHandle (the ingress replica), so their metrics (scale/router_metrics.py) are served by
 that process's /metrics.
 """
@@ -44,6 +46,15 @@ def targeted(candidates: list[RunningReplica], key: RouteKey | None) -> list[lis
     return [named, [r for r in candidates if r not in named]] if named else [candidates]
 
 
+def not_avoided(candidates: list[RunningReplica], key: RouteKey | None) -> list[RunningReplica]:
+    """The candidates but those the call avoids (they answered it "unavailable"); all of them when
+    none would be left, so a call is never unplaceable."""
+    if key is None or not key.avoid:
+        return candidates
+    rest = [r for r in candidates if r.replica_id.unique_id not in key.avoid]
+    return rest or candidates
+
+
 class _Targeted:
     """Mixin before a RequestRouter: targeted calls go to their replica; the rest to ``rank``."""
 
@@ -52,7 +63,9 @@ class _Targeted:
     ) -> list[list[RunningReplica]]:
         key = route_key(pending_request)
         fixed = targeted(candidate_replicas, key)
-        return fixed if fixed is not None else await self.rank(candidate_replicas, pending_request, key)
+        if fixed is not None:
+            return fixed
+        return await self.rank(not_avoided(candidate_replicas, key), pending_request, key)
 
     async def rank(
         self, candidates: list[RunningReplica], pending: PendingRequest | None, key: RouteKey | None
