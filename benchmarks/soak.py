@@ -38,6 +38,7 @@ from benchmarks.soak_outcomes import (
     classify,
     hang_errors,
     page_accounting,
+    process_rss_growth,
     recover,
     rss_growth,
     summarize,
@@ -215,13 +216,15 @@ RSS_FROM_S = 120.0  # issue 34: RSS growth is judged from the 2nd minute on (sta
 
 
 async def sample_rss(pid: int, t0: float, every_s: float, out: list[dict[str, Any]]) -> None:
-    """Every ``every_s``: the seconds since ``t0`` and each role's resident MB summed over its processes."""
+    """Every ``every_s``: the seconds since ``t0``, each role's resident MB summed over its processes,
+    and each process's (``procs``: pid -> [role, MB]), since a fault replaces processes."""
     while True:
         tree = await asyncio.to_thread(process_tree, pid)
         by_role: dict[str, float] = {}
         for p in tree:
             by_role[p.role] = round(by_role.get(p.role, 0.0) + p.rss_mb, 1)
-        out.append({"t_s": round(time.perf_counter() - t0, 1), "mb": by_role})
+        procs = {str(p.pid): [p.role, round(p.rss_mb, 1)] for p in tree}
+        out.append({"t_s": round(time.perf_counter() - t0, 1), "mb": by_role, "procs": procs})
         await asyncio.sleep(every_s)
 
 
@@ -349,6 +352,7 @@ async def _soak(
         "rss_mb": {"start": rss_start, "end": rss(process_tree(server.proc.pid))},
         "rss_samples": samples,
         "rss_growth": rss_growth(samples, RSS_FROM_S),
+        "process_rss_growth": process_rss_growth(samples, RSS_FROM_S),
         "timeline": timeline(everything, per_request, span),
         "requests": [dict(r.row(), outcome=o) for r, o in zip(everything, per_request, strict=True)],
     }

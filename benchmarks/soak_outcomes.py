@@ -135,6 +135,41 @@ def rss_growth(samples: Sequence[dict[str, Any]], from_s: float) -> dict[str, An
     }
 
 
+def process_rss_growth(
+    samples: Sequence[dict[str, Any]], from_s: float, min_span_s: float = 60.0
+) -> list[dict[str, Any]]:
+    """Each process's own growth (Ray's helper processes aside): from its first sample ``from_s``
+    into its life (into the run, for one there from the start) to its last, where that spans at least
+    ``min_span_s``. A process a fault started is young at the run's 2nd minute and the one it
+    replaced was old: only the same process, past its own start-up, tells a leak from a restart."""
+    seen: dict[str, list[tuple[float, str, float]]] = {}
+    for x in samples:
+        for pid, (role, mb) in x.get("procs", {}).items():
+            seen.setdefault(pid, []).append((x["t_s"], role, mb))
+    out = []
+    for pid, points in seen.items():
+        born, role = points[0][0], points[0][1]
+        if role == "other":
+            continue
+        start = from_s if born == samples[0]["t_s"] else born + from_s
+        window = [p for p in points if p[0] >= start]
+        if len(window) < 2 or window[-1][0] - window[0][0] < min_span_s:
+            continue
+        (t_a, _, mb_a), (t_b, _, mb_b) = window[0], window[-1]
+        out.append(
+            {
+                "pid": int(pid),
+                "role": role,
+                "from_s": t_a,
+                "to_s": t_b,
+                "mb_from": mb_a,
+                "mb_to": mb_b,
+                "growth_pct": round(100 * (mb_b / mb_a - 1), 2) if mb_a else None,
+            }
+        )
+    return out
+
+
 def hang_errors(faults: Sequence[dict[str, Any]], records: Sequence[Record]) -> None:
     """For each stop-engine fault, ``hang_error_s``: seconds from the SIGSTOP to the first error a
     request got that names the hang (the watchdog's 503), None when none did."""

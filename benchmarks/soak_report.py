@@ -44,6 +44,13 @@ def extra_checks(doc: dict[str, Any]) -> dict[str, bool]:
     growth = doc.get("rss_growth")
     if growth is not None and doc["duration_s"] >= 300:
         out["rss_growth_under_5pct"] = (growth["total_growth_pct"] or 0.0) < RSS_GROWTH_TARGET_PCT
+        # The same, each process on its own past its 2nd minute: the totals above compare a process
+        # a fault restarted with the one it replaced.
+        own = doc.get("process_rss_growth") or []
+        if own:
+            out["process_rss_growth_under_5pct"] = all(
+                (p["growth_pct"] or 0.0) < RSS_GROWTH_TARGET_PCT for p in own
+            )
     deadline = doc.get("hang_timeout_s")
     stops = [f for f in faults if f["name"] == "stop-engine"]
     if stops and deadline:
@@ -102,6 +109,8 @@ def report(name: str, doc: dict[str, Any]) -> str:
         "",
         rss_line(doc.get("rss_growth")),
         "",
+        process_rss_line(doc.get("process_rss_growth") or []),
+        "",
     ]
     for outcome, reasons in s["reasons"].items():
         lines += [f"**{outcome}**:", *(f"- {n} x {why}" for why, n in reasons.items()), ""]
@@ -125,3 +134,14 @@ def rss_line(growth: dict[str, Any] | None) -> str:
         f"RSS from {growth['from_s']:.0f} s to {growth['to_s']:.0f} s, by role: {by_role}; "
         f"all processes {growth['total_growth_pct']:+.1f}%."
     )
+
+
+def process_rss_line(own: list[dict[str, Any]]) -> str:
+    if not own:
+        return "RSS by process: no process lived a minute past its own 2nd minute."
+    each = "; ".join(
+        f"{p['role']} {p['pid']} {p['mb_from']:.0f} -> {p['mb_to']:.0f} MB "
+        f"({p['from_s']:.0f}-{p['to_s']:.0f} s, {p['growth_pct']:+.1f}%)"
+        for p in own
+    )
+    return f"RSS by process, from its 2nd minute (of the run, or of its life) to its last sample: {each}."

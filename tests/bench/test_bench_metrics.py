@@ -130,3 +130,28 @@ def test_non_loopback_targets_are_refused(url: str) -> None:
 def test_loopback_targets_are_accepted() -> None:
     check_loopback("http://127.0.0.1:8000")
     check_loopback("http://localhost:1234/")
+
+
+def test_rss_growth_is_judged_per_process_past_its_own_second_minute() -> None:
+    """An engine killed at 100 s and replaced: the totals compare the young process with the old one
+    (+50%), each process on its own grew 0% and 4%; a process too young to judge is left out."""
+    from benchmarks.soak_outcomes import process_rss_growth, rss_growth
+
+    def sample(t: float, procs: dict[str, tuple[str, float]]) -> dict[str, object]:
+        mb: dict[str, float] = {}
+        for role, m in procs.values():
+            mb[role] = mb.get(role, 0.0) + m
+        return {"t_s": t, "mb": mb, "procs": {pid: list(p) for pid, p in procs.items()}}
+
+    samples = [sample(0.0, {"1": ("server", 400.0), "2": ("engine", 2000.0)})]
+    samples += [sample(t, {"1": ("server", 400.0), "2": ("engine", 2000.0)}) for t in (15.0, 60.0, 90.0)]
+    samples += [sample(t, {"1": ("server", 400.0), "3": ("engine", 1000.0)}) for t in (105.0, 120.0, 200.0)]
+    samples += [sample(t, {"1": ("server", 400.0), "3": ("engine", 1500.0)}) for t in (225.0, 300.0)]
+    samples += [sample(345.0, {"1": ("server", 400.0), "3": ("engine", 1560.0), "4": ("other", 9.0)})]
+    samples += [sample(600.0, {"1": ("server", 400.0), "3": ("engine", 1560.0), "4": ("other", 90.0)})]
+    growth = rss_growth(samples, 120.0)
+    assert growth is not None and growth["growth_pct"]["engine"] == 56.0
+    own = {p["pid"]: p for p in process_rss_growth(samples, 120.0)}
+    assert set(own) == {1, 3}  # the old engine died before its window; Ray's helpers are not judged
+    assert own[1]["growth_pct"] == 0.0 and (own[1]["from_s"], own[1]["to_s"]) == (120.0, 600.0)
+    assert own[3]["from_s"] == 225.0 and own[3]["growth_pct"] == 4.0  # 1500 -> 1560, from 105 + 120 s
