@@ -8,9 +8,8 @@
 All three send a call that names a ``target`` replica (``RouteKey.target``: broadcasts such as
 /flush_cache and the stats poll) to that replica only, and rank only the replicas a call does not
 ``avoid`` (those that answered it "unavailable" while their engine process restarts) while any other
-is left. The routers run inside the process that holds
-the DeploymentHandle (the ingress replica), so their metrics (scale/router_metrics.py) are served by
-that process's /metrics.
+is left. The routers run inside the process that holds the DeploymentHandle (the ingress replica), so
+their metrics (scale/router_metrics.py) are served by that process's /metrics.
 """
 
 from __future__ import annotations
