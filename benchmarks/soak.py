@@ -44,6 +44,7 @@ from benchmarks.soak_outcomes import (
     summarize,
     timeline,
 )
+from benchmarks.soak_records import Record
 from benchmarks.soak_report import report, verdict
 from benchmarks.soak_server import (
     HANG_FLAG,
@@ -55,9 +56,10 @@ from benchmarks.soak_server import (
     negative_bodies,
     rss,
     server_flags,
+    server_tracebacks,
     wait_idle,
 )
-from benchmarks.soak_traffic import KINDS, Record, Texts, Traffic
+from benchmarks.soak_traffic import KINDS, Texts, Traffic
 
 
 def log(msg: str) -> None:
@@ -263,6 +265,7 @@ def run_soak(args: argparse.Namespace) -> tuple[dict[str, Any], list[Path]]:
         finally:
             server.stop()
     doc["server"] = {"command": cmd[1:], "log": str(server.log_path), "exit_code": server.proc.returncode}
+    doc["server"]["tracebacks"] = server_tracebacks(server.log_path)
     doc["disk_tier"] = {"own_tmpfs": mounted, "tmpfs_mb": args.tmpfs_mb if mounted else None}
     doc["hang_detection"] = (
         f"{HANG_FLAG} {args.hang_timeout_s}" if hang else f"absent: the server has no {HANG_FLAG}"

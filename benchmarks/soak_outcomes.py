@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from benchmarks.soak_traffic import Record
+from benchmarks.soak_records import Record
 
 OUTCOMES = ("ok", "shed_429", "bad_input_4xx", "restart_503", "error_4xx", "error_5xx", "lost", "wrong")
 GRACE_S = 2.0

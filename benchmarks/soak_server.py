@@ -132,3 +132,20 @@ def wait_idle(url: str, timeout_s: float = 60.0) -> dict[str, float]:
 def rss(tree: list[Proc]) -> list[dict[str, Any]]:
     """Each process's role and resident memory, for the report."""
     return [{"pid": p.pid, "role": p.role, "rss_mb": round(p.rss_mb, 1)} for p in tree]
+
+
+def server_tracebacks(log_path: Path, most: int = 3) -> list[dict[str, Any]]:
+    """The distinct tracebacks in the server's log (a process that raised: the engine's "the engine
+    failed", a handler's error), the most frequent first, each with how often it came: what a failed
+    soak must show, since its log stays on the machine that ran it. Shutdown's are left out."""
+    text = log_path.read_text(errors="replace") if log_path.exists() else ""
+    counts: dict[str, int] = {}
+    for block in text.split("Traceback (most recent call last):")[1:]:
+        lines = [ln for ln in block.splitlines() if ln.strip()]
+        # a traceback ends at its first unindented line: the exception
+        end = next((i for i, ln in enumerate(lines) if not ln.startswith(" ")), len(lines) - 1)
+        tb = "\n".join(lines[: end + 1])
+        if lines and not any(s in lines[end] for s in ("KeyboardInterrupt", "CancelledError")):
+            counts[tb] = counts.get(tb, 0) + 1
+    ranked = sorted(counts.items(), key=lambda kv: -kv[1])[:most]
+    return [{"count": n, "traceback": tb[-3000:]} for tb, n in ranked]

@@ -90,11 +90,14 @@ class Scheduler:
                 continue
             if self.kv_manager.prefetch(req):  # its prefix is coming back from host/disk; others go ahead
                 continue
-            cached = self.kv_manager.match_device(req)
-            if self._shares_inflight_prefix(req, cached, inflight):
+            if self._shares_inflight_prefix(req, self.kv_manager.match_device(req), inflight):
                 continue
-            n = min(req.num_tokens - cached, budget)
-            while len(self.running) >= self.max_running or not self.kv_manager.admit(req, n):
+            while True:
+                # Sized on each try: a preempted victim gives back its tokens of this step (a larger
+                # budget) and its pages (perhaps a longer match), and admit allocates for exactly n.
+                n = min(req.num_tokens - self.kv_manager.match_device(req), budget)
+                if len(self.running) < self.max_running and self.kv_manager.admit(req, n):
+                    break
                 victim = self._victim_for(req)
                 if victim is None:
                     return
@@ -103,7 +106,6 @@ class Scheduler:
             self.waiting.remove(req)
             req.status = Status.RUNNING
             self.running.append(req)
-            n = min(req.num_pending_tokens, budget)
             batch.requests.append(req)
             batch.num_new_tokens.append(n)
             budget -= n

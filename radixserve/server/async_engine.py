@@ -262,7 +262,9 @@ class AsyncEngine:
             while not assembler.finished:
                 item = await req.queue.get()
                 if isinstance(item, BaseException):
-                    raise item
+                    # One error object fails every open stream: each raise starts a fresh traceback,
+                    # or each would append its frames to the last one's (a log line per stream).
+                    raise item.with_traceback(None)
                 for step in item:
                     if step.index == 0 and step.token_ids:
                         req.token_times.append(step.time)

@@ -31,6 +31,7 @@ LIBRARIES = {
     "servers",
     "soak_faults",
     "soak_outcomes",
+    "soak_records",
     "soak_report",
     "soak_server",
     "soak_traffic",

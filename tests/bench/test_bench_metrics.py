@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 # benchmarks/ is a top-level folder of the repository, not part of the installed package.
 from benchmarks.loadgen import check_loopback, poisson_arrivals
 from benchmarks.metrics import RequestResult, parse_prometheus, percentile, prefix_delta, summarize
+from benchmarks.soak_server import server_tracebacks
 
 
 def test_percentile_interpolates_linearly() -> None:
@@ -155,3 +158,20 @@ def test_rss_growth_is_judged_per_process_past_its_own_second_minute() -> None:
     assert set(own) == {1, 3}  # the old engine died before its window; Ray's helpers are not judged
     assert own[1]["growth_pct"] == 0.0 and (own[1]["from_s"], own[1]["to_s"]) == (120.0, 600.0)
     assert own[3]["from_s"] == 225.0 and own[3]["growth_pct"] == 4.0  # 1500 -> 1560, from 105 + 120 s
+
+
+def test_a_soak_reports_the_server_logs_tracebacks_most_frequent_first(tmp_path: Path) -> None:
+    """A failed soak shows why a process died (its log stays on the machine that ran it); shutdown's
+    KeyboardInterrupt is not a failure."""
+    frame = '  File "a.py", line 1, in f\n    g()\n'
+    index = f"Traceback (most recent call last):\n{frame}IndexError: list index out of range\n"
+    key = f"Traceback (most recent call last):\n{frame}KeyError: 3\n"
+    stop = f"Traceback (most recent call last):\n{frame}KeyboardInterrupt\n"
+    log = tmp_path / "server.log"
+    log.write_text(f"ERROR the engine failed\n{key}WARNING x\n{index}{index}{stop}")
+    found = server_tracebacks(log)
+    assert [(t["count"], t["traceback"].splitlines()[-1]) for t in found] == [
+        (2, "IndexError: list index out of range"),
+        (1, "KeyError: 3"),
+    ]
+    assert server_tracebacks(tmp_path / "missing.log") == []

@@ -46,7 +46,9 @@ def soak(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def _reasons(doc: dict[str, Any]) -> str:
-    return f"outcomes {doc['summary']['outcomes']}; reasons {doc['summary']['reasons']}"
+    tracebacks = "\n".join(f"{t['count']}x {t['traceback']}" for t in doc["server"]["tracebacks"])
+    summary = doc["summary"]
+    return f"outcomes {summary['outcomes']}; reasons {summary['reasons']}; server tracebacks:\n{tracebacks}"
 
 
 def test_nothing_is_lost_or_wrong(soak: dict[str, Any]) -> None:

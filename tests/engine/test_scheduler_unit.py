@@ -94,6 +94,21 @@ def test_an_urgent_arrival_preempts_a_less_urgent_running_request() -> None:
     assert batch.num_output_tokens == 10  # resumed from its prefix in the tree and finished
 
 
+def test_tokens_a_preemption_gives_back_are_scheduled_only_with_pages_for_them() -> None:
+    """An urgent arrival whose first chunk the budget cut takes a running request's place; the tokens
+    the preempted one had been given this step come back to the budget, and the arrival's chunk may
+    grow with them only if its pages grow too (found by the chaos soak: the engine indexed past the
+    request's page table and died)."""
+    s = _scheduler(budget=8, max_running=1)
+    s.add(_req("batch", list(range(12)), priority=1))
+    assert _sizes(_step(s)) == {"batch": 8}
+    s.add(_req("urgent", list(range(50, 70)), priority=0))
+    batch = s.schedule()
+    assert _sizes(batch) == {"urgent": 8}  # batch's 4 tokens were given back to the budget
+    for r, n in zip(batch.requests, batch.num_new_tokens):
+        assert len(r.pages.table) * PAGE >= r.num_computed_tokens + n, "scheduled past its pages"
+
+
 def test_pages_running_short_preempt_the_least_urgent_newest_request() -> None:
     s = _scheduler(num_pages=6, budget=64)
     s.add(_req("old", list(range(7)), max_tokens=12, priority=0))
