@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import random
 import sys
 import time
@@ -101,6 +102,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--tmpfs-mb", type=int, default=96, help="size of the disk tier's own tmpfs (when it can be mounted)")
     a("--engine-threads", type=int, default=None)
     a("--enforce-eager", action="store_true", help="serve eager steps (a quick run: no compile per restart)")
+    a(
+        "--heap-trim-s",
+        type=float,
+        default=None,
+        help="the server's --heap-trim-s (default: the server's own; 0: no trim, for the RSS comparison)",
+    )
     a("--system-chars", type=int, default=1200, help="characters of each shared system prompt")
     a("--user-chars", type=int, default=200)
     a("--rss-every-s", type=float, default=15.0, help="how often every process's RSS is sampled")
@@ -186,9 +193,16 @@ async def run_load(
             await asyncio.sleep(0.2)
 
     async def until_recovered(deadline: float) -> None:
-        """Until a probe sent after the latest fault answered right (or the deadline)."""
+        """Until a probe sent after the latest fault answered right (or the deadline); then the
+        server's word on how long the engine process it started took to start, by phase."""
         while faults and not recovered_after(faults[-1]["at_s"]) and time.perf_counter() < deadline:
             await asyncio.sleep(0.2)
+        if faults and "engine_startup_s" not in faults[-1]:
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                health = (await traffic.http.get("/health", timeout=10)).json()
+                # the latest process's: this fault's restart if engine_restarts went up with it
+                faults[-1]["engine_startup_s"] = health.get("engine_startup_s")
+                faults[-1]["engine_restarts"] = health.get("engine_restarts")
 
     async def faulting() -> None:
         for at, name in schedule:

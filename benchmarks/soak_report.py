@@ -83,13 +83,14 @@ def report(name: str, doc: dict[str, Any]) -> str:
         "## Faults",
         "",
         *markdown_table(
-            ["fault", "at s", "recovery s", "hang's first 503 s", "what"],
+            ["fault", "at s", "recovery s", "hang's first 503 s", "engine start-up s", "what"],
             [
                 [
                     f["name"],
                     round(f["at_s"], 1),
                     f.get("recovery_s"),
                     f.get("hang_error_s", ""),
+                    _startup(f),
                     f.get("skipped") or f.get("result"),
                 ]
                 for f in doc["faults"]
@@ -145,3 +146,12 @@ def process_rss_line(own: list[dict[str, Any]]) -> str:
         for p in own
     )
     return f"RSS by process, from its 2nd minute (of the run, or of its life) to its last sample: {each}."
+
+
+def _startup(fault: dict[str, Any]) -> str:
+    """The latest engine process's start-up after ``fault`` (load + compile), as /health said."""
+    phases = fault.get("engine_startup_s")
+    if not phases:
+        return ""
+    restarts = fault.get("engine_restarts")
+    return " + ".join(f"{k} {v:g}" for k, v in phases.items()) + f" (restarts: {restarts})"

@@ -70,6 +70,7 @@ def server_flags(args: argparse.Namespace, disk: Path, mounted: bool, hang: bool
     flags += ["--max-waiting-requests", str(args.max_waiting_requests)]
     flags += ["--disk-cache-dir", str(disk), "--disk-cache-gb", f"{disk_gb:.4f}"]
     flags += ["--enforce-eager"] if args.enforce_eager else []
+    flags += [] if args.heap_trim_s is None else ["--heap-trim-s", f"{args.heap_trim_s:g}"]
     return flags + ([HANG_FLAG, str(args.hang_timeout_s)] if hang else [])
 
 

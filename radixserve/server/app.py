@@ -144,7 +144,9 @@ class _SmallRoutes:
         health = self.engine.health()
         if not self.engine.healthy or not health.serving:
             return error_response(503, f"the engine is not serving: {health.detail}")
-        return json_response(p.HealthResponse("ok", health.restarts, health.last_restart_reason))
+        return json_response(
+            p.HealthResponse("ok", health.restarts, health.last_restart_reason, health.startup_s)
+        )
 
     async def live(self, request: Request) -> Response:
         """Liveness: 200 whenever this process answers, even while the engine starts or warms."""

@@ -167,7 +167,8 @@ class AsyncEngine:
             state, detail = "restarting", f"the engine process is restarting ({process.last_restart_reason})"
         else:
             state, detail = "serving", "the engine process is serving"
-        return EngineHealth(state, detail, process.restarts, process.last_restart_reason)
+        startup = {k: round(v, 2) for k, v in process.startup_s.items()} or None
+        return EngineHealth(state, detail, process.restarts, process.last_restart_reason, startup)
 
     @property
     def engine_pid(self) -> int | None:

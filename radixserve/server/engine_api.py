@@ -71,6 +71,9 @@ class EngineHealth:
     detail: str  # the state in words, for the 503's message (a hung one's "no progress for 2.1 s")
     restarts: int | None  # engine processes restarted after a death or a hang; None: not known here
     last_restart_reason: str | None  # why the latest was, e.g. "hung: no progress for 2.1 s"
+    # The latest engine process's start-up by phase ("load": process start, imports and weights;
+    # "compile": the step's warm-up), in seconds; None: not known here
+    startup_s: dict[str, float] | None = None
 
     @property
     def serving(self) -> bool:

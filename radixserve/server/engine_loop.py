@@ -28,6 +28,7 @@ import zmq
 from radixserve.cache.events import KVEventLog
 from radixserve.engine.deltas import StepOutput
 from radixserve.errors import InvalidRequestError, PinBudgetError
+from radixserve.server.heap_trim import HeapTrim
 from radixserve.server.messages import (
     Abort,
     AddRequest,
@@ -176,6 +177,7 @@ class EngineLoop:
         self._added_since_step = 0
         self._sent_at = time.monotonic()  # of the latest message: a Heartbeat follows HEARTBEAT_S after
         self.role = EngineRole(engine) if role is None else role(self)
+        self.heap = HeapTrim(engine.config.heap_trim_s)
         self._poller = zmq.Poller()
         for sock in [inbox, *self.role.sockets()]:
             self._poller.register(sock, zmq.POLLIN)
@@ -217,6 +219,7 @@ class EngineLoop:
                 progressed = self._step()
             if time.monotonic() - self._sent_at >= HEARTBEAT_S:
                 self.send(Heartbeat())
+            self.heap.maybe()
 
     def _step(self) -> bool:
         engine = self.engine

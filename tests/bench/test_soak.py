@@ -75,6 +75,9 @@ def test_the_kill_and_the_corrupt_page_were_injected_and_the_server_recovered(so
     for name in ("kill-engine", "corrupt-page"):
         f = faults[name]
         assert "skipped" not in f and f["recovery_s"] is not None, f
+    # The server said how long the replacement took to start (the recovery's breakdown).
+    kill = faults["kill-engine"]
+    assert kill["engine_restarts"] >= 1 and kill["engine_startup_s"]["load"] > 0, kill
     # At twice the capacity requests are always in flight: the kill failed some, with a 503.
     assert soak["summary"]["outcomes"]["restart_503"] > 0, _reasons(soak)
 

@@ -56,6 +56,8 @@ def test_an_idle_engine_is_never_killed(served: Served) -> None:
             status, body = _health(c)
         finally:
             os.kill(pid, signal.SIGCONT)
+        startup = body.pop("engine_startup_s")  # the process's start-up by phase, for recovery figures
+        assert set(startup) == {"load", "compile"} and startup["load"] > 0, startup
         assert status == 200 and body == {"status": "ok", "engine_restarts": 0}, body
         r = c.post("/v1/completions", json={**ENDLESS, "max_tokens": 2})
         assert r.status_code == 200, r.text
