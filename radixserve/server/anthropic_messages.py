@@ -42,7 +42,14 @@ from radixserve.server.anthropic_render import chat_request
 from radixserve.server.api import ApiContext
 from radixserve.server.chat import Piece, StartedChat, chat_prompt, prompt_pin, start_chat
 from radixserve.server.engine_api import EngineUnavailableError
-from radixserve.server.http_util import ApiError, anthropic_error, event_stream, json_response, usage
+from radixserve.server.http_util import (
+    ApiError,
+    anthropic_error,
+    event_stream,
+    json_response,
+    sse_json,
+    usage,
+)
 from radixserve.server.openai_fields import MESSAGES_IGNORED, MESSAGES_REFUSED
 
 
@@ -148,7 +155,7 @@ def _usage(prompt_tokens: int, output_tokens: int, res: RequestOutput) -> pa.Mes
 # -- streaming ------------------------------------------------------------------------------------
 def _event(event: pa.StreamEvent) -> bytes:
     kind = type(event).__struct_config__.tag
-    return f"event: {kind}\ndata: ".encode() + msgspec.json.encode(event) + b"\n\n"
+    return f"event: {kind}\ndata: ".encode() + sse_json(event) + b"\n\n"
 
 
 def _error_event(exc: Exception) -> bytes:

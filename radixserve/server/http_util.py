@@ -121,8 +121,22 @@ def json_response(obj: Any, status: int = 200) -> Response:
     return Response(msgspec.json.encode(obj), status, media_type="application/json")
 
 
+# Characters Python's str.splitlines (and so httpx's aiter_lines) ends a line at that JSON leaves raw
+# in strings: NEL, LINE SEPARATOR, PARAGRAPH SEPARATOR. A token that decodes to one would cut a client's
+# event in two (seen in the chaos soak); escaped, the JSON is the same and each event stays one line.
+_LINE_BREAKS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
+
+
+def sse_json(obj: Any) -> bytes:
+    """``obj`` as JSON for one SSE ``data:`` line: no character any client may read as a line end."""
+    data = msgspec.json.encode(obj)
+    for raw, escaped in _LINE_BREAKS:
+        data = data.replace(raw, escaped)
+    return data
+
+
 def sse(obj: Any) -> bytes:
-    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+    return b"data: " + sse_json(obj) + b"\n\n"
 
 
 def usage(prompt_tokens: int, completion_tokens: int, results: Sequence[RequestOutput]) -> p.Usage:
