@@ -267,12 +267,18 @@ class EngineReplica:
 
     async def _sync_pins(self) -> None:
         """Send the index the pins the engine still holds, each cut to its pinned tokens."""
-        held = {p.id: p.tokens for p in await self.engine.pins(None)}
-        self._pins = {pid: v for pid, v in self._pins.items() if pid in held}
-        await self.index.set_pins.remote(
-            self.replica_id, {pid: (salt, tokens[: held[pid]]) for pid, (salt, tokens) in self._pins.items()}
-        )
+        # Clean from before the engine is asked: a pin dropped while this sync is under way (an unpin
+        # waiting for the publish lock) marks it dirty again, and that unpin's publish sends it. Cleared
+        # after the send instead, that change was lost until the next periodic sync.
         self._pins_dirty = False
+        try:
+            held = {p.id: p.tokens for p in await self.engine.pins(None)}
+            self._pins = {pid: v for pid, v in self._pins.items() if pid in held}
+            pins = {pid: (salt, tokens[: held[pid]]) for pid, (salt, tokens) in self._pins.items()}
+            await self.index.set_pins.remote(self.replica_id, pins)
+        except BaseException:
+            self._pins_dirty = True  # not sent: the next publish tries again
+            raise
 
     async def describe(self, route: RouteKey) -> tuple[str, Limits]:
         """This replica's id and its engine's limits (the ingress asks one replica at start)."""
