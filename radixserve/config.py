@@ -141,7 +141,7 @@ class EngineConfig:
         "kill and restart an engine process that makes no progress this long while it has work (0: off)",
         ge=0,
     )
-    # server/heap_trim.py: why a trim beats a low mmap threshold
+    # engine/heap_trim.py: why a trim beats a low mmap threshold
     heap_trim_s: float = knob(
         30.0, "the engine process returns freed heap memory to the OS this often, in seconds (0: never)", ge=0
     )

@@ -46,6 +46,7 @@ import torch
 
 from radixserve.cache.page_pool import KVPool, PageCopier
 from radixserve.config import EngineConfig
+from radixserve.engine.heap_trim import HeapTrim
 from radixserve.model.attention import AttentionBackend
 from radixserve.model.compiled import CompiledLayers
 from radixserve.model.llama import LlamaForCausalLM
@@ -373,7 +374,9 @@ def _serve(spec: WorkerSpec, rank: int, conn: Connection) -> None:
     runner.warmup()
     conn.send(("ready", None))
     like = torch.empty(0, pool.page_bytes, dtype=torch.uint8, device=device)
+    heap = HeapTrim(cfg.heap_trim_s)  # as rank 0's engine loop does, between two commands
     while True:
+        heap.maybe()
         if not conn.poll(1.0):
             if os.getppid() != parent:
                 return  # rank 0's process is gone

@@ -27,8 +27,8 @@ import zmq
 
 from radixserve.cache.events import KVEventLog
 from radixserve.engine.deltas import StepOutput
+from radixserve.engine.heap_trim import HeapTrim
 from radixserve.errors import InvalidRequestError, PinBudgetError
-from radixserve.server.heap_trim import HeapTrim
 from radixserve.server.messages import (
     Abort,
     AddRequest,

@@ -1,5 +1,5 @@
-"""HeapTrim: the engine process hands freed heap memory back to the OS every ``every_s`` seconds
-(glibc's ``malloc_trim``; a no-op elsewhere).
+"""HeapTrim: an engine process (the engine loop's, and each tensor-parallel rank's) hands freed heap
+memory back to the OS every ``every_s`` seconds (glibc's ``malloc_trim``; a no-op elsewhere).
 
 Why: after large blocks are freed, glibc raises its mmap threshold (up to 32 MiB), so a step's large
 temporaries come from the heap from then on, and what they free stays in the process. Under a steady

@@ -1,4 +1,4 @@
-"""HeapTrim (server/heap_trim.py): the engine loop returns freed heap memory to the OS on a period,
+"""HeapTrim (engine/heap_trim.py): an engine process returns freed heap memory to the OS on a period,
 and the memory really goes back (glibc here: CI runs on Debian)."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ import subprocess
 import sys
 import time
 
-from radixserve.server.heap_trim import HeapTrim
+from radixserve.engine.heap_trim import HeapTrim
 
 # Run in a child: the mallopt calls change the allocator of the whole process.
 CHILD = """
 import ctypes, ctypes.util, time
-from radixserve.server.heap_trim import HeapTrim
+from radixserve.engine.heap_trim import HeapTrim
 
 def rss_kb():
     with open("/proc/self/status") as f:
