@@ -14,13 +14,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import logging
 import time
 from collections.abc import Callable
-
-logger = logging.getLogger(__name__)
-
-TRIM_EVERY_S = 30.0
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
@@ -37,12 +32,11 @@ def _malloc_trim() -> Callable[[int], int] | None:
 class HeapTrim:
     """``maybe()`` between two steps: trims once ``every_s`` has passed since the last trim."""
 
-    def __init__(self, every_s: float = TRIM_EVERY_S) -> None:
+    def __init__(self, every_s: float) -> None:  # EngineConfig.heap_trim_s
         self.every_s = every_s
         self._trim = _malloc_trim() if every_s > 0 else None
         self._last = time.monotonic()
         self.trims = 0
-        self.seconds = 0.0  # spent trimming, in all
 
     @property
     def available(self) -> bool:
@@ -55,4 +49,3 @@ class HeapTrim:
         self._trim(0)
         self._last = time.monotonic()
         self.trims += 1
-        self.seconds += self._last - now

@@ -90,12 +90,13 @@ class Scheduler:
                 continue
             if self.kv_manager.prefetch(req):  # its prefix is coming back from host/disk; others go ahead
                 continue
-            if self._shares_inflight_prefix(req, self.kv_manager.match_device(req), inflight):
+            cached = self.kv_manager.match_device(req)
+            if self._shares_inflight_prefix(req, cached, inflight):
                 continue
             while True:
                 # Sized on each try: a preempted victim gives back its tokens of this step (a larger
                 # budget) and its pages (perhaps a longer match), and admit allocates for exactly n.
-                n = min(req.num_tokens - self.kv_manager.match_device(req), budget)
+                n = min(req.num_tokens - cached, budget)
                 if len(self.running) < self.max_running and self.kv_manager.admit(req, n):
                     break
                 victim = self._victim_for(req)
@@ -103,6 +104,7 @@ class Scheduler:
                     return
                 budget += self._unschedule(batch, victim)
                 self._preempt(victim)
+                cached = self.kv_manager.match_device(req)
             self.waiting.remove(req)
             req.status = Status.RUNNING
             self.running.append(req)
