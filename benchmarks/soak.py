@@ -58,6 +58,7 @@ from benchmarks.soak_server import (
     rss,
     server_flags,
     server_tracebacks,
+    until_standby_ready,
     wait_idle,
 )
 from benchmarks.soak_traffic import KINDS, Texts, Traffic
@@ -107,6 +108,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=None,
         help="the server's --heap-trim-s (default: the server's own; 0: no trim, for the RSS comparison)",
+    )
+    a(
+        "--warm-standby",
+        action="store_true",
+        help="serve with --warm-standby: a loaded, compiled second engine process takes over a dead one",
     )
     a("--system-chars", type=int, default=1200, help="characters of each shared system prompt")
     a("--user-chars", type=int, default=200)
@@ -203,6 +209,7 @@ async def run_load(
                 # the latest process's: this fault's restart if engine_restarts went up with it
                 faults[-1]["engine_startup_s"] = health.get("engine_startup_s")
                 faults[-1]["engine_restarts"] = health.get("engine_restarts")
+                faults[-1]["warm_standby"] = health.get("warm_standby")
 
     async def faulting() -> None:
         for at, name in schedule:
@@ -261,7 +268,7 @@ def fault_schedule(args: argparse.Namespace) -> list[tuple[float, str]]:
 
 def run_soak(args: argparse.Namespace) -> tuple[dict[str, Any], list[Path]]:
     """One soak; returns its result document and the files written."""
-    name = args.name or f"soak-{args.topology}-{args.load:g}x"
+    name = args.name or f"soak-{args.topology}-{args.load:g}x" + ("-standby" if args.warm_standby else "")
     schedule = fault_schedule(args)
     hang = has_flag(HANG_FLAG)
     with disk_tier(args.tmpfs_mb) as (disk, mounted):
@@ -321,6 +328,9 @@ async def _soak(
         negatives=negatives,
     )
     try:
+        if args.warm_standby:  # its start-up would take CPU from the baselines and the capacity ramp
+            log("waiting for the warm standby")
+            await until_standby_ready(traffic.http, 300.0)
         log(negatives_note + "; baselines")
         baselines = await traffic.baseline()
         log(f"{len(baselines)} baselines; capacity ramp")

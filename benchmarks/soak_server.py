@@ -8,6 +8,7 @@ back); a short queue (overload is shed with 429s, not queued past the client's b
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import random
 import subprocess
@@ -61,6 +62,17 @@ def disk_tier(size_mb: int) -> Iterator[tuple[Path, bool]]:
                 subprocess.run(["umount", "-l", d], capture_output=True)
 
 
+async def until_standby_ready(http: httpx.AsyncClient, timeout_s: float) -> None:
+    """Until the server's /health says its warm standby is ready (RuntimeError after ``timeout_s``)."""
+    deadline = time.perf_counter() + timeout_s
+    while time.perf_counter() < deadline:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            if (await http.get("/health", timeout=10)).json().get("warm_standby") == "ready":
+                return
+        await asyncio.sleep(0.5)
+    raise RuntimeError(f"the warm standby was not ready within {timeout_s:.0f} s")
+
+
 def server_flags(args: argparse.Namespace, disk: Path, mounted: bool, hang: bool) -> list[str]:
     # The tier's bound below the tmpfs: the store's LRU keeps within it, a filler makes the disk full.
     disk_gb = (0.6 if mounted else 0.25) * args.tmpfs_mb / 1024
@@ -71,6 +83,7 @@ def server_flags(args: argparse.Namespace, disk: Path, mounted: bool, hang: bool
     flags += ["--disk-cache-dir", str(disk), "--disk-cache-gb", f"{disk_gb:.4f}"]
     flags += ["--enforce-eager"] if args.enforce_eager else []
     flags += [] if args.heap_trim_s is None else ["--heap-trim-s", f"{args.heap_trim_s:g}"]
+    flags += ["--warm-standby"] if args.warm_standby else []
     return flags + ([HANG_FLAG, str(args.hang_timeout_s)] if hang else [])
 
 

@@ -141,6 +141,13 @@ class EngineConfig:
         "kill and restart an engine process that makes no progress this long while it has work (0: off)",
         ge=0,
     )
+    # server/supervisor.py: a second engine process, loaded and compiled, takes over the moment the
+    # serving one dies or hangs, so a restart costs no start-up (load + compile warm-up: ~13 s for the
+    # default model on 2 cores). It doubles the engine's memory, and replacing a used standby takes a
+    # start-up's CPU beside serving; hence off by default.
+    warm_standby: bool = knob(
+        False, "keep a warm standby engine process that takes over when the serving one dies or hangs"
+    )
     # engine/heap_trim.py: why a trim beats a low mmap threshold
     heap_trim_s: float = knob(
         30.0, "the engine process returns freed heap memory to the OS this often, in seconds (0: never)", ge=0

@@ -111,6 +111,17 @@ class TierStats:
         return {k: float(v) for k, v in asdict(self).items()}
 
 
+def _writer_alive(tmp: Path) -> bool:
+    """Whether the process that named the temporary ``<key>.kv.<pid>.<thread>.tmp`` still runs."""
+    try:
+        os.kill(int(tmp.name.split(".")[2]), 0)
+    except (IndexError, ValueError, ProcessLookupError):
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
+
+
 class KVStore(Protocol):
     """A bounded, LRU key -> page store. Host RAM and disk implement it; a remote store could too."""
 
@@ -133,6 +144,11 @@ class KVStore(Protocol):
         ...
 
     def clear(self) -> None: ...
+
+    def reindex(self) -> None:
+        """Read again what the store holds from its medium, which another process may have changed (a
+        warm standby taking over from a dead engine). A store only this process sees holds it already."""
+        ...
 
     def check_integrity(self) -> None: ...
 
@@ -200,6 +216,9 @@ class HostStore:
             self._slots.clear()
             self._free = list(range(self.num_slots - 1, -1, -1))
             self.stats.used_bytes = 0
+
+    def reindex(self) -> None:
+        pass  # this process's memory: nobody else changed it
 
     def check_integrity(self) -> None:
         with self._lock:
@@ -316,6 +335,11 @@ class DiskStore:
         with self._lock:
             self._evict_to(0)
 
+    def reindex(self) -> None:
+        with self._lock:
+            self._index.clear()
+            self._rebuild_index()
+
     def check_integrity(self) -> None:
         with self._lock:
             used = sum(self._index.values())
@@ -355,9 +379,12 @@ class DiskStore:
         return None
 
     def _rebuild_index(self) -> None:
-        """Index the directory: drop temporaries of interrupted writes and foreign, torn or misnamed files."""
+        """Index the directory: drop temporaries of interrupted writes and foreign, torn or misnamed files.
+        A temporary of a live process is its write in progress (a standby indexes the directory while
+        the serving process writes to it), and stays."""
         for tmp in self.dir.glob("*.kv.*.tmp"):
-            tmp.unlink(missing_ok=True)
+            if not _writer_alive(tmp):
+                tmp.unlink(missing_ok=True)
         entries = []
         for path in self.dir.glob("*.kv"):
             try:

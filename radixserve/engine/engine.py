@@ -110,6 +110,12 @@ class Engine(EngineParts, OfflineAPI):
     def check_integrity(self) -> None:
         self.kv_manager.check_integrity(self.scheduler.running)
 
+    def reindex_tiers(self) -> None:
+        """Read again what the lower tiers hold: another process (the one this warm standby replaces)
+        may have written and evicted disk-tier pages since this engine indexed them."""
+        for store in self.kv_manager.tiers.stores:
+            store.reindex()
+
     def flush_cache(self) -> bool:
         return self.kv_manager.flush()
 

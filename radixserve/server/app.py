@@ -145,7 +145,9 @@ class _SmallRoutes:
         if not self.engine.healthy or not health.serving:
             return error_response(503, f"the engine is not serving: {health.detail}")
         return json_response(
-            p.HealthResponse("ok", health.restarts, health.last_restart_reason, health.startup_s)
+            p.HealthResponse(
+                "ok", health.restarts, health.last_restart_reason, health.startup_s, health.standby
+            )
         )
 
     async def live(self, request: Request) -> Response:

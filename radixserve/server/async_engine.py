@@ -168,13 +168,20 @@ class AsyncEngine:
         else:
             state, detail = "serving", "the engine process is serving"
         startup = {k: round(v, 2) for k, v in process.startup_s.items()} or None
-        return EngineHealth(state, detail, process.restarts, process.last_restart_reason, startup)
+        return EngineHealth(
+            state, detail, process.restarts, process.last_restart_reason, startup, process.standby
+        )
 
     @property
     def engine_pid(self) -> int | None:
         """The engine process's id while one is ready."""
         client = self._process.client
         return None if client is None else client.pid
+
+    @property
+    def standby_pid(self) -> int | None:
+        """The warm standby process's id while one is ready (``warm_standby``)."""
+        return self._process.standby_pid
 
     @property
     def startup_s(self) -> dict[str, float]:

@@ -74,6 +74,7 @@ class EngineHealth:
     # The latest engine process's start-up by phase ("load": process start, imports and weights;
     # "compile": the step's warm-up), in seconds; None: not known here
     startup_s: dict[str, float] | None = None
+    standby: str | None = None  # the warm standby process: "ready", "starting"; None: none (or off)
 
     @property
     def serving(self) -> bool:

@@ -84,6 +84,11 @@ class EngineClient:
     def pid(self) -> int | None:
         return None if self._proc is None else self._proc.pid
 
+    @property
+    def exited(self) -> bool:
+        """Whether the process has exited (``on_exit`` may still be on its way)."""
+        return self._exited is not None and self._exited.done()
+
     async def start(self, on_message: Callable[[FromEngine], None], on_exit: Callable[[int], None]) -> Ready:
         """Start the process and wait until it is ready (EngineStartError if it exits first)."""
         loop = asyncio.get_running_loop()

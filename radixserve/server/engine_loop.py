@@ -49,6 +49,7 @@ from radixserve.server.messages import (
     RequestError,
     Shutdown,
     StepOutputs,
+    TakeOver,
     ToEngine,
     TreeQuery,
     Unpin,
@@ -262,6 +263,8 @@ class EngineLoop:
             self._call(msg)
         elif isinstance(msg, Shutdown):
             self.stop.set()
+        elif isinstance(msg, TakeOver):
+            self.engine.reindex_tiers()
         else:
             self.role.handle(msg)
 

@@ -132,6 +132,11 @@ class Shutdown(_Message, kw_only=True):
     """Finish what is queued (the API server has aborted what it gave up on), close the engine, exit."""
 
 
+class TakeOver(_Message, kw_only=True):
+    """To a warm standby process (server/supervisor.py): it is now the serving one. Its disk tier was
+    indexed at its start, and the process it replaces kept writing and evicting since: index it again."""
+
+
 class PrefillKV(_Message, kw_only=True):
     """To a prefill engine (disaggregated serving, radixserve/disagg): compute the KV of
     ``prompt_token_ids[:end]`` and send the pages of positions ``[start, end)`` to ``destination``, the
@@ -154,7 +159,7 @@ class CancelTransfer(_Message, kw_only=True):
     message: str
 
 
-ToEngine = AddRequest | Abort | Call | Shutdown | PrefillKV | CancelTransfer
+ToEngine = AddRequest | Abort | Call | Shutdown | TakeOver | PrefillKV | CancelTransfer
 
 
 # -- engine -> API server ---------------------------------------------------------------------------

@@ -306,9 +306,11 @@ class FlushCacheResponse(Struct):
 class HealthResponse(Struct, omit_defaults=True):
     """``/health/live``: the status only. ``/health`` (readiness) adds the engine processes' restarts
     since the server started and why the latest was (e.g. "hung: no progress for 2.1 s"), and how
-    long the latest engine process took to start, by phase ("load", "compile"), where known."""
+    long the latest engine process took to start, by phase ("load", "compile"), where known, and with
+    ``--warm-standby`` whether the standby process is "ready" or "starting"."""
 
     status: str
     engine_restarts: int | None = None
     last_restart_reason: str | None = None
     engine_startup_s: dict[str, float] | None = None
+    warm_standby: str | None = None

@@ -14,6 +14,11 @@ Invariants:
   KILL_GRACE_S (a process stuck in the kernel), it is given up as dead all the same.
 - ``restarts`` counts the deaths that were followed by a restart, ``last_restart_reason`` says why the
   latest one was (both kept for ``/health``).
+- With ``warm_standby``, a second process is started once one serves, and waits, loaded and compiled,
+  serving nothing (what it sends is dropped). A restart takes it instead of starting a process (or
+  waits for it, if it is still starting), sends it ``TakeOver`` before any request, and a new standby
+  starts. A standby that dies or fails to start is replaced after a back-off; either way the serving
+  process never depends on it.
 """
 
 from __future__ import annotations
@@ -28,13 +33,14 @@ from collections.abc import Callable, Sequence
 from radixserve.config import EngineConfig
 from radixserve.server.engine_api import EngineFailedError, EngineUnavailableError
 from radixserve.server.engine_client import EngineClient, describe_exit
-from radixserve.server.messages import EngineFailed, FromEngine, Heartbeat, Ready, ToEngine
+from radixserve.server.messages import EngineFailed, FromEngine, Heartbeat, Ready, TakeOver, ToEngine
 from radixserve.server.watchdog import Watchdog
 
 logger = logging.getLogger("radixserve.server")
 
 MAX_RESTART_DELAY_S = 30.0
 STABLE_S = 60.0  # an engine process that served this long resets the restart back-off
+Started = tuple[EngineClient, Ready, float]  # a ready process, its Ready, its start-up in seconds
 KILL_GRACE_S = 5.0  # a hung process SIGKILLed but not yet reaped after this long is given up as dead
 
 
@@ -72,6 +78,8 @@ class Supervisor:
         self.hung = ""  # why the current process is taken for hung ("no progress for 2.0 s"), until it dies
         self.restarts = 0
         self.last_restart_reason: str | None = None
+        self._standby: asyncio.Task[Started] | None = None  # with warm_standby: the spare process
+        self._standby_failures = 0  # consecutive failed starts or deaths of a standby: its back-off
 
     async def start(self) -> None:
         """Start the engine process and wait until it is ready; raises if it exits first."""
@@ -88,11 +96,16 @@ class Supervisor:
         self.accepting = False
         if self._restarter is not None:
             self._restarter.cancel()
+        if self._standby is not None and not self._standby.done():
+            self._drop_standby()
 
     async def stop(self) -> None:
-        """Stop the engine process (it closes the engine: queued disk-tier writes land)."""
+        """Stop the engine process (it closes the engine: queued disk-tier writes land), and the standby."""
         self.stop_accepting()
         self._unwatch()
+        standby = self._drop_standby()
+        if standby is not None:
+            await standby.stop(timeout=10.0)
         client, self.client = self.client, None
         if client is not None:
             code = await client.stop(timeout=60.0)
@@ -102,15 +115,24 @@ class Supervisor:
         return self.client is not None and self.client.send(msg)
 
     async def _launch(self) -> None:
+        self._serve(*await self._start_process())
+
+    async def _start_process(self) -> Started:
         threads, cpus, log_level = self._process_options
         launched = time.monotonic()
         client = EngineClient(self._config, threads, cpus, log_level, self._command)
         try:
-            ready = await client.start(self._receive, self._on_exit)
+            ready = await client.start(
+                functools.partial(self._receive, client), functools.partial(self._on_exit, client)
+            )
         except BaseException:
             client.kill()
             client.close()
             raise
+        return client, ready, time.monotonic() - launched
+
+    def _serve(self, client: EngineClient, ready: Ready, took: float) -> None:
+        """Make ``client``'s process the serving one (``took``: its start-up, from launch to Ready)."""
         self.client, self.ready = client, ready
         self._on_message(ready)
         timeout = self._config.engine_hang_timeout_s
@@ -120,10 +142,94 @@ class Supervisor:
             self._watching = asyncio.create_task(self._watchdog.run())
         self._started_at = time.monotonic()
         # Start-up by phase: starting the process and loading the model, then the compile warm-up.
-        took = self._started_at - launched
         self.startup_s = {"load": max(0.0, took - ready.compile_s), "compile": ready.compile_s}
+        self._keep_standby()
 
-    def _receive(self, msg: FromEngine) -> None:
+    # -- the warm standby -------------------------------------------------------------------------
+    @property
+    def standby(self) -> str | None:
+        """The warm standby: "ready" or "starting"; None without one (or without ``warm_standby``)."""
+        if self._standby is None:
+            return None
+        return "ready" if self._standby.done() and self._standby_client() is not None else "starting"
+
+    @property
+    def standby_pid(self) -> int | None:
+        """The ready standby process's id, if there is one."""
+        client = self._standby_client()
+        return None if client is None else client.pid
+
+    def _keep_standby(self, delay: float = 0.0) -> None:
+        """Start a standby process unless one is ready or starting (only with ``warm_standby``). It
+        starts after the serving one is ready, so a first start-up never shares the CPU with it."""
+        if self._config.warm_standby and self.accepting and self._standby is None:
+            self._standby = asyncio.create_task(self._start_standby(delay))
+            self._standby.add_done_callback(self._standby_started)
+
+    async def _start_standby(self, delay: float) -> Started:
+        await asyncio.sleep(delay)
+        return await self._start_process()
+
+    def _standby_client(self) -> EngineClient | None:
+        """The ready standby's client, if there is one."""
+        task = self._standby
+        if task is None or not task.done() or task.cancelled() or task.exception() is not None:
+            return None
+        return task.result()[0]
+
+    def _standby_started(self, task: asyncio.Task[Started]) -> None:
+        if task.cancelled():
+            return
+        if task.exception() is not None:
+            logger.error("the warm standby engine process failed to start: %s", task.exception())
+            if task is self._standby:  # not taken by a restart, which then starts a process itself
+                self._standby = None
+                self._standby_failures += 1
+                self._keep_standby(min(2.0**self._standby_failures, MAX_RESTART_DELAY_S))
+            return
+        self._standby_failures = 0
+        client, _, took = task.result()
+        logger.info("warm standby engine process %s ready after %.1f s", client.pid, took)
+
+    def _standby_exited(self, client: EngineClient, code: int) -> None:
+        """The idle standby died (killed from outside): start another."""
+        client.close()
+        if client is self._standby_client():
+            logger.error("the warm standby engine process %s died (%s)", client.pid, describe_exit(code))
+            self._standby = None
+            self._standby_failures += 1
+            self._keep_standby(min(2.0**self._standby_failures, MAX_RESTART_DELAY_S))
+
+    async def _take_standby(self) -> bool:
+        """Serve with the standby (waiting for it if it is still starting); False if there is none or
+        it failed."""
+        task, self._standby = self._standby, None
+        if task is None:
+            return False
+        try:
+            client, ready, took = await task
+        except Exception:
+            return False  # logged by _standby_started
+        if client.exited:  # it died after Ready; its exit went to _standby_exited, or is on its way
+            client.close()
+            return False
+        client.send(TakeOver())  # before anything _serve lets the API server send
+        self._serve(client, ready, took)
+        return True
+
+    def _drop_standby(self) -> EngineClient | None:
+        """Cancel a starting standby; hand back a ready one's client, for the caller to stop."""
+        task, self._standby = self._standby, None
+        if task is None:
+            return None
+        if not task.done():
+            task.cancel()  # _start_process kills the process it started
+            return None
+        return None if task.cancelled() or task.exception() is not None else task.result()[0]
+
+    def _receive(self, client: EngineClient, msg: FromEngine) -> None:
+        if client is not self.client:
+            return  # an idle standby's heartbeats
         if self._watchdog is not None:
             self._watchdog.progress()
         if isinstance(msg, EngineFailed):
@@ -148,14 +254,17 @@ class Supervisor:
         requests fail and a new process starts instead of waiting on it."""
         if client is self.client:
             logger.error("engine process %s did not exit %.0f s after SIGKILL", client.pid, KILL_GRACE_S)
-            self._on_exit(-signal.SIGKILL)
+            self._on_exit(client, -signal.SIGKILL)
 
     def _unwatch(self) -> None:
         if self._watching is not None:
             self._watching.cancel()
         self._watchdog = self._watching = None
 
-    def _on_exit(self, code: int) -> None:
+    def _on_exit(self, client: EngineClient, code: int) -> None:
+        if client is not self.client:
+            self._standby_exited(client, code)
+            return
         self._unwatch()
         hung, self.hung = self.hung, ""
         client, self.client = self.client, None
@@ -186,16 +295,15 @@ class Supervisor:
             n = self._quick_deaths
             delay = min(2.0 ** (n - 2), MAX_RESTART_DELAY_S) if n > 1 else 0.0
             await asyncio.sleep(delay)
-            try:
-                await self._launch()
-            except Exception as exc:
-                logger.error("engine process restart failed: %s", exc)
-                self._quick_deaths += 1
-                continue
+            took_over = await self._take_standby()
+            if not took_over:
+                try:
+                    await self._launch()
+                except Exception as exc:
+                    logger.error("engine process restart failed: %s", exc)
+                    self._quick_deaths += 1
+                    continue
             assert self.client is not None
-            logger.info(
-                "engine process %s restarted: serving again after %.1f s",
-                self.client.pid,
-                time.monotonic() - t0,
-            )
+            how = "warm standby engine process %s took over" if took_over else "engine process %s restarted"
+            logger.info(how + ": serving again after %.1f s", self.client.pid, time.monotonic() - t0)
             return

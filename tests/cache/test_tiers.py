@@ -4,6 +4,7 @@ capacity, integrity under churn, loads that do not hold up others (tiny model)."
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -165,7 +166,7 @@ def test_kill_9_while_writing_then_restart(tiny_llama: Path, tmp_path: Path) -> 
         proc.kill()  # SIGKILL, in the middle of a stream of page writes
         proc.wait()
     assert len(list(kv.glob("*.kv"))) >= 60
-    (kv / f"{'ab' * 16}.kv.1.2.tmp").write_bytes(b"half a page")  # as a kill mid-write leaves it
+    (kv / f"{'ab' * 16}.kv.{proc.pid}.2.tmp").write_bytes(b"half a page")  # as a kill mid-write leaves it
     prompt = tokens(120, 0) + [4, 4]  # the writer's first prompt, so its pages are on disk
     (ref,) = reference(tiny_llama, [prompt])
     eng = engine(tiny_llama, disk_cache_gb=gb(2000), disk_cache_dir=str(kv))
@@ -386,6 +387,33 @@ def test_stores_roundtrip_and_lru(tmp_path: Path) -> None:
     reopened = DiskStore(tmp_path, 2 * (PAGE_BYTES + 64), fp, shape, torch.float32)
     assert torch.equal(reopened.get(keys[2]), pages[2])  # type: ignore[arg-type]
     reopened.check_integrity()
+
+
+def test_a_second_store_on_the_directory_keeps_a_live_writers_temporary_and_reindex_sees_new_pages(
+    tmp_path: Path,
+) -> None:
+    """A warm standby indexes the disk directory while the serving process writes to it: the serving
+    process's write in progress (a temporary named with its live pid) stays, a dead process's goes,
+    and ``reindex`` (on taking over) finds what the serving process wrote and evicted since."""
+    shape = (2, 2, PAGE, 2, 16)
+    fp, keys = b"f" * 16, [bytes([i]) * 16 for i in range(3)]
+    serving = DiskStore(tmp_path, 4 * (PAGE_BYTES + 64), fp, shape, torch.float32)
+    serving.put(keys[0], torch.randn(shape))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    live_tmp = tmp_path / f"{keys[2].hex()}.kv.{os.getpid()}.1.tmp"
+    dead_tmp = tmp_path / f"{keys[2].hex()}.kv.{dead.pid}.1.tmp"
+    live_tmp.write_bytes(b"a write in progress")
+    dead_tmp.write_bytes(b"half a page")
+    standby = DiskStore(tmp_path, 4 * (PAGE_BYTES + 64), fp, shape, torch.float32)
+    assert live_tmp.exists() and not dead_tmp.exists()
+    assert standby.contains(keys[0]) and not standby.contains(keys[1])
+    page = torch.randn(shape)
+    serving.put(keys[1], page)
+    serving.discard([keys[0]])
+    standby.reindex()
+    assert not standby.contains(keys[0]) and torch.equal(standby.get(keys[1]), page)  # type: ignore[arg-type]
+    standby.check_integrity()
 
 
 def test_a_page_of_the_older_format_is_refused_cleanly(tmp_path: Path) -> None:

@@ -1,0 +1,79 @@
+"""``--warm-standby`` (server/supervisor.py): a second engine process waits loaded and compiled; when the
+serving one is killed it takes over (no start-up), reads again the disk-tier pages its predecessor wrote
+after it started, and another standby replaces it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from server_util import MODEL_NAME, Served, serving, wait_until_healthy
+
+from radixserve.config import EngineConfig
+
+
+def wait_for_standby(c: httpx.Client, served: Served, timeout_s: float = 120.0) -> int:
+    """The ready standby's pid, once /health says it is ready."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        health = c.get("/health").json()
+        if health.get("warm_standby") == "ready" and served.engine.standby_pid is not None:
+            return int(served.engine.standby_pid)
+        time.sleep(0.1)
+    raise AssertionError(f"no warm standby became ready within {timeout_s} s: {c.get('/health').text}")
+
+
+def complete(c: httpx.Client, prompt: list[int]) -> dict[str, int]:
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    r = c.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return dict(r.json()["usage"]["prompt_tokens_details"]["cached_tokens_by_tier"])
+
+
+def test_a_warm_standby_takes_over_a_killed_engine_with_the_disk_pages_written_after_it_started(
+    tiny_llama: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="radixserve.server")
+    disk = tmp_path / "kv"
+    config = EngineConfig(
+        str(tiny_llama),
+        page_size=4,
+        num_pages=128,
+        max_model_len=128,
+        disk_cache_dir=str(disk),
+        disk_cache_gb=0.05,
+        warm_standby=True,
+    )
+    rng = random.Random(7)
+    doc = [rng.randrange(10, 290) for _ in range(40)]
+    with serving(config) as s, httpx.Client(base_url=s.url, timeout=60) as c:
+        standby = wait_for_standby(c, s)
+        serving_pid = s.engine.engine_pid
+        assert serving_pid not in (None, standby)
+        # Written through to disk by the serving process after the standby indexed the directory.
+        assert complete(c, doc) == {"device": 0, "host": 0, "disk": 0}
+        deadline = time.monotonic() + 30
+        while len(list(disk.glob("*.kv"))) < 10 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(list(disk.glob("*.kv"))) == 10
+
+        os.kill(serving_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while s.engine.engine_pid in (None, serving_pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        wait_until_healthy(c, 30)
+        assert s.engine.engine_pid == standby  # no new process: the standby serves
+        # TakeOver made it index the directory again: the pages are a disk hit, not recomputed.
+        assert complete(c, doc + [3]) == {"device": 0, "host": 0, "disk": 40}
+
+        replacement = wait_for_standby(c, s)
+        assert replacement not in (serving_pid, standby)
+        assert c.get("/health").json()["engine_restarts"] == 1
+    messages = [rec.getMessage() for rec in caplog.records if rec.name == "radixserve.server"]
+    assert [m for m in messages if f"warm standby engine process {standby} took over" in m], messages
