@@ -63,9 +63,11 @@ def write_tiny_gguf(
     head: GGMLQuantizationType | None = None,
     seed: int = 0,
     dims: Dims = TINY,
+    types: dict[str, GGMLQuantizationType] | None = None,
 ) -> dict[str, np.ndarray]:
     """Write a random Llama GGUF of ``dims`` (tied LM head unless ``head`` names a type) with the tiny test
-    tokenizer and a ChatML template; returns its HF-named weights, dequantized exactly."""
+    tokenizer and a ChatML template; returns its HF-named weights, dequantized exactly. ``types``: the
+    type of a layer tensor by GGUF name (``attn_v.weight``) in every layer, instead of ``decoder``."""
     tok = json.loads(make_tokenizer().backend_tokenizer.to_str())
     vocab: dict[str, int] = tok["model"]["vocab"]
     tokens = sorted(vocab, key=vocab.__getitem__)
@@ -115,6 +117,7 @@ def write_tiny_gguf(
     f32 = GGMLQuantizationType.F32
     for i in range(dims.layers):
         for name, hf_name, shape, qtype, rotary in _layer_tensors(dims, decoder):
+            qtype = (types or {}).get(name, qtype)
             add(
                 f"blk.{i}.{name}",
                 f"model.layers.{i}.{hf_name}",

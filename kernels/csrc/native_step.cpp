@@ -11,14 +11,17 @@
 //
 // Per layer, for M rows x [M, hidden] (the residual stream, updated in place):
 //   h = rmsnorm(x) (each thread its own copy: M x hidden floats, cheaper than a barrier)
-//   qkv = h W_qkv^T (+ bias); a thread's band is whole heads: q/k norm, RoPE, K/V into the pages
+//   qkv = h [W_q; W_k; W_v]^T (+ bias); a thread's band is whole heads: q/k norm, RoPE, K/V into the
+//   pages
 //   attention over each row's pages (the vector path of the CPU attention, decode_kernel.cpp),
 //   units (row, kv head) over the threads
 //   x += attn W_o^T
 //   h = rmsnorm(x); gate/up: a thread computes gate and up rows [j0, j1) and silu(gate) * up there
 //   x += act W_down^T
 // The weights are streamed as they are held (fp32 or bf16 [N, K], or GGUF blocks [N, row bytes]), each
-// read once for all M rows (step_products.h); nothing is copied per step.
+// read once for all M rows (step_products.h); nothing is copied per step. A fused projection comes as
+// its parts (q, k, v; gate, up), each of its own kind: llama.cpp's k-quant files mix types within one
+// (attn_v gets more bits than attn_q and attn_k in some layers).
 //
 // Numbers: fp32 and GGUF weights: the same operations as the torch model in fp32, summed in another
 // order (the products' order is gemv.cpp's and gguf_linear.cpp's), so the step equals the reference
@@ -55,18 +58,21 @@ constexpr int64_t kMaxRows = 8;
 // Tensors per layer in `weights`, in this order (an absent one is an empty tensor).
 enum LayerTensor : int {
   kInNorm = 0,
-  kQkv,
+  kQ,
+  kK,
+  kV,
   kQkvBias,
   kQNorm,
   kKNorm,
   kO,
   kPostNorm,
-  kGateUp,
+  kGate,
+  kUp,
   kDown,
   kTensorsPerLayer
 };
-// Weight kinds per layer in `kinds`: qkv, o, gate_up, down.
-constexpr int kKindsPerLayer = 4;
+// Weight kinds per layer in `kinds`, one per weight tensor above, in its order.
+enum LayerWeight : int { kWq = 0, kWk, kWv, kWo, kWgate, kWup, kWdown, kKindsPerLayer };
 
 const float* opt_ptr(const at::Tensor& t) { return t.numel() > 0 ? t.data_ptr<float>() : nullptr; }
 
@@ -160,9 +166,11 @@ at::Tensor decode_step(const at::Tensor& x_in, const at::Tensor& cos, const at::
                 "radixserve_cpu::decode_step: row ", m, "'s slot is not its last token's");
   }
   std::vector<Weight> lin(L * kKindsPerLayer);
-  const int64_t I = weights[kGateUp].size(0) / 2;
-  const int64_t shapes[kKindsPerLayer][2] = {{qkv_size, H}, {H, q_size}, {2 * I, H}, {H, I}};
-  const int tensor_of[kKindsPerLayer] = {kQkv, kO, kGateUp, kDown};
+  const int64_t I = weights[kGate].size(0);
+  const int64_t kv_rows = Hkv * D;
+  const int64_t shapes[kKindsPerLayer][2] = {{q_size, H}, {kv_rows, H}, {kv_rows, H}, {H, q_size},
+                                             {I, H},      {I, H},       {H, I}};
+  const int tensor_of[kKindsPerLayer] = {kQ, kK, kV, kO, kGate, kUp, kDown};
   for (int64_t l = 0; l < L; ++l) {
     for (int j = 0; j < kKindsPerLayer; ++j) {
       const at::Tensor& t = weights[l * kTensorsPerLayer + tensor_of[j]];
@@ -181,7 +189,7 @@ at::Tensor decode_step(const at::Tensor& x_in, const at::Tensor& cos, const at::
       }
       lin[l * kKindsPerLayer + j] = {kind, t.data_ptr(), N, K, t.size(1) * t.element_size(), nullptr};
     }
-    lin[l * kKindsPerLayer].bias = opt_ptr(weights[l * kTensorsPerLayer + kQkvBias]);
+    lin[l * kKindsPerLayer + kWq].bias = opt_ptr(weights[l * kTensorsPerLayer + kQkvBias]);  // of all qkv rows
     for (int j : {kInNorm, kPostNorm, kQkvBias, kQNorm, kKNorm}) {
       const at::Tensor& t = weights[l * kTensorsPerLayer + j];
       const int64_t want = j == kQkvBias ? qkv_size : (j == kQNorm || j == kKNorm ? D : H);
@@ -230,10 +238,18 @@ at::Tensor decode_step(const at::Tensor& x_in, const at::Tensor& cos, const at::
       rmsnorm(xs, M, H, lw[kInNorm].data_ptr<float>(), feps, h.data(), ldh);
       const auto [h0, h1] = band(Hq + 2 * Hkv, 1, tid, nth);
       std::vector<float>& qkv = gate_up;  // free until gate/up: [M, qkv_size] here
-      const float* bias = lk[0].bias;
-      product(M, lk[0], h.data(), ldh, h0 * D, h1 * D, [&](int m, int64_t n, float s) {
-        qkv[m * qkv_size + n] = bias != nullptr ? s + bias[n] : s;
-      });
+      const float* bias = lk[kWq].bias;
+      // This band's heads of each part: q heads [0, Hq), k heads [Hq, Hq + Hkv), v heads after.
+      const int64_t first_head[3] = {0, Hq, Hq + Hkv}, end_head[3] = {Hq, Hq + Hkv, Hq + 2 * Hkv};
+      for (int p = 0; p < 3; ++p) {
+        const int64_t a = std::max(h0, first_head[p]), b = std::min(h1, end_head[p]);
+        const int64_t offset = first_head[p] * D;  // of the part's rows in qkv
+        product(M, lk[kWq + p], h.data(), ldh, (a - first_head[p]) * D, (b - first_head[p]) * D,
+                [&](int m, int64_t n, float s) {
+                  const int64_t i = offset + n;
+                  qkv[m * qkv_size + i] = bias != nullptr ? s + bias[i] : s;
+                });
+      }
       const float* qn = opt_ptr(lw[kQNorm]);
       const float* kn = opt_ptr(lw[kKNorm]);
       for (int64_t m = 0; m < M; ++m) {
@@ -267,7 +283,7 @@ at::Tensor decode_step(const at::Tensor& x_in, const at::Tensor& cos, const at::
       // -- o_proj + residual
       {
         const auto [n0, n1] = band(H, 8, tid, nth);
-        product(M, lk[1], attn.data(), q_size, n0, n1, [&](int m, int64_t n, float s) { xs[m * H + n] += s; });
+        product(M, lk[kWo], attn.data(), q_size, n0, n1, [&](int m, int64_t n, float s) { xs[m * H + n] += s; });
       }
 #pragma omp barrier
       // -- gate/up with SiLU
@@ -275,9 +291,8 @@ at::Tensor decode_step(const at::Tensor& x_in, const at::Tensor& cos, const at::
       {
         const auto [j0, j1] = band(I, 8, tid, nth);
         float* gu = gate_up.data();
-        product(M, lk[2], h.data(), ldh, j0, j1, [&](int m, int64_t n, float s) { gu[m * 2 * I + n] = s; });
-        product(M, lk[2], h.data(), ldh, I + j0, I + j1,
-                [&](int m, int64_t n, float s) { gu[m * 2 * I + n] = s; });
+        product(M, lk[kWgate], h.data(), ldh, j0, j1, [&](int m, int64_t n, float s) { gu[m * 2 * I + n] = s; });
+        product(M, lk[kWup], h.data(), ldh, j0, j1, [&](int m, int64_t n, float s) { gu[m * 2 * I + I + n] = s; });
         for (int64_t m = 0; m < M; ++m)
           for (int64_t j = j0; j < j1; ++j) {
             const float g = gu[m * 2 * I + j];
@@ -288,7 +303,7 @@ at::Tensor decode_step(const at::Tensor& x_in, const at::Tensor& cos, const at::
       // -- down + residual
       {
         const auto [n0, n1] = band(H, 8, tid, nth);
-        product(M, lk[3], act.data(), ldh, n0, n1, [&](int m, int64_t n, float s) { xs[m * H + n] += s; });
+        product(M, lk[kWdown], act.data(), ldh, n0, n1, [&](int m, int64_t n, float s) { xs[m * H + n] += s; });
       }
 #pragma omp barrier
     }

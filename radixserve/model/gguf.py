@@ -117,6 +117,7 @@ class GGUFLinear(nn.Module):
             else:
                 groups.append([part])
         self.qtypes: list[int] = []
+        self.group_rows: list[tuple[int, int]] = []  # each group's output rows [first, last)
         for i, group in enumerate(groups):
             qtype = group[0].qtype
             tensors = [p.data if is_blocks(qtype) else p.dense() for p in group]
@@ -124,19 +125,22 @@ class GGUFLinear(nn.Module):
             # Parameters (frozen), not buffers: the disk tier's model fingerprint hashes parameters.
             self.register_parameter(f"weight{i}", nn.Parameter(data.contiguous(), requires_grad=False))
             self.qtypes.append(qtype if is_blocks(qtype) else F32)
+            first = self.group_rows[-1][1] if self.group_rows else 0
+            self.group_rows.append((first, first + data.shape[0]))
         self.out_features = sum(p.data.shape[0] for p in parts)
         self.bias = nn.Parameter(bias.float(), requires_grad=False) if bias is not None else None
         self.use_op = _op_loaded()
         self.many_rows = 0  # rows above which products run in int8 on the blocks (model/arithmetic.py)
         self._choose()
 
-    def native_weight(self) -> tuple[torch.Tensor, int, torch.Tensor | None] | None:
-        """What the native decode step streams (``model/native_step.py``): the one block matrix (or
-        fp32 matrix, kind F32 = 0) with its GGML type id, and the bias; None for a projection whose
-        parts are of several types."""
-        if len(self.qtypes) != 1:
-            return None
-        return self.part(0).detach(), self.qtypes[0], self.bias
+    def native_rows(self, start: int, end: int) -> tuple[torch.Tensor, int] | None:
+        """What the native decode step streams of output rows ``[start, end)`` (``model/native_step.py``):
+        those rows of the one part group that holds them all (uint8 block rows, or fp32 rows: kind F32
+        = 0) with their GGML type id; None where they span groups of different types."""
+        for i, (first, last) in enumerate(self.group_rows):
+            if first <= start and end <= last:
+                return self.part(i).detach()[start - first : end - first], self.qtypes[i]
+        return None
 
     def part(self, i: int) -> torch.Tensor:
         """Group ``i``'s weight: uint8 block rows, or fp32 rows for a plain type."""

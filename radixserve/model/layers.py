@@ -34,7 +34,7 @@ class Linear(nn.Linear):
     - without them (no compiler): the oneDNN copy from Python for 3+ rows, else ``F.linear``.
     - before ``prepack`` (or off CPU): ``F.linear``.
 
-    The decode steps the native step covers (``model/native_step.py``) stream ``native_weight()``
+    The decode steps the native step covers (``model/native_step.py``) stream ``native_rows()``
     instead; this object stays the product of every other step.
     """
 
@@ -79,15 +79,15 @@ class Linear(nn.Linear):
             raise ValueError(f"many-rows arithmetic must be int8 or bfloat16, got {arithmetic!r}")
         self.many_rows = rows
 
-    def native_weight(self) -> tuple[torch.Tensor, int, torch.Tensor | None] | None:
-        """What the native decode step streams (``model/native_step.py``): the fp32 or bf16 ``[N, K]``
-        weight, its kind (the GGML type id: 0 fp32, 30 bf16), and the bias; None for another dtype or
-        device."""
+    def native_rows(self, start: int, end: int) -> tuple[torch.Tensor, int] | None:
+        """What the native decode step streams of output rows ``[start, end)`` (``model/native_step.py``):
+        those rows of the fp32 or bf16 ``[N, K]`` weight (a view) and their kind (the GGML type id: 0
+        fp32, 30 bf16); None for another dtype or device."""
         w = self.weight
         kind = NATIVE_KINDS.get(w.dtype)
         if kind is None or w.device.type != "cpu" or not w.is_contiguous():
             return None
-        return w.detach(), kind, self.bias
+        return w.detach()[start:end], kind
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x)

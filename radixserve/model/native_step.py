@@ -13,14 +13,15 @@ with SiLU, down and residual) with 5 barriers a layer and no Python between them
   and runs everything else: prefill, extend, mixed steps (a step with any extend chunk runs wholly in
   torch; the next decode-only step is native again), and more rows. The embedding, the final norm and
   the LM head stay the model's own modules.
-- Chosen once at load (``NativeStep.create``), like an attention backend: the decoder's linears must
-  each be one weight the kernel streams (``native_weight()``: fp32 or bf16 ``[N, K]``, or GGUF
-  blocks of one type, any of ``gguf_blocks.FORMATS``), the K/V pages float32 or bfloat16, the kernels
-  built for AVX-512 or AVX2, one rank; bf16 weights also need AVX512_BF16 (``vdpbf16ps``, checked at
-  run time: the build targets plain AVX-512). Else one log line says why (a fused projection of
-  several block types names them), and every step runs in torch.
+- Chosen once at load (``NativeStep.create``), like an attention backend: each of a layer's q, k, v,
+  o, gate, up and down rows must be one weight the kernel streams (``native_rows()``: fp32 or bf16
+  ``[N, K]``, or GGUF blocks of one type, any of ``gguf_blocks.FORMATS``; the parts of one fused
+  projection may differ in type, as llama.cpp's k-quant mixes have them), the K/V pages float32 or
+  bfloat16, the kernels built for AVX-512 or AVX2, one rank; bf16 weights also need AVX512_BF16
+  (``vdpbf16ps``, checked at run time: the build targets plain AVX-512). Else one log line says why,
+  and every step runs in torch.
 - Weights: streamed as the model holds them (already the kernel's layout: rows of fp32 or bf16, or
-  rows of GGUF blocks), so the native step adds no memory.
+  rows of GGUF blocks; a part is a row view of its fused projection), so the native step adds no memory.
 - ``RADIXSERVE_NATIVE_STEP=0`` turns it off (the torch step for every decode, as before);
   ``RADIXSERVE_NATIVE_BF16=0`` only for bf16 weights (the fallback a CPU without AVX512_BF16 takes).
 - Numbers: fp32 and GGUF weights: fp32 arithmetic in another summation order, equal to the reference
@@ -40,6 +41,7 @@ from collections.abc import Sequence
 import torch
 
 from radixserve.cache.page_pool import KVPool
+from radixserve.model.config import ModelConfig
 from radixserve.model.gguf_blocks import TYPE_NAMES
 from radixserve.model.layers import NATIVE_BF16
 from radixserve.model.llama import DecoderLayer, LlamaForCausalLM
@@ -60,18 +62,29 @@ def _layers(model: LlamaForCausalLM) -> list[DecoderLayer]:
     return layers
 
 
-def _linears(model: LlamaForCausalLM) -> list[torch.nn.Module]:
-    out: list[torch.nn.Module] = []
-    for layer in _layers(model):
-        attn, mlp = layer.self_attn, layer.mlp
-        out += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-    return out
+def _streams(layer: DecoderLayer, cfg: ModelConfig) -> list[tuple[torch.nn.Module, int, int]]:
+    """The weights the kernel streams for one layer, in its order (q, k, v, o, gate, up, down): each
+    a linear and its output rows ``[start, end)``. A fused projection is streamed by its parts, so its
+    parts may be of different GGUF types (llama.cpp's k-quant mixes give attn_v more bits)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    qkv, gate_up = attn.qkv_proj, mlp.gate_up_proj
+    return [
+        (qkv, 0, q),
+        (qkv, q, q + kv),
+        (qkv, q + kv, q + 2 * kv),
+        (attn.o_proj, 0, cfg.hidden_size),
+        (gate_up, 0, inter),
+        (gate_up, inter, 2 * inter),
+        (mlp.down_proj, 0, cfg.hidden_size),
+    ]
 
 
-def _native_weight(m: torch.nn.Module) -> tuple[torch.Tensor, int, torch.Tensor | None] | None:
-    """What the kernel streams of a weight object (its ``native_weight()``), None where it has none."""
-    weight = getattr(m, "native_weight", None)
-    return None if weight is None else weight()  # type: ignore[no-any-return]
+def _native_rows(m: torch.nn.Module, start: int, end: int) -> tuple[torch.Tensor, int] | None:
+    """What the kernel streams of rows ``[start, end)`` of a linear (its ``native_rows``), None where
+    it has none."""
+    rows = getattr(m, "native_rows", None)
+    return None if rows is None else rows(start, end)  # type: ignore[no-any-return]
 
 
 def bf16_dot_here() -> bool:
@@ -98,15 +111,16 @@ def unsupported(model: LlamaForCausalLM, pool: KVPool) -> str | None:
     if cfg.head_dim % 16 or cfg.num_heads % cfg.num_kv_heads or cfg.num_heads // cfg.num_kv_heads > 8:
         return f"head_dim {cfg.head_dim} with {cfg.num_heads}/{cfg.num_kv_heads} heads"
     kinds = set()
-    for m in _linears(model):
-        weight = _native_weight(m)
-        if weight is None:
-            qtypes = getattr(m, "qtypes", [])
-            if len(qtypes) > 1:  # llama.cpp's k-quant mixes give attn_v more bits in some layers
-                names = ", ".join(TYPE_NAMES.get(q, str(q)) for q in qtypes)
-                return f"a fused GGUF projection holds parts of several block types ({names})"
-            return f"a decoder linear held as {type(m).__name__} of a format it does not stream"
-        kinds.add(weight[1])
+    for layer in _layers(model):
+        for m, start, end in _streams(layer, cfg):
+            weight = _native_rows(m, start, end)
+            if weight is None:
+                qtypes = getattr(m, "qtypes", [])
+                if len(qtypes) > 1:
+                    names = ", ".join(TYPE_NAMES.get(q, str(q)) for q in qtypes)
+                    return f"rows {start}-{end} of a fused GGUF projection span several types ({names})"
+                return f"a decoder linear held as {type(m).__name__} of a format it does not stream"
+            kinds.add(weight[1])
     if NATIVE_BF16 in kinds:
         if os.environ.get(BF16_ENV, "1") == "0":
             return f"{BF16_ENV}=0 (bf16 weights)"
@@ -126,24 +140,26 @@ class NativeStep:
         weights: list[torch.Tensor] = []
         kinds: list[int] = []
         for layer in _layers(model):
-            attn, mlp = layer.self_attn, layer.mlp
-            stream = [
-                _native_weight(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            ]
+            attn = layer.self_attn
+            stream = [_native_rows(m, start, end) for m, start, end in _streams(layer, cfg)]
             assert all(w is not None for w in stream), "checked by unsupported()"
-            (qkv, qkv_kind, qkv_bias), (o, o_kind, _), (gu, gu_kind, _), (down, down_kind, _) = stream  # type: ignore[misc]
+            (q, k, v, o, gate, up, down), layer_kinds = zip(*stream)  # type: ignore[misc]
+            bias = attn.qkv_proj.bias
             weights += [
                 layer.input_layernorm.weight.detach().float().contiguous(),
-                qkv,
-                EMPTY if qkv_bias is None else qkv_bias.detach().float().contiguous(),
+                q,
+                k,
+                v,
+                EMPTY if bias is None else bias.detach().float().contiguous(),
                 EMPTY if attn.q_norm is None else attn.q_norm.weight.detach().float().contiguous(),
                 EMPTY if attn.k_norm is None else attn.k_norm.weight.detach().float().contiguous(),
                 o,
                 layer.post_attention_layernorm.weight.detach().float().contiguous(),
-                gu,
+                gate,
+                up,
                 down,
             ]
-            kinds += [qkv_kind, o_kind, gu_kind, down_kind]
+            kinds += layer_kinds
         self.weights, self.kinds = weights, kinds
         self.k_caches = [c.k for c in pool.layers]
         self.v_caches = [c.v for c in pool.layers]

@@ -15,12 +15,14 @@ from typing import Any
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
+from gguf_files import write_tiny_gguf
 
 from radixserve.cache.page_pool import KVPool
 from radixserve.kernels import cpu_build
 from radixserve.model import compiled, native_step
 from radixserve.model.attention import get_backend
-from radixserve.model.llama import Attention
+from radixserve.model.llama import Attention, DecoderLayer
 from radixserve.model.loader import load_model
 from radixserve.model.runner import ModelRunner, SeqChunk
 
@@ -28,8 +30,14 @@ if not cpu_build.load() or cpu_build.isa() not in native_step.ISAS:
     pytest.skip("no C++ CPU kernels with AVX-512 or AVX2: no native step", allow_module_level=True)
 
 
-def _runner(model_path: Path, native: bool, captured: bool = False, kv_dtype: str = "float32") -> ModelRunner:
-    model = load_model(model_path, torch.float32, torch.device("cpu"))
+def _runner(
+    model_path: Path,
+    native: bool,
+    captured: bool = False,
+    kv_dtype: str = "float32",
+    quantization: str | None = None,
+) -> ModelRunner:
+    model = load_model(model_path, torch.float32, torch.device("cpu"), quantization)
     c = model.config
     pool = KVPool(c.num_layers, 400, 4, c.num_kv_heads, c.head_dim, kv_dtype)
     runner = ModelRunner(model, pool, get_backend("cpu"), torch.device("cpu"), captured, native_step=native)
@@ -89,6 +97,29 @@ def test_native_step_matches_reference(tiny_models: dict[str, Path], kind: str, 
     native = _runner(tiny_models[kind], True, kv_dtype=kv_dtype)
     steps = _steps(reference.model.config.vocab_size)
     assert _compare(reference, native, steps) == 4  # every decode-only step, not the mixed one
+
+
+def test_native_step_streams_fused_projections_whose_gguf_parts_differ_in_type(tmp_path: Path) -> None:
+    """llama.cpp's k-quant mixes give attn_v more bits than attn_q/attn_k in some layers (and the
+    576-wide rows of the default model fall back to Q5_0 and Q8_0): each part is streamed in its own
+    type, where the native step was once off for the whole model."""
+    Q = GGMLQuantizationType
+    mix = {
+        "attn_q.weight": Q.Q4_0,
+        "attn_k.weight": Q.Q5_0,
+        "attn_v.weight": Q.Q8_0,
+        "ffn_gate.weight": Q.Q4_1,
+        "ffn_up.weight": Q.Q5_1,
+        "ffn_down.weight": Q.Q8_0,
+    }
+    file = tmp_path / "mixed.gguf"
+    write_tiny_gguf(file, Q.Q4_1, types=mix)
+    reference = _runner(file, False, quantization="gguf")
+    native = _runner(file, True, quantization="gguf")
+    layer = native.model.layers[0]
+    assert isinstance(layer, DecoderLayer)
+    assert len(getattr(layer.self_attn.qkv_proj, "qtypes", [])) == 3  # q, k and v: three types
+    assert _compare(reference, native, _steps(reference.model.config.vocab_size)) == 4
 
 
 @pytest.mark.skipif(compiled.find_compiler() is None, reason="no C++ compiler for the captured step")
