@@ -59,8 +59,10 @@ class EngineClient:
         cpus: Sequence[int] | None = None,
         log_level: str = "info",
         command: Sequence[str] = ENGINE_COMMAND,
+        nice: int = 0,
     ) -> None:
         self.config = config
+        self.nice = nice
         self.command = list(command)
         self.threads = threads
         self.cpus = cpus
@@ -109,6 +111,7 @@ class EngineClient:
         ]
         cmd += ["--threads", str(self.threads)] if self.threads else []
         cmd += ["--cpus", ",".join(map(str, self.cpus))] if self.cpus else []
+        cmd += ["--nice", str(self.nice)] if self.nice else []
         # The child must import the code this process runs (a source tree, a test's sys.path), and
         # live in a session of its own, so a terminal's Ctrl-C reaches only the API server, which
         # drains and then stops the engine.
@@ -167,6 +170,18 @@ class EngineClient:
                 code = await self._exited
         self.close()
         return code
+
+    def renice(self, value: int) -> None:
+        """Set the nice value of every thread of the process and of its group (its tensor-parallel
+        ranks). Lowering it needs CAP_SYS_NICE (or RLIMIT_NICE): without, it is logged and kept."""
+        if self._proc is None or self.nice == value:
+            return
+        try:
+            os.setpriority(os.PRIO_PGRP, self._proc.pid, value)  # it leads its own group (its session)
+        except OSError as exc:
+            logger.warning("engine process %s keeps nice %d: %s", self._proc.pid, self.nice, exc)
+            return
+        self.nice = value
 
     def kill(self) -> None:
         if self._proc is not None:

@@ -42,6 +42,11 @@ MAX_RESTART_DELAY_S = 30.0
 STABLE_S = 60.0  # an engine process that served this long resets the restart back-off
 Started = tuple[EngineClient, Ready, float]  # a ready process, its Ready, its start-up in seconds
 KILL_GRACE_S = 5.0  # a hung process SIGKILLed but not yet reaped after this long is given up as dead
+# A standby starts at the lowest priority: it starts beside a serving process, often a busy one whose
+# OpenMP team meets at barriers ~150 times a step, and a start-up at equal priority preempting its
+# threads slowed it several-fold (a probe waited 57 s in a soak at 2x load). It is reniced to 0 when it
+# takes over; with the serving process dead it has the CPU to itself anyway.
+STANDBY_NICE = 19
 
 
 class Supervisor:
@@ -117,10 +122,10 @@ class Supervisor:
     async def _launch(self) -> None:
         self._serve(*await self._start_process())
 
-    async def _start_process(self) -> Started:
+    async def _start_process(self, nice: int = 0) -> Started:
         threads, cpus, log_level = self._process_options
         launched = time.monotonic()
-        client = EngineClient(self._config, threads, cpus, log_level, self._command)
+        client = EngineClient(self._config, threads, cpus, log_level, self._command, nice)
         try:
             ready = await client.start(
                 functools.partial(self._receive, client), functools.partial(self._on_exit, client)
@@ -168,7 +173,7 @@ class Supervisor:
 
     async def _start_standby(self, delay: float) -> Started:
         await asyncio.sleep(delay)
-        return await self._start_process()
+        return await self._start_process(STANDBY_NICE)
 
     def _standby_client(self) -> EngineClient | None:
         """The ready standby's client, if there is one."""
@@ -213,6 +218,7 @@ class Supervisor:
         if client.exited:  # it died after Ready; its exit went to _standby_exited, or is on its way
             client.close()
             return False
+        client.renice(0)
         client.send(TakeOver())  # before anything _serve lets the API server send
         self._serve(client, ready, took)
         return True

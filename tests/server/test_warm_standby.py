@@ -1,6 +1,6 @@
-"""``--warm-standby`` (server/supervisor.py): a second engine process waits loaded and compiled; when the
-serving one is killed it takes over (no start-up), reads again the disk-tier pages its predecessor wrote
-after it started, and another standby replaces it."""
+"""``--warm-standby`` (server/supervisor.py): a second engine process waits loaded and compiled, at nice
+19; when the serving one is killed it takes over (no start-up) at nice 0, reads again the disk-tier
+pages its predecessor wrote after it started, and another standby replaces it."""
 
 from __future__ import annotations
 
@@ -27,6 +27,11 @@ def wait_for_standby(c: httpx.Client, served: Served, timeout_s: float = 120.0) 
             return int(served.engine.standby_pid)
         time.sleep(0.1)
     raise AssertionError(f"no warm standby became ready within {timeout_s} s: {c.get('/health').text}")
+
+
+def nice_values(pid: int) -> set[int]:
+    """The nice value of every thread of process ``pid``."""
+    return {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
 
 
 def complete(c: httpx.Client, prompt: list[int]) -> dict[str, int]:
@@ -56,6 +61,8 @@ def test_a_warm_standby_takes_over_a_killed_engine_with_the_disk_pages_written_a
         standby = wait_for_standby(c, s)
         serving_pid = s.engine.engine_pid
         assert serving_pid not in (None, standby)
+        # It waits at the lowest priority, so its start-up only takes CPU the serving one leaves.
+        assert nice_values(standby) == {19} and nice_values(serving_pid) == {0}
         # Written through to disk by the serving process after the standby indexed the directory.
         assert complete(c, doc) == {"device": 0, "host": 0, "disk": 0}
         deadline = time.monotonic() + 30
@@ -69,6 +76,7 @@ def test_a_warm_standby_takes_over_a_killed_engine_with_the_disk_pages_written_a
             time.sleep(0.02)
         wait_until_healthy(c, 30)
         assert s.engine.engine_pid == standby  # no new process: the standby serves
+        assert nice_values(standby) == {0}  # every thread, back at the serving priority
         # TakeOver made it index the directory again: the pages are a disk hit, not recomputed.
         assert complete(c, doc + [3]) == {"device": 0, "host": 0, "disk": 40}
 
