@@ -5,7 +5,9 @@ Roles come from each process's command line, under the server's pid (psutil): ``
 (radixserve.server.engine_process), ``prefill`` / ``decode`` (radixserve.disagg.process --role), a
 tensor-parallel ``tp-rank`` (a multiprocessing spawn child of an engine), a Ray Serve ``replica``
 (its worker's title names ServeReplica), the ``server`` itself, and ``other`` (Ray's own daemons,
-resource trackers).
+resource trackers). An engine-like process niced above the server is a warm ``standby``
+(``--warm-standby``: it waits at nice 19 and is reniced when it takes over), so a fault never picks
+it for the serving engine.
 
 Faults (``FAULTS``), each a function of a ``Target`` that returns what it did, and when (``t``, on the
 ``time.perf_counter`` clock: the moment the fault took hold):
@@ -33,6 +35,7 @@ from typing import Any
 import psutil
 
 ENGINE_ROLES = ("engine", "decode", "prefill", "tp-rank")
+STANDBY = "standby"
 
 
 def role_of(cmdline: list[str]) -> str:
@@ -65,6 +68,7 @@ def process_tree(root: int) -> list[Proc]:
     try:
         top = psutil.Process(root)
         procs = [top, *top.children(recursive=True)]
+        server_nice = top.nice()
     except psutil.NoSuchProcess:
         return []
     for p in procs:
@@ -72,6 +76,8 @@ def process_tree(root: int) -> list[Proc]:
             role = role_of(p.cmdline())
             if role == "tp-rank" and role_of(psutil.Process(p.ppid()).cmdline()) not in ENGINE_ROLES:
                 role = "other"  # a spawn child of something else (a Ray helper)
+            if role in ENGINE_ROLES and p.nice() > server_nice:
+                role = STANDBY
             out.append(Proc(p.pid, role, p.memory_info().rss / 2**20, p.ppid()))
     return out
 

@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+from benchmarks.soak_faults import STANDBY
 from benchmarks.soak_records import Record
 
 OUTCOMES = ("ok", "shed_429", "bad_input_4xx", "restart_503", "error_4xx", "error_5xx", "lost", "wrong")
@@ -141,16 +142,18 @@ def process_rss_growth(
     """Each process's own growth (Ray's helper processes aside): from its first sample ``from_s``
     into its life (into the run, for one there from the start) to its last, where that spans at least
     ``min_span_s``. A process a fault started is young at the run's 2nd minute and the one it
-    replaced was old: only the same process, past its own start-up, tells a leak from a restart."""
+    replaced was old: only the same process, past its own start-up, tells a leak from a restart. A
+    warm standby's life counts from when it took over (its start-up at nice 19 may outlast minutes)."""
     seen: dict[str, list[tuple[float, str, float]]] = {}
     for x in samples:
         for pid, (role, mb) in x.get("procs", {}).items():
             seen.setdefault(pid, []).append((x["t_s"], role, mb))
     out = []
     for pid, points in seen.items():
-        born, role = points[0][0], points[0][1]
-        if role == "other":
+        points = [p for p in points if p[1] != STANDBY]
+        if not points or points[0][1] == "other":
             continue
+        born, role = points[0][0], points[0][1]
         start = from_s if born == samples[0]["t_s"] else born + from_s
         window = [p for p in points if p[0] >= start]
         if len(window) < 2 or window[-1][0] - window[0][0] < min_span_s:

@@ -159,6 +159,28 @@ def test_rss_growth_is_judged_per_process_past_its_own_second_minute() -> None:
     assert own[1]["growth_pct"] == 0.0 and (own[1]["from_s"], own[1]["to_s"]) == (120.0, 600.0)
     assert own[3]["from_s"] == 225.0 and own[3]["growth_pct"] == 4.0  # 1500 -> 1560, from 105 + 120 s
 
+    # A warm standby, starting (at nice 19) from 0 to 200 s, takes over at 300 s: its life as an
+    # engine counts from there, not its start-up's growth.
+    samples = [
+        sample(t, {"1": ("server", 400.0), "2": ("engine", 2000.0), "5": ("standby", t * 9.0)})
+        for t in (0.0, 150.0, 200.0)
+    ]
+    samples += [
+        sample(t, {"1": ("server", 400.0), "2": ("engine", 2000.0), "5": ("standby", 1800.0)})
+        for t in (250.0,)
+    ]
+    samples += [
+        sample(t, {"1": ("server", 400.0), "5": ("engine", 1800.0 + t - 300.0)})
+        for t in (300.0, 420.0, 600.0)
+    ]
+    own = {p["pid"]: p for p in process_rss_growth(samples, 120.0)}
+    assert (own[5]["role"], own[5]["from_s"], own[5]["mb_from"], own[5]["mb_to"]) == (
+        "engine",
+        420.0,
+        1920.0,
+        2100.0,
+    )
+
 
 def test_a_soak_reports_the_server_logs_tracebacks_most_frequent_first(tmp_path: Path) -> None:
     """A failed soak shows why a process died (its log stays on the machine that ran it); shutdown's
