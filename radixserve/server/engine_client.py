@@ -175,6 +175,7 @@ class EngineClient:
         """Set the nice value of every thread of the process and of its group (its tensor-parallel
         ranks). Lowering it needs CAP_SYS_NICE (or RLIMIT_NICE): without, it is logged and kept."""
         if self._proc is None or self.nice == value:
+            self.nice = value  # not started yet: it starts at this value
             return
         try:
             os.setpriority(os.PRIO_PGRP, self._proc.pid, value)  # it leads its own group (its session)

@@ -85,6 +85,7 @@ class Supervisor:
         self.last_restart_reason: str | None = None
         self._standby: asyncio.Task[Started] | None = None  # with warm_standby: the spare process
         self._standby_failures = 0  # consecutive failed starts or deaths of a standby: its back-off
+        self._standby_starting: EngineClient | None = None  # the latest standby's, from its launch
 
     async def start(self) -> None:
         """Start the engine process and wait until it is ready; raises if it exits first."""
@@ -120,12 +121,14 @@ class Supervisor:
         return self.client is not None and self.client.send(msg)
 
     async def _launch(self) -> None:
-        self._serve(*await self._start_process())
+        self._serve(*await self._start_process(self._new_client()))
 
-    async def _start_process(self, nice: int = 0) -> Started:
+    def _new_client(self, nice: int = 0) -> EngineClient:
         threads, cpus, log_level = self._process_options
+        return EngineClient(self._config, threads, cpus, log_level, self._command, nice)
+
+    async def _start_process(self, client: EngineClient) -> Started:
         launched = time.monotonic()
-        client = EngineClient(self._config, threads, cpus, log_level, self._command, nice)
         try:
             ready = await client.start(
                 functools.partial(self._receive, client), functools.partial(self._on_exit, client)
@@ -173,7 +176,8 @@ class Supervisor:
 
     async def _start_standby(self, delay: float) -> Started:
         await asyncio.sleep(delay)
-        return await self._start_process(STANDBY_NICE)
+        self._standby_starting = client = self._new_client(STANDBY_NICE)
+        return await self._start_process(client)
 
     def _standby_client(self) -> EngineClient | None:
         """The ready standby's client, if there is one."""
@@ -211,6 +215,8 @@ class Supervisor:
         task, self._standby = self._standby, None
         if task is None:
             return False
+        if not task.done() and self._standby_starting is not None:
+            self._standby_starting.renice(0)  # nothing serves now: its start-up is the restart
         try:
             client, ready, took = await task
         except Exception:

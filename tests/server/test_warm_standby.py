@@ -83,5 +83,15 @@ def test_a_warm_standby_takes_over_a_killed_engine_with_the_disk_pages_written_a
         replacement = wait_for_standby(c, s)
         assert replacement not in (serving_pid, standby)
         assert c.get("/health").json()["engine_restarts"] == 1
+
+        # An idle standby that dies is replaced; the serving process goes on, and nothing restarts.
+        os.kill(replacement, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while s.engine.standby_pid == replacement and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert wait_for_standby(c, s) not in (replacement, standby, serving_pid)
+        assert s.engine.engine_pid == standby
+        assert c.get("/health").json()["engine_restarts"] == 1
+        assert complete(c, doc + [4])["device"] == 40
     messages = [rec.getMessage() for rec in caplog.records if rec.name == "radixserve.server"]
     assert [m for m in messages if f"warm standby engine process {standby} took over" in m], messages
