@@ -85,7 +85,7 @@ class Supervisor:
         self.last_restart_reason: str | None = None
         self._standby: asyncio.Task[Started] | None = None  # with warm_standby: the spare process
         self._standby_failures = 0  # consecutive failed starts or deaths of a standby: its back-off
-        self._standby_starting: EngineClient | None = None  # the latest standby's, from its launch
+        self._standby_starting: EngineClient | None = None  # a standby's from its launch to its Ready
 
     async def start(self) -> None:
         """Start the engine process and wait until it is ready; raises if it exits first."""
@@ -176,8 +176,13 @@ class Supervisor:
 
     async def _start_standby(self, delay: float) -> Started:
         await asyncio.sleep(delay)
-        self._standby_starting = client = self._new_client(STANDBY_NICE)
-        return await self._start_process(client)
+        # Yield the CPU only to a serving process: with none, a restart is waiting for this one.
+        nice = STANDBY_NICE if self.client is not None else 0
+        self._standby_starting = client = self._new_client(nice)
+        try:
+            return await self._start_process(client)
+        finally:
+            self._standby_starting = None
 
     def _standby_client(self) -> EngineClient | None:
         """The ready standby's client, if there is one."""
