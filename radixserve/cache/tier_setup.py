@@ -10,9 +10,10 @@ from pathlib import Path
 
 import torch
 
+from radixserve.cache.disk_store import DiskStore
 from radixserve.cache.page_pool import PageCopier, PagedPool
 from radixserve.cache.tier_controller import TierController, WritePolicy
-from radixserve.cache.tiers import DiskStore, HostStore, KVStore, model_fingerprint
+from radixserve.cache.tiers import HostStore, KVStore, model_fingerprint
 
 logger = logging.getLogger(__name__)
 

@@ -10,10 +10,7 @@ produced it, and a disk store can be reindexed after a restart.
 
 Invariants:
 - ``HostStore``: every slot is free or holds exactly one key; used bytes never exceed the capacity.
-- ``DiskStore``: the index lists complete files of this fingerprint only; indexed bytes never exceed the
-  capacity. Files are written to a temporary name, fsynced and renamed, so a name holds a whole page or
-  nothing; a file is served only if its header (magic, fingerprint, key, length) and CRC32 match, and is
-  deleted otherwise.
+- ``DiskStore`` (``cache/disk_store.py``): its own invariants are in its module.
 - A store's methods may be called from any thread (each store has its own lock); ``get`` returns a
   tensor that stays valid whatever the store does next.
 
@@ -25,14 +22,10 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
-import struct
 import threading
-import zlib
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -109,17 +102,6 @@ class TierStats:
 
     def as_dict(self) -> dict[str, float]:
         return {k: float(v) for k, v in asdict(self).items()}
-
-
-def _writer_alive(tmp: Path) -> bool:
-    """Whether the process that named the temporary ``<key>.kv.<pid>.<thread>.tmp`` still runs."""
-    try:
-        os.kill(int(tmp.name.split(".")[2]), 0)
-    except (IndexError, ValueError, ProcessLookupError):
-        return False
-    except PermissionError:  # another user's process
-        pass
-    return True
 
 
 class KVStore(Protocol):
@@ -227,180 +209,3 @@ class HostStore:
             assert len(set(owned)) == len(owned), "a host slot is both free and used, or used twice"
             assert sorted(owned) == list(range(self.num_slots)), "a host slot is leaked"
             assert self.stats.used_bytes == len(used) * self.page_bytes <= self.stats.capacity_bytes
-
-
-# Header: magic, fingerprint, key, payload length, CRC32 of the payload; padded to 64 bytes.
-# The magic's last two digits are the format version: 02 since a payload is the pool's byte record,
-# 03 since that record ends with the page's prompt scores (cache/scores.py). Files of an older version
-# are deleted when the directory is indexed (counted in ``rejected``); their pages are recomputed.
-_MAGIC = b"RSKVPG03"
-_HEADER = struct.Struct(f"<8s{KEY_BYTES}s{KEY_BYTES}sQI")
-_HEADER_BYTES = 64
-
-
-class DiskStore:
-    """One file per page, ``<key hex>.kv``, in a directory that survives restarts; LRU-bounded bytes."""
-
-    name = "disk"
-    in_memory = False
-
-    def __init__(
-        self,
-        directory: str | os.PathLike[str],
-        capacity_bytes: int,
-        fingerprint: bytes,
-        page_shape: Sequence[int],
-        dtype: torch.dtype,
-    ) -> None:
-        self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.fingerprint = fingerprint
-        self.page_shape = tuple(page_shape)
-        self.dtype = dtype
-        self.payload_bytes = math.prod(self.page_shape) * torch.empty(0, dtype=dtype).element_size()
-        self.file_bytes = _HEADER_BYTES + self.payload_bytes
-        self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, least recently used first
-        self._lock = threading.Lock()
-        self.stats = TierStats(capacity_bytes=capacity_bytes)
-        self._rebuild_index()
-
-    def path(self, key: bytes) -> Path:
-        return self.dir / f"{key.hex()}.kv"
-
-    def contains(self, key: bytes) -> bool:
-        with self._lock:
-            return key in self._index
-
-    def get(self, key: bytes) -> torch.Tensor | None:
-        with self._lock:
-            if key not in self._index:
-                return None
-            self._index.move_to_end(key)
-        path = self.path(key)
-        try:
-            if path.stat().st_size != self.file_bytes:  # a torn or truncated file: mapping it would fault
-                raise OSError(f"{path} is not one page long")
-            raw = torch.from_file(str(path), shared=False, size=self.file_bytes, dtype=torch.uint8)
-        except (OSError, RuntimeError):
-            self._reject(key)
-            return None
-        header = raw[:_HEADER_BYTES].numpy().tobytes()
-        payload = raw[_HEADER_BYTES:]
-        if self._header_error(header, key) or _HEADER.unpack_from(header)[4] != zlib.crc32(
-            payload.numpy().data
-        ):
-            self._reject(key)
-            return None
-        return payload.view(self.dtype).view(self.page_shape)
-
-    def put(self, key: bytes, page: torch.Tensor) -> list[tuple[bytes, torch.Tensor]]:
-        with self._lock:
-            if key in self._index:
-                self._index.move_to_end(key)
-                return []
-        if self.file_bytes > self.stats.capacity_bytes:
-            return []
-        payload = page.detach().to("cpu").contiguous().view(torch.uint8).numpy()
-        header = _HEADER.pack(_MAGIC, self.fingerprint, key, self.payload_bytes, zlib.crc32(payload.data))
-        final = self.path(key)
-        tmp = final.with_name(f"{final.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(header.ljust(_HEADER_BYTES, b"\0"))
-                f.write(payload.data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)  # atomic: readers see the whole page or no file
-        except OSError:
-            # A full or failing disk: the page is not stored (the caller counts a dropped write), and
-            # the partial temporary goes now; left, it would hold its space until the next start.
-            tmp.unlink(missing_ok=True)
-            raise
-        with self._lock:
-            self._index[key] = self.file_bytes
-            self.stats.pages_in += 1
-            self.stats.bytes_in += self.file_bytes
-            self._evict_to(self.stats.capacity_bytes)
-        return []
-
-    def discard(self, keys: Iterable[bytes]) -> int:
-        with self._lock:
-            held = [k for k in keys if self._index.pop(k, None) is not None]
-            for key in held:
-                self.path(key).unlink(missing_ok=True)
-            self.stats.used_bytes = sum(self._index.values())
-            return len(held)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._evict_to(0)
-
-    def reindex(self) -> None:
-        with self._lock:
-            self._index.clear()
-            self._rebuild_index()
-
-    def check_integrity(self) -> None:
-        with self._lock:
-            used = sum(self._index.values())
-            assert used == self.stats.used_bytes <= self.stats.capacity_bytes, "disk bytes over capacity"
-            on_disk = {bytes.fromhex(p.stem) for p in self.dir.glob("*.kv")}
-            assert set(self._index) <= on_disk, "the disk index lists a missing file"
-
-    def _evict_to(self, limit: int) -> None:
-        """Delete least recently used files until the indexed bytes fit ``limit`` (lock held)."""
-        used = sum(self._index.values())
-        while self._index and used > limit:
-            key, size = self._index.popitem(last=False)
-            self.path(key).unlink(missing_ok=True)
-            used -= size
-            self.stats.evicted += 1
-        self.stats.used_bytes = used
-
-    def _reject(self, key: bytes) -> None:
-        with self._lock:
-            if self._index.pop(key, None) is not None:
-                self.stats.rejected += 1
-                self.stats.used_bytes -= self.file_bytes
-            self.path(key).unlink(missing_ok=True)
-
-    def _header_error(self, header: bytes, key: bytes | None) -> str | None:
-        if len(header) < _HEADER.size:
-            return "short header"
-        magic, fingerprint, file_key, length, _ = _HEADER.unpack_from(header)
-        if magic != _MAGIC:
-            return "bad magic"
-        if fingerprint != self.fingerprint:
-            return "another model's fingerprint"
-        if key is not None and file_key != key:
-            return "key does not match the name"
-        if length != self.payload_bytes:
-            return "wrong length"
-        return None
-
-    def _rebuild_index(self) -> None:
-        """Index the directory: drop temporaries of interrupted writes and foreign, torn or misnamed files.
-        A temporary of a live process is its write in progress (a standby indexes the directory while
-        the serving process writes to it), and stays."""
-        for tmp in self.dir.glob("*.kv.*.tmp"):
-            if not _writer_alive(tmp):
-                tmp.unlink(missing_ok=True)
-        entries = []
-        for path in self.dir.glob("*.kv"):
-            try:
-                key = bytes.fromhex(path.stem)
-                st = path.stat()
-                with open(path, "rb") as f:
-                    header = f.read(_HEADER_BYTES)
-            except (ValueError, OSError):
-                path.unlink(missing_ok=True)
-                self.stats.rejected += 1
-                continue
-            if len(key) != KEY_BYTES or st.st_size != self.file_bytes or self._header_error(header, key):
-                path.unlink(missing_ok=True)
-                self.stats.rejected += 1
-                continue
-            entries.append((st.st_mtime_ns, key))
-        for _, key in sorted(entries):  # oldest first: the LRU order of the last run, as near as we know it
-            self._index[key] = self.file_bytes
-        self._evict_to(self.stats.capacity_bytes)

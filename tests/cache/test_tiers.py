@@ -19,10 +19,11 @@ import torch
 from tiny_models import make_tiny_model
 
 from radixserve import Engine, SamplingParams
+from radixserve.cache.disk_store import DiskStore
 from radixserve.cache.radix import RadixCache
 from radixserve.cache.radix_node import EvictResult
 from radixserve.cache.scores import ScoreTable
-from radixserve.cache.tiers import DiskStore, HostStore, chain_keys, namespace_key, page_key
+from radixserve.cache.tiers import HostStore, chain_keys, namespace_key, page_key
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 PAGE = 4
