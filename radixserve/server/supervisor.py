@@ -236,13 +236,11 @@ class Supervisor:
 
     def _drop_standby(self) -> EngineClient | None:
         """Cancel a starting standby; hand back a ready one's client, for the caller to stop."""
-        task, self._standby = self._standby, None
-        if task is None:
-            return None
-        if not task.done():
+        task, ready = self._standby, self._standby_client()
+        self._standby = None
+        if task is not None and not task.done():
             task.cancel()  # _start_process kills the process it started
-            return None
-        return None if task.cancelled() or task.exception() is not None else task.result()[0]
+        return ready
 
     def _receive(self, client: EngineClient, msg: FromEngine) -> None:
         if client is not self.client:
@@ -284,10 +282,9 @@ class Supervisor:
             return
         self._unwatch()
         hung, self.hung = self.hung, ""
-        client, self.client = self.client, None
-        pid = client.pid if client is not None else "?"
-        if client is not None:
-            client.close()
+        self.client = None
+        pid = client.pid
+        client.close()
         if not self.accepting:
             self._on_death(code, None)  # nothing fails here: the shutdown fails what is left
             return
