@@ -10,6 +10,11 @@ weights' exact prefill, side by side in one process, with each mode's accuracy b
   model's fp32 folder is its Q4_1 file's exact dequantization), and mean |d loglik| of the text tokens.
 
     python -m benchmarks.gguf_int8_bench [--tokens 512] [--rounds 7] [--captured] [--threads N]
+        [--ftype Q4_K_M]
+
+``--ftype``: instead of the default model's own Q4_1 file, llama.cpp's ``llama-quantize`` of its fp32
+weights to that type (kquant_check.quantized_file; Q4_K_M mixes Q5_0, Q4_K, Q6_K and Q8_0), with "fp32
+exact" the fp32 folder of that file's dequantization.
 
 Writes benchmarks/results/gguf_int8.{json,md}.
 """
@@ -19,13 +24,18 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks.accuracy import TEXTS
+from benchmarks.bench_models import dequantized_folder
 from benchmarks.common import args_json, write_results
+from benchmarks.kquant_check import quantized_file, tensor_types
+from benchmarks.servers import PEERS_DIR
 from radixserve import Engine
+from radixserve.model.default_model import prepare_default_model
 from radixserve.model.runner import SeqChunk
 
 MODES: dict[str, dict[str, Any]] = {
@@ -73,10 +83,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--captured", action="store_true", help="the compiled step (default: eager)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--ftype", default=None, help="a llama-quantize type of the default model (Q4_K_M, ...)")
+    p.add_argument("--peers-dir", type=Path, default=PEERS_DIR, help="where llama.cpp is built")
     p.add_argument("--name", default="gguf_int8")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    models: dict[str, dict[str, Any]] = {name: {} for name in MODES}
+    notes = ""
+    if args.ftype:
+        gguf = quantized_file(prepare_default_model(progress=False), args.peers_dir, args.ftype)
+        models = {name: {"model": str(gguf)} for name in MODES}
+        models["fp32 exact"] = {"model": str(dequantized_folder(gguf))}
+        notes = f"File: {gguf.name} (llama-quantize), tensor types {tensor_types(gguf)}."
     opts: dict[str, Any] = {
         "enforce_eager": not args.captured,
         "prefix_cache": False,
@@ -84,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         # The row threshold of the cheaper arithmetic: the texts (40-70 tokens each) are above it.
         "max_running_requests": 16,
     }
-    engines = {name: Engine(**opts, **extra) for name, extra in MODES.items()}
+    engines = {name: Engine(**opts, **models[name], **extra) for name, extra in MODES.items()}
     arith = {name: e.model.arithmetic for name, e in engines.items()}
     logits = {name: text_logits(e) for name, e in engines.items()}
     rng = random.Random(0)
@@ -125,10 +144,11 @@ def main(argv: list[str] | None = None) -> None:
     header += ["top-1 vs gguf exact", "mean |d loglik|"]
     write_results(
         args.name,
-        {"args": args_json(args), "threads": torch.get_num_threads(), "modes": results},
+        {"args": args_json(args), "threads": torch.get_num_threads(), "modes": results, "notes": notes},
         rows,
         header,
         f"Prefill over GGUF blocks ({args.tokens} tokens, median of {args.rounds} interleaved rounds)",
+        notes=notes,
     )
 
 

@@ -2,6 +2,10 @@
 x quantized to int8 per 32-block, exact int32 dot products with the blocks' integer values, fp32
 scales after each block. The approximate many-rows mode over GGUF weights (model/arithmetic.py).
 
+- Types (``TYPES``): those whose every chunk of 32 weights is one scale times small integers plus at
+  most one minimum (``gguf_blocks.CHUNK_AFFINE``): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K.
+  A weight of another type (Q2_K, Q3_K, Q6_K) keeps the exact kernel (``model/gguf.py``).
+
 - ``available()``: whether the fast kernel runs here: the C++ kernels load, the CPU reports
   AVX512-VNNI, and ``RADIXSERVE_GGUF_INT8=0`` (forcing the fallback, as on a CPU without it) is unset.
 - ``quantize_q8_blocks`` and ``reference``: the same arithmetic in torch, the tests' ground truth.
@@ -13,10 +17,11 @@ import os
 
 import torch
 
+from radixserve.model.gguf_blocks import CHUNK_AFFINE, chunk_integers
+
 DISABLE_ENV = "RADIXSERVE_GGUF_INT8"
 QK = 32
-Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGML type ids, as radixserve.model.gguf names them
-BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
+TYPES = CHUNK_AFFINE  # GGML type ids the kernel takes
 _fake_registered = False
 
 
@@ -76,30 +81,16 @@ def quantize_q8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     return q.reshape(m, k).to(torch.int8), d, q.sum(-1, dtype=torch.int32)
 
 
-def block_values(blocks: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """A block weight [N, K/32 * bytes] as (integer values [N, K/32, 32] int32, d [N, K/32] fp32,
-    Q4_1's min m [N, K/32] fp32 or None): weight = d * value (+ m)."""
-    n = blocks.shape[0]
-    b = blocks.reshape(n, -1, BLOCK_BYTES[qtype])
-    d = b[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)
-    if qtype == Q8_0:
-        return b[..., 2:].contiguous().view(torch.int8).to(torch.int32), d, None
-    qs = b[..., 4:] if qtype == Q4_1 else b[..., 2:]
-    q = torch.cat((qs & 0x0F, qs >> 4), dim=-1).to(torch.int32)
-    if qtype == Q4_1:
-        return q, d, b[..., 2:4].contiguous().view(torch.float16).float().squeeze(-1)
-    return q - 8, d, None
-
-
 def reference_terms(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     """The terms [M, N, T] of the block product, each computed as the kernel computes it: the exact int32
-    dot of each block times the fp32 scale product d_w * d_x (T = K/32 terms), and for Q4_1 also each
-    block's m_w * (d_x * s) (T = 2 K/32). In float64, exact: the kernel's output is their sum in fp32,
-    one fused multiply-add a term, so it lies within T * 2^-24 * sum(|terms|) of their exact sum."""
+    dot of each block times the fp32 scale product d_w * d_x (T = K/32 terms), and for a type with a
+    minimum also each block's m_w * (d_x * s) (T = 2 K/32). In float64, exact: the kernel's output is
+    their sum in fp32, one fused multiply-add a term, so it lies within T * 2^-24 * sum(|terms|) of
+    their exact sum."""
     q, dx, s = quantize_q8_blocks(x)
     m = x.shape[0]
     qv = q.reshape(m, -1, QK).to(torch.int64)
-    wv, dw, mw = block_values(blocks, qtype)
+    wv, dw, mw = chunk_integers(blocks, qtype)
     dots = torch.einsum("mbj,nbj->mnb", qv, wv.to(torch.int64))  # exact
     scale = (dw.unsqueeze(0) * dx.unsqueeze(1)).double()  # the fp32 product, as the kernel rounds it
     terms = dots.double() * scale

@@ -1,17 +1,23 @@
-// radixserve_cpu::gguf_int8_linear: x [M, K] fp32 times a weight held as GGUF blocks (Q4_0, Q4_1,
-// Q8_0), in integer arithmetic: the approximate many-rows mode (`--prefill-arithmetic int8` over
-// GGUF weights, model/arithmetic.py). The exact product is gguf_linear.cpp's.
+// radixserve_cpu::gguf_int8_linear: x [M, K] fp32 times a weight held as GGUF blocks, in integer
+// arithmetic: the approximate many-rows mode (`--prefill-arithmetic int8` over GGUF weights,
+// model/arithmetic.py). The exact product is gguf_linear.cpp's.
 //
 // Why: prefill is compute-bound, and gguf_linear decodes every block to fp32 and multiplies at the
 // fp32 peak. AVX512-VNNI's vpdpbusd does 64 int8 multiply-adds an instruction, four times an fp32 FMA.
 //
+// Types: every one whose weights are, per chunk of 32, one fp32 scale times small integers plus at
+// most one fp32 minimum: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, and the k-quants Q4_K and Q5_K (a
+// sub-block of 32 has one 6-bit scale and min). Q2_K, Q3_K and Q6_K scale every 16 weights: they stay
+// on the exact kernel (model/gguf.py), which a llama.cpp Q4_K_M file uses for its Q6_K tensors only.
+//
 // The math (llama.cpp's Q8_0 / Q8_1 activations; our own code):
 // - x is quantized per row and per 32-block: d = max|x| / 127, q = round-half-even(x / d) in int8
 //   (fp32 scale, where llama.cpp stores an fp16 one), and s = sum(q) per block.
-// - per weight row n and block b, an exact int32 dot  i = sum_j u[j] * q[j]  of the weight's unsigned
-//   byte values u (Q4_0, Q4_1: the nibble 0..15; Q8_0: the int8 value + 128) with x's int8 q; the
-//   weight's offset (8 for Q4_0, 128 for Q8_0) comes back as  i - offset * s  (still exact).
-// - out[m, n] = sum_b  (i - offset * s) * (d_w * d_x)  [+ m_w * (d_x * s) for Q4_1's min],
+// - a chunk of weights is  w = d_w * (u - offset) + m_w  (chunk_values below): u the unsigned byte
+//   values (a nibble, 5 bits, int8 + 128, IQ4_NL's level + 128), d_w and m_w exact fp32 (an fp16 scale
+//   times a 6-bit integer at most), m_w only for the types with a minimum.
+// - per weight row n and chunk b, an exact int32 dot  i = sum_j u[j] * q[j] - offset * s.
+// - out[m, n] = sum_b  i * (d_w * d_x)  [+ m_w * (d_x * s) for a type with a minimum],
 //   summed over b in order with one fused multiply-add each, then + bias.
 // So the only rounding besides the activation quantization is fp32 summation over K/32 terms: the
 // torch reference (tests/kernels/test_kernel_gguf_int8.py) matches within (2 K/32 + 2) ulp-sized
@@ -39,6 +45,8 @@
 #include <cstring>
 #include <vector>
 
+#include "block_decode.h"
+
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define RADIXSERVE_HAVE_VNNI_KERNEL 1
@@ -48,29 +56,90 @@
 namespace radixserve_cpu {
 namespace {
 
-constexpr int64_t kBlock = 32;   // weights per block
-constexpr int64_t kGroups = 8;   // 4-byte groups per block
+using blocks::half_at;
+using blocks::kIQ4_NL;
+using blocks::kQ4_0;
+using blocks::kQ4_1;
+using blocks::kQ4_K;
+using blocks::kQ5_0;
+using blocks::kQ5_1;
+using blocks::kQ5_K;
+using blocks::kQ8_0;
+
+constexpr int64_t kBlock = 32;   // weights per chunk (a legacy block, an eighth of a k-quant one)
+constexpr int64_t kGroups = 8;   // 4-byte groups per chunk
 constexpr int64_t kTileRows = 32;  // weight rows per tile: two 512-bit registers of int32
 constexpr int kMaxRows = 6;      // x rows per micro-kernel pass: 4 accumulators each, in registers
-constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
 
-int64_t block_bytes(int64_t qtype) {
+#define RADIXSERVE_INT8_TYPES "Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, Q4_K=12, Q5_K=13, IQ4_NL=20"
+
+constexpr bool takes(int64_t qtype) {
   switch (qtype) {
-    case kQ4_0: return 18;
-    case kQ4_1: return 20;
-    case kQ8_0: return 34;
-    default: TORCH_CHECK(false, "radixserve_cpu::gguf_int8_linear: unsupported block type ", qtype,
-                         " (supported: Q4_0=2, Q4_1=3, Q8_0=8)");
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: case kQ4_K: case kQ5_K: case kIQ4_NL: return true;
+    default: return false;
   }
 }
 
-// What the weight's unsigned byte values stand for: value = u - offset.
-int32_t weight_offset(int64_t qtype) { return qtype == kQ4_0 ? 8 : (qtype == kQ8_0 ? 128 : 0); }
+// f(std::integral_constant<int64_t, Q>{}) for a type this kernel takes (checked).
+template <typename F>
+void with_int8_type(int64_t qtype, F&& f) {
+  TORCH_CHECK(takes(qtype), "radixserve_cpu::gguf_int8_linear: unsupported block type ", qtype,
+              " (supported: " RADIXSERVE_INT8_TYPES ")");
+  blocks::with_type(qtype, [&](auto q) {
+    if constexpr (takes(decltype(q)::value)) f(q);
+  });
+}
 
-inline float half_at(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return c10::detail::fp16_ieee_to_fp32_value(h);
+// What a type's unsigned byte values u stand for: weight = d_w * (u - offset) + m_w.
+constexpr int32_t weight_offset(int64_t q) {
+  return q == kQ4_0 ? 8 : q == kQ5_0 ? 16 : (q == kQ8_0 || q == kIQ4_NL) ? 128 : 0;
+}
+constexpr bool has_min(int64_t q) { return q == kQ4_1 || q == kQ5_1 || q == kQ4_K || q == kQ5_K; }
+
+// Chunk c of the block at b (weights [32 c, 32 c + 32)) as its 32 unsigned values u in K order, its
+// scale d_w and minimum m_w (0 for a type without one). The layouts are block_decode.h's.
+template <int64_t Q>
+void chunk_values(const uint8_t* b, int64_t c, uint8_t* u, float& dw, float& mw) {
+  mw = 0.f;
+  if constexpr (Q == kQ8_0) {
+    dw = half_at(b);
+    for (int64_t j = 0; j < kBlock; ++j) u[j] = b[2 + j] ^ 0x80;  // int8 + 128
+  } else if constexpr (Q == kQ4_K || Q == kQ5_K) {
+    // Sub-block c: w = (d * sc) * q - dmin * mn, both products exact in fp32.
+    int sc, mn;
+    blocks::k_scale_min(b + 4, c, sc, mn);
+    dw = half_at(b) * static_cast<float>(sc);
+    mw = -(half_at(b + 2) * static_cast<float>(mn));
+    const uint8_t* qs = b + (Q == kQ5_K ? 48 : 16) + (c / 2) * 32;
+    const int shift = static_cast<int>(c % 2) * 4;
+    for (int64_t j = 0; j < kBlock; ++j) {
+      int q = (qs[j] >> shift) & 0x0F;
+      if constexpr (Q == kQ5_K) q |= ((b[16 + j] >> c) & 1) << 4;
+      u[j] = static_cast<uint8_t>(q);
+    }
+  } else {
+    // A legacy block: weight j is byte j's low nibble, weight j + 16 its high one (Q5_0/Q5_1: with
+    // bit j of a little-endian uint32 as the fifth bit).
+    constexpr bool five = Q == kQ5_0 || Q == kQ5_1;
+    dw = half_at(b);
+    if constexpr (has_min(Q)) mw = half_at(b + 2);
+    uint32_t qh = 0;
+    if constexpr (five) std::memcpy(&qh, b + (Q == kQ5_1 ? 4 : 2), 4);
+    const uint8_t* qs = b + (Q == kQ4_1 ? 4 : Q == kQ5_0 ? 6 : Q == kQ5_1 ? 8 : 2);
+    for (int64_t j = 0; j < kBlock / 2; ++j) {
+      int lo = qs[j] & 0x0F, hi = qs[j] >> 4;
+      if constexpr (five) {
+        lo |= static_cast<int>((qh >> j) & 1) << 4;
+        hi |= static_cast<int>((qh >> (j + 16)) & 1) << 4;
+      }
+      if constexpr (Q == kIQ4_NL) {
+        lo = blocks::kIQ4NLLevels[lo] + 128;
+        hi = blocks::kIQ4NLLevels[hi] + 128;
+      }
+      u[j] = static_cast<uint8_t>(lo);
+      u[j + 16] = static_cast<uint8_t>(hi);
+    }
+  }
 }
 
 // x quantized per 32-block: q [M, K] int8, d [M, K/32] fp32, s [M, K/32] int32 (sum of q), and
@@ -113,23 +182,12 @@ struct Tile {
 
 template <int64_t Q>
 void decode_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t n0, int64_t rows, Tile& t) {
-  const int64_t bb = block_bytes(Q);
+  constexpr int64_t per = blocks::weights_of(Q) / kBlock, bb = blocks::bytes_of(Q);
   for (int64_t r = 0; r < rows; ++r) {
     const uint8_t* row = w + (n0 + r) * row_bytes;
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = row + b * bb;
-      t.dw[b * kTileRows + r] = half_at(blk);
-      uint8_t vals[kBlock];  // the block's 32 unsigned byte values in K order
-      if constexpr (Q == kQ8_0) {
-        for (int64_t j = 0; j < kBlock; ++j) vals[j] = blk[2 + j] ^ 0x80;  // int8 + 128
-      } else {
-        if constexpr (Q == kQ4_1) t.mw[b * kTileRows + r] = half_at(blk + 2);
-        const uint8_t* qs = blk + (Q == kQ4_1 ? 4 : 2);
-        for (int64_t j = 0; j < kBlock / 2; ++j) {  // weight j: low nibble of byte j; j + 16: high
-          vals[j] = qs[j] & 0x0F;
-          vals[j + 16] = qs[j] >> 4;
-        }
-      }
+      uint8_t vals[kBlock];  // the chunk's 32 unsigned byte values in K order
+      chunk_values<Q>(row + b / per * bb, b % per, vals, t.dw[b * kTileRows + r], t.mw[b * kTileRows + r]);
       uint8_t* dst = t.u.data() + b * kGroups * kTileRows * 4 + r * 4;
       for (int64_t g = 0; g < kGroups; ++g) std::memcpy(dst + g * kTileRows * 4, vals + g * 4, 4);
     }
@@ -167,7 +225,7 @@ void tile_rows_portable(const QuantX& x, const Tile& t, int64_t m0, int64_t m1, 
           for (int64_t j = 0; j < 4; ++j) i += static_cast<int32_t>(u[g * kTileRows * 4 + j]) * q[g * 4 + j];
         const float dx = x.d[m * x.nb + b];
         acc = std::fma(static_cast<float>(i), t.dw[b * kTileRows + r] * dx, acc);
-        if constexpr (Q == kQ4_1) acc = std::fma(t.mw[b * kTileRows + r], x.ds[m * x.nb + b], acc);
+        if constexpr (has_min(Q)) acc = std::fma(t.mw[b * kTileRows + r], x.ds[m * x.nb + b], acc);
       }
       o.out[m * o.N + n0 + r] = o.bias != nullptr ? acc + o.bias[n0 + r] : acc;
     }
@@ -205,7 +263,7 @@ VNNI_TARGET void tile_rows_vnni(const QuantX& x, const Tile& t, int64_t m0, int6
   for (int64_t b = 0; b < x.nb; ++b) {
     __m512i isum[R][2];
     for (int r = 0; r < R; ++r)
-      isum[r][0] = isum[r][1] = Q == kQ4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(-off * x.s[(m0 + r) * x.nb + b]);
+      isum[r][0] = isum[r][1] = _mm512_set1_epi32(-off * x.s[(m0 + r) * x.nb + b]);
     const int8_t* qb = x.q + m0 * x.K + b * kBlock;
     const uint8_t* ub = u + b * kGroups * kTileRows * 4;
     for (int64_t g = 0; g < kGroups; ++g) {
@@ -226,7 +284,7 @@ VNNI_TARGET void tile_rows_vnni(const QuantX& x, const Tile& t, int64_t m0, int6
       acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][0]), _mm512_mul_ps(dw0, dx), acc[r][0]);
       acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][1]), _mm512_mul_ps(dw1, dx), acc[r][1]);
     }
-    if constexpr (Q == kQ4_1) {
+    if constexpr (has_min(Q)) {
       const __m512 mw0 = _mm512_loadu_ps(t.mw.data() + b * kTileRows);
       const __m512 mw1 = _mm512_loadu_ps(t.mw.data() + b * kTileRows + 16);
       for (int r = 0; r < R; ++r) {
@@ -336,11 +394,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q8_blocks(const at::Tens
 
 at::Tensor gguf_int8_linear(const at::Tensor& x_in, const at::Tensor& blocks_in, int64_t qtype, int64_t K,
                             const std::optional<at::Tensor>& bias_in, bool portable) {
-  const int64_t bb = block_bytes(qtype);
   check_x(x_in, K, "gguf_int8_linear");
-  TORCH_CHECK(blocks_in.dim() == 2 && blocks_in.scalar_type() == at::kByte && blocks_in.size(1) == K / kBlock * bb,
-              "radixserve_cpu::gguf_int8_linear: blocks must be uint8 [N, ", K / kBlock * bb, "], got ",
-              blocks_in.sizes(), " ", blocks_in.scalar_type());
+  TORCH_CHECK(takes(qtype), "radixserve_cpu::gguf_int8_linear: unsupported block type ", qtype,
+              " (supported: " RADIXSERVE_INT8_TYPES ")");
+  const int64_t rb = blocks::block_row_bytes(qtype, K);
+  TORCH_CHECK(blocks_in.dim() == 2 && blocks_in.scalar_type() == at::kByte && blocks_in.size(1) == rb,
+              "radixserve_cpu::gguf_int8_linear: blocks must be uint8 [N, ", rb, "], got ", blocks_in.sizes(), " ",
+              blocks_in.scalar_type());
   const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   const at::Tensor blocks = blocks_in.contiguous();
   const int64_t M = x.size(0), N = blocks.size(0), nb = K / kBlock;
@@ -361,11 +421,7 @@ at::Tensor gguf_int8_linear(const at::Tensor& x_in, const at::Tensor& blocks_in,
   const QuantX qx{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(), ds.data(), K, nb};
   const Out o{out.data_ptr<float>(), N, bias.defined() ? bias.data_ptr<float>() : nullptr};
   const uint8_t* w = blocks.data_ptr<uint8_t>();
-  switch (qtype) {
-    case kQ4_0: run<kQ4_0>(qx, w, bb * nb, M, N, o, vnni); break;
-    case kQ4_1: run<kQ4_1>(qx, w, bb * nb, M, N, o, vnni); break;
-    default: run<kQ8_0>(qx, w, bb * nb, M, N, o, vnni); break;
-  }
+  with_int8_type(qtype, [&](auto q) { run<decltype(q)::value>(qx, w, rb, M, N, o, vnni); });
   return out;
 }
 

@@ -43,7 +43,7 @@ from torch import nn
 
 from radixserve.kernels import gguf_int8
 from radixserve.model.gguf import GGUFLinear, Weight
-from radixserve.model.gguf_blocks import TYPE_NAMES, is_blocks
+from radixserve.model.gguf_blocks import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, TYPE_NAMES, is_blocks
 from radixserve.model.layers import Linear
 from radixserve.model.llama import LlamaForCausalLM
 
@@ -53,6 +53,7 @@ ARITHMETICS = ("exact", "int8", "bfloat16", "auto")
 CHEAPER = ("int8", "bfloat16")
 PROBE_ROWS = 256  # rows of the timed products: a prefill chunk's order of size
 PROBE_TIMEOUT_S = 120.0
+PROBE_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)  # block types gguf.quants.quantize writes
 
 
 def cpu_flags() -> set[str]:
@@ -187,11 +188,14 @@ def _resolve_gguf(arithmetic: str, model: nn.Module) -> str:
     if arithmetic == "int8":
         return "int8"
     linears = _decoder_gguf_linears(model)
-    qtypes = [q for m in linears for q in m.qtypes if q in gguf_int8.BLOCK_BYTES]
+    qtypes = [q for m in linears for q in m.qtypes if q in gguf_int8.TYPES]
     if not qtypes:
-        logger.info("prefill_arithmetic auto: exact (the GGUF decoder weights hold no blocks)")
+        logger.info("prefill_arithmetic auto: exact (the GGUF decoder weights hold no blocks it takes)")
         return "exact"
-    qtype = max(set(qtypes), key=qtypes.count)
+    # The probe's blocks come from gguf's writer, which writes no k-quant or IQ4_NL: Q5_0 (a Q4_K_M
+    # file's commonest type) stands in for a file of those only.
+    writable = [q for q in qtypes if q in PROBE_TYPES] or [Q5_0]
+    qtype = max(set(writable), key=writable.count)
     shapes = sorted({(m.out_features, m.in_features) for m in linears})
     return _fastest(probe(["exact", "int8"], shapes, qtype=qtype), "over GGUF blocks")
 
@@ -267,18 +271,13 @@ def apply(model: LlamaForCausalLM, arithmetic: str, many_rows: int) -> str:
             many_rows,
         )
         exact = sorted(
-            {
-                TYPE_NAMES[q]
-                for g in linears
-                for q in g.qtypes
-                if is_blocks(q) and q not in gguf_int8.BLOCK_BYTES
-            }
+            {TYPE_NAMES[q] for g in linears for q in g.qtypes if is_blocks(q) and q not in gguf_int8.TYPES}
         )
         if exact:
             logger.info(
                 "GGUF weights of type %s stay exact at every row count (the int8 block kernel takes %s)",
                 ", ".join(exact),
-                ", ".join(TYPE_NAMES[q] for q in gguf_int8.BLOCK_BYTES),
+                ", ".join(TYPE_NAMES[q] for q in gguf_int8.TYPES),
             )
     elif chosen != "exact":
         for name, m in model.named_modules():

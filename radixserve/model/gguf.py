@@ -65,10 +65,10 @@ def gguf_linear(
     """``x [..., K] @ W.T + bias`` with ``W`` the rows ``blocks`` of type ``qtype``: through the C++ op,
     or (``use_op`` False) the reference: dequantize, then ``F.linear``. Above ``many_rows`` rows (> 0,
     set by model/arithmetic.py), int8 arithmetic on the blocks (approximate, kernels/gguf_int8.py)
-    for the types that kernel takes (``gguf_int8.BLOCK_BYTES``); the others stay exact."""
+    for the types that kernel takes (``gguf_int8.TYPES``); the others stay exact."""
     k = x.shape[-1]
     rows = x.reshape(-1, k)
-    if use_op and 0 < many_rows < rows.shape[0] and qtype in gguf_int8.BLOCK_BYTES:
+    if use_op and 0 < many_rows < rows.shape[0] and qtype in gguf_int8.TYPES:
         out: torch.Tensor = gguf_int8.linear(rows, blocks, qtype, bias)
     elif use_op:
         out = torch.ops.radixserve_cpu.gguf_linear(rows, blocks, qtype, k, bias)

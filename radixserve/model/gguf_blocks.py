@@ -191,3 +191,47 @@ def dequantize(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     f = FORMATS[qtype]
     rows = blocks.shape[0]
     return f.decode(blocks.reshape(-1, f.bytes)).reshape(rows, -1)
+
+
+# The types whose every chunk of 32 weights is one fp32 scale times small integers plus at most one
+# fp32 minimum (the integer kernels' types: kernels/gguf_int8.py); Q2_K, Q3_K and Q6_K scale every 16.
+CHUNK_AFFINE = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K)
+
+
+def chunk_integers(
+    blocks: torch.Tensor, qtype: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A weight ``[N, row_bytes]`` of a ``CHUNK_AFFINE`` type as (integer values ``[N, K/32, 32]``
+    int32, scale ``[N, K/32]`` fp32, minimum ``[N, K/32]`` fp32 or None): ``weight = scale * value +
+    minimum`` in fp32, which is ``dequantize``'s result bit for bit (tests/model/test_gguf_blocks.py)."""
+    f = FORMATS[qtype]
+    n, b = blocks.shape[0], blocks.reshape(-1, f.bytes)
+    minimum: torch.Tensor | None = None
+    if qtype in (Q4_K, Q5_K):
+        sc, mn = _k_scales(b[:, 4:16])
+        scale = _half(b[:, 0:2]) * sc.float()
+        minimum = -(_half(b[:, 2:4]) * mn.float())
+        q = _nibbles(b[:, 48:] if qtype == Q5_K else b[:, 16:], 4).reshape(-1, 8, 32)
+        if qtype == Q5_K:
+            q = q | (_bits(b[:, 16:48].reshape(-1, 1, 32), range(8), 1).reshape(-1, 8, 32) << 4)
+    elif qtype == Q8_0:
+        scale, q = _half(b[:, 0:2]), b[:, 2:].contiguous().view(torch.int8)
+    else:
+        at = {Q4_0: 2, Q4_1: 4, Q5_0: 6, Q5_1: 8, IQ4_NL: 2}[qtype]
+        q = _nibbles(b[:, at:], 1).reshape(-1, 32)
+        if qtype in (Q5_0, Q5_1):
+            q = q | (_high_bits_32(b[:, at - 4 : at]) << 4)
+        scale = _half(b[:, 0:2])
+        if qtype in (Q4_1, Q5_1):
+            minimum = _half(b[:, 2:4])
+    values = q.to(torch.int32)
+    if qtype == IQ4_NL:
+        values = _IQ4_NL_LEVELS[q.long()].to(torch.int32)
+    elif qtype in (Q4_0, Q5_0):
+        values = values - (8 if qtype == Q4_0 else 16)
+    shape = (n, -1)
+    return (
+        values.reshape(n, -1, CHUNK),
+        scale.reshape(shape),
+        None if minimum is None else minimum.reshape(shape),
+    )

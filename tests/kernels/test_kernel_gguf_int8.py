@@ -1,8 +1,9 @@
 """radixserve_cpu::gguf_int8_linear (kernels/csrc/gguf_int8.cpp) against its own reference in torch
 (kernels/gguf_int8.py): the same int8 activation blocks bit for bit, the same exact int32 dot products
 with the blocks' integer values, the same fp32 scale products; the only difference allowed is the fp32
-summation over the terms, bounded by T * 2^-24 * sum(|terms|) (T terms a sum: K/32, twice that for
-Q4_1). The VNNI kernel equals the portable one bit for bit."""
+summation over the terms, bounded by T * 2^-24 * sum(|terms|) (T terms a sum: K/32, twice that for a
+type with a minimum). The VNNI kernel equals the portable one bit for bit. Every type the kernel takes
+(``gguf_int8.TYPES``: the legacy ones, IQ4_NL, and the k-quants Q4_K and Q5_K)."""
 
 from __future__ import annotations
 
@@ -15,19 +16,35 @@ from gguf import GGMLQuantizationType
 from gguf_files import random_blocks
 
 from radixserve.kernels import cpu_build, gguf_int8
-from radixserve.model import gguf
+from radixserve.model import gguf, gguf_blocks
 
 if not cpu_build.load() and shutil.which(os.environ.get("CXX", "c++")) is None:
     pytest.skip("no C++ compiler to build the CPU kernels", allow_module_level=True)
 
 Q = GGMLQuantizationType
 K, N = 160, 72  # five blocks a row; N not a multiple of the 16-row tile
+K_QUANT_K = 512  # two k-quant super-blocks a row
+TYPES = [Q(q) for q in gguf_int8.TYPES]
+WITH_MIN = (Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K)
 
 
-def _x(rows: int, seed: int) -> torch.Tensor:
-    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(seed))
+def _k(qtype: Q) -> int:
+    return K_QUANT_K if gguf_blocks.FORMATS[int(qtype)].weights == gguf_blocks.QK_K else K
+
+
+def _blocks(qtype: Q, seed: int = 0) -> torch.Tensor:
+    f = gguf_blocks.FORMATS[int(qtype)]
+    return random_blocks(qtype, N, _k(qtype) // f.weights, seed=seed)
+
+
+def _x(rows: int, seed: int, k: int = K) -> torch.Tensor:
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed))
     x[0, :32] = 0.0  # an all-zero block: scale 0, no division by it
     return x
+
+
+def test_the_kernel_takes_every_type_whose_chunks_have_one_scale() -> None:
+    assert set(TYPES) == {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.Q4_K, Q.Q5_K}
 
 
 @pytest.mark.parametrize("portable", [False, True])
@@ -40,43 +57,48 @@ def test_activation_blocks_equal_the_torch_quantization(portable: bool) -> None:
     assert int(got[0].abs().max()) == 127
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+@pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("rows", [1, 7, 9, 64, 133])
 def test_block_int8_product_equals_its_reference(qtype: Q, rows: int) -> None:
-    blocks = random_blocks(qtype, N, K // 32, seed=rows)
-    x = _x(rows, rows)
-    got = torch.ops.radixserve_cpu.gguf_int8_linear(x, blocks, int(qtype), K, None)
+    blocks, k = _blocks(qtype, seed=rows), _k(qtype)
+    x = _x(rows, rows, k)
+    got = torch.ops.radixserve_cpu.gguf_int8_linear(x, blocks, int(qtype), k, None)
     terms = gguf_int8.reference_terms(x, blocks, int(qtype))
-    assert terms.shape == (rows, N, K // 32 * (2 if qtype == Q.Q4_1 else 1))
+    assert terms.shape == (rows, N, k // 32 * (2 if qtype in WITH_MIN else 1))
     bound = terms.shape[-1] * 2.0**-24 * terms.abs().sum(-1)
     err = (got.double() - terms.sum(-1)).abs()
     assert got.shape == (rows, N) and bool((err <= bound).all()), float((err - bound).max())
     # The portable path (a CPU without VNNI) computes the same numbers in the same order.
-    portable = torch.ops.radixserve_cpu.gguf_int8_linear(x, blocks, int(qtype), K, None, True)
+    portable = torch.ops.radixserve_cpu.gguf_int8_linear(x, blocks, int(qtype), k, None, True)
     assert torch.equal(got, portable)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+@pytest.mark.parametrize("qtype", TYPES)
 def test_block_int8_product_is_close_to_the_exact_one_with_bias(qtype: Q) -> None:
     """Sanity against the exact (dequantized fp32) product: int8 activations cost well under 1%."""
-    blocks = random_blocks(qtype, N, K // 32, seed=3)
-    x, bias = _x(40, 1), torch.randn(N)
-    got = torch.ops.radixserve_cpu.gguf_int8_linear(x, blocks, int(qtype), K, bias)
-    no_bias = torch.ops.radixserve_cpu.gguf_int8_linear(x, blocks, int(qtype), K, None)
+    blocks, k = _blocks(qtype, seed=3), _k(qtype)
+    x, bias = _x(40, 1, k), torch.randn(N)
+    got = torch.ops.radixserve_cpu.gguf_int8_linear(x, blocks, int(qtype), k, bias)
+    no_bias = torch.ops.radixserve_cpu.gguf_int8_linear(x, blocks, int(qtype), k, None)
     assert torch.equal(got, no_bias + bias)
     exact = gguf.gguf_linear(x, blocks, int(qtype), bias, use_op=False)
     assert 0 < float((got - exact).norm() / exact.norm()) < 0.02
 
 
-def test_gguf_linear_takes_the_block_int8_path_above_many_rows() -> None:
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q6_K])
+def test_gguf_linear_takes_the_block_int8_path_above_many_rows(qtype: Q) -> None:
+    """Above ``many_rows`` rows a type the kernel takes runs in int8; Q6_K (a scale every 16 weights,
+    a Q4_K_M file's other type) stays exact at every row count."""
     if not gguf_int8.available():
         pytest.skip(f"the VNNI block kernel does not run here: {gguf_int8.why_unavailable()}")
-    blocks = random_blocks(Q.Q4_1, N, K // 32)
-    x = _x(12, 2)
-    int8 = torch.ops.radixserve_cpu.gguf_int8_linear(x, blocks, int(Q.Q4_1), K, None)
-    exact = torch.ops.radixserve_cpu.gguf_linear(x, blocks, int(Q.Q4_1), K, None)
-    assert torch.equal(gguf.gguf_linear(x, blocks, int(Q.Q4_1), None, True, many_rows=11), int8)
-    assert torch.equal(gguf.gguf_linear(x, blocks, int(Q.Q4_1), None, True, many_rows=12), exact)
+    blocks, k = _blocks(qtype), _k(qtype)
+    x = _x(12, 2, k)
+    exact = torch.ops.radixserve_cpu.gguf_linear(x, blocks, int(qtype), k, None)
+    takes = qtype != Q.Q6_K
+    int8 = torch.ops.radixserve_cpu.gguf_int8_linear(x, blocks, int(qtype), k, None) if takes else exact
+    assert not torch.equal(int8, exact) or not takes
+    assert torch.equal(gguf.gguf_linear(x, blocks, int(qtype), None, True, many_rows=11), int8)
+    assert torch.equal(gguf.gguf_linear(x, blocks, int(qtype), None, True, many_rows=12), exact)
 
 
 def test_bad_input_is_a_clear_error() -> None:
@@ -85,5 +107,10 @@ def test_bad_input_is_a_clear_error() -> None:
         torch.ops.radixserve_cpu.gguf_int8_linear(torch.randn(2, 40), blocks, int(Q.Q4_0), 40, None)
     with pytest.raises(RuntimeError, match="unsupported block type"):
         torch.ops.radixserve_cpu.gguf_int8_linear(torch.randn(2, K), blocks, 1, K, None)
+    q6k = _blocks(Q.Q6_K)
+    with pytest.raises(RuntimeError, match="unsupported block type 14"):  # Q6_K: 16-weight scales
+        torch.ops.radixserve_cpu.gguf_int8_linear(torch.randn(2, 256), q6k[:, :210], 14, 256, None)
+    with pytest.raises(RuntimeError, match="whole blocks of 256"):
+        torch.ops.radixserve_cpu.gguf_int8_linear(torch.randn(2, K), blocks, int(Q.Q4_K), K, None)
     with pytest.raises(RuntimeError, match="blocks must be uint8"):
         torch.ops.radixserve_cpu.gguf_int8_linear(torch.randn(2, K), blocks[:, :-1], int(Q.Q4_0), K, None)

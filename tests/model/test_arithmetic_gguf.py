@@ -133,3 +133,36 @@ def test_int8_and_auto_over_blocks_set_the_threshold(
 def test_the_probe_times_block_products() -> None:
     times = arithmetic.probe(["exact", "int8"], [(48, 64), (32, 96)], rows=40, qtype=3)
     assert set(times) == {"exact", "int8"} and all(t > 0 for t in times.values())
+
+
+@needs_vnni
+def test_int8_runs_on_a_llama_quantize_files_k_quants_and_keeps_16_weight_scales_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """llama-quantize's own Q4_K_M mix (tests/data/kquant_tiny.gguf): Q4_K, Q5_K, Q5_0 and IQ4_NL parts
+    run in int8 above the threshold; Q2_K, Q3_K and Q6_K (a scale every 16 weights) stay exact, said
+    once; and ``auto`` probes with a type gguf's writer can make."""
+    monkeypatch.setattr(gguf_load, "models_cache", lambda: tmp_path / "cache")
+    fixture = Path(__file__).resolve().parents[1] / "data" / "kquant_tiny.gguf"
+    prompts = [list(range(20, 60)), list(range(100, 150))]
+    exact = _prefill_logits(fixture, prompts, "exact")
+    with caplog.at_level(logging.INFO, logger="radixserve.model"):
+        cheap = _prefill_logits(fixture, prompts, "int8")
+    lines = [r.getMessage() for r in caplog.records if "at every row count" in r.getMessage()]
+    assert len(lines) == 1, lines
+    kept = set(lines[0].split(" stay exact")[0].removeprefix("GGUF weights of type ").split(", "))
+    assert kept and kept <= {"Q2_K", "Q3_K", "Q6_K"}, lines  # the fixture's decoder: Q2_K and Q3_K
+    for a, b in zip(exact, cheap):
+        assert not torch.equal(a, b)  # the int8 products ran
+        assert float((a - b).norm() / a.norm()) < 0.05
+    asked: list[int | None] = []
+
+    def fake_probe(
+        candidates: list[str], shapes: list[tuple[int, int]], qtype: int | None = None
+    ) -> dict[str, float]:
+        asked.append(qtype)
+        return {"exact": 2.0, "int8": 1.0}
+
+    monkeypatch.setattr(arithmetic, "probe", fake_probe)
+    assert arithmetic.resolve("auto", load_model(fixture, torch.float32, CPU, "gguf")) == "int8"
+    assert asked and asked[0] in arithmetic.PROBE_TYPES

@@ -15,7 +15,7 @@ from gguf.quants import dequantize as reference_dequantize
 from gguf_files import KQUANT_DIMS, dequantized_weights, write_fp32_folder
 
 from radixserve import Engine, SamplingParams
-from radixserve.kernels import cpu_build
+from radixserve.kernels import cpu_build, gguf_int8
 from radixserve.model import gguf_blocks, gguf_load, native_step
 
 FIXTURE = Path(__file__).resolve().parents[1] / "data" / "kquant_tiny.gguf"
@@ -61,6 +61,39 @@ def test_the_kernels_decode_llama_cpp_blocks_as_the_reference() -> None:
         for rows in (slice(0, 3), slice(0, k)):
             got = torch.ops.radixserve_cpu.gguf_linear(eye[rows], blocks, qtype, k, None)
             assert torch.equal(got, want[rows]), name
+
+
+def test_the_integer_form_of_llama_cpp_blocks_is_the_reference_bit_for_bit() -> None:
+    """``chunk_integers`` (what the int8 kernel multiplies): scale * value + minimum per chunk of 32 is
+    gguf's dequantization, for every tensor of a type the int8 kernel takes."""
+    seen = set()
+    for name, qtype, data in _quantized():
+        if qtype not in gguf_blocks.CHUNK_AFFINE:
+            continue
+        seen.add(gguf_blocks.TYPE_NAMES[qtype])
+        values, scale, minimum = gguf_blocks.chunk_integers(torch.from_numpy(data.copy()), qtype)
+        got = scale.unsqueeze(-1) * values.float()
+        got = (got if minimum is None else got + minimum.unsqueeze(-1)).reshape(data.shape[0], -1)
+        assert torch.equal(got, gguf_blocks.dequantize(torch.from_numpy(data.copy()), qtype)), name
+    assert seen >= {"Q4_K", "Q5_K", "Q5_0", "IQ4_NL"}
+
+
+@pytest.mark.skipif(not cpu_build.load(), reason="no C++ CPU kernels here (they need a compiler)")
+def test_the_int8_kernel_multiplies_llama_cpp_blocks_as_its_reference() -> None:
+    """The int8 block kernel on llama-quantize's own k-quant, Q5_0 and IQ4_NL tensors: within fp32
+    summation of its reference terms (kernels/gguf_int8.py), and within 2% of the exact product."""
+    for name, qtype, data in _quantized():
+        if qtype not in gguf_int8.TYPES:
+            continue
+        blocks = torch.from_numpy(data.copy())
+        k = blocks.shape[1] // gguf_blocks.FORMATS[qtype].bytes * gguf_blocks.FORMATS[qtype].weights
+        x = torch.randn(40, k, generator=torch.Generator().manual_seed(qtype))
+        got = torch.ops.radixserve_cpu.gguf_int8_linear(x, blocks, qtype, k, None)
+        terms = gguf_int8.reference_terms(x, blocks, qtype)
+        err = (got.double() - terms.sum(-1)).abs()
+        assert bool((err <= terms.shape[-1] * 2.0**-24 * terms.abs().sum(-1)).all()), name
+        exact = torch.ops.radixserve_cpu.gguf_linear(x, blocks, qtype, k, None)
+        assert float((got - exact).norm() / exact.norm()) < 0.02, name
 
 
 def test_the_llama_quantize_file_serves_token_identical_to_its_fp32_dequantization(tmp_path: Path) -> None:
