@@ -51,8 +51,8 @@ def test_the_integer_form_of_blocks_is_the_reference_bit_for_bit(qtype: GGMLQuan
     blocks = random_blocks(qtype, rows=37, blocks=5)
     values, scale, minimum = gguf_blocks.chunk_integers(blocks, int(qtype))
     assert values.dtype == torch.int32 and values.shape == (37, scale.shape[1], 32)
-    got = scale.unsqueeze(-1) * values.float()
-    got = (got if minimum is None else got + minimum.unsqueeze(-1)).reshape(37, -1).numpy()
+    weights = scale.unsqueeze(-1) * values.float()
+    got = (weights if minimum is None else weights + minimum.unsqueeze(-1)).reshape(37, -1).numpy()
     want = reference_dequantize(blocks.numpy(), qtype).reshape(37, -1)
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
