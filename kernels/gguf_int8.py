@@ -2,9 +2,10 @@
 x quantized to int8 per 32-block, exact int32 dot products with the blocks' integer values, fp32
 scales after each block. The approximate many-rows mode over GGUF weights (model/arithmetic.py).
 
-- Types (``TYPES``): those whose every chunk of 32 weights is one scale times small integers plus at
-  most one minimum (``gguf_blocks.CHUNK_AFFINE``): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K.
-  A weight of another type (Q2_K, Q3_K, Q6_K) keeps the exact kernel (``model/gguf.py``).
+- Types (``TYPES``, the op's own list): those whose every chunk of 32 weights is one scale times
+  small integers plus at most one minimum (``model/gguf_blocks.CHUNK_AFFINE``, which a test holds
+  equal): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K. A weight of another type (Q2_K, Q3_K,
+  Q6_K) keeps the exact kernel (``model/gguf.py``).
 
 - ``available()``: whether the fast kernel runs here: the C++ kernels load, the CPU reports
   AVX512-VNNI, and ``RADIXSERVE_GGUF_INT8=0`` (forcing the fallback, as on a CPU without it) is unset.
@@ -17,11 +18,10 @@ import os
 
 import torch
 
-from radixserve.model.gguf_blocks import CHUNK_AFFINE, chunk_integers
-
 DISABLE_ENV = "RADIXSERVE_GGUF_INT8"
 QK = 32
-TYPES = CHUNK_AFFINE  # GGML type ids the kernel takes
+# GGML type ids the op takes: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K (csrc/gguf_int8.cpp's takes()).
+TYPES = (2, 3, 6, 7, 8, 20, 12, 13)
 _fake_registered = False
 
 
@@ -81,17 +81,19 @@ def quantize_q8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     return q.reshape(m, k).to(torch.int8), d, q.sum(-1, dtype=torch.int32)
 
 
-def reference_terms(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
-    """The terms [M, N, T] of the block product, each computed as the kernel computes it: the exact int32
-    dot of each block times the fp32 scale product d_w * d_x (T = K/32 terms), and for a type with a
-    minimum also each block's m_w * (d_x * s) (T = 2 K/32). In float64, exact: the kernel's output is
-    their sum in fp32, one fused multiply-add a term, so it lies within T * 2^-24 * sum(|terms|) of
-    their exact sum."""
+def reference_terms(
+    x: torch.Tensor, values: torch.Tensor, dw: torch.Tensor, mw: torch.Tensor | None
+) -> torch.Tensor:
+    """The terms [M, N, T] of the block product of x and a weight in its integer form (values
+    [N, K/32, 32], scale dw and minimum mw [N, K/32]: ``model/gguf_blocks.chunk_integers``), each
+    computed as the kernel computes it: the exact int32 dot of each block times the fp32 scale product
+    d_w * d_x (T = K/32 terms), and for a type with a minimum also each block's m_w * (d_x * s)
+    (T = 2 K/32). In float64, exact: the kernel's output is their sum in fp32, one fused multiply-add
+    a term, so it lies within T * 2^-24 * sum(|terms|) of their exact sum."""
     q, dx, s = quantize_q8_blocks(x)
     m = x.shape[0]
     qv = q.reshape(m, -1, QK).to(torch.int64)
-    wv, dw, mw = chunk_integers(blocks, qtype)
-    dots = torch.einsum("mbj,nbj->mnb", qv, wv.to(torch.int64))  # exact
+    dots = torch.einsum("mbj,nbj->mnb", qv, values.to(torch.int64))  # exact
     scale = (dw.unsqueeze(0) * dx.unsqueeze(1)).double()  # the fp32 product, as the kernel rounds it
     terms = dots.double() * scale
     if mw is not None:  # the min's terms apart: the kernel adds them with fused multiply-adds of their own

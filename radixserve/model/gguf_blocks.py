@@ -194,7 +194,8 @@ def dequantize(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
 
 
 # The types whose every chunk of 32 weights is one fp32 scale times small integers plus at most one
-# fp32 minimum (the integer kernels' types: kernels/gguf_int8.py); Q2_K, Q3_K and Q6_K scale every 16.
+# fp32 minimum: the int8 block kernel's (kernels/gguf_int8.TYPES, held equal by a test; kernels sit
+# below this package, so they keep their own list). Q2_K, Q3_K and Q6_K scale every 16 weights.
 CHUNK_AFFINE = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K)
 
 
@@ -204,6 +205,8 @@ def chunk_integers(
     """A weight ``[N, row_bytes]`` of a ``CHUNK_AFFINE`` type as (integer values ``[N, K/32, 32]``
     int32, scale ``[N, K/32]`` fp32, minimum ``[N, K/32]`` fp32 or None): ``weight = scale * value +
     minimum`` in fp32, which is ``dequantize``'s result bit for bit (tests/model/test_gguf_blocks.py)."""
+    if qtype not in CHUNK_AFFINE:
+        raise ValueError(f"{TYPE_NAMES.get(qtype, qtype)} has no scale per chunk of 32 weights")
     f = FORMATS[qtype]
     n, b = blocks.shape[0], blocks.reshape(-1, f.bytes)
     minimum: torch.Tensor | None = None

@@ -45,6 +45,7 @@ def _x(rows: int, seed: int, k: int = K) -> torch.Tensor:
 
 def test_the_kernel_takes_every_type_whose_chunks_have_one_scale() -> None:
     assert set(TYPES) == {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.Q4_K, Q.Q5_K}
+    assert set(gguf_int8.TYPES) == set(gguf_blocks.CHUNK_AFFINE)  # the op's list, the formats' list
 
 
 @pytest.mark.parametrize("portable", [False, True])
@@ -63,7 +64,7 @@ def test_block_int8_product_equals_its_reference(qtype: Q, rows: int) -> None:
     blocks, k = _blocks(qtype, seed=rows), _k(qtype)
     x = _x(rows, rows, k)
     got = torch.ops.radixserve_cpu.gguf_int8_linear(x, blocks, int(qtype), k, None)
-    terms = gguf_int8.reference_terms(x, blocks, int(qtype))
+    terms = gguf_int8.reference_terms(x, *gguf_blocks.chunk_integers(blocks, int(qtype)))
     assert terms.shape == (rows, N, k // 32 * (2 if qtype in WITH_MIN else 1))
     bound = terms.shape[-1] * 2.0**-24 * terms.abs().sum(-1)
     err = (got.double() - terms.sum(-1)).abs()

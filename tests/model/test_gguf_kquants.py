@@ -89,7 +89,7 @@ def test_the_int8_kernel_multiplies_llama_cpp_blocks_as_its_reference() -> None:
         k = blocks.shape[1] // gguf_blocks.FORMATS[qtype].bytes * gguf_blocks.FORMATS[qtype].weights
         x = torch.randn(40, k, generator=torch.Generator().manual_seed(qtype))
         got = torch.ops.radixserve_cpu.gguf_int8_linear(x, blocks, qtype, k, None)
-        terms = gguf_int8.reference_terms(x, blocks, qtype)
+        terms = gguf_int8.reference_terms(x, *gguf_blocks.chunk_integers(blocks, qtype))
         err = (got.double() - terms.sum(-1)).abs()
         assert bool((err <= terms.shape[-1] * 2.0**-24 * terms.abs().sum(-1)).all()), name
         exact = torch.ops.radixserve_cpu.gguf_linear(x, blocks, qtype, k, None)
