@@ -9,7 +9,7 @@ scales after each block. The approximate many-rows mode over GGUF weights (model
 
 - ``available()``: whether the fast kernel runs here: the C++ kernels load, the CPU reports
   AVX512-VNNI, and ``RADIXSERVE_GGUF_INT8=0`` (forcing the fallback, as on a CPU without it) is unset.
-- ``quantize_q8_blocks`` and ``reference``: the same arithmetic in torch, the tests' ground truth.
+- ``quantize_q8_blocks`` and ``reference_terms``: the same arithmetic in torch, the tests' ground truth.
 """
 
 from __future__ import annotations

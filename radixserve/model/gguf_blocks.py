@@ -204,7 +204,8 @@ def chunk_integers(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A weight ``[N, row_bytes]`` of a ``CHUNK_AFFINE`` type as (integer values ``[N, K/32, 32]``
     int32, scale ``[N, K/32]`` fp32, minimum ``[N, K/32]`` fp32 or None): ``weight = scale * value +
-    minimum`` in fp32, which is ``dequantize``'s result bit for bit (tests/model/test_gguf_blocks.py)."""
+    minimum`` in fp32, which is ``dequantize``'s result bit for bit (tests/model/test_gguf.py, and on
+    llama-quantize's own blocks tests/model/test_gguf_kquants.py)."""
     if qtype not in CHUNK_AFFINE:
         raise ValueError(f"{TYPE_NAMES.get(qtype, qtype)} has no scale per chunk of 32 weights")
     f = FORMATS[qtype]
