@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -281,3 +283,21 @@ def dequantized_folder(gguf: Path) -> Path:
         if not (folder / MARKER).is_file():
             build_atomically(folder, write)
     return folder
+
+
+def quantized_file(folder: Path, peers_dir: Path, ftype: str) -> Path:
+    """``<folder>.<ftype>.gguf`` beside the folder, quantized by llama-quantize from its F32 GGUF once."""
+    out = folder.parent / f"{folder.name}.{ftype}.gguf"
+    if not out.is_file():
+        f32 = build_gguf(folder, "F32")
+        tool = peers_dir / "llama.cpp-build" / "bin" / "llama-quantize"
+        tmp = out.with_suffix(".gguf.tmp")
+        subprocess.run([str(tool), str(f32), str(tmp), ftype], check=True, capture_output=True)
+        tmp.rename(out)
+    return out
+
+
+def tensor_types(path: Path) -> dict[str, int]:
+    from gguf import GGUFReader
+
+    return dict(sorted(Counter(t.tensor_type.name for t in GGUFReader(path).tensors).items()))

@@ -13,7 +13,7 @@ weights' exact prefill, side by side in one process, with each mode's accuracy b
         [--ftype Q4_K_M]
 
 ``--ftype``: instead of the default model's own Q4_1 file, llama.cpp's ``llama-quantize`` of its fp32
-weights to that type (kquant_check.quantized_file; Q4_K_M mixes Q5_0, Q4_K, Q6_K and Q8_0), with "fp32
+weights to that type (bench_models.quantized_file; Q4_K_M mixes Q5_0, Q4_K, Q6_K and Q8_0), with "fp32
 exact" the fp32 folder of that file's dequantization.
 
 Writes benchmarks/results/gguf_int8.{json,md}.
@@ -30,9 +30,8 @@ from typing import Any
 import torch
 
 from benchmarks.accuracy import TEXTS
-from benchmarks.bench_models import dequantized_folder
+from benchmarks.bench_models import dequantized_folder, quantized_file, tensor_types
 from benchmarks.common import args_json, write_results
-from benchmarks.kquant_check import quantized_file, tensor_types
 from benchmarks.servers import PEERS_DIR
 from radixserve import Engine
 from radixserve.model.default_model import prepare_default_model

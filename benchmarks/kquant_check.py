@@ -26,36 +26,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from benchmarks.bench_models import build_gguf, dequantized_folder
+from benchmarks.bench_models import dequantized_folder, quantized_file, tensor_types
 from benchmarks.common import RESULTS, args_json, write_results
 from benchmarks.servers import PEERS_DIR, SERVED_NAME, free_port, peer_command, radixserve_command, serving
 from benchmarks.token_rate import greedy_tokens_per_s
 from benchmarks.workloads import prose
-
-
-def quantized_file(folder: Path, peers_dir: Path, ftype: str) -> Path:
-    """``<folder>.<ftype>.gguf`` beside the folder, quantized by llama-quantize from its F32 GGUF once."""
-    out = folder.parent / f"{folder.name}.{ftype}.gguf"
-    if not out.is_file():
-        f32 = build_gguf(folder, "F32")
-        tool = peers_dir / "llama.cpp-build" / "bin" / "llama-quantize"
-        tmp = out.with_suffix(".gguf.tmp")
-        subprocess.run([str(tool), str(f32), str(tmp), ftype], check=True, capture_output=True)
-        tmp.rename(out)
-    return out
-
-
-def tensor_types(path: Path) -> dict[str, int]:
-    from gguf import GGUFReader
-
-    return dict(sorted(Counter(t.tensor_type.name for t in GGUFReader(path).tensors).items()))
 
 
 def llama_greedy(url: str, prompt: list[int], tokens: int, top: int) -> list[tuple[int, float]]:

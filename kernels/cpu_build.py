@@ -58,6 +58,7 @@ HEADERS = (
     "gemv.h",
     "dense_rows.h",
     "block_decode.h",
+    "block_ints.h",
     "block_rows.h",
     "step_products.h",
 )

@@ -3,9 +3,10 @@ x quantized to int8 per 32-block, exact int32 dot products with the blocks' inte
 scales after each block. The approximate many-rows mode over GGUF weights (model/arithmetic.py).
 
 - Types (``TYPES``, the op's own list): those whose every chunk of 32 weights is one scale times
-  small integers plus at most one minimum (``model/gguf_blocks.CHUNK_AFFINE``, which a test holds
-  equal): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K. A weight of another type (Q2_K, Q3_K,
-  Q6_K) keeps the exact kernel (``model/gguf.py``).
+  integers plus at most one minimum (``model/gguf_blocks.CHUNK_AFFINE``, which a test holds equal):
+  Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K, and Q3_K and Q6_K, whose integer scale per 16
+  weights multiplies each half's integer sum. A Q2_K weight (a minimum per 16 weights) keeps the exact
+  kernel (``model/gguf.py``).
 
 - ``available()``: whether the fast kernel runs here: the C++ kernels load, the CPU reports
   AVX512-VNNI, and ``RADIXSERVE_GGUF_INT8=0`` (forcing the fallback, as on a CPU without it) is unset.
@@ -20,8 +21,9 @@ import torch
 
 DISABLE_ENV = "RADIXSERVE_GGUF_INT8"
 QK = 32
-# GGML type ids the op takes: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K (csrc/gguf_int8.cpp's takes()).
-TYPES = (2, 3, 6, 7, 8, 20, 12, 13)
+# GGML type ids the op takes (csrc/gguf_int8.cpp's takes()): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL,
+# Q3_K, Q4_K, Q5_K, Q6_K.
+TYPES = (2, 3, 6, 7, 8, 20, 11, 12, 13, 14)
 _fake_registered = False
 
 
@@ -95,7 +97,9 @@ def reference_terms(
     qv = q.reshape(m, -1, QK).to(torch.int64)
     dots = torch.einsum("mbj,nbj->mnb", qv, values.to(torch.int64))  # exact
     scale = (dw.unsqueeze(0) * dx.unsqueeze(1)).double()  # the fp32 product, as the kernel rounds it
-    terms = dots.double() * scale
+    # The kernel converts each int32 dot to fp32: exact below 2^24, which only Q3_K's and Q6_K's
+    # scaled dots (up to ~2^25) can pass.
+    terms = dots.to(torch.float32).double() * scale
     if mw is not None:  # the min's terms apart: the kernel adds them with fused multiply-adds of their own
         mins = mw.unsqueeze(0).double() * (dx * s.float()).unsqueeze(1).double()
         terms = torch.cat((terms, mins), dim=-1)

@@ -5,21 +5,17 @@
 // Why: prefill is compute-bound, and gguf_linear decodes every block to fp32 and multiplies at the
 // fp32 peak. AVX512-VNNI's vpdpbusd does 64 int8 multiply-adds an instruction, four times an fp32 FMA.
 //
-// Types: every one whose weights are, per chunk of 32, one fp32 scale times small integers plus at
-// most one fp32 minimum: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, and the k-quants Q4_K and Q5_K (a
-// sub-block of 32 has one 6-bit scale and min). Q2_K, Q3_K and Q6_K scale every 16 weights: they stay
-// on the exact kernel (model/gguf.py), which a llama.cpp Q4_K_M file uses for its Q6_K tensors only.
-//
-// The math (llama.cpp's Q8_0 / Q8_1 activations; our own code):
+// Types: those with an integer form (block_ints.h): every type but Q2_K, whose min per 16 weights
+// stays on the exact kernel. The math (llama.cpp's Q8_0 / Q8_1 activations; our own code):
 // - x is quantized per row and per 32-block: d = max|x| / 127, q = round-half-even(x / d) in int8
 //   (fp32 scale, where llama.cpp stores an fp16 one), and s = sum(q) per block.
-// - a chunk of weights is  w = d_w * (u - offset) + m_w  (chunk_values below): u the unsigned byte
-//   values (a nibble, 5 bits, int8 + 128, IQ4_NL's level + 128), d_w and m_w exact fp32 (an fp16 scale
-//   times a 6-bit integer at most), m_w only for the types with a minimum.
-// - per weight row n and chunk b, an exact int32 dot  i = sum_j u[j] * q[j] - offset * s.
+// - a chunk of weights is  w = d_w * k_h * (u - offset) + m_w  (block_ints.h), so per weight row n and
+//   chunk b the dot is exact in int32:  i = sum_j u[j] * q[j] - offset * s  (a split type: each half's,
+//   times its k_h, summed).
 // - out[m, n] = sum_b  i * (d_w * d_x)  [+ m_w * (d_x * s) for a type with a minimum],
 //   summed over b in order with one fused multiply-add each, then + bias.
-// So the only rounding besides the activation quantization is fp32 summation over K/32 terms: the
+// So the only rounding besides the activation quantization is fp32 summation over K/32 terms (and a
+// split type's dot, which can pass 2^24, rounded to fp32 as the reference rounds it): the
 // torch reference (tests/kernels/test_kernel_gguf_int8.py) matches within (2 K/32 + 2) ulp-sized
 // multiples of the sum of |terms|, and the portable path below matches the VNNI one bit for bit.
 //
@@ -27,7 +23,7 @@
 // 4 bytes for 16 rows in one 64-byte register: one vpdpbusd multiplies 16 rows by 4 x values
 // broadcast, and each broadcast serves two registers), with its d_w (and m_w) per block in
 // [K/32][32] fp32; every x row of the step is then multiplied against the tile, 6 rows at a time
-// (12 int32 + 12 fp32 accumulators in registers).
+// (12 int32 + 12 fp32 accumulators in registers; 4 rows for a split type, which needs 8 more).
 // Threads take tiles (at::parallel_for). No fp32 copy of the weights is made.
 //
 // Dispatch: the VNNI kernel is compiled with a function-level target (the rest of the library keeps
@@ -36,7 +32,6 @@
 // numbers, and model/arithmetic.py does not choose this mode (it logs why once).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -45,7 +40,7 @@
 #include <cstring>
 #include <vector>
 
-#include "block_decode.h"
+#include "block_ints.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -56,127 +51,59 @@
 namespace radixserve_cpu {
 namespace {
 
-using blocks::half_at;
-using blocks::kIQ4_NL;
-using blocks::kQ4_0;
-using blocks::kQ4_1;
-using blocks::kQ4_K;
-using blocks::kQ5_0;
-using blocks::kQ5_1;
-using blocks::kQ5_K;
-using blocks::kQ8_0;
+using ints::chunk_values;
+using ints::has_min;
+using ints::kBlock;
+using ints::split;
+using ints::takes;
+using ints::weight_offset;
+using ints::with_int8_type;
 
-constexpr int64_t kBlock = 32;   // weights per chunk (a legacy block, an eighth of a k-quant one)
 constexpr int64_t kGroups = 8;   // 4-byte groups per chunk
 constexpr int64_t kTileRows = 32;  // weight rows per tile: two 512-bit registers of int32
 constexpr int kMaxRows = 6;      // x rows per micro-kernel pass: 4 accumulators each, in registers
 
-#define RADIXSERVE_INT8_TYPES "Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, Q4_K=12, Q5_K=13, IQ4_NL=20"
+// x rows a pass of the VNNI kernel: a split type keeps a third set of accumulators in registers.
+constexpr int max_rows(int64_t q) { return split(q) ? 4 : kMaxRows; }
 
-constexpr bool takes(int64_t qtype) {
-  switch (qtype) {
-    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: case kQ4_K: case kQ5_K: case kIQ4_NL: return true;
-    default: return false;
-  }
-}
-
-// f(std::integral_constant<int64_t, Q>{}) for a type this kernel takes (checked).
-template <typename F>
-void with_int8_type(int64_t qtype, F&& f) {
-  TORCH_CHECK(takes(qtype), "radixserve_cpu::gguf_int8_linear: unsupported block type ", qtype,
-              " (supported: " RADIXSERVE_INT8_TYPES ")");
-  blocks::with_type(qtype, [&](auto q) {
-    if constexpr (takes(decltype(q)::value)) f(q);
-  });
-}
-
-// What a type's unsigned byte values u stand for: weight = d_w * (u - offset) + m_w.
-constexpr int32_t weight_offset(int64_t q) {
-  return q == kQ4_0 ? 8 : q == kQ5_0 ? 16 : (q == kQ8_0 || q == kIQ4_NL) ? 128 : 0;
-}
-constexpr bool has_min(int64_t q) { return q == kQ4_1 || q == kQ5_1 || q == kQ4_K || q == kQ5_K; }
-
-// Chunk c of the block at b (weights [32 c, 32 c + 32)) as its 32 unsigned values u in K order, its
-// scale d_w and minimum m_w (0 for a type without one). The layouts are block_decode.h's.
-template <int64_t Q>
-void chunk_values(const uint8_t* b, int64_t c, uint8_t* u, float& dw, float& mw) {
-  mw = 0.f;
-  if constexpr (Q == kQ8_0) {
-    dw = half_at(b);
-    for (int64_t j = 0; j < kBlock; ++j) u[j] = b[2 + j] ^ 0x80;  // int8 + 128
-  } else if constexpr (Q == kQ4_K || Q == kQ5_K) {
-    // Sub-block c: w = (d * sc) * q - dmin * mn, both products exact in fp32.
-    int sc, mn;
-    blocks::k_scale_min(b + 4, c, sc, mn);
-    dw = half_at(b) * static_cast<float>(sc);
-    mw = -(half_at(b + 2) * static_cast<float>(mn));
-    const uint8_t* qs = b + (Q == kQ5_K ? 48 : 16) + (c / 2) * 32;
-    const int shift = static_cast<int>(c % 2) * 4;
-    for (int64_t j = 0; j < kBlock; ++j) {
-      int q = (qs[j] >> shift) & 0x0F;
-      if constexpr (Q == kQ5_K) q |= ((b[16 + j] >> c) & 1) << 4;
-      u[j] = static_cast<uint8_t>(q);
-    }
-  } else {
-    // A legacy block: weight j is byte j's low nibble, weight j + 16 its high one (Q5_0/Q5_1: with
-    // bit j of a little-endian uint32 as the fifth bit).
-    constexpr bool five = Q == kQ5_0 || Q == kQ5_1;
-    dw = half_at(b);
-    if constexpr (has_min(Q)) mw = half_at(b + 2);
-    uint32_t qh = 0;
-    if constexpr (five) std::memcpy(&qh, b + (Q == kQ5_1 ? 4 : 2), 4);
-    const uint8_t* qs = b + (Q == kQ4_1 ? 4 : Q == kQ5_0 ? 6 : Q == kQ5_1 ? 8 : 2);
-    for (int64_t j = 0; j < kBlock / 2; ++j) {
-      int lo = qs[j] & 0x0F, hi = qs[j] >> 4;
-      if constexpr (five) {
-        lo |= static_cast<int>((qh >> j) & 1) << 4;
-        hi |= static_cast<int>((qh >> (j + 16)) & 1) << 4;
-      }
-      if constexpr (Q == kIQ4_NL) {
-        lo = blocks::kIQ4NLLevels[lo] + 128;
-        hi = blocks::kIQ4NLLevels[hi] + 128;
-      }
-      u[j] = static_cast<uint8_t>(lo);
-      u[j + 16] = static_cast<uint8_t>(hi);
-    }
-  }
-}
-
-// x quantized per 32-block: q [M, K] int8, d [M, K/32] fp32, s [M, K/32] int32 (sum of q), and
-// ds = d * s in fp32 (Q4_1's min term).
+// x quantized per 32-block: q [M, K] int8, d [M, K/32] fp32, s [M, K/32] int32 (sum of q), ds = d * s
+// in fp32 (a minimum's term), and s2 [M, K/16] the halves' sums of q (a split type's offset).
 struct QuantX {
   const int8_t* q;
   const float* d;
   const int32_t* s;
   const float* ds;
+  const int32_t* s2;
   int64_t K, nb;
 };
 
 // One block of x: the scale and round-half-even as torch.round (the reference's) does it.
-inline void quantize_block_portable(const float* x, int8_t* q, float* d_out, int32_t* s_out) {
+inline void quantize_block_portable(const float* x, int8_t* q, float* d_out, int32_t* s_out, int32_t* s2) {
   float amax = 0.f;
   for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(x[j]));
   const float d = amax / 127.f;
   const float id = d != 0.f ? 1.f / d : 0.f;
-  int32_t s = 0;
+  s2[0] = s2[1] = 0;
   for (int64_t j = 0; j < kBlock; ++j) {
     const auto v = static_cast<int32_t>(std::nearbyint(x[j] * id));
     q[j] = static_cast<int8_t>(v);
-    s += v;
+    s2[j / 16] += v;
   }
   *d_out = d;
-  *s_out = s;
+  *s_out = s2[0] + s2[1];
 }
 
-// A tile of weight rows [n0, n0 + rows), decoded: u [nb][8][16][4] bytes, dw and mw [nb][16].
-// Rows past `rows` are zero (their outputs are not stored).
+// A tile of weight rows [n0, n0 + rows), decoded: u [nb][8][32][4] bytes, dw and mw [nb][32], and a
+// split type's half scales k [nb][2][32]. Rows past `rows` are zero (their outputs are not stored).
 struct Tile {
   std::vector<uint8_t> u;
   std::vector<float> dw, mw;
+  std::vector<int32_t> k;
   void size_for(int64_t nb) {
     u.assign(nb * kGroups * kTileRows * 4, 0);
     dw.assign(nb * kTileRows, 0.f);
     mw.assign(nb * kTileRows, 0.f);
+    k.assign(nb * 2 * kTileRows, 0);
   }
 };
 
@@ -187,7 +114,10 @@ void decode_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t n0, in
     const uint8_t* row = w + (n0 + r) * row_bytes;
     for (int64_t b = 0; b < nb; ++b) {
       uint8_t vals[kBlock];  // the chunk's 32 unsigned byte values in K order
-      chunk_values<Q>(row + b / per * bb, b % per, vals, t.dw[b * kTileRows + r], t.mw[b * kTileRows + r]);
+      int32_t k[2] = {0, 0};
+      chunk_values<Q>(row + b / per * bb, b % per, vals, t.dw[b * kTileRows + r], t.mw[b * kTileRows + r], k);
+      t.k[(2 * b) * kTileRows + r] = k[0];
+      t.k[(2 * b + 1) * kTileRows + r] = k[1];
       uint8_t* dst = t.u.data() + b * kGroups * kTileRows * 4 + r * 4;
       for (int64_t g = 0; g < kGroups; ++g) std::memcpy(dst + g * kTileRows * 4, vals + g * 4, 4);
     }
@@ -196,6 +126,7 @@ void decode_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t n0, in
     for (int64_t b = 0; b < nb; ++b) {
       t.dw[b * kTileRows + r] = 0.f;
       t.mw[b * kTileRows + r] = 0.f;
+      t.k[(2 * b) * kTileRows + r] = t.k[(2 * b + 1) * kTileRows + r] = 0;
       uint8_t* dst = t.u.data() + b * kGroups * kTileRows * 4 + r * 4;
       for (int64_t g = 0; g < kGroups; ++g) std::memset(dst + g * kTileRows * 4, 0, 4);
     }
@@ -217,12 +148,22 @@ void tile_rows_portable(const QuantX& x, const Tile& t, int64_t m0, int64_t m1, 
     for (int64_t r = 0; r < rows; ++r) {
       float acc = 0.f;
       for (int64_t b = 0; b < x.nb; ++b) {
-        const int32_t s = x.s[m * x.nb + b];
-        int32_t i = -off * s;
         const uint8_t* u = t.u.data() + b * kGroups * kTileRows * 4 + r * 4;
         const int8_t* q = x.q + m * x.K + b * kBlock;
-        for (int64_t g = 0; g < kGroups; ++g)
-          for (int64_t j = 0; j < 4; ++j) i += static_cast<int32_t>(u[g * kTileRows * 4 + j]) * q[g * 4 + j];
+        // The integer dot of groups [g0, g1) of the chunk, from `start`.
+        const auto dot = [&](int64_t g0, int64_t g1, int32_t start) {
+          for (int64_t g = g0; g < g1; ++g)
+            for (int64_t j = 0; j < 4; ++j) start += static_cast<int32_t>(u[g * kTileRows * 4 + j]) * q[g * 4 + j];
+          return start;
+        };
+        int32_t i;
+        if constexpr (split(Q)) {
+          const int32_t* s2 = x.s2 + m * 2 * x.nb + 2 * b;
+          i = t.k[(2 * b) * kTileRows + r] * dot(0, kGroups / 2, -off * s2[0]) +
+              t.k[(2 * b + 1) * kTileRows + r] * dot(kGroups / 2, kGroups, -off * s2[1]);
+        } else {
+          i = dot(0, kGroups, -off * x.s[m * x.nb + b]);
+        }
         const float dx = x.d[m * x.nb + b];
         acc = std::fma(static_cast<float>(i), t.dw[b * kTileRows + r] * dx, acc);
         if constexpr (has_min(Q)) acc = std::fma(t.mw[b * kTileRows + r], x.ds[m * x.nb + b], acc);
@@ -234,7 +175,8 @@ void tile_rows_portable(const QuantX& x, const Tile& t, int64_t m0, int64_t m1, 
 
 #ifdef RADIXSERVE_HAVE_VNNI_KERNEL
 
-VNNI_TARGET void quantize_row_vnni(const float* x, int64_t nb, int8_t* q, float* d, int32_t* s, float* ds) {
+VNNI_TARGET void quantize_row_vnni(const float* x, int64_t nb, int8_t* q, float* d, int32_t* s, float* ds,
+                                   int32_t* s2) {
   const __m512 sign = _mm512_set1_ps(-0.f);
   for (int64_t b = 0; b < nb; ++b) {
     const __m512 v0 = _mm512_loadu_ps(x + b * kBlock), v1 = _mm512_loadu_ps(x + b * kBlock + 16);
@@ -246,8 +188,28 @@ VNNI_TARGET void quantize_row_vnni(const float* x, int64_t nb, int8_t* q, float*
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtepi32_epi8(q0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16), _mm512_cvtepi32_epi8(q1));
     d[b] = db;
-    s[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    s2[2 * b] = _mm512_reduce_add_epi32(q0);
+    s2[2 * b + 1] = _mm512_reduce_add_epi32(q1);
+    s[b] = s2[2 * b] + s2[2 * b + 1];
     ds[b] = db * static_cast<float>(s[b]);
+  }
+}
+
+// isum[r] += the integer dots of groups [g0, g1) of a decoded chunk (ub) with x row r's int8 values
+// (qb, rows ldq apart): one vpdpbusd per 16 weight rows and 4 x values broadcast.
+template <int R>
+VNNI_TARGET inline void dot_groups(__m512i (&isum)[R][2], const int8_t* qb, int64_t ldq, const uint8_t* ub,
+                                   int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g) {
+    const __m512i w0 = _mm512_loadu_si512(ub + g * kTileRows * 4);
+    const __m512i w1 = _mm512_loadu_si512(ub + g * kTileRows * 4 + 64);
+    for (int r = 0; r < R; ++r) {
+      int32_t four;
+      std::memcpy(&four, qb + r * ldq + g * 4, 4);
+      const __m512i xv = _mm512_set1_epi32(four);
+      isum[r][0] = _mm512_dpbusd_epi32(isum[r][0], w0, xv);
+      isum[r][1] = _mm512_dpbusd_epi32(isum[r][1], w1, xv);
+    }
   }
 }
 
@@ -262,20 +224,31 @@ VNNI_TARGET void tile_rows_vnni(const QuantX& x, const Tile& t, int64_t m0, int6
   const uint8_t* u = t.u.data();
   for (int64_t b = 0; b < x.nb; ++b) {
     __m512i isum[R][2];
-    for (int r = 0; r < R; ++r)
-      isum[r][0] = isum[r][1] = _mm512_set1_epi32(-off * x.s[(m0 + r) * x.nb + b]);
     const int8_t* qb = x.q + m0 * x.K + b * kBlock;
     const uint8_t* ub = u + b * kGroups * kTileRows * 4;
-    for (int64_t g = 0; g < kGroups; ++g) {
-      const __m512i w0 = _mm512_loadu_si512(ub + g * kTileRows * 4);
-      const __m512i w1 = _mm512_loadu_si512(ub + g * kTileRows * 4 + 64);
-      for (int r = 0; r < R; ++r) {
-        int32_t four;
-        std::memcpy(&four, qb + r * x.K + g * 4, 4);
-        const __m512i xv = _mm512_set1_epi32(four);
-        isum[r][0] = _mm512_dpbusd_epi32(isum[r][0], w0, xv);
-        isum[r][1] = _mm512_dpbusd_epi32(isum[r][1], w1, xv);
+    if constexpr (split(Q)) {
+      // Each half's sum times its rows' integer scales, in int32 (exact: |sum| < 2^18, |k| <= 128).
+      __m512i whole[R][2];
+      for (int h = 0; h < 2; ++h) {
+        for (int r = 0; r < R; ++r)
+          isum[r][0] = isum[r][1] = _mm512_set1_epi32(-off * x.s2[(m0 + r) * 2 * x.nb + 2 * b + h]);
+        dot_groups<R>(isum, qb, x.K, ub, h * kGroups / 2, (h + 1) * kGroups / 2);
+        const int32_t* k = t.k.data() + (2 * b + h) * kTileRows;
+        const __m512i k0 = _mm512_loadu_si512(k), k1 = _mm512_loadu_si512(k + 16);
+        for (int r = 0; r < R; ++r) {
+          const __m512i p0 = _mm512_mullo_epi32(isum[r][0], k0), p1 = _mm512_mullo_epi32(isum[r][1], k1);
+          whole[r][0] = h == 0 ? p0 : _mm512_add_epi32(whole[r][0], p0);
+          whole[r][1] = h == 0 ? p1 : _mm512_add_epi32(whole[r][1], p1);
+        }
       }
+      for (int r = 0; r < R; ++r) {
+        isum[r][0] = whole[r][0];
+        isum[r][1] = whole[r][1];
+      }
+    } else {
+      for (int r = 0; r < R; ++r)
+        isum[r][0] = isum[r][1] = _mm512_set1_epi32(-off * x.s[(m0 + r) * x.nb + b]);
+      dot_groups<R>(isum, qb, x.K, ub, 0, kGroups);
     }
     const __m512 dw0 = _mm512_loadu_ps(t.dw.data() + b * kTileRows);
     const __m512 dw1 = _mm512_loadu_ps(t.dw.data() + b * kTileRows + 16);
@@ -307,7 +280,7 @@ VNNI_TARGET void tile_rows_vnni(const QuantX& x, const Tile& t, int64_t m0, int6
   }
 }
 
-template <int64_t Q, int R = kMaxRows>
+template <int64_t Q, int R = max_rows(Q)>
 void tile_rows_vnni_dispatch(int rows_x, const QuantX& x, const Tile& t, int64_t m0, int64_t n0, int64_t rows,
                              const Out& o) {
   if constexpr (R > 1) {
@@ -341,8 +314,8 @@ void run(const QuantX& x, const uint8_t* w, int64_t row_bytes, int64_t M, int64_
       decode_tile<Q>(w, row_bytes, x.nb, n0, rows, tile);
 #ifdef RADIXSERVE_HAVE_VNNI_KERNEL
       if (vnni) {
-        for (int64_t m0 = 0; m0 < M; m0 += kMaxRows)
-          tile_rows_vnni_dispatch<Q>(static_cast<int>(std::min<int64_t>(kMaxRows, M - m0)), x, tile, m0, n0, rows, o);
+        for (int64_t m0 = 0; m0 < M; m0 += max_rows(Q))
+          tile_rows_vnni_dispatch<Q>(static_cast<int>(std::min<int64_t>(max_rows(Q), M - m0)), x, tile, m0, n0, rows, o);
         continue;
       }
 #endif
@@ -351,7 +324,8 @@ void run(const QuantX& x, const uint8_t* w, int64_t row_bytes, int64_t M, int64_
   });
 }
 
-void quantize(const at::Tensor& x, at::Tensor& q, at::Tensor& d, at::Tensor& s, float* ds, bool vnni) {
+void quantize(const at::Tensor& x, at::Tensor& q, at::Tensor& d, at::Tensor& s, float* ds, int32_t* s2,
+              bool vnni) {
   const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock, ldx = x.stride(0);
   const float* xp = x.data_ptr<float>();
   int8_t* qp = q.data_ptr<int8_t>();
@@ -361,12 +335,13 @@ void quantize(const at::Tensor& x, at::Tensor& q, at::Tensor& d, at::Tensor& s, 
     for (int64_t m = m0; m < m1; ++m) {
 #ifdef RADIXSERVE_HAVE_VNNI_KERNEL
       if (vnni) {
-        quantize_row_vnni(xp + m * ldx, nb, qp + m * K, dp + m * nb, sp + m * nb, ds + m * nb);
+        quantize_row_vnni(xp + m * ldx, nb, qp + m * K, dp + m * nb, sp + m * nb, ds + m * nb, s2 + m * 2 * nb);
         continue;
       }
 #endif
       for (int64_t b = 0; b < nb; ++b) {
-        quantize_block_portable(xp + m * ldx + b * kBlock, qp + m * K + b * kBlock, dp + m * nb + b, sp + m * nb + b);
+        quantize_block_portable(xp + m * ldx + b * kBlock, qp + m * K + b * kBlock, dp + m * nb + b, sp + m * nb + b,
+                                s2 + m * 2 * nb + 2 * b);
         ds[m * nb + b] = dp[m * nb + b] * static_cast<float>(sp[m * nb + b]);
       }
     }
@@ -388,7 +363,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q8_blocks(const at::Tens
   at::Tensor d = at::empty({M, K / kBlock}, x.options());
   at::Tensor s = at::empty({M, K / kBlock}, x.options().dtype(at::kInt));
   std::vector<float> ds(M * (K / kBlock));
-  if (M > 0) quantize(x, q, d, s, ds.data(), cpu_has_vnni() && !portable);
+  std::vector<int32_t> s2(2 * M * (K / kBlock));
+  if (M > 0) quantize(x, q, d, s, ds.data(), s2.data(), cpu_has_vnni() && !portable);
   return {q, d, s};
 }
 
@@ -417,8 +393,9 @@ at::Tensor gguf_int8_linear(const at::Tensor& x_in, const at::Tensor& blocks_in,
   at::Tensor d = at::empty({M, nb}, x.options());
   at::Tensor s = at::empty({M, nb}, x.options().dtype(at::kInt));
   std::vector<float> ds(M * nb);
-  quantize(x, q, d, s, ds.data(), vnni);
-  const QuantX qx{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(), ds.data(), K, nb};
+  std::vector<int32_t> s2(2 * M * nb);
+  quantize(x, q, d, s, ds.data(), s2.data(), vnni);
+  const QuantX qx{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(), ds.data(), s2.data(), K, nb};
   const Out o{out.data_ptr<float>(), N, bias.defined() ? bias.data_ptr<float>() : nullptr};
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   with_int8_type(qtype, [&](auto q) { run<decltype(q)::value>(qx, w, rb, M, N, o, vnni); });

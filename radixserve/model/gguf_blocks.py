@@ -193,10 +193,11 @@ def dequantize(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     return f.decode(blocks.reshape(-1, f.bytes)).reshape(rows, -1)
 
 
-# The types whose every chunk of 32 weights is one fp32 scale times small integers plus at most one
-# fp32 minimum: the int8 block kernel's (kernels/gguf_int8.TYPES, held equal by a test; kernels sit
-# below this package, so they keep their own list). Q2_K, Q3_K and Q6_K scale every 16 weights.
-CHUNK_AFFINE = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K)
+# The types whose every chunk of 32 weights is one fp32 scale times integers plus at most one fp32
+# minimum: the int8 block kernel's (kernels/gguf_int8.TYPES, held equal by a test; kernels sit below
+# this package, so they keep their own list). Q3_K's and Q6_K's integer scale per 16 weights goes into
+# the integers; Q2_K's minimum per 16 weights has no such form.
+CHUNK_AFFINE = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q3_K, Q4_K, Q5_K, Q6_K)
 
 
 def chunk_integers(
@@ -204,14 +205,30 @@ def chunk_integers(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A weight ``[N, row_bytes]`` of a ``CHUNK_AFFINE`` type as (integer values ``[N, K/32, 32]``
     int32, scale ``[N, K/32]`` fp32, minimum ``[N, K/32]`` fp32 or None): ``weight = scale * value +
-    minimum`` in fp32, which is ``dequantize``'s result bit for bit (tests/model/test_gguf.py, and on
-    llama-quantize's own blocks tests/model/test_gguf_kquants.py)."""
+    minimum`` in fp32, which is ``dequantize``'s result bit for bit, but for the sign of a zero weight
+    of Q3_K or Q6_K (tests/model/test_gguf.py, and on llama-quantize's own blocks
+    tests/model/test_gguf_kquants.py)."""
     if qtype not in CHUNK_AFFINE:
         raise ValueError(f"{TYPE_NAMES.get(qtype, qtype)} has no scale per chunk of 32 weights")
     f = FORMATS[qtype]
     n, b = blocks.shape[0], blocks.reshape(-1, f.bytes)
     minimum: torch.Tensor | None = None
-    if qtype in (Q4_K, Q5_K):
+    if qtype == Q6_K:  # (d * scale) * (q - 32), d * scale exact: the same as d * (scale * (q - 32))
+        scale = _half(b[:, 208:210]).expand(-1, 8)  # one d for the block's 8 chunks
+        sub = b[:, 192:208].contiguous().view(torch.int8).to(torch.int32).reshape(-1, 16, 1)
+        low = _nibbles(b[:, 0:128], 2).reshape(-1, 8, 32)
+        high = _bits(b[:, 128:192].reshape(-1, 2, 32), range(0, 8, 2), 3).reshape(-1, 8, 32)
+        q = (((low | (high << 4)).to(torch.int32) - 32).reshape(-1, 16, 16) * sub).reshape(-1, 8, 32)
+    elif qtype == Q3_K:  # (d * (scale - 32)) * q, all exact
+        s3 = b[:, 96:108]
+        lo = _bits(s3[:, 0:8].reshape(-1, 1, 8), range(0, 8, 4), 0x0F).reshape(-1, 16)
+        hi = _bits(s3[:, 8:12].reshape(-1, 1, 4), range(0, 8, 2), 3).reshape(-1, 16)
+        sub = ((lo | (hi << 4)).to(torch.int32) - 32).reshape(-1, 16, 1)
+        scale = _half(b[:, 108:110]).expand(-1, 8)
+        ql = _bits(b[:, 32:96].reshape(-1, 2, 32), range(0, 8, 2), 3).reshape(-1, 16, 16)
+        qh = _bits(b[:, 0:32].reshape(-1, 1, 32), range(8), 1).reshape(-1, 16, 16) ^ 1
+        q = ((ql.to(torch.int32) - (qh.to(torch.int32) << 2)) * sub).reshape(-1, 8, 32)
+    elif qtype in (Q4_K, Q5_K):
         sc, mn = _k_scales(b[:, 4:16])
         scale = _half(b[:, 0:2]) * sc.float()
         minimum = -(_half(b[:, 2:4]) * mn.float())
@@ -236,6 +253,6 @@ def chunk_integers(
     shape = (n, -1)
     return (
         values.reshape(n, -1, CHUNK),
-        scale.reshape(shape),
+        scale.contiguous().reshape(shape),
         None if minimum is None else minimum.reshape(shape),
     )

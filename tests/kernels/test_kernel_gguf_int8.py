@@ -3,7 +3,7 @@
 with the blocks' integer values, the same fp32 scale products; the only difference allowed is the fp32
 summation over the terms, bounded by T * 2^-24 * sum(|terms|) (T terms a sum: K/32, twice that for a
 type with a minimum). The VNNI kernel equals the portable one bit for bit. Every type the kernel takes
-(``gguf_int8.TYPES``: the legacy ones, IQ4_NL, and the k-quants Q4_K and Q5_K)."""
+(``gguf_int8.TYPES``: the legacy ones, IQ4_NL, and the k-quants but Q2_K)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def _x(rows: int, seed: int, k: int = K) -> torch.Tensor:
 
 
 def test_the_kernel_takes_every_type_whose_chunks_have_one_scale() -> None:
-    assert set(TYPES) == {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.Q4_K, Q.Q5_K}
+    assert set(TYPES) == {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
     assert set(gguf_int8.TYPES) == set(gguf_blocks.CHUNK_AFFINE)  # the op's list, the formats' list
 
 
@@ -86,16 +86,16 @@ def test_block_int8_product_is_close_to_the_exact_one_with_bias(qtype: Q) -> Non
     assert 0 < float((got - exact).norm() / exact.norm()) < 0.02
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q6_K])
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q6_K, Q.Q2_K])
 def test_gguf_linear_takes_the_block_int8_path_above_many_rows(qtype: Q) -> None:
-    """Above ``many_rows`` rows a type the kernel takes runs in int8; Q6_K (a scale every 16 weights,
-    a Q4_K_M file's other type) stays exact at every row count."""
+    """Above ``many_rows`` rows a type the kernel takes runs in int8; Q2_K (a minimum every 16
+    weights) stays exact at every row count."""
     if not gguf_int8.available():
         pytest.skip(f"the VNNI block kernel does not run here: {gguf_int8.why_unavailable()}")
     blocks, k = _blocks(qtype), _k(qtype)
     x = _x(12, 2, k)
     exact = torch.ops.radixserve_cpu.gguf_linear(x, blocks, int(qtype), k, None)
-    takes = qtype != Q.Q6_K
+    takes = qtype != Q.Q2_K
     int8 = torch.ops.radixserve_cpu.gguf_int8_linear(x, blocks, int(qtype), k, None) if takes else exact
     assert not torch.equal(int8, exact) or not takes
     assert torch.equal(gguf.gguf_linear(x, blocks, int(qtype), None, True, many_rows=11), int8)
@@ -108,9 +108,9 @@ def test_bad_input_is_a_clear_error() -> None:
         torch.ops.radixserve_cpu.gguf_int8_linear(torch.randn(2, 40), blocks, int(Q.Q4_0), 40, None)
     with pytest.raises(RuntimeError, match="unsupported block type"):
         torch.ops.radixserve_cpu.gguf_int8_linear(torch.randn(2, K), blocks, 1, K, None)
-    q6k = _blocks(Q.Q6_K)
-    with pytest.raises(RuntimeError, match="unsupported block type 14"):  # Q6_K: 16-weight scales
-        torch.ops.radixserve_cpu.gguf_int8_linear(torch.randn(2, 256), q6k[:, :210], 14, 256, None)
+    q2k = _blocks(Q.Q2_K)
+    with pytest.raises(RuntimeError, match="unsupported block type 10"):  # Q2_K: 16-weight minimums
+        torch.ops.radixserve_cpu.gguf_int8_linear(torch.randn(2, 256), q2k[:, :84], 10, 256, None)
     with pytest.raises(RuntimeError, match="whole blocks of 256"):
         torch.ops.radixserve_cpu.gguf_int8_linear(torch.randn(2, K), blocks, int(Q.Q4_K), K, None)
     with pytest.raises(RuntimeError, match="blocks must be uint8"):

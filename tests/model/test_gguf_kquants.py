@@ -75,12 +75,12 @@ def test_the_integer_form_of_llama_cpp_blocks_is_the_reference_bit_for_bit() -> 
         got = scale.unsqueeze(-1) * values.float()
         got = (got if minimum is None else got + minimum.unsqueeze(-1)).reshape(data.shape[0], -1)
         assert torch.equal(got, gguf_blocks.dequantize(torch.from_numpy(data.copy()), qtype)), name
-    assert seen >= {"Q4_K", "Q5_K", "Q5_0", "IQ4_NL"}
+    assert seen >= {"Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "IQ4_NL"}
 
 
 @pytest.mark.skipif(not cpu_build.load(), reason="no C++ CPU kernels here (they need a compiler)")
 def test_the_int8_kernel_multiplies_llama_cpp_blocks_as_its_reference() -> None:
-    """The int8 block kernel on llama-quantize's own k-quant, Q5_0 and IQ4_NL tensors: within fp32
+    """The int8 block kernel on llama-quantize's own k-quant (but Q2_K), Q5_0 and IQ4_NL tensors: within fp32
     summation of its reference terms (kernels/gguf_int8.py), and within 2% of the exact product."""
     for name, qtype, data in _quantized():
         if qtype not in gguf_int8.TYPES:
