@@ -136,7 +136,7 @@ def test_the_probe_times_block_products() -> None:
 
 
 @needs_vnni
-def test_int8_runs_on_a_llama_quantize_files_k_quants_and_keeps_16_weight_scales_exact(
+def test_int8_runs_on_a_llama_quantize_files_k_quants_and_keeps_q2_k_exact(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """llama-quantize's own Q4_K_M mix (tests/data/kquant_tiny.gguf): its Q3_K, Q4_K, Q5_K, Q6_K, Q5_0
