@@ -47,16 +47,6 @@ constexpr bool takes(int64_t qtype) {
   }
 }
 
-// f(std::integral_constant<int64_t, Q>{}) for a type the int8 kernel takes (checked).
-template <typename F>
-void with_int8_type(int64_t qtype, F&& f) {
-  TORCH_CHECK(takes(qtype), "radixserve_cpu::gguf_int8_linear: unsupported block type ", qtype,
-              " (supported: " RADIXSERVE_INT8_TYPES ")");
-  blocks::with_type(qtype, [&](auto q) {
-    if constexpr (takes(decltype(q)::value)) f(q);
-  });
-}
-
 // What a type's unsigned byte values u stand for: weight = d_w * (u - offset) + m_w.
 constexpr int32_t weight_offset(int64_t q) {
   return q == kQ4_0 ? 8 : q == kQ5_0 ? 16 : q == kQ6_K ? 32 : q == kQ3_K ? 4 : (q == kQ8_0 || q == kIQ4_NL) ? 128 : 0;

@@ -57,7 +57,6 @@ using ints::kBlock;
 using ints::split;
 using ints::takes;
 using ints::weight_offset;
-using ints::with_int8_type;
 
 constexpr int64_t kGroups = 8;   // 4-byte groups per chunk
 constexpr int64_t kTileRows = 32;  // weight rows per tile: two 512-bit registers of int32
@@ -94,16 +93,17 @@ inline void quantize_block_portable(const float* x, int8_t* q, float* d_out, int
 }
 
 // A tile of weight rows [n0, n0 + rows), decoded: u [nb][8][32][4] bytes, dw and mw [nb][32], and a
-// split type's half scales k [nb][2][32]. Rows past `rows` are zero (their outputs are not stored).
+// split type's half scales k [nb][2][32] (empty for the others). Rows past `rows` are zero (their
+// outputs are not stored).
 struct Tile {
   std::vector<uint8_t> u;
   std::vector<float> dw, mw;
   std::vector<int32_t> k;
-  void size_for(int64_t nb) {
+  void size_for(int64_t nb, bool halves) {
     u.assign(nb * kGroups * kTileRows * 4, 0);
     dw.assign(nb * kTileRows, 0.f);
     mw.assign(nb * kTileRows, 0.f);
-    k.assign(nb * 2 * kTileRows, 0);
+    k.assign(halves ? nb * 2 * kTileRows : 0, 0);
   }
 };
 
@@ -116,8 +116,10 @@ void decode_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t n0, in
       uint8_t vals[kBlock];  // the chunk's 32 unsigned byte values in K order
       int32_t k[2] = {0, 0};
       chunk_values<Q>(row + b / per * bb, b % per, vals, t.dw[b * kTileRows + r], t.mw[b * kTileRows + r], k);
-      t.k[(2 * b) * kTileRows + r] = k[0];
-      t.k[(2 * b + 1) * kTileRows + r] = k[1];
+      if constexpr (split(Q)) {
+        t.k[(2 * b) * kTileRows + r] = k[0];
+        t.k[(2 * b + 1) * kTileRows + r] = k[1];
+      }
       uint8_t* dst = t.u.data() + b * kGroups * kTileRows * 4 + r * 4;
       for (int64_t g = 0; g < kGroups; ++g) std::memcpy(dst + g * kTileRows * 4, vals + g * 4, 4);
     }
@@ -126,7 +128,7 @@ void decode_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t n0, in
     for (int64_t b = 0; b < nb; ++b) {
       t.dw[b * kTileRows + r] = 0.f;
       t.mw[b * kTileRows + r] = 0.f;
-      t.k[(2 * b) * kTileRows + r] = t.k[(2 * b + 1) * kTileRows + r] = 0;
+      if constexpr (split(Q)) t.k[(2 * b) * kTileRows + r] = t.k[(2 * b + 1) * kTileRows + r] = 0;
       uint8_t* dst = t.u.data() + b * kGroups * kTileRows * 4 + r * 4;
       for (int64_t g = 0; g < kGroups; ++g) std::memset(dst + g * kTileRows * 4, 0, 4);
     }
@@ -308,7 +310,7 @@ void run(const QuantX& x, const uint8_t* w, int64_t row_bytes, int64_t M, int64_
   const int64_t tiles = (N + kTileRows - 1) / kTileRows;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     static thread_local Tile tile;
-    tile.size_for(x.nb);
+    tile.size_for(x.nb, split(Q));
     for (int64_t ti = t0; ti < t1; ++ti) {
       const int64_t n0 = ti * kTileRows, rows = std::min(kTileRows, N - n0);
       decode_tile<Q>(w, row_bytes, x.nb, n0, rows, tile);
@@ -398,7 +400,9 @@ at::Tensor gguf_int8_linear(const at::Tensor& x_in, const at::Tensor& blocks_in,
   const QuantX qx{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(), ds.data(), s2.data(), K, nb};
   const Out o{out.data_ptr<float>(), N, bias.defined() ? bias.data_ptr<float>() : nullptr};
   const uint8_t* w = blocks.data_ptr<uint8_t>();
-  with_int8_type(qtype, [&](auto q) { run<decltype(q)::value>(qx, w, rb, M, N, o, vnni); });
+  blocks::with_type(qtype, [&](auto q) {  // takes(qtype) was checked above
+    if constexpr (takes(decltype(q)::value)) run<decltype(q)::value>(qx, w, rb, M, N, o, vnni);
+  });
   return out;
 }
 
