@@ -1,6 +1,7 @@
 """Prefill over GGUF blocks: exact (fp32 arithmetic on the blocks), int8 on the blocks
-(``--prefill-arithmetic int8`` with ``--quantization gguf``, kernels/csrc/gguf_int8.cpp), and the fp32
-weights' exact prefill, side by side in one process, with each mode's accuracy beside its speed.
+(``--prefill-arithmetic int8`` with ``--quantization gguf``, kernels/csrc/gguf_int8.cpp), int8 on the
+blocks' stored tiles (``--decode-arithmetic int8``: every step, the LM head too), and the fp32 weights'
+exact prefill, side by side in one process, with each mode's accuracy beside its speed.
 
 - Speed: one prefill step of ``--tokens`` tokens (one chunk, fresh pages) through the engine's own
   runner, the modes interleaved round by round so that a noisy machine's slow spells fall on all of
@@ -41,6 +42,8 @@ MODES: dict[str, dict[str, Any]] = {
     "fp32 exact": {},
     "gguf exact": {"quantization": "gguf"},
     "gguf int8 blocks": {"quantization": "gguf", "prefill_arithmetic": "int8"},
+    # int8 at every step (decode_arithmetic int8): stored tiles, the LM head in int8 too
+    "gguf int8 tiles": {"quantization": "gguf", "decode_arithmetic": "int8"},
 }
 REFERENCE = "gguf exact"
 

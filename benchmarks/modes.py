@@ -36,6 +36,7 @@ _SHORT = {"float32": "f32", "bfloat16": "bf16", "int8": "int8"}
 IMPLIED_WITHOUT_KNOB: dict[str, Any] = {
     "kv_cache_dtype": "float32",
     "prefill_arithmetic": "exact",
+    "decode_arithmetic": "exact",
     "preset": None,
 }
 
@@ -49,6 +50,7 @@ class Mode:
     kv: str | None = "float32"
     arithmetic: str | None = "exact"
     preset: str | None = None
+    decode: str | None = "exact"  # decode_arithmetic (int8: every product over GGUF blocks in int8)
 
     def wanted(self) -> dict[str, Any]:
         """The engine options this mode asks for, each knob at the value it needs."""
@@ -60,16 +62,20 @@ class Mode:
             **bf16,
             "kv_cache_dtype": self.kv,
             "prefill_arithmetic": self.arithmetic,
+            "decode_arithmetic": self.decode,
         }
 
 
-def mode_name(weights: str, kv: str = "float32", arithmetic: str = "exact") -> str:
-    """``fp32``, ``gguf+kv-bf16``, ``fp32+prefill-int8``: the weights, then what differs from fp32/exact."""
+def mode_name(weights: str, kv: str = "float32", arithmetic: str = "exact", decode: str = "exact") -> str:
+    """``fp32``, ``gguf+kv-bf16``, ``fp32+prefill-int8``, ``gguf+int8``: the weights, then what differs
+    from fp32/exact (``+int8``: int8 at every step, ``decode_arithmetic``)."""
     name = weights
     if kv != "float32":
         name += f"+kv-{_SHORT[kv]}"
     if arithmetic != "exact":
         name += f"+prefill-{_SHORT[arithmetic]}"
+    if decode != "exact":
+        name += f"+{_SHORT[decode]}"
     return name
 
 
@@ -80,7 +86,9 @@ def _modes() -> dict[str, Mode]:
     out += [
         Mode(mode_name(w, "float32", a), w, "float32", a) for w in ("fp32", "gguf") for a in ARITHMETICS[1:]
     ]
-    out.append(Mode("fast", None, None, None, preset="fast"))
+    # int8 at every step over GGUF blocks (decode_arithmetic int8: stored int8 tiles), fp32 and bf16 K/V.
+    out += [Mode(mode_name("gguf", kv, decode="int8"), "gguf", kv, decode="int8") for kv in KV_DTYPES[:2]]
+    out.append(Mode("fast", None, None, None, preset="fast", decode=None))
     return {m.name: m for m in out}
 
 
@@ -88,7 +96,7 @@ MODES = _modes()
 # Named groups for --modes: the weights x KV grid (decode), the arithmetic modes (prefill), all.
 GROUPS = {
     "all": list(MODES),
-    "grid": [m.name for m in MODES.values() if m.arithmetic == "exact"],
+    "grid": [m.name for m in MODES.values() if m.arithmetic == "exact" and m.decode == "exact"],
     "arith": ["fp32"] + [m.name for m in MODES.values() if m.arithmetic not in ("exact", None)],
 }
 
@@ -263,16 +271,18 @@ class StepModel:
         s = self.shapes
         return tokens * kv_token_bytes(self.kv, s.layers, s.kv_heads, s.head_dim)
 
-    def _linear_flops(self, rows: int, arithmetic: str | None, head_rows: int) -> dict[str, float]:
+    def _linear_flops(
+        self, rows: int, arithmetic: str | None, head_rows: int, head_arithmetic: str | None = None
+    ) -> dict[str, float]:
         """Flops of the linears by arithmetic: the decoder's ``rows`` (at ``arithmetic``, or each
-        weight's own), and the LM head's ``head_rows`` in the head's own arithmetic."""
+        weight's own), and the LM head's ``head_rows`` (at ``head_arithmetic``, or its own)."""
         s = self.shapes
         flops: dict[str, float] = {}
         for layer in self.formats.layers:
             for n, (o, i) in s.layer_linears().items():
                 a = arithmetic or weights_arithmetic(layer[n])
                 flops[a] = flops.get(a, 0.0) + 2.0 * rows * o * i
-        a = weights_arithmetic(self.formats.head)
+        a = head_arithmetic or weights_arithmetic(self.formats.head)
         flops[a] = flops.get(a, 0.0) + 2.0 * head_rows * s.vocab * s.hidden
         return flops
 
@@ -280,10 +290,14 @@ class StepModel:
         s = self.shapes
         return 4.0 * queries * keys * s.heads * s.head_dim * s.layers
 
-    def decode(self, batch: int, context: int) -> tuple[float, dict[str, float]]:
-        """(bytes, flops by arithmetic) of one decode step of ``batch`` rows over ``context`` tokens."""
+    def decode(
+        self, batch: int, context: int, arithmetic: str | None = None
+    ) -> tuple[float, dict[str, float]]:
+        """(bytes, flops by arithmetic) of one decode step of ``batch`` rows over ``context`` tokens, the
+        linears and LM head at ``arithmetic`` (None: the weights' own; "int8": decode_arithmetic int8,
+        whose tiles read more bytes than the blocks counted here, so its limit is a lower bound)."""
         body, head = self.weight_bytes()
-        flops = self._linear_flops(batch, None, batch)
+        flops = self._linear_flops(batch, arithmetic, batch, arithmetic)
         flops["fp32"] = flops.get("fp32", 0.0) + self._attention_flops(batch, context)  # fp32 accumulate
         return body + head + self.kv_bytes(batch * context), flops
 

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         for context in contexts:
             for b in batches:
                 torch_s, native_s = alternate(steps, b, context, args.repeats)
-                limit = limits.seconds(*model.decode(b, context))
+                limit = limits.seconds(*model.decode(b, context, "int8" if mode.decode == "int8" else None))
                 res[f"decode_b{b}_c{context}"] = {
                     "limit_ms": limit * 1e3,
                     "torch_ms": torch_s * 1e3,

@@ -250,7 +250,7 @@ def used_arithmetics(modes: list[Mode]) -> set[str]:
     for m in modes:
         if m.weights == "bf16":
             used.add("bf16")
-        if m.weights == "int8" or m.arithmetic == "int8":
+        if m.weights == "int8" or m.arithmetic == "int8" or m.decode == "int8":
             used.add("int8")
         if m.arithmetic == "bfloat16":
             used.add("bf16")

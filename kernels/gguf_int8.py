@@ -24,6 +24,10 @@ QK = 32
 # GGML type ids the op takes (csrc/gguf_int8.cpp's takes()): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL,
 # Q3_K, Q4_K, Q5_K, Q6_K.
 TYPES = (2, 3, 6, 7, 8, 20, 11, 12, 13, 14)
+TILE_ROWS = 32  # weight rows per int8 tile (csrc/int8_tiles.h)
+TILES_KIND = (
+    256  # + a type id: that type's int8 tiles, as the native step's kinds name them (step_products.h)
+)
 _fake_registered = False
 
 
@@ -47,6 +51,18 @@ def _ops_loaded() -> bool:
         ) -> torch.Tensor:
             return x.new_empty((x.shape[0], blocks.shape[0]))
 
+        @torch.library.register_fake("radixserve_cpu::gguf_int8_tiles_linear")
+        def _fake_tiles(
+            x: torch.Tensor,
+            tiles: torch.Tensor,
+            qtype: int,
+            K: int,
+            N: int,
+            bias: torch.Tensor | None,
+            portable: bool = False,
+        ) -> torch.Tensor:
+            return x.new_empty((x.shape[0], N))
+
     return loaded
 
 
@@ -69,6 +85,23 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.Tensor
     """``x [M, K] @ W.T + bias`` in the block integer arithmetic (``available()`` first, which loads
     the op and registers its fake)."""
     out: torch.Tensor = torch.ops.radixserve_cpu.gguf_int8_linear(x, blocks, qtype, x.shape[-1], bias)
+    return out
+
+
+def pack(blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """The int8 tiles of a block weight [N, row bytes] of ``k`` columns: its integer form decoded once,
+    laid out for the kernel (``[ceil(N / 32), tile bytes]`` uint8; ``tiles_linear`` and the native step
+    stream them)."""
+    tiles: torch.Tensor = torch.ops.radixserve_cpu.gguf_int8_pack(blocks, qtype, k)
+    return tiles
+
+
+def tiles_linear(
+    x: torch.Tensor, tiles: torch.Tensor, qtype: int, n: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x [M, K] @ W.T + bias`` over ``pack``'s tiles of an ``[n, K]`` weight: the same numbers as
+    ``linear`` over its blocks, bit for bit, with no decoding per call."""
+    out: torch.Tensor = torch.ops.radixserve_cpu.gguf_int8_tiles_linear(x, tiles, qtype, x.shape[-1], n, bias)
     return out
 
 

@@ -9,7 +9,7 @@ from typing import Any
 from radixserve.cache.tier_controller import WRITE_POLICIES
 from radixserve.kernels.kv_dtype import KV_DTYPES
 from radixserve.knobs import knob, problems
-from radixserve.model.arithmetic import ARITHMETICS
+from radixserve.model.arithmetic import ARITHMETICS, DECODE_ARITHMETICS
 from radixserve.model.attention import BACKENDS
 from radixserve.model.quant import QUANTIZATIONS
 from radixserve.presets import PRESETS, apply_preset
@@ -47,6 +47,13 @@ class EngineConfig:
         "exact",
         "arithmetic of many-row steps (prefill): exact, int8, bfloat16 (where the CPU runs it), auto",
         choices=ARITHMETICS,
+    )
+    # int8 for decode steps too, over GGUF blocks (llama.cpp's arithmetic; model/arithmetic.py): the
+    # blocks' values stored once as int8 tiles, every product of them int8. Approximate.
+    decode_arithmetic: str = knob(
+        "exact",
+        "arithmetic of decode steps over GGUF weights: exact, or int8 (every step then; needs AVX512-VNNI)",
+        choices=DECODE_ARITHMETICS,
     )
     # One flag for a measured combination of the knobs above (presets.py); knobs given explicitly win.
     preset: str | None = knob(

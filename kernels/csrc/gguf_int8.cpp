@@ -40,289 +40,47 @@
 #include <cstring>
 #include <vector>
 
-#include "block_ints.h"
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define RADIXSERVE_HAVE_VNNI_KERNEL 1
-#define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")))
-#endif
+#include "int8_tiles.h"
 
 namespace radixserve_cpu {
 namespace {
 
-using ints::chunk_values;
-using ints::has_min;
-using ints::kBlock;
+using int8_tiles::cpu_has_vnni;
+using int8_tiles::decode_tile;
+using int8_tiles::kTileRows;
+using int8_tiles::kBlock;
+using int8_tiles::Out;
+using int8_tiles::quantize_row;
+using int8_tiles::QuantX;
+using int8_tiles::tile_at;
+using int8_tiles::tile_bytes;
+using int8_tiles::tile_product;
 using ints::split;
 using ints::takes;
-using ints::weight_offset;
 
-constexpr int64_t kGroups = 8;   // 4-byte groups per chunk
-constexpr int64_t kTileRows = 32;  // weight rows per tile: two 512-bit registers of int32
-constexpr int kMaxRows = 6;      // x rows per micro-kernel pass: 4 accumulators each, in registers
-
-// x rows a pass of the VNNI kernel: a split type keeps a third set of accumulators in registers.
-constexpr int max_rows(int64_t q) { return split(q) ? 4 : kMaxRows; }
-
-// x quantized per 32-block: q [M, K] int8, d [M, K/32] fp32, s [M, K/32] int32 (sum of q), ds = d * s
-// in fp32 (a minimum's term), and s2 [M, K/16] the halves' sums of q (a split type's offset).
-struct QuantX {
-  const int8_t* q;
-  const float* d;
-  const int32_t* s;
-  const float* ds;
-  const int32_t* s2;
-  int64_t K, nb;
-};
-
-// One block of x: the scale and round-half-even as torch.round (the reference's) does it.
-inline void quantize_block_portable(const float* x, int8_t* q, float* d_out, int32_t* s_out, int32_t* s2) {
-  float amax = 0.f;
-  for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(x[j]));
-  const float d = amax / 127.f;
-  const float id = d != 0.f ? 1.f / d : 0.f;
-  s2[0] = s2[1] = 0;
-  for (int64_t j = 0; j < kBlock; ++j) {
-    const auto v = static_cast<int32_t>(std::nearbyint(x[j] * id));
-    q[j] = static_cast<int8_t>(v);
-    s2[j / 16] += v;
-  }
-  *d_out = d;
-  *s_out = s2[0] + s2[1];
-}
-
-// A tile of weight rows [n0, n0 + rows), decoded: u [nb][8][32][4] bytes, dw and mw [nb][32], and a
-// split type's half scales k [nb][2][32] (empty for the others). Rows past `rows` are zero (their
-// outputs are not stored).
-struct Tile {
-  std::vector<uint8_t> u;
-  std::vector<float> dw, mw;
-  std::vector<int32_t> k;
-  void size_for(int64_t nb, bool halves) {
-    u.assign(nb * kGroups * kTileRows * 4, 0);
-    dw.assign(nb * kTileRows, 0.f);
-    mw.assign(nb * kTileRows, 0.f);
-    k.assign(halves ? nb * 2 * kTileRows : 0, 0);
-  }
-};
-
-template <int64_t Q>
-void decode_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t n0, int64_t rows, Tile& t) {
-  constexpr int64_t per = blocks::weights_of(Q) / kBlock, bb = blocks::bytes_of(Q);
-  for (int64_t r = 0; r < rows; ++r) {
-    const uint8_t* row = w + (n0 + r) * row_bytes;
-    for (int64_t b = 0; b < nb; ++b) {
-      uint8_t vals[kBlock];  // the chunk's 32 unsigned byte values in K order
-      int32_t k[2] = {0, 0};
-      chunk_values<Q>(row + b / per * bb, b % per, vals, t.dw[b * kTileRows + r], t.mw[b * kTileRows + r], k);
-      if constexpr (split(Q)) {
-        t.k[(2 * b) * kTileRows + r] = k[0];
-        t.k[(2 * b + 1) * kTileRows + r] = k[1];
-      }
-      uint8_t* dst = t.u.data() + b * kGroups * kTileRows * 4 + r * 4;
-      for (int64_t g = 0; g < kGroups; ++g) std::memcpy(dst + g * kTileRows * 4, vals + g * 4, 4);
-    }
-  }
-  for (int64_t r = rows; r < kTileRows; ++r)  // a short last tile: zero weights, zero scales
-    for (int64_t b = 0; b < nb; ++b) {
-      t.dw[b * kTileRows + r] = 0.f;
-      t.mw[b * kTileRows + r] = 0.f;
-      if constexpr (split(Q)) t.k[(2 * b) * kTileRows + r] = t.k[(2 * b + 1) * kTileRows + r] = 0;
-      uint8_t* dst = t.u.data() + b * kGroups * kTileRows * 4 + r * 4;
-      for (int64_t g = 0; g < kGroups; ++g) std::memset(dst + g * kTileRows * 4, 0, 4);
-    }
-}
-
-struct Out {
-  float* out;  // [M, N]
-  int64_t N;
-  const float* bias;  // [N] or nullptr
-};
-
-// The portable path: the same integer sums and the same fp32 operations in the same order (one
-// std::fma per block), so its output equals the VNNI kernel's bit for bit.
-template <int64_t Q>
-void tile_rows_portable(const QuantX& x, const Tile& t, int64_t m0, int64_t m1, int64_t n0, int64_t rows,
-                        const Out& o) {
-  const int32_t off = weight_offset(Q);
-  for (int64_t m = m0; m < m1; ++m) {
-    for (int64_t r = 0; r < rows; ++r) {
-      float acc = 0.f;
-      for (int64_t b = 0; b < x.nb; ++b) {
-        const uint8_t* u = t.u.data() + b * kGroups * kTileRows * 4 + r * 4;
-        const int8_t* q = x.q + m * x.K + b * kBlock;
-        // The integer dot of groups [g0, g1) of the chunk, from `start`.
-        const auto dot = [&](int64_t g0, int64_t g1, int32_t start) {
-          for (int64_t g = g0; g < g1; ++g)
-            for (int64_t j = 0; j < 4; ++j) start += static_cast<int32_t>(u[g * kTileRows * 4 + j]) * q[g * 4 + j];
-          return start;
-        };
-        int32_t i;
-        if constexpr (split(Q)) {
-          const int32_t* s2 = x.s2 + m * 2 * x.nb + 2 * b;
-          i = t.k[(2 * b) * kTileRows + r] * dot(0, kGroups / 2, -off * s2[0]) +
-              t.k[(2 * b + 1) * kTileRows + r] * dot(kGroups / 2, kGroups, -off * s2[1]);
-        } else {
-          i = dot(0, kGroups, -off * x.s[m * x.nb + b]);
-        }
-        const float dx = x.d[m * x.nb + b];
-        acc = std::fma(static_cast<float>(i), t.dw[b * kTileRows + r] * dx, acc);
-        if constexpr (has_min(Q)) acc = std::fma(t.mw[b * kTileRows + r], x.ds[m * x.nb + b], acc);
-      }
-      o.out[m * o.N + n0 + r] = o.bias != nullptr ? acc + o.bias[n0 + r] : acc;
-    }
-  }
-}
-
-#ifdef RADIXSERVE_HAVE_VNNI_KERNEL
-
-VNNI_TARGET void quantize_row_vnni(const float* x, int64_t nb, int8_t* q, float* d, int32_t* s, float* ds,
-                                   int32_t* s2) {
-  const __m512 sign = _mm512_set1_ps(-0.f);
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m512 v0 = _mm512_loadu_ps(x + b * kBlock), v1 = _mm512_loadu_ps(x + b * kBlock + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
-    const float db = amax / 127.f;
-    const __m512 id = _mm512_set1_ps(db != 0.f ? 1.f / db : 0.f);
-    // cvtps_epi32 rounds to nearest even (the default MXCSR mode), as std::nearbyint and torch.round.
-    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtepi32_epi8(q0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16), _mm512_cvtepi32_epi8(q1));
-    d[b] = db;
-    s2[2 * b] = _mm512_reduce_add_epi32(q0);
-    s2[2 * b + 1] = _mm512_reduce_add_epi32(q1);
-    s[b] = s2[2 * b] + s2[2 * b + 1];
-    ds[b] = db * static_cast<float>(s[b]);
-  }
-}
-
-// isum[r] += the integer dots of groups [g0, g1) of a decoded chunk (ub) with x row r's int8 values
-// (qb, rows ldq apart): one vpdpbusd per 16 weight rows and 4 x values broadcast.
-template <int R>
-VNNI_TARGET inline void dot_groups(__m512i (&isum)[R][2], const int8_t* qb, int64_t ldq, const uint8_t* ub,
-                                   int64_t g0, int64_t g1) {
-  for (int64_t g = g0; g < g1; ++g) {
-    const __m512i w0 = _mm512_loadu_si512(ub + g * kTileRows * 4);
-    const __m512i w1 = _mm512_loadu_si512(ub + g * kTileRows * 4 + 64);
-    for (int r = 0; r < R; ++r) {
-      int32_t four;
-      std::memcpy(&four, qb + r * ldq + g * 4, 4);
-      const __m512i xv = _mm512_set1_epi32(four);
-      isum[r][0] = _mm512_dpbusd_epi32(isum[r][0], w0, xv);
-      isum[r][1] = _mm512_dpbusd_epi32(isum[r][1], w1, xv);
-    }
-  }
-}
-
-// x rows [m0, m0 + R) against one decoded tile: per row, 2 int32 and 2 fp32 accumulators of 16
-// weight rows each.
-template <int64_t Q, int R>
-VNNI_TARGET void tile_rows_vnni(const QuantX& x, const Tile& t, int64_t m0, int64_t n0, int64_t rows,
-                                const Out& o) {
-  const int32_t off = weight_offset(Q);
-  __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  const uint8_t* u = t.u.data();
-  for (int64_t b = 0; b < x.nb; ++b) {
-    __m512i isum[R][2];
-    const int8_t* qb = x.q + m0 * x.K + b * kBlock;
-    const uint8_t* ub = u + b * kGroups * kTileRows * 4;
-    if constexpr (split(Q)) {
-      // Each half's sum times its rows' integer scales, in int32 (exact: |sum| < 2^18, |k| <= 128).
-      __m512i whole[R][2];
-      for (int h = 0; h < 2; ++h) {
-        for (int r = 0; r < R; ++r)
-          isum[r][0] = isum[r][1] = _mm512_set1_epi32(-off * x.s2[(m0 + r) * 2 * x.nb + 2 * b + h]);
-        dot_groups<R>(isum, qb, x.K, ub, h * kGroups / 2, (h + 1) * kGroups / 2);
-        const int32_t* k = t.k.data() + (2 * b + h) * kTileRows;
-        const __m512i k0 = _mm512_loadu_si512(k), k1 = _mm512_loadu_si512(k + 16);
-        for (int r = 0; r < R; ++r) {
-          const __m512i p0 = _mm512_mullo_epi32(isum[r][0], k0), p1 = _mm512_mullo_epi32(isum[r][1], k1);
-          whole[r][0] = h == 0 ? p0 : _mm512_add_epi32(whole[r][0], p0);
-          whole[r][1] = h == 0 ? p1 : _mm512_add_epi32(whole[r][1], p1);
-        }
-      }
-      for (int r = 0; r < R; ++r) {
-        isum[r][0] = whole[r][0];
-        isum[r][1] = whole[r][1];
-      }
-    } else {
-      for (int r = 0; r < R; ++r)
-        isum[r][0] = isum[r][1] = _mm512_set1_epi32(-off * x.s[(m0 + r) * x.nb + b]);
-      dot_groups<R>(isum, qb, x.K, ub, 0, kGroups);
-    }
-    const __m512 dw0 = _mm512_loadu_ps(t.dw.data() + b * kTileRows);
-    const __m512 dw1 = _mm512_loadu_ps(t.dw.data() + b * kTileRows + 16);
-    for (int r = 0; r < R; ++r) {
-      const __m512 dx = _mm512_set1_ps(x.d[(m0 + r) * x.nb + b]);
-      acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][0]), _mm512_mul_ps(dw0, dx), acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][1]), _mm512_mul_ps(dw1, dx), acc[r][1]);
-    }
-    if constexpr (has_min(Q)) {
-      const __m512 mw0 = _mm512_loadu_ps(t.mw.data() + b * kTileRows);
-      const __m512 mw1 = _mm512_loadu_ps(t.mw.data() + b * kTileRows + 16);
-      for (int r = 0; r < R; ++r) {
-        const __m512 ds = _mm512_set1_ps(x.ds[(m0 + r) * x.nb + b]);
-        acc[r][0] = _mm512_fmadd_ps(mw0, ds, acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(mw1, ds, acc[r][1]);
-      }
-    }
-  }
-  for (int h = 0; h < 2; ++h) {
-    const int64_t live = std::clamp<int64_t>(rows - 16 * h, 0, 16);
-    if (live == 0) break;
-    const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1u);
-    const float* bias_h = o.bias != nullptr ? o.bias + n0 + 16 * h : nullptr;
-    const __m512 bias = bias_h != nullptr ? _mm512_maskz_loadu_ps(mask, bias_h) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) {
-      const __m512 v = bias_h != nullptr ? _mm512_add_ps(acc[r][h], bias) : acc[r][h];
-      _mm512_mask_storeu_ps(o.out + (m0 + r) * o.N + n0 + 16 * h, mask, v);
-    }
-  }
-}
-
-template <int64_t Q, int R = max_rows(Q)>
-void tile_rows_vnni_dispatch(int rows_x, const QuantX& x, const Tile& t, int64_t m0, int64_t n0, int64_t rows,
-                             const Out& o) {
-  if constexpr (R > 1) {
-    if (rows_x < R) return tile_rows_vnni_dispatch<Q, R - 1>(rows_x, x, t, m0, n0, rows, o);
-  }
-  tile_rows_vnni<Q, R>(x, t, m0, n0, rows, o);
-}
-
-bool cpu_has_vnni() {
-  static const bool has = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-           __builtin_cpu_supports("avx512vnni");
-  }();
-  return has;
-}
-
-#else
-bool cpu_has_vnni() { return false; }
-#endif
-
+// The product over blocks: each thread decodes its tiles into a buffer, one at a time.
 template <int64_t Q>
 void run(const QuantX& x, const uint8_t* w, int64_t row_bytes, int64_t M, int64_t N, const Out& o, bool vnni) {
-  const int64_t tiles = (N + kTileRows - 1) / kTileRows;
+  const int64_t tiles = (N + kTileRows - 1) / kTileRows, tb = tile_bytes(x.nb, split(Q));
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    static thread_local Tile tile;
-    tile.size_for(x.nb, split(Q));
+    static thread_local std::vector<uint8_t> buf;
+    if (static_cast<int64_t>(buf.size()) < tb) buf.resize(tb);
     for (int64_t ti = t0; ti < t1; ++ti) {
       const int64_t n0 = ti * kTileRows, rows = std::min(kTileRows, N - n0);
-      decode_tile<Q>(w, row_bytes, x.nb, n0, rows, tile);
-#ifdef RADIXSERVE_HAVE_VNNI_KERNEL
-      if (vnni) {
-        for (int64_t m0 = 0; m0 < M; m0 += max_rows(Q))
-          tile_rows_vnni_dispatch<Q>(static_cast<int>(std::min<int64_t>(max_rows(Q), M - m0)), x, tile, m0, n0, rows, o);
-        continue;
-      }
-#endif
-      tile_rows_portable<Q>(x, tile, 0, M, n0, rows, o);
+      decode_tile<Q>(w, row_bytes, x.nb, n0, rows, buf.data());
+      tile_product<Q>(x, tile_at(buf.data(), x.nb), M, n0, rows, o, vnni);
     }
+  });
+}
+
+// The product over stored tiles (gguf_int8_pack's): nothing decoded per call.
+template <int64_t Q>
+void run_stored(const QuantX& x, const uint8_t* tiles, int64_t M, int64_t N, const Out& o, bool vnni) {
+  const int64_t count = (N + kTileRows - 1) / kTileRows, tb = tile_bytes(x.nb, split(Q));
+  at::parallel_for(0, count, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t ti = t0; ti < t1; ++ti)
+      tile_product<Q>(x, tile_at(tiles + ti * tb, x.nb), M, ti * kTileRows, std::min(kTileRows, N - ti * kTileRows),
+                      o, vnni);
   });
 }
 
@@ -334,19 +92,8 @@ void quantize(const at::Tensor& x, at::Tensor& q, at::Tensor& d, at::Tensor& s, 
   float* dp = d.data_ptr<float>();
   int32_t* sp = s.data_ptr<int32_t>();
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-#ifdef RADIXSERVE_HAVE_VNNI_KERNEL
-      if (vnni) {
-        quantize_row_vnni(xp + m * ldx, nb, qp + m * K, dp + m * nb, sp + m * nb, ds + m * nb, s2 + m * 2 * nb);
-        continue;
-      }
-#endif
-      for (int64_t b = 0; b < nb; ++b) {
-        quantize_block_portable(xp + m * ldx + b * kBlock, qp + m * K + b * kBlock, dp + m * nb + b, sp + m * nb + b,
-                                s2 + m * 2 * nb + 2 * b);
-        ds[m * nb + b] = dp[m * nb + b] * static_cast<float>(sp[m * nb + b]);
-      }
-    }
+    for (int64_t m = m0; m < m1; ++m)
+      quantize_row(xp + m * ldx, nb, qp + m * K, dp + m * nb, sp + m * nb, ds + m * nb, s2 + m * 2 * nb, vnni);
   });
 }
 
@@ -370,24 +117,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q8_blocks(const at::Tens
   return {q, d, s};
 }
 
-at::Tensor gguf_int8_linear(const at::Tensor& x_in, const at::Tensor& blocks_in, int64_t qtype, int64_t K,
-                            const std::optional<at::Tensor>& bias_in, bool portable) {
-  check_x(x_in, K, "gguf_int8_linear");
-  TORCH_CHECK(takes(qtype), "radixserve_cpu::gguf_int8_linear: unsupported block type ", qtype,
+void check_bias(const std::optional<at::Tensor>& bias_in, int64_t N, at::Tensor& bias, const char* op) {
+  if (!bias_in.has_value()) return;
+  bias = bias_in->contiguous();
+  TORCH_CHECK(bias.dim() == 1 && bias.size(0) == N && bias.scalar_type() == at::kFloat, "radixserve_cpu::", op,
+              ": bias must be float32 [", N, "]");
+}
+
+// out [M, N] = x times a weight of type `qtype` in the integer arithmetic: x quantized, then multiplied
+// by the weight's tiles: stored ones (`stored`: gguf_int8_pack's, at w), or blocks (rows rb bytes apart
+// at w) decoded tile by tile.
+at::Tensor int8_product(const at::Tensor& x_in, int64_t qtype, int64_t K, int64_t N,
+                        const std::optional<at::Tensor>& bias_in, bool portable, const char* op, const uint8_t* w,
+                        int64_t rb, bool stored) {
+  check_x(x_in, K, op);
+  TORCH_CHECK(takes(qtype), "radixserve_cpu::", op, ": unsupported block type ", qtype,
               " (supported: " RADIXSERVE_INT8_TYPES ")");
-  const int64_t rb = blocks::block_row_bytes(qtype, K);
-  TORCH_CHECK(blocks_in.dim() == 2 && blocks_in.scalar_type() == at::kByte && blocks_in.size(1) == rb,
-              "radixserve_cpu::gguf_int8_linear: blocks must be uint8 [N, ", rb, "], got ", blocks_in.sizes(), " ",
-              blocks_in.scalar_type());
-  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
-  const at::Tensor blocks = blocks_in.contiguous();
-  const int64_t M = x.size(0), N = blocks.size(0), nb = K / kBlock;
   at::Tensor bias;
-  if (bias_in.has_value()) {
-    bias = bias_in->contiguous();
-    TORCH_CHECK(bias.dim() == 1 && bias.size(0) == N && bias.scalar_type() == at::kFloat,
-                "radixserve_cpu::gguf_int8_linear: bias must be float32 [", N, "]");
-  }
+  check_bias(bias_in, N, bias, op);
+  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  const int64_t M = x.size(0), nb = K / kBlock;
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   const bool vnni = cpu_has_vnni() && !portable;
@@ -399,11 +148,75 @@ at::Tensor gguf_int8_linear(const at::Tensor& x_in, const at::Tensor& blocks_in,
   quantize(x, q, d, s, ds.data(), s2.data(), vnni);
   const QuantX qx{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(), ds.data(), s2.data(), K, nb};
   const Out o{out.data_ptr<float>(), N, bias.defined() ? bias.data_ptr<float>() : nullptr};
-  const uint8_t* w = blocks.data_ptr<uint8_t>();
-  blocks::with_type(qtype, [&](auto q) {  // takes(qtype) was checked above
-    if constexpr (takes(decltype(q)::value)) run<decltype(q)::value>(qx, w, rb, M, N, o, vnni);
+  blocks::with_type(qtype, [&](auto t) {  // takes(qtype) was checked above
+    constexpr int64_t Q = decltype(t)::value;
+    if constexpr (takes(Q)) {
+      if (stored) {
+        run_stored<Q>(qx, w, M, N, o, vnni);
+      } else {
+        run<Q>(qx, w, rb, M, N, o, vnni);
+      }
+    }
   });
   return out;
+}
+
+const at::Tensor& check_blocks(const at::Tensor& blocks, int64_t qtype, int64_t K, const char* op) {
+  const int64_t rb = blocks::block_row_bytes(qtype, K);
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.size(1) == rb && blocks.is_contiguous(),
+              "radixserve_cpu::", op, ": blocks must be uint8 [N, ", rb, "], got ", blocks.sizes(), " ",
+              blocks.scalar_type());
+  return blocks;
+}
+
+at::Tensor gguf_int8_linear(const at::Tensor& x, const at::Tensor& blocks_in, int64_t qtype, int64_t K,
+                            const std::optional<at::Tensor>& bias, bool portable) {
+  check_x(x, K, "gguf_int8_linear");
+  const at::Tensor blocks = blocks_in.contiguous();
+  TORCH_CHECK(takes(qtype), "radixserve_cpu::gguf_int8_linear: unsupported block type ", qtype,
+              " (supported: " RADIXSERVE_INT8_TYPES ")");
+  check_blocks(blocks, qtype, K, "gguf_int8_linear");
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  const int64_t N = blocks.size(0), rb = blocks.size(1);
+  return int8_product(x, qtype, K, N, bias, portable, "gguf_int8_linear", w, rb, false);
+}
+
+// A weight's tiles, decoded once: [ceil(N / 32), tile_bytes] uint8, what gguf_int8_tiles_linear and the
+// native step's int8 products stream (1 byte a weight plus 8 or 16 bytes of scales per 32).
+at::Tensor gguf_int8_pack(const at::Tensor& blocks_in, int64_t qtype, int64_t K) {
+  TORCH_CHECK(takes(qtype) && K % kBlock == 0, "radixserve_cpu::gguf_int8_pack: unsupported block type ", qtype,
+              " or K ", K, " (supported: " RADIXSERVE_INT8_TYPES ", K a multiple of 32)");
+  const at::Tensor blocks = blocks_in.contiguous();
+  check_blocks(blocks, qtype, K, "gguf_int8_pack");
+  const int64_t N = blocks.size(0), nb = K / kBlock, count = (N + kTileRows - 1) / kTileRows;
+  const int64_t tb = tile_bytes(nb, split(qtype));
+  at::Tensor tiles = at::empty({count, tb}, blocks.options());
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  uint8_t* dst = tiles.data_ptr<uint8_t>();
+  blocks::with_type(qtype, [&](auto t) {
+    constexpr int64_t Q = decltype(t)::value;
+    if constexpr (takes(Q)) {
+      at::parallel_for(0, count, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t ti = t0; ti < t1; ++ti)
+          decode_tile<Q>(w, blocks.size(1), nb, ti * kTileRows, std::min(kTileRows, N - ti * kTileRows), dst + ti * tb);
+      });
+    }
+  });
+  return tiles;
+}
+
+at::Tensor gguf_int8_tiles_linear(const at::Tensor& x, const at::Tensor& tiles_in, int64_t qtype, int64_t K,
+                                  int64_t N, const std::optional<at::Tensor>& bias, bool portable) {
+  const at::Tensor tiles = tiles_in.contiguous();
+  TORCH_CHECK(takes(qtype) && K % kBlock == 0, "radixserve_cpu::gguf_int8_tiles_linear: unsupported block type ",
+              qtype, " or K ", K);
+  const int64_t tb = tile_bytes(K / kBlock, split(qtype));
+  TORCH_CHECK(tiles.dim() == 2 && tiles.scalar_type() == at::kByte && tiles.size(0) == (N + kTileRows - 1) / kTileRows &&
+                  tiles.size(1) == tb,
+              "radixserve_cpu::gguf_int8_tiles_linear: tiles must be gguf_int8_pack's uint8 [",
+              (N + kTileRows - 1) / kTileRows, ", ", tb, "], got ", tiles.sizes());
+  const uint8_t* w = tiles.data_ptr<uint8_t>();
+  return int8_product(x, qtype, K, N, bias, portable, "gguf_int8_tiles_linear", w, tb, true);
 }
 
 bool gguf_int8_vnni() { return cpu_has_vnni(); }
@@ -414,10 +227,16 @@ bool gguf_int8_vnni() { return cpu_has_vnni(); }
 TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
   m.def("gguf_int8_linear(Tensor x, Tensor blocks, int qtype, int K, Tensor? bias, bool portable=False) -> Tensor");
   m.def("quantize_q8_blocks(Tensor x, bool portable=False) -> (Tensor, Tensor, Tensor)");
+  m.def("gguf_int8_pack(Tensor blocks, int qtype, int K) -> Tensor");
+  m.def(
+      "gguf_int8_tiles_linear(Tensor x, Tensor tiles, int qtype, int K, int N, Tensor? bias, bool portable=False) "
+      "-> Tensor");
   m.def("gguf_int8_vnni() -> bool", &radixserve_cpu::gguf_int8_vnni);  // no tensor: a catch-all kernel
 }
 
 TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {
   m.impl("gguf_int8_linear", &radixserve_cpu::gguf_int8_linear);
   m.impl("quantize_q8_blocks", &radixserve_cpu::quantize_q8_blocks);
+  m.impl("gguf_int8_pack", &radixserve_cpu::gguf_int8_pack);
+  m.impl("gguf_int8_tiles_linear", &radixserve_cpu::gguf_int8_tiles_linear);
 }

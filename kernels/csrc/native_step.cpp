@@ -55,6 +55,9 @@ using step::product;
 using step::Weight;
 
 constexpr int64_t kMaxRows = 8;
+// Bands of output rows start at multiples of this: an int8 tile's rows (step_products.h). QKV bands are
+// whole heads, so int8 tiles there need head_dim a multiple of it (model/native_step.py checks).
+constexpr int64_t kBandAlign = int8_tiles::kTileRows;
 // Tensors per layer in `weights`, in this order (an absent one is an empty tensor).
 enum LayerTensor : int {
   kInNorm = 0,
@@ -114,7 +117,8 @@ at::Tensor decode_step(const at::Tensor& x_in, const at::Tensor& cos, const at::
                        const std::vector<at::Tensor>& weights, const std::vector<int64_t>& kinds,
                        const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
                        const at::Tensor& page_table, const at::Tensor& seq_lens, const at::Tensor& slots,
-                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale) {
+                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size,
+                       double eps, double scale) {
   const int64_t L = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(L > 0 && static_cast<int64_t>(v_caches.size()) == L &&
                   static_cast<int64_t>(weights.size()) == L * kTensorsPerLayer &&
@@ -166,7 +170,7 @@ at::Tensor decode_step(const at::Tensor& x_in, const at::Tensor& cos, const at::
                 "radixserve_cpu::decode_step: row ", m, "'s slot is not its last token's");
   }
   std::vector<Weight> lin(L * kKindsPerLayer);
-  const int64_t I = weights[kGate].size(0);
+  const int64_t I = intermediate_size;  // (int8 tiles' first dimension counts tiles, not rows)
   const int64_t kv_rows = Hkv * D;
   const int64_t shapes[kKindsPerLayer][2] = {{q_size, H}, {kv_rows, H}, {kv_rows, H}, {H, q_size},
                                              {I, H},      {I, H},       {H, I}};
@@ -175,14 +179,26 @@ at::Tensor decode_step(const at::Tensor& x_in, const at::Tensor& cos, const at::
     for (int j = 0; j < kKindsPerLayer; ++j) {
       const at::Tensor& t = weights[l * kTensorsPerLayer + tensor_of[j]];
       const int64_t kind = kinds[l * kKindsPerLayer + j], N = shapes[j][0], K = shapes[j][1];
-      TORCH_CHECK(t.is_contiguous() && t.dim() == 2 && t.size(0) == N, "radixserve_cpu::decode_step: weight ",
-                  j, " of layer ", l, " has shape ", t.sizes());
+      TORCH_CHECK(t.is_contiguous() && t.dim() == 2 && (t.size(0) == N || step::is_tiles(kind)),
+                  "radixserve_cpu::decode_step: weight ", j, " of layer ", l, " has shape ", t.sizes());
       if (kind == kF32) {
         TORCH_CHECK(t.scalar_type() == at::kFloat && t.size(1) == K, "radixserve_cpu::decode_step: fp32 weight");
       } else if (kind == kBF16) {
         TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.size(1) == K, "radixserve_cpu::decode_step: bf16 weight");
         TORCH_CHECK(step::runs_here(kind), "radixserve_cpu::decode_step: bf16 weights need AVX512_BF16 ",
                     "(vdpbf16ps), which this CPU or build lacks");
+      } else if (step::is_tiles(kind)) {
+        const int64_t q = kind - step::kTiles;
+        TORCH_CHECK(step::runs_here(kind), "radixserve_cpu::decode_step: int8 tiles of type ", q,
+                    " need AVX512-VNNI, which this CPU or build lacks");
+        TORCH_CHECK(K % int8_tiles::kBlock == 0 && t.scalar_type() == at::kByte &&
+                        t.size(0) == (N + int8_tiles::kTileRows - 1) / int8_tiles::kTileRows &&
+                        t.size(1) == int8_tiles::tile_bytes(K / int8_tiles::kBlock, ints::split(q)),
+                    "radixserve_cpu::decode_step: int8 tiles of type ", q, " must be gguf_int8_pack's [",
+                    (N + int8_tiles::kTileRows - 1) / int8_tiles::kTileRows, ", ",
+                    int8_tiles::tile_bytes(K / int8_tiles::kBlock, ints::split(q)), "] uint8, got ", t.sizes());
+        TORCH_CHECK(j > kWv || D % kBandAlign == 0, "radixserve_cpu::decode_step: int8 tiles in QKV need head_dim a "
+                    "multiple of ", kBandAlign, " (its bands are whole heads)");
       } else {
         TORCH_CHECK(t.scalar_type() == at::kByte && t.size(1) == blocks::block_row_bytes(kind, K),
                     "radixserve_cpu::decode_step: GGUF block weight of type ", kind);
@@ -282,14 +298,14 @@ at::Tensor decode_step(const at::Tensor& x_in, const at::Tensor& cos, const at::
 #pragma omp barrier
       // -- o_proj + residual
       {
-        const auto [n0, n1] = band(H, 8, tid, nth);
+        const auto [n0, n1] = band(H, kBandAlign, tid, nth);
         product(M, lk[kWo], attn.data(), q_size, n0, n1, [&](int m, int64_t n, float s) { xs[m * H + n] += s; });
       }
 #pragma omp barrier
       // -- gate/up with SiLU
       rmsnorm(xs, M, H, lw[kPostNorm].data_ptr<float>(), feps, h.data(), ldh);
       {
-        const auto [j0, j1] = band(I, 8, tid, nth);
+        const auto [j0, j1] = band(I, kBandAlign, tid, nth);
         float* gu = gate_up.data();
         product(M, lk[kWgate], h.data(), ldh, j0, j1, [&](int m, int64_t n, float s) { gu[m * 2 * I + n] = s; });
         product(M, lk[kWup], h.data(), ldh, j0, j1, [&](int m, int64_t n, float s) { gu[m * 2 * I + I + n] = s; });
@@ -302,7 +318,7 @@ at::Tensor decode_step(const at::Tensor& x_in, const at::Tensor& cos, const at::
 #pragma omp barrier
       // -- down + residual
       {
-        const auto [n0, n1] = band(H, 8, tid, nth);
+        const auto [n0, n1] = band(H, kBandAlign, tid, nth);
         product(M, lk[kWdown], act.data(), ldh, n0, n1, [&](int m, int64_t n, float s) { xs[m * H + n] += s; });
       }
 #pragma omp barrier
@@ -324,7 +340,7 @@ TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
   m.def(
       "decode_step(Tensor x, Tensor cos, Tensor sin, Tensor[] weights, int[] kinds, Tensor(a!)[] k_caches, "
       "Tensor(b!)[] v_caches, Tensor page_table, Tensor seq_lens, Tensor slots, int num_heads, "
-      "int num_kv_heads, int head_dim, float eps, float scale) -> Tensor");
+      "int num_kv_heads, int head_dim, int intermediate_size, float eps, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) { m.impl("decode_step", &radixserve_cpu::decode_step); }

@@ -7,7 +7,10 @@
 //   per product (as the torch bf16 model's activations are), then vdpbf16ps pairs summed in fp32
 //   (dense::bf16_dot_rows_dp); only where the CPU reports AVX512_BF16 (native_step.py checks, and
 //   decode_step refuses the kind elsewhere);
-// - GGUF blocks of any type block_decode.h reads [N, row bytes]: block_rows.h's few-row kernels, exact fp32.
+// - GGUF blocks of any type block_decode.h reads [N, row bytes]: block_rows.h's few-row kernels, exact fp32;
+// - int8 tiles of a GGUF weight (kind kTiles + its type: gguf_int8_pack's [ceil(N / 32), tile bytes],
+//   the --decode-arithmetic int8 model's, an approximate mode): x rows quantized per 32-block by each
+//   thread, then int8_tiles.h's VNNI kernel over the band's tiles (bands start at multiples of 32).
 #pragma once
 
 #include <algorithm>
@@ -16,12 +19,16 @@
 
 #include "block_rows.h"
 #include "dense_rows.h"
+#include "int8_tiles.h"
 
 namespace radixserve_cpu::step {
 
 constexpr int64_t kF32 = 0;   // a dense fp32 weight (GGML_TYPE_F32)
 constexpr int64_t kBF16 = 30;  // a dense bf16 weight (GGML_TYPE_BF16)
 constexpr int64_t kPad = 32;  // activation rows are padded to whole blocks (and vectors) of this
+constexpr int64_t kTiles = 256;  // + a GGML type id (all below 256): that type's int8 tiles
+
+inline bool is_tiles(int64_t kind) { return kind >= kTiles; }
 
 struct Weight {
   int64_t kind;
@@ -29,6 +36,39 @@ struct Weight {
   int64_t N, K, row_bytes;
   const float* bias;
 };
+
+// out [M, n1 - n0] for weight rows [n0, n1) (n0 a multiple of 32) of int8 tiles against M rows of x,
+// which this thread quantizes (M x K: cheaper than a barrier, as the bf16 rounding below).
+template <int M>
+void tile_rows(const Weight& w, const float* x, int64_t ld, int64_t n0, int64_t n1, float* out) {
+  using namespace int8_tiles;
+  const int64_t nb = w.K / kBlock;
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> d, ds;
+  thread_local std::vector<int32_t> s, s2;
+  if (static_cast<int64_t>(q.size()) < M * w.K) q.resize(M * w.K);
+  if (static_cast<int64_t>(d.size()) < M * nb) {
+    d.resize(M * nb);
+    ds.resize(M * nb);
+    s.resize(M * nb);
+    s2.resize(2 * M * nb);
+  }
+  const bool vnni = cpu_has_vnni();
+  for (int m = 0; m < M; ++m)
+    quantize_row(x + m * ld, nb, q.data() + m * w.K, d.data() + m * nb, s.data() + m * nb, ds.data() + m * nb,
+                 s2.data() + 2 * m * nb, vnni);
+  const QuantX qx{q.data(), d.data(), s.data(), ds.data(), s2.data(), w.K, nb};
+  const Out o{out, n1 - n0, nullptr};
+  const auto* tiles = static_cast<const uint8_t*>(w.data);
+  blocks::with_type(w.kind - kTiles, [&](auto t) {
+    constexpr int64_t Q = decltype(t)::value;
+    if constexpr (ints::takes(Q)) {
+      for (int64_t t0 = n0; t0 < n1; t0 += kTileRows)
+        tile_product<Q>(qx, tile_at(tiles + t0 / kTileRows * w.row_bytes, nb), M, t0 - n0,
+                        std::min(kTileRows, n1 - t0), o, vnni);
+    }
+  });
+}
 
 // out(m, n) for rows [n0, n1) of w against M rows of x (kPad-padded, ld apart); store(m, n, value).
 template <int M, typename Store>
@@ -50,10 +90,16 @@ void product_m(const Weight& w, const float* x, int64_t ld, int64_t n0, int64_t 
     return;
   }
 #endif
-  // The block kernels write out[r * N + n]: a small buffer of this band, then stored.
+  // The block and tile kernels write out[r * N + n]: a small buffer of this band, then stored.
   thread_local std::vector<float> buf;
   const int64_t width = n1 - n0;
   if (static_cast<int64_t>(buf.size()) < M * width) buf.resize(M * width);
+  if (is_tiles(w.kind)) {
+    tile_rows<M>(w, x, ld, n0, n1, buf.data());
+    for (int m = 0; m < M; ++m)
+      for (int64_t n = 0; n < width; ++n) store(m, n0 + n, buf[m * width + n]);
+    return;
+  }
   const blocks::Args a{x, ld, static_cast<const uint8_t*>(w.data) + n0 * w.row_bytes, w.row_bytes, w.K, width,
                        nullptr, buf.data()};
   for (int m0 = 0; m0 < M; m0 += blocks::kMaxFewRows) {  // AVX2 takes 4 rows a pass
@@ -71,7 +117,10 @@ void product(int64_t M, const Weight& w, const float* x, int64_t ld, int64_t n0,
   dense::with_rows(M, [&](auto rows) { product_m<decltype(rows)::value>(w, x, ld, n0, n1, store); });
 }
 
-// Whether a weight of `kind` runs here (bf16: the build and the CPU have vdpbf16ps).
-inline bool runs_here(int64_t kind) { return kind != kBF16 || dense::cpu_has_bf16_dot(); }
+// Whether a weight of `kind` runs here (bf16: the build and the CPU have vdpbf16ps; int8 tiles: VNNI).
+inline bool runs_here(int64_t kind) {
+  if (is_tiles(kind)) return int8_tiles::cpu_has_vnni() && ints::takes(kind - kTiles);
+  return kind != kBF16 || dense::cpu_has_bf16_dot();
+}
 
 }  // namespace radixserve_cpu::step

@@ -34,11 +34,15 @@ class EngineParts:
         self.config = cfg = EngineConfig.from_kwargs(model=model, **options)
         self.device, dtype_name = resolve_device_dtype(cfg.device, cfg.dtype)
         self.dtype = getattr(torch, dtype_name)
+        if cfg.decode_arithmetic != "exact" and cfg.tensor_parallel_size > 1:
+            raise ValueError(
+                "decode_arithmetic int8 with tensor_parallel_size > 1 is not built (tiles are not sharded)"
+            )
         if cfg.tensor_parallel_size > 1:  # before loading a model that a rank re-running a script won't use
             spawn.check_main_script()
         self.model_path = path = resolve_model_path(model, cfg.quantization)
         self.model = load_model(path, self.dtype, self.device, cfg.quantization)
-        arithmetic.apply(self.model, cfg.prefill_arithmetic, many_rows=cfg.max_running_requests)
+        arithmetic.apply(self.model, cfg.prefill_arithmetic, cfg.max_running_requests, cfg.decode_arithmetic)
         self.tp = tensor_parallel.create(cfg, path, self.model, self.device)  # shards self.model
         self.tokenizer = load_tokenizer(path)
         mcfg = self.model.config

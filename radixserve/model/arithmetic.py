@@ -50,6 +50,7 @@ from radixserve.model.llama import LlamaForCausalLM
 logger = logging.getLogger("radixserve.model")
 
 ARITHMETICS = ("exact", "int8", "bfloat16", "auto")
+DECODE_ARITHMETICS = ("exact", "int8")
 CHEAPER = ("int8", "bfloat16")
 PROBE_ROWS = 256  # rows of the timed products: a prefill chunk's order of size
 PROBE_TIMEOUT_S = 120.0
@@ -258,9 +259,51 @@ def _fastest(times: dict[str, float], over: str) -> str:
     return choice
 
 
-def apply(model: LlamaForCausalLM, arithmetic: str, many_rows: int) -> str:
+def apply_decode(model: LlamaForCausalLM, decode: str) -> bool:
+    """``decode_arithmetic``: for "int8", every GGUF decoder weight of a type the int8 kernel takes gets
+    its int8 tiles, and every product of it (decode and prefill alike) runs on them. True where that
+    is so; False (exact decode) for "exact", or after one warning where the kernel cannot run here.
+    ValueError for a model without GGUF blocks."""
+    if decode not in DECODE_ARITHMETICS:
+        raise ValueError(f"decode_arithmetic must be one of {', '.join(DECODE_ARITHMETICS)}, got {decode!r}")
+    if decode == "exact":
+        return False
+    if getattr(model, "quantization", None) != "gguf":
+        raise ValueError(
+            "decode_arithmetic int8 runs on GGUF blocks (a .gguf model, or --quantization gguf); "
+            f"this model's weights are {getattr(model, 'quantization', None) or 'dense'}"
+        )
+    why = gguf_int8.why_unavailable()
+    if why is not None:
+        logger.warning(
+            "decode_arithmetic int8: products stay exact, as %s (the int8 block kernel needs AVX512-VNNI)",
+            why,
+        )
+        return False
+    exact: set[int] = set()
+    # The LM head too: at a decode step it is as many bytes as a fifth of the decoder (135M), and as
+    # llama.cpp runs its output layer.
+    head: list[GGUFLinear] = [model.lm_head] if isinstance(model.lm_head, GGUFLinear) else []
+    linears = _decoder_gguf_linears(model) + head
+    for g in linears:
+        exact.update(g.use_int8_tiles())
+    tile_bytes = sum(t.numel() for g in linears for t in g.tiles if t is not None)
+    logger.info(
+        "decode_arithmetic int8: every product over the GGUF decoder weights and LM head runs in int8, "
+        "decode and prefill (approximate), on int8 tiles made at load (%.0f MiB)%s",
+        tile_bytes / 2**20,
+        f"; {', '.join(sorted(TYPE_NAMES.get(q, str(q)) for q in exact))} stay exact" if exact else "",
+    )
+    model.arithmetic = model.decode_arithmetic = "int8"
+    return True
+
+
+def apply(model: LlamaForCausalLM, arithmetic: str, many_rows: int, decode: str = "exact") -> str:
     """Resolve ``arithmetic`` and give every decoder Linear its cheaper copy for more than ``many_rows``
-    rows; returns the arithmetic in use (recorded as ``model.arithmetic``)."""
+    rows; returns the arithmetic in use (recorded as ``model.arithmetic``). ``decode`` int8
+    (``apply_decode``) makes every product int8 and supersedes it."""
+    if apply_decode(model, decode):
+        return "int8"
     chosen = resolve(arithmetic, model)
     if chosen != "exact" and getattr(model, "quantization", None) == "gguf":
         linears = _decoder_gguf_linears(model)

@@ -61,15 +61,19 @@ def gguf_linear(
     bias: torch.Tensor | None,
     use_op: bool,
     many_rows: int = 0,
+    tiles: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x [..., K] @ W.T + bias`` with ``W`` the rows ``blocks`` of type ``qtype``: through the C++ op,
     or (``use_op`` False) the reference: dequantize, then ``F.linear``. Above ``many_rows`` rows (> 0,
     set by model/arithmetic.py), int8 arithmetic on the blocks (approximate, kernels/gguf_int8.py)
-    for the types that kernel takes (``gguf_int8.TYPES``); the others stay exact."""
+    for the types that kernel takes (``gguf_int8.TYPES``); the others stay exact. With ``tiles`` (the
+    blocks' int8 tiles, ``gguf_int8.pack``: ``decode_arithmetic`` int8), int8 at every row count."""
     k = x.shape[-1]
     rows = x.reshape(-1, k)
-    if use_op and 0 < many_rows < rows.shape[0] and qtype in gguf_int8.TYPES:
-        out: torch.Tensor = gguf_int8.linear(rows, blocks, qtype, bias)
+    if use_op and tiles is not None:
+        out: torch.Tensor = gguf_int8.tiles_linear(rows, tiles, qtype, blocks.shape[0], bias)
+    elif use_op and 0 < many_rows < rows.shape[0] and qtype in gguf_int8.TYPES:
+        out = gguf_int8.linear(rows, blocks, qtype, bias)
     elif use_op:
         out = torch.ops.radixserve_cpu.gguf_linear(rows, blocks, qtype, k, bias)
     else:
@@ -131,6 +135,8 @@ class GGUFLinear(nn.Module):
         self.bias = nn.Parameter(bias.float(), requires_grad=False) if bias is not None else None
         self.use_op = _op_loaded()
         self.many_rows = 0  # rows above which products run in int8 on the blocks (model/arithmetic.py)
+        # Each group's int8 tiles (decode_arithmetic int8: every product of it in int8), else None.
+        self.tiles: list[torch.Tensor | None] = [None] * len(self.qtypes)
         self._choose()
 
     def native_rows(self, start: int, end: int) -> tuple[torch.Tensor, int] | None:
@@ -139,7 +145,13 @@ class GGUFLinear(nn.Module):
         = 0) with their GGML type id; None where they span groups of different types."""
         for i, (first, last) in enumerate(self.group_rows):
             if first <= start and end <= last:
-                return self.part(i).detach()[start - first : end - first], self.qtypes[i]
+                tiles = self.tiles[i]
+                if tiles is None:
+                    return self.part(i).detach()[start - first : end - first], self.qtypes[i]
+                if (start - first) % gguf_int8.TILE_ROWS:
+                    return None  # the step's bands start at whole tiles
+                t0, t1 = (start - first) // gguf_int8.TILE_ROWS, -(-(end - first) // gguf_int8.TILE_ROWS)
+                return tiles[t0:t1], gguf_int8.TILES_KIND + self.qtypes[i]
         return None
 
     def part(self, i: int) -> torch.Tensor:
@@ -155,6 +167,18 @@ class GGUFLinear(nn.Module):
         if arithmetic != "int8":
             raise ValueError(f"many-rows arithmetic {arithmetic!r} over GGUF blocks is not built")
         self.many_rows = rows
+
+    def use_int8_tiles(self) -> list[int]:
+        """Every product in int8 (``decode_arithmetic`` int8, model/arithmetic.py): each part group of a
+        type the int8 kernel takes gets its blocks' int8 tiles, made once here (about 1.25 bytes a
+        weight beside the blocks). Returns the types left exact (Q2_K, plain types)."""
+        exact = []
+        for i, qtype in enumerate(self.qtypes):
+            if qtype in gguf_int8.TYPES:
+                self.tiles[i] = gguf_int8.pack(self.part(i), qtype, self.in_features)
+            else:
+                exact.append(qtype)
+        return exact
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x)
@@ -172,13 +196,15 @@ class GGUFLinear(nn.Module):
         return nn.functional.linear(x, self.part(0), self.bias)
 
     def _blocks(self, x: torch.Tensor) -> torch.Tensor:
-        return gguf_linear(x, self.part(0), self.qtypes[0], self.bias, self.use_op, self.many_rows)
+        return gguf_linear(
+            x, self.part(0), self.qtypes[0], self.bias, self.use_op, self.many_rows, self.tiles[0]
+        )
 
     def _parts(self, x: torch.Tensor) -> torch.Tensor:
         outs = [
             nn.functional.linear(x, self.part(i), None)
             if qtype == F32
-            else gguf_linear(x, self.part(i), qtype, None, self.use_op, self.many_rows)
+            else gguf_linear(x, self.part(i), qtype, None, self.use_op, self.many_rows, self.tiles[i])
             for i, qtype in enumerate(self.qtypes)
         ]
         out = torch.cat(outs, dim=-1)

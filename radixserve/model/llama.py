@@ -97,6 +97,7 @@ class LlamaForCausalLM(nn.Module):
     quantization: str | None = None  # "int8": the decoder Linears are int8 (model/quant.py)
     checkpoint_quantization: str | None = None  # a quantized HF checkpoint's scheme (model/hf_quant.py)
     arithmetic: str = "exact"  # of products with many rows (model/arithmetic.py)
+    decode_arithmetic: str = "exact"  # of decode steps too (model/arithmetic.py: int8 over GGUF blocks)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

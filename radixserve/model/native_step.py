@@ -15,7 +15,8 @@ with SiLU, down and residual) with 5 barriers a layer and no Python between them
   the LM head stay the model's own modules.
 - Chosen once at load (``NativeStep.create``), like an attention backend: each of a layer's q, k, v,
   o, gate, up and down rows must be one weight the kernel streams (``native_rows()``: fp32 or bf16
-  ``[N, K]``, or GGUF blocks of one type, any of ``gguf_blocks.FORMATS``; the parts of one fused
+  ``[N, K]``, GGUF blocks of one type, any of ``gguf_blocks.FORMATS``, or their int8 tiles under
+  ``decode_arithmetic`` int8 (approximate; bands of whole tiles); the parts of one fused
   projection may differ in type, as llama.cpp's k-quant mixes have them), the K/V pages float32 or
   bfloat16, the kernels built for AVX-512 or AVX2, one rank; bf16 weights also need AVX512_BF16
   (``vdpbf16ps``, checked at run time: the build targets plain AVX-512). Else one log line says why,
@@ -41,6 +42,7 @@ from collections.abc import Sequence
 import torch
 
 from radixserve.cache.page_pool import KVPool
+from radixserve.kernels import gguf_int8
 from radixserve.model.config import ModelConfig
 from radixserve.model.gguf_blocks import TYPE_NAMES
 from radixserve.model.layers import NATIVE_BF16
@@ -121,6 +123,8 @@ def unsupported(model: LlamaForCausalLM, pool: KVPool) -> str | None:
                     return f"rows {start}-{end} of a fused GGUF projection span several types ({names})"
                 return f"a decoder linear held as {type(m).__name__} of a format it does not stream"
             kinds.add(weight[1])
+    if any(k >= gguf_int8.TILES_KIND for k in kinds) and cfg.head_dim % gguf_int8.TILE_ROWS:
+        return f"int8 tiles need head_dim a multiple of {gguf_int8.TILE_ROWS} (it is {cfg.head_dim})"
     if NATIVE_BF16 in kinds:
         if os.environ.get(BF16_ENV, "1") == "0":
             return f"{BF16_ENV}=0 (bf16 weights)"
@@ -163,7 +167,14 @@ class NativeStep:
         self.weights, self.kinds = weights, kinds
         self.k_caches = [c.k for c in pool.layers]
         self.v_caches = [c.v for c in pool.layers]
-        self.shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim**-0.5)
+        self.shape = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+            cfg.rms_norm_eps,
+            cfg.head_dim**-0.5,
+        )
         self.op = torch.ops.radixserve_cpu.decode_step
         self.dtype = model.norm.weight.dtype  # the residual stream's in the torch model (bf16 weights: bf16)
 
@@ -191,7 +202,7 @@ class NativeStep:
         ``slots`` of the pool; ``page_table [B, W]`` int32 and ``seq_lens [B]`` int32 (with the new token)."""
         x = self.model.embed_tokens(input_ids).float().contiguous()
         cos, sin = self.model.rotary.table(positions)
-        heads, kv_heads, head_dim, eps, scale = self.shape
+        heads, kv_heads, head_dim, inter, eps, scale = self.shape
         out: torch.Tensor = self.op(
             x,
             cos.contiguous(),
@@ -206,6 +217,7 @@ class NativeStep:
             heads,
             kv_heads,
             head_dim,
+            inter,
             eps,
             scale,
         )

@@ -140,6 +140,9 @@ def test_parse_modes_expands_groups_once_and_refuses_unknown_names() -> None:
     assert picked[0] == "fp32" and picked.count("fp32") == 1
     assert "fp32+prefill-int8" in picked and "gguf+prefill-bf16" in picked
     assert len(modes.parse_modes("all")) == len(modes.MODES)
+    int8 = modes.MODES["gguf+kv-bf16+int8"]  # int8 at every step: decode_arithmetic, beside the grid
+    assert int8.name not in [m.name for m in grid]
+    assert modes.engine_options(int8)["decode_arithmetic"] == "int8"
     with pytest.raises(ValueError, match="unknown mode 'fp4'.*groups: all"):
         modes.parse_modes("fp32,fp4")
 

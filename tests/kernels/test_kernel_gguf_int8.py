@@ -115,3 +115,31 @@ def test_bad_input_is_a_clear_error() -> None:
         torch.ops.radixserve_cpu.gguf_int8_linear(torch.randn(2, K), blocks, int(Q.Q4_K), K, None)
     with pytest.raises(RuntimeError, match="blocks must be uint8"):
         torch.ops.radixserve_cpu.gguf_int8_linear(torch.randn(2, K), blocks[:, :-1], int(Q.Q4_0), K, None)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("portable", [False, True])
+def test_stored_tiles_give_the_blocks_product_bit_for_bit(qtype: Q, portable: bool) -> None:
+    """``decode_arithmetic`` int8 decodes a weight's tiles once (``pack``) and streams them: every row
+    count must give what the per-call decoding gives, bit for bit, bias included."""
+    blocks, k = _blocks(qtype, seed=5), _k(qtype)
+    tiles = gguf_int8.pack(blocks, int(qtype), k)
+    assert tiles.dtype == torch.uint8 and tiles.shape[0] == -(-N // gguf_int8.TILE_ROWS)  # a short last tile
+    bias = torch.randn(N)
+    for rows in (1, 3, 8, 40):
+        x = _x(rows, rows, k)
+        want = torch.ops.radixserve_cpu.gguf_int8_linear(x, blocks, int(qtype), k, bias, portable)
+        got = torch.ops.radixserve_cpu.gguf_int8_tiles_linear(x, tiles, int(qtype), k, N, bias, portable)
+        assert torch.equal(got, want)
+    assert torch.equal(gguf.gguf_linear(x, blocks, int(qtype), bias, True, tiles=tiles), want)
+
+
+def test_stored_tiles_of_the_wrong_shape_are_a_clear_error() -> None:
+    blocks = random_blocks(Q.Q4_0, N, K // 32)
+    tiles = gguf_int8.pack(blocks, int(Q.Q4_0), K)
+    with pytest.raises(RuntimeError, match="tiles must be gguf_int8_pack's"):
+        torch.ops.radixserve_cpu.gguf_int8_tiles_linear(
+            torch.randn(2, K), tiles[:-1], int(Q.Q4_0), K, N, None
+        )
+    with pytest.raises(RuntimeError, match="unsupported block type 10"):
+        torch.ops.radixserve_cpu.gguf_int8_pack(_blocks(Q.Q2_K)[:, :84], 10, 256)

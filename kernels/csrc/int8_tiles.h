@@ -1,0 +1,307 @@
+// The tiles of the int8 block product (gguf_int8.cpp's ops, native_step.cpp's int8 products): x
+// quantized per 32-block, weight rows decoded 32 at a time into their integer form (block_ints.h) laid
+// out for vpdpbusd, and the micro-kernels that multiply them. See gguf_int8.cpp for the math and the
+// exactness argument.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "block_ints.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define RADIXSERVE_HAVE_VNNI_KERNEL 1
+#define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")))
+#endif
+
+namespace radixserve_cpu::int8_tiles {
+
+using ints::chunk_values;
+using ints::has_min;
+using ints::kBlock;
+using ints::split;
+using ints::takes;
+using ints::weight_offset;
+
+constexpr int64_t kGroups = 8;   // 4-byte groups per chunk
+constexpr int64_t kTileRows = 32;  // weight rows per tile: two 512-bit registers of int32
+constexpr int kMaxRows = 6;      // x rows per micro-kernel pass: 4 accumulators each, in registers
+
+// x rows a pass of the VNNI kernel: a split type keeps a third set of accumulators in registers.
+constexpr int max_rows(int64_t q) { return split(q) ? 4 : kMaxRows; }
+
+// x quantized per 32-block: q [M, K] int8, d [M, K/32] fp32, s [M, K/32] int32 (sum of q), ds = d * s
+// in fp32 (a minimum's term), and s2 [M, K/16] the halves' sums of q (a split type's offset).
+struct QuantX {
+  const int8_t* q;
+  const float* d;
+  const int32_t* s;
+  const float* ds;
+  const int32_t* s2;
+  int64_t K, nb;
+};
+
+// One block of x: the scale and round-half-even as torch.round (the reference's) does it.
+inline void quantize_block_portable(const float* x, int8_t* q, float* d_out, int32_t* s_out, int32_t* s2) {
+  float amax = 0.f;
+  for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(x[j]));
+  const float d = amax / 127.f;
+  const float id = d != 0.f ? 1.f / d : 0.f;
+  s2[0] = s2[1] = 0;
+  for (int64_t j = 0; j < kBlock; ++j) {
+    const auto v = static_cast<int32_t>(std::nearbyint(x[j] * id));
+    q[j] = static_cast<int8_t>(v);
+    s2[j / 16] += v;
+  }
+  *d_out = d;
+  *s_out = s2[0] + s2[1];
+}
+
+// A tile of 32 weight rows, decoded: u [nb][8][32][4] bytes, dw and mw [nb][32] fp32, and a split type's
+// half scales k [nb][2][32] int32 (absent for the others), one after the other in tile_bytes(nb, split)
+// bytes. Rows past the weight's last are zero (their outputs are not stored). Decoded per call into a
+// thread's buffer (gguf_int8_linear), or once at load into a weight's stored tiles (gguf_int8_pack),
+// which the products then stream as they are.
+struct Tile {
+  const uint8_t* u;
+  const float* dw;
+  const float* mw;
+  const int32_t* k;
+};
+
+constexpr int64_t tile_bytes(int64_t nb, bool halves) {
+  return nb * kGroups * kTileRows * 4 + 2 * nb * kTileRows * 4 + (halves ? 2 * nb * kTileRows * 4 : 0);
+}
+
+inline Tile tile_at(const uint8_t* base, int64_t nb) {
+  const uint8_t* scales = base + nb * kGroups * kTileRows * 4;
+  const auto* dw = reinterpret_cast<const float*>(scales);
+  return {base, dw, dw + nb * kTileRows, reinterpret_cast<const int32_t*>(dw + 2 * nb * kTileRows)};
+}
+
+// Weight rows [n0, n0 + rows) of blocks `w` decoded into the tile at `base` (tile_bytes(nb, split(Q))).
+template <int64_t Q>
+void decode_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t n0, int64_t rows, uint8_t* base) {
+  constexpr int64_t per = blocks::weights_of(Q) / kBlock, bb = blocks::bytes_of(Q);
+  std::memset(base, 0, tile_bytes(nb, split(Q)));  // a short last tile: zero weights, zero scales
+  uint8_t* u = base;
+  auto* dw = reinterpret_cast<float*>(base + nb * kGroups * kTileRows * 4);
+  float* mw = dw + nb * kTileRows;
+  auto* hk = reinterpret_cast<int32_t*>(mw + nb * kTileRows);
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* row = w + (n0 + r) * row_bytes;
+    for (int64_t b = 0; b < nb; ++b) {
+      uint8_t vals[kBlock];  // the chunk's 32 unsigned byte values in K order
+      int32_t k[2] = {0, 0};
+      chunk_values<Q>(row + b / per * bb, b % per, vals, dw[b * kTileRows + r], mw[b * kTileRows + r], k);
+      if constexpr (split(Q)) {
+        hk[(2 * b) * kTileRows + r] = k[0];
+        hk[(2 * b + 1) * kTileRows + r] = k[1];
+      }
+      uint8_t* dst = u + b * kGroups * kTileRows * 4 + r * 4;
+      for (int64_t g = 0; g < kGroups; ++g) std::memcpy(dst + g * kTileRows * 4, vals + g * 4, 4);
+    }
+  }
+}
+
+struct Out {
+  float* out;  // [M, N]
+  int64_t N;
+  const float* bias;  // [N] or nullptr
+};
+
+// The portable path: the same integer sums and the same fp32 operations in the same order (one
+// std::fma per block), so its output equals the VNNI kernel's bit for bit.
+template <int64_t Q>
+void tile_rows_portable(const QuantX& x, const Tile& t, int64_t m0, int64_t m1, int64_t n0, int64_t rows,
+                        const Out& o) {
+  const int32_t off = weight_offset(Q);
+  for (int64_t m = m0; m < m1; ++m) {
+    for (int64_t r = 0; r < rows; ++r) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < x.nb; ++b) {
+        const uint8_t* u = t.u + b * kGroups * kTileRows * 4 + r * 4;
+        const int8_t* q = x.q + m * x.K + b * kBlock;
+        // The integer dot of groups [g0, g1) of the chunk, from `start`.
+        const auto dot = [&](int64_t g0, int64_t g1, int32_t start) {
+          for (int64_t g = g0; g < g1; ++g)
+            for (int64_t j = 0; j < 4; ++j) start += static_cast<int32_t>(u[g * kTileRows * 4 + j]) * q[g * 4 + j];
+          return start;
+        };
+        int32_t i;
+        if constexpr (split(Q)) {
+          const int32_t* s2 = x.s2 + m * 2 * x.nb + 2 * b;
+          i = t.k[(2 * b) * kTileRows + r] * dot(0, kGroups / 2, -off * s2[0]) +
+              t.k[(2 * b + 1) * kTileRows + r] * dot(kGroups / 2, kGroups, -off * s2[1]);
+        } else {
+          i = dot(0, kGroups, -off * x.s[m * x.nb + b]);
+        }
+        const float dx = x.d[m * x.nb + b];
+        acc = std::fma(static_cast<float>(i), t.dw[b * kTileRows + r] * dx, acc);
+        if constexpr (has_min(Q)) acc = std::fma(t.mw[b * kTileRows + r], x.ds[m * x.nb + b], acc);
+      }
+      o.out[m * o.N + n0 + r] = o.bias != nullptr ? acc + o.bias[n0 + r] : acc;
+    }
+  }
+}
+
+#ifdef RADIXSERVE_HAVE_VNNI_KERNEL
+
+VNNI_TARGET inline void quantize_row_vnni(const float* x, int64_t nb, int8_t* q, float* d, int32_t* s, float* ds,
+                                   int32_t* s2) {
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m512 v0 = _mm512_loadu_ps(x + b * kBlock), v1 = _mm512_loadu_ps(x + b * kBlock + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
+    const float db = amax / 127.f;
+    const __m512 id = _mm512_set1_ps(db != 0.f ? 1.f / db : 0.f);
+    // cvtps_epi32 rounds to nearest even (the default MXCSR mode), as std::nearbyint and torch.round.
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16), _mm512_cvtepi32_epi8(q1));
+    d[b] = db;
+    s2[2 * b] = _mm512_reduce_add_epi32(q0);
+    s2[2 * b + 1] = _mm512_reduce_add_epi32(q1);
+    s[b] = s2[2 * b] + s2[2 * b + 1];
+    ds[b] = db * static_cast<float>(s[b]);
+  }
+}
+
+// isum[r] += the integer dots of groups [g0, g1) of a decoded chunk (ub) with x row r's int8 values
+// (qb, rows ldq apart): one vpdpbusd per 16 weight rows and 4 x values broadcast.
+template <int R>
+VNNI_TARGET inline void dot_groups(__m512i (&isum)[R][2], const int8_t* qb, int64_t ldq, const uint8_t* ub,
+                                   int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g) {
+    const __m512i w0 = _mm512_loadu_si512(ub + g * kTileRows * 4);
+    const __m512i w1 = _mm512_loadu_si512(ub + g * kTileRows * 4 + 64);
+    for (int r = 0; r < R; ++r) {
+      int32_t four;
+      std::memcpy(&four, qb + r * ldq + g * 4, 4);
+      const __m512i xv = _mm512_set1_epi32(four);
+      isum[r][0] = _mm512_dpbusd_epi32(isum[r][0], w0, xv);
+      isum[r][1] = _mm512_dpbusd_epi32(isum[r][1], w1, xv);
+    }
+  }
+}
+
+// x rows [m0, m0 + R) against one decoded tile: per row, 2 int32 and 2 fp32 accumulators of 16
+// weight rows each.
+template <int64_t Q, int R>
+VNNI_TARGET void tile_rows_vnni(const QuantX& x, const Tile& t, int64_t m0, int64_t n0, int64_t rows,
+                                const Out& o) {
+  const int32_t off = weight_offset(Q);
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const uint8_t* u = t.u;
+  for (int64_t b = 0; b < x.nb; ++b) {
+    __m512i isum[R][2];
+    const int8_t* qb = x.q + m0 * x.K + b * kBlock;
+    const uint8_t* ub = u + b * kGroups * kTileRows * 4;
+    if constexpr (split(Q)) {
+      // Each half's sum times its rows' integer scales, in int32 (exact: |sum| < 2^18, |k| <= 128).
+      __m512i whole[R][2];
+      for (int h = 0; h < 2; ++h) {
+        for (int r = 0; r < R; ++r)
+          isum[r][0] = isum[r][1] = _mm512_set1_epi32(-off * x.s2[(m0 + r) * 2 * x.nb + 2 * b + h]);
+        dot_groups<R>(isum, qb, x.K, ub, h * kGroups / 2, (h + 1) * kGroups / 2);
+        const int32_t* k = t.k + (2 * b + h) * kTileRows;
+        const __m512i k0 = _mm512_loadu_si512(k), k1 = _mm512_loadu_si512(k + 16);
+        for (int r = 0; r < R; ++r) {
+          const __m512i p0 = _mm512_mullo_epi32(isum[r][0], k0), p1 = _mm512_mullo_epi32(isum[r][1], k1);
+          whole[r][0] = h == 0 ? p0 : _mm512_add_epi32(whole[r][0], p0);
+          whole[r][1] = h == 0 ? p1 : _mm512_add_epi32(whole[r][1], p1);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        isum[r][0] = whole[r][0];
+        isum[r][1] = whole[r][1];
+      }
+    } else {
+      for (int r = 0; r < R; ++r)
+        isum[r][0] = isum[r][1] = _mm512_set1_epi32(-off * x.s[(m0 + r) * x.nb + b]);
+      dot_groups<R>(isum, qb, x.K, ub, 0, kGroups);
+    }
+    const __m512 dw0 = _mm512_loadu_ps(t.dw + b * kTileRows);
+    const __m512 dw1 = _mm512_loadu_ps(t.dw + b * kTileRows + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 dx = _mm512_set1_ps(x.d[(m0 + r) * x.nb + b]);
+      acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][0]), _mm512_mul_ps(dw0, dx), acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][1]), _mm512_mul_ps(dw1, dx), acc[r][1]);
+    }
+    if constexpr (has_min(Q)) {
+      const __m512 mw0 = _mm512_loadu_ps(t.mw + b * kTileRows);
+      const __m512 mw1 = _mm512_loadu_ps(t.mw + b * kTileRows + 16);
+      for (int r = 0; r < R; ++r) {
+        const __m512 ds = _mm512_set1_ps(x.ds[(m0 + r) * x.nb + b]);
+        acc[r][0] = _mm512_fmadd_ps(mw0, ds, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(mw1, ds, acc[r][1]);
+      }
+    }
+  }
+  for (int h = 0; h < 2; ++h) {
+    const int64_t live = std::clamp<int64_t>(rows - 16 * h, 0, 16);
+    if (live == 0) break;
+    const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1u);
+    const float* bias_h = o.bias != nullptr ? o.bias + n0 + 16 * h : nullptr;
+    const __m512 bias = bias_h != nullptr ? _mm512_maskz_loadu_ps(mask, bias_h) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const __m512 v = bias_h != nullptr ? _mm512_add_ps(acc[r][h], bias) : acc[r][h];
+      _mm512_mask_storeu_ps(o.out + (m0 + r) * o.N + n0 + 16 * h, mask, v);
+    }
+  }
+}
+
+template <int64_t Q, int R = max_rows(Q)>
+void tile_rows_vnni_dispatch(int rows_x, const QuantX& x, const Tile& t, int64_t m0, int64_t n0, int64_t rows,
+                             const Out& o) {
+  if constexpr (R > 1) {
+    if (rows_x < R) return tile_rows_vnni_dispatch<Q, R - 1>(rows_x, x, t, m0, n0, rows, o);
+  }
+  tile_rows_vnni<Q, R>(x, t, m0, n0, rows, o);
+}
+
+inline bool cpu_has_vnni() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512vnni");
+  }();
+  return has;
+}
+
+#else
+inline bool cpu_has_vnni() { return false; }
+#endif
+
+// One row of x quantized (QuantX's arrays at that row: q [K], d, s, ds [nb], s2 [2 nb]).
+inline void quantize_row(const float* x, int64_t nb, int8_t* q, float* d, int32_t* s, float* ds, int32_t* s2,
+                         bool vnni) {
+#ifdef RADIXSERVE_HAVE_VNNI_KERNEL
+  if (vnni) return quantize_row_vnni(x, nb, q, d, s, ds, s2);
+#endif
+  for (int64_t b = 0; b < nb; ++b) {
+    quantize_block_portable(x + b * kBlock, q + b * kBlock, d + b, s + b, s2 + 2 * b);
+    ds[b] = d[b] * static_cast<float>(s[b]);
+  }
+}
+
+// x rows [0, M) against one tile (weight rows [n0, n0 + rows)): the VNNI kernel where it runs, else
+// the portable path (the same numbers).
+template <int64_t Q>
+void tile_product(const QuantX& x, const Tile& t, int64_t M, int64_t n0, int64_t rows, const Out& o, bool vnni) {
+#ifdef RADIXSERVE_HAVE_VNNI_KERNEL
+  if (vnni) {
+    for (int64_t m0 = 0; m0 < M; m0 += max_rows(Q))
+      tile_rows_vnni_dispatch<Q>(static_cast<int>(std::min<int64_t>(max_rows(Q), M - m0)), x, t, m0, n0, rows, o);
+    return;
+  }
+#endif
+  tile_rows_portable<Q>(x, t, 0, M, n0, rows, o);
+}
+
+}  // namespace radixserve_cpu::int8_tiles
