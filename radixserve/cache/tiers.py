@@ -74,6 +74,8 @@ def model_fingerprint(
     arithmetic = getattr(model, "arithmetic", "exact")  # a cheaper prefill writes other K/V
     if arithmetic != "exact":
         h.update(f"|arithmetic={arithmetic}".encode())
+    if getattr(model, "decode_arithmetic", "exact") != "exact":  # int8 decode writes other K/V again
+        h.update(f"|decode={model.decode_arithmetic}".encode())
     if shards > 1:
         h.update(f"|tp={shards}".encode())
     params = sorted(model.named_parameters(), key=lambda kv: kv[0])

@@ -106,6 +106,18 @@ def test_the_lm_head_and_every_decoder_weight_get_tiles(mixed_gguf: Path) -> Non
     assert all(t is not None for m in linears for t in m.tiles)
 
 
+def test_int8_decode_changes_the_disk_tier_fingerprint(mixed_gguf: Path) -> None:
+    """Its K/V differ from exact and from int8 prefill's (decoded tokens too): the disk tier keeps them apart."""
+    from radixserve.cache.tiers import model_fingerprint
+
+    prints = set()
+    for prefill, decode in (("exact", "exact"), ("int8", "exact"), ("exact", "int8")):
+        model = load_model(mixed_gguf, torch.float32, torch.device("cpu"), "gguf")
+        arithmetic.apply(model, prefill, many_rows=8, decode=decode)
+        prints.add(model_fingerprint(model, model.config, torch.float32, 4))
+    assert len(prints) == 3
+
+
 def test_decode_int8_needs_gguf_weights(tiny_llama: Path) -> None:
     model = load_model(tiny_llama, torch.float32, torch.device("cpu"))
     with pytest.raises(ValueError, match="decode_arithmetic int8 runs on GGUF blocks"):
