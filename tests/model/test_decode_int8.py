@@ -107,7 +107,7 @@ def test_the_lm_head_and_every_decoder_weight_get_tiles(mixed_gguf: Path) -> Non
 
 
 def test_int8_decode_changes_the_disk_tier_fingerprint(mixed_gguf: Path) -> None:
-    """Its K/V differ from exact and from int8 prefill's (decoded tokens too): the disk tier keeps them apart."""
+    """Its K/V differ from exact and from int8 prefill's (decoded tokens too): kept apart on disk."""
     from radixserve.cache.tiers import model_fingerprint
 
     prints = set()
