@@ -61,14 +61,14 @@ using ints::takes;
 // The product over blocks: each thread decodes its tiles into a buffer, one at a time.
 template <int64_t Q>
 void run(const QuantX& x, const uint8_t* w, int64_t row_bytes, int64_t M, int64_t N, const Out& o, bool vnni) {
-  const int64_t tiles = (N + kTileRows - 1) / kTileRows, tb = tile_bytes(x.nb, split(Q));
+  const int64_t tiles = (N + kTileRows - 1) / kTileRows, tb = tile_bytes(Q, x.nb);
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     static thread_local std::vector<uint8_t> buf;
     if (static_cast<int64_t>(buf.size()) < tb) buf.resize(tb);
     for (int64_t ti = t0; ti < t1; ++ti) {
       const int64_t n0 = ti * kTileRows, rows = std::min(kTileRows, N - n0);
       decode_tile<Q>(w, row_bytes, x.nb, n0, rows, buf.data());
-      tile_product<Q>(x, tile_at(buf.data(), x.nb), M, n0, rows, o, vnni);
+      tile_product<Q>(x, tile_at(buf.data(), Q, x.nb), M, n0, rows, o, vnni);
     }
   });
 }
@@ -76,10 +76,10 @@ void run(const QuantX& x, const uint8_t* w, int64_t row_bytes, int64_t M, int64_
 // The product over stored tiles (gguf_int8_pack's): nothing decoded per call.
 template <int64_t Q>
 void run_stored(const QuantX& x, const uint8_t* tiles, int64_t M, int64_t N, const Out& o, bool vnni) {
-  const int64_t count = (N + kTileRows - 1) / kTileRows, tb = tile_bytes(x.nb, split(Q));
+  const int64_t count = (N + kTileRows - 1) / kTileRows, tb = tile_bytes(Q, x.nb);
   at::parallel_for(0, count, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t ti = t0; ti < t1; ++ti)
-      tile_product<Q>(x, tile_at(tiles + ti * tb, x.nb), M, ti * kTileRows, std::min(kTileRows, N - ti * kTileRows),
+      tile_product<Q>(x, tile_at(tiles + ti * tb, Q, x.nb), M, ti * kTileRows, std::min(kTileRows, N - ti * kTileRows),
                       o, vnni);
   });
 }
@@ -189,7 +189,7 @@ at::Tensor gguf_int8_pack(const at::Tensor& blocks_in, int64_t qtype, int64_t K)
   const at::Tensor blocks = blocks_in.contiguous();
   check_blocks(blocks, qtype, K, "gguf_int8_pack");
   const int64_t N = blocks.size(0), nb = K / kBlock, count = (N + kTileRows - 1) / kTileRows;
-  const int64_t tb = tile_bytes(nb, split(qtype));
+  const int64_t tb = tile_bytes(qtype, nb);
   at::Tensor tiles = at::empty({count, tb}, blocks.options());
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   uint8_t* dst = tiles.data_ptr<uint8_t>();
@@ -210,7 +210,7 @@ at::Tensor gguf_int8_tiles_linear(const at::Tensor& x, const at::Tensor& tiles_i
   const at::Tensor tiles = tiles_in.contiguous();
   TORCH_CHECK(takes(qtype) && K % kBlock == 0, "radixserve_cpu::gguf_int8_tiles_linear: unsupported block type ",
               qtype, " or K ", K);
-  const int64_t tb = tile_bytes(K / kBlock, split(qtype));
+  const int64_t tb = tile_bytes(qtype, K / kBlock);
   TORCH_CHECK(tiles.dim() == 2 && tiles.scalar_type() == at::kByte && tiles.size(0) == (N + kTileRows - 1) / kTileRows &&
                   tiles.size(1) == tb,
               "radixserve_cpu::gguf_int8_tiles_linear: tiles must be gguf_int8_pack's uint8 [",

@@ -61,10 +61,15 @@ inline void quantize_block_portable(const float* x, int8_t* q, float* d_out, int
 }
 
 // A tile of 32 weight rows, decoded: u [nb][8][32][4] bytes, dw and mw [nb][32] fp32, and a split type's
-// half scales k [nb][2][32] int32 (absent for the others), one after the other in tile_bytes(nb, split)
+// half scales k [nb][2][32] int32 (absent for the others), one after the other in tile_bytes(Q, nb)
 // bytes. Rows past the weight's last are zero (their outputs are not stored). Decoded per call into a
 // thread's buffer (gguf_int8_linear), or once at load into a weight's stored tiles (gguf_int8_pack),
 // which the products then stream as they are.
+//
+// Types whose u fit in 4 bits (Q4_0, Q4_1, Q4_K, Q3_K) keep two groups a byte: group g in the low
+// nibble of slot g % 4 for g < 4, the high nibble for g >= 4 ([nb][4][32][4] bytes), so a stored tile
+// of the default model's Q4_1 is 0.75 bytes a weight, not 1.25, and a decode step reads 40% fewer bytes;
+// a shift and a mask a 64-byte load give the bytes back.
 struct Tile {
   const uint8_t* u;
   const float* dw;
@@ -72,23 +77,38 @@ struct Tile {
   const int32_t* k;
 };
 
-constexpr int64_t tile_bytes(int64_t nb, bool halves) {
-  return nb * kGroups * kTileRows * 4 + 2 * nb * kTileRows * 4 + (halves ? 2 * nb * kTileRows * 4 : 0);
+constexpr bool nibbles(int64_t q) {
+  return q == blocks::kQ4_0 || q == blocks::kQ4_1 || q == blocks::kQ4_K || q == blocks::kQ3_K;
 }
 
-inline Tile tile_at(const uint8_t* base, int64_t nb) {
-  const uint8_t* scales = base + nb * kGroups * kTileRows * 4;
-  const auto* dw = reinterpret_cast<const float*>(scales);
+constexpr int64_t kGroupBytes = kTileRows * 4;  // one group's 4 bytes of every row of a tile
+
+// Bytes of one chunk's u in a tile: 8 groups, or 4 slots of two.
+constexpr int64_t chunk_u_bytes(int64_t q) { return (nibbles(q) ? kGroups / 2 : kGroups) * kGroupBytes; }
+
+constexpr int64_t tile_bytes(int64_t q, int64_t nb) {
+  return nb * chunk_u_bytes(q) + 2 * nb * kTileRows * 4 + (split(q) ? 2 * nb * kTileRows * 4 : 0);
+}
+
+inline Tile tile_at(const uint8_t* base, int64_t q, int64_t nb) {
+  const auto* dw = reinterpret_cast<const float*>(base + nb * chunk_u_bytes(q));
   return {base, dw, dw + nb * kTileRows, reinterpret_cast<const int32_t*>(dw + 2 * nb * kTileRows)};
+}
+
+// Byte j (0-3) of row r's group g in a chunk's u (at u).
+template <int64_t Q>
+inline uint8_t u_at(const uint8_t* u, int64_t g, int64_t r, int64_t j) {
+  if constexpr (nibbles(Q)) return (u[(g % 4) * kGroupBytes + r * 4 + j] >> (g / 4 * 4)) & 15;
+  return u[g * kGroupBytes + r * 4 + j];
 }
 
 // Weight rows [n0, n0 + rows) of blocks `w` decoded into the tile at `base` (tile_bytes(nb, split(Q))).
 template <int64_t Q>
 void decode_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t n0, int64_t rows, uint8_t* base) {
   constexpr int64_t per = blocks::weights_of(Q) / kBlock, bb = blocks::bytes_of(Q);
-  std::memset(base, 0, tile_bytes(nb, split(Q)));  // a short last tile: zero weights, zero scales
+  std::memset(base, 0, tile_bytes(Q, nb));  // a short last tile: zero weights, zero scales
   uint8_t* u = base;
-  auto* dw = reinterpret_cast<float*>(base + nb * kGroups * kTileRows * 4);
+  auto* dw = reinterpret_cast<float*>(base + nb * chunk_u_bytes(Q));
   float* mw = dw + nb * kTileRows;
   auto* hk = reinterpret_cast<int32_t*>(mw + nb * kTileRows);
   for (int64_t r = 0; r < rows; ++r) {
@@ -101,8 +121,16 @@ void decode_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t n0, in
         hk[(2 * b) * kTileRows + r] = k[0];
         hk[(2 * b + 1) * kTileRows + r] = k[1];
       }
-      uint8_t* dst = u + b * kGroups * kTileRows * 4 + r * 4;
-      for (int64_t g = 0; g < kGroups; ++g) std::memcpy(dst + g * kTileRows * 4, vals + g * 4, 4);
+      uint8_t* dst = u + b * chunk_u_bytes(Q) + r * 4;
+      for (int64_t g = 0; g < kGroups; ++g) {
+        for (int64_t j = 0; j < 4; ++j) {
+          if constexpr (nibbles(Q)) {
+            dst[(g % 4) * kGroupBytes + j] |= static_cast<uint8_t>(vals[g * 4 + j] << (g / 4 * 4));
+          } else {
+            dst[g * kGroupBytes + j] = vals[g * 4 + j];
+          }
+        }
+      }
     }
   }
 }
@@ -123,12 +151,12 @@ void tile_rows_portable(const QuantX& x, const Tile& t, int64_t m0, int64_t m1, 
     for (int64_t r = 0; r < rows; ++r) {
       float acc = 0.f;
       for (int64_t b = 0; b < x.nb; ++b) {
-        const uint8_t* u = t.u + b * kGroups * kTileRows * 4 + r * 4;
+        const uint8_t* u = t.u + b * chunk_u_bytes(Q);
         const int8_t* q = x.q + m * x.K + b * kBlock;
         // The integer dot of groups [g0, g1) of the chunk, from `start`.
         const auto dot = [&](int64_t g0, int64_t g1, int32_t start) {
           for (int64_t g = g0; g < g1; ++g)
-            for (int64_t j = 0; j < 4; ++j) start += static_cast<int32_t>(u[g * kTileRows * 4 + j]) * q[g * 4 + j];
+            for (int64_t j = 0; j < 4; ++j) start += static_cast<int32_t>(u_at<Q>(u, g, r, j)) * q[g * 4 + j];
           return start;
         };
         int32_t i;
@@ -172,12 +200,25 @@ VNNI_TARGET inline void quantize_row_vnni(const float* x, int64_t nb, int8_t* q,
 
 // isum[r] += the integer dots of groups [g0, g1) of a decoded chunk (ub) with x row r's int8 values
 // (qb, rows ldq apart): one vpdpbusd per 16 weight rows and 4 x values broadcast.
-template <int R>
+template <int64_t Q, int R>
 VNNI_TARGET inline void dot_groups(__m512i (&isum)[R][2], const int8_t* qb, int64_t ldq, const uint8_t* ub,
                                    int64_t g0, int64_t g1) {
   for (int64_t g = g0; g < g1; ++g) {
-    const __m512i w0 = _mm512_loadu_si512(ub + g * kTileRows * 4);
-    const __m512i w1 = _mm512_loadu_si512(ub + g * kTileRows * 4 + 64);
+    __m512i w0, w1;
+    if constexpr (nibbles(Q)) {
+      const __m512i mask = _mm512_set1_epi8(15);
+      w0 = _mm512_loadu_si512(ub + (g % 4) * kGroupBytes);
+      w1 = _mm512_loadu_si512(ub + (g % 4) * kGroupBytes + 64);
+      if (g >= 4) {  // the high nibbles
+        w0 = _mm512_srli_epi16(w0, 4);
+        w1 = _mm512_srli_epi16(w1, 4);
+      }
+      w0 = _mm512_and_si512(w0, mask);
+      w1 = _mm512_and_si512(w1, mask);
+    } else {
+      w0 = _mm512_loadu_si512(ub + g * kGroupBytes);
+      w1 = _mm512_loadu_si512(ub + g * kGroupBytes + 64);
+    }
     for (int r = 0; r < R; ++r) {
       int32_t four;
       std::memcpy(&four, qb + r * ldq + g * 4, 4);
@@ -200,14 +241,14 @@ VNNI_TARGET void tile_rows_vnni(const QuantX& x, const Tile& t, int64_t m0, int6
   for (int64_t b = 0; b < x.nb; ++b) {
     __m512i isum[R][2];
     const int8_t* qb = x.q + m0 * x.K + b * kBlock;
-    const uint8_t* ub = u + b * kGroups * kTileRows * 4;
+    const uint8_t* ub = u + b * chunk_u_bytes(Q);
     if constexpr (split(Q)) {
       // Each half's sum times its rows' integer scales, in int32 (exact: |sum| < 2^18, |k| <= 128).
       __m512i whole[R][2];
       for (int h = 0; h < 2; ++h) {
         for (int r = 0; r < R; ++r)
           isum[r][0] = isum[r][1] = _mm512_set1_epi32(-off * x.s2[(m0 + r) * 2 * x.nb + 2 * b + h]);
-        dot_groups<R>(isum, qb, x.K, ub, h * kGroups / 2, (h + 1) * kGroups / 2);
+        dot_groups<Q, R>(isum, qb, x.K, ub, h * kGroups / 2, (h + 1) * kGroups / 2);
         const int32_t* k = t.k + (2 * b + h) * kTileRows;
         const __m512i k0 = _mm512_loadu_si512(k), k1 = _mm512_loadu_si512(k + 16);
         for (int r = 0; r < R; ++r) {
@@ -223,7 +264,7 @@ VNNI_TARGET void tile_rows_vnni(const QuantX& x, const Tile& t, int64_t m0, int6
     } else {
       for (int r = 0; r < R; ++r)
         isum[r][0] = isum[r][1] = _mm512_set1_epi32(-off * x.s[(m0 + r) * x.nb + b]);
-      dot_groups<R>(isum, qb, x.K, ub, 0, kGroups);
+      dot_groups<Q, R>(isum, qb, x.K, ub, 0, kGroups);
     }
     const __m512 dw0 = _mm512_loadu_ps(t.dw + b * kTileRows);
     const __m512 dw1 = _mm512_loadu_ps(t.dw + b * kTileRows + 16);

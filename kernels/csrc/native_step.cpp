@@ -193,10 +193,10 @@ at::Tensor decode_step(const at::Tensor& x_in, const at::Tensor& cos, const at::
                     " need AVX512-VNNI, which this CPU or build lacks");
         TORCH_CHECK(K % int8_tiles::kBlock == 0 && t.scalar_type() == at::kByte &&
                         t.size(0) == (N + int8_tiles::kTileRows - 1) / int8_tiles::kTileRows &&
-                        t.size(1) == int8_tiles::tile_bytes(K / int8_tiles::kBlock, ints::split(q)),
+                        t.size(1) == int8_tiles::tile_bytes(q, K / int8_tiles::kBlock),
                     "radixserve_cpu::decode_step: int8 tiles of type ", q, " must be gguf_int8_pack's [",
                     (N + int8_tiles::kTileRows - 1) / int8_tiles::kTileRows, ", ",
-                    int8_tiles::tile_bytes(K / int8_tiles::kBlock, ints::split(q)), "] uint8, got ", t.sizes());
+                    int8_tiles::tile_bytes(q, K / int8_tiles::kBlock), "] uint8, got ", t.sizes());
         TORCH_CHECK(j > kWv || D % kBandAlign == 0, "radixserve_cpu::decode_step: int8 tiles in QKV need head_dim a "
                     "multiple of ", kBandAlign, " (its bands are whole heads)");
       } else {

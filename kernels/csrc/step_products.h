@@ -64,7 +64,7 @@ void tile_rows(const Weight& w, const float* x, int64_t ld, int64_t n0, int64_t 
     constexpr int64_t Q = decltype(t)::value;
     if constexpr (ints::takes(Q)) {
       for (int64_t t0 = n0; t0 < n1; t0 += kTileRows)
-        tile_product<Q>(qx, tile_at(tiles + t0 / kTileRows * w.row_bytes, nb), M, t0 - n0,
+        tile_product<Q>(qx, tile_at(tiles + t0 / kTileRows * w.row_bytes, Q, nb), M, t0 - n0,
                         std::min(kTileRows, n1 - t0), o, vnni);
     }
   });
