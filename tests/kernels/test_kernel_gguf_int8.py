@@ -125,6 +125,11 @@ def test_stored_tiles_give_the_blocks_product_bit_for_bit(qtype: Q, portable: bo
     blocks, k = _blocks(qtype, seed=5), _k(qtype)
     tiles = gguf_int8.pack(blocks, int(qtype), k)
     assert tiles.dtype == torch.uint8 and tiles.shape[0] == -(-N // gguf_int8.TILE_ROWS)  # a short last tile
+    # u: a byte a weight, half a byte where it fits in 4 bits; then fp32 d_w and m_w (and Q3_K/Q6_K's k_h)
+    # per 32 weights of each of the tile's 32 rows.
+    u_bytes = 0.5 if qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q3_K) else 1.0
+    per_chunk = 32 * (32 * u_bytes + 8 + (8 if qtype in (Q.Q3_K, Q.Q6_K) else 0))
+    assert tiles.shape[1] == k // 32 * per_chunk
     bias = torch.randn(N)
     for rows in (1, 3, 8, 40):
         x = _x(rows, rows, k)
