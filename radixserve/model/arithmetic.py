@@ -1,5 +1,6 @@
 """Cheaper arithmetic for steps with many rows (``prefill_arithmetic``): prefill, extend, long
-verification batches. Decode steps keep the weights' own (exact) arithmetic.
+verification batches. Decode steps keep the weights' own (exact) arithmetic, unless
+``decode_arithmetic`` int8 (GGUF weights only, ``apply_decode``) puts every product in int8.
 
 Why: prefill is compute-bound (issue 21: 97% of the fp32 peak on an EPYC, 71% on a Xeon), and int8
 (``torch._int_mm``, VNNI) or bf16 products run several times faster than fp32 there (4.6x and 2.3x at
@@ -26,6 +27,11 @@ Why: prefill is compute-bound (issue 21: 97% of the fp32 peak on an EPYC, 71% on
   dot products with the blocks' values, the blocks' scales after each (``kernels/gguf_int8.py``).
   Where that kernel cannot run (no AVX512-VNNI, or ``RADIXSERVE_GGUF_INT8=0``) the products stay
   exact, said in one log line. ``bfloat16`` over GGUF blocks is not built: a clear error.
+- ``decode_arithmetic`` int8 (GGUF weights): every product, decode steps and the LM head included, in
+  that int8 arithmetic, as llama.cpp runs on CPU: decode over the blocks in fp32 is bound by decoding
+  them and by the FMAs, not by their bytes. Each weight's tiles are decoded once at load and kept
+  (``GGUFLinear.use_int8_tiles``, ``kernels/csrc/int8_tiles.h``), and the native decode step streams
+  them. Approximate (the same per-row arithmetic as int8 prefill); without VNNI one warning and exact.
 """
 
 from __future__ import annotations

@@ -170,8 +170,8 @@ class GGUFLinear(nn.Module):
 
     def use_int8_tiles(self) -> list[int]:
         """Every product in int8 (``decode_arithmetic`` int8, model/arithmetic.py): each part group of a
-        type the int8 kernel takes gets its blocks' int8 tiles, made once here (about 1.25 bytes a
-        weight beside the blocks). Returns the types left exact (Q2_K, plain types)."""
+        type the int8 kernel takes gets its blocks' int8 tiles, made once here (kept beside the blocks:
+        1.25 bytes a weight, 0.75 for the 4-bit types). Returns the types left exact (Q2_K, plain types)."""
         exact = []
         for i, qtype in enumerate(self.qtypes):
             if qtype in gguf_int8.TYPES:
