@@ -1,6 +1,7 @@
 // radixserve_cpu::gguf_int8_linear: x [M, K] fp32 times a weight held as GGUF blocks, in integer
 // arithmetic: the approximate many-rows mode (`--prefill-arithmetic int8` over GGUF weights,
-// model/arithmetic.py). The exact product is gguf_linear.cpp's.
+// model/arithmetic.py). gguf_int8_pack decodes a weight's tiles once and gguf_int8_tiles_linear
+// streams them (`--decode-arithmetic int8`: every product). The exact product is gguf_linear.cpp's.
 //
 // Why: prefill is compute-bound, and gguf_linear decodes every block to fp32 and multiplies at the
 // fp32 peak. AVX512-VNNI's vpdpbusd does 64 int8 multiply-adds an instruction, four times an fp32 FMA.
@@ -19,11 +20,12 @@
 // torch reference (tests/kernels/test_kernel_gguf_int8.py) matches within (2 K/32 + 2) ulp-sized
 // multiples of the sum of |terms|, and the portable path below matches the VNNI one bit for bit.
 //
-// Layout: a tile of 32 weight rows is decoded once into [K/4 groups][32 rows][4 bytes] (each group's
-// 4 bytes for 16 rows in one 64-byte register: one vpdpbusd multiplies 16 rows by 4 x values
-// broadcast, and each broadcast serves two registers), with its d_w (and m_w) per block in
-// [K/32][32] fp32; every x row of the step is then multiplied against the tile, 6 rows at a time
-// (12 int32 + 12 fp32 accumulators in registers; 4 rows for a split type, which needs 8 more).
+// Layout (int8_tiles.h): a tile of 32 weight rows is decoded once into [K/4 groups][32 rows][4 bytes]
+// (two groups a byte for the 4-bit types; each group's 4 bytes for 16 rows in one 64-byte register:
+// one vpdpbusd multiplies 16 rows by 4 x values broadcast, and each broadcast serves two registers),
+// with its d_w (and m_w) per block in [K/32][32] fp32; every x row of the step is then multiplied
+// against the tile, 6 rows at a time (12 int32 + 12 fp32 accumulators in registers; 4 rows for a split
+// type, which needs 8 more).
 // Threads take tiles (at::parallel_for). No fp32 copy of the weights is made.
 //
 // Dispatch: the VNNI kernel is compiled with a function-level target (the rest of the library keeps
@@ -182,7 +184,8 @@ at::Tensor gguf_int8_linear(const at::Tensor& x, const at::Tensor& blocks_in, in
 }
 
 // A weight's tiles, decoded once: [ceil(N / 32), tile_bytes] uint8, what gguf_int8_tiles_linear and the
-// native step's int8 products stream (1 byte a weight plus 8 or 16 bytes of scales per 32).
+// native step's int8 products stream (1 byte a weight, half for the 4-bit types, plus 8 or 16 bytes of
+// scales per 32).
 at::Tensor gguf_int8_pack(const at::Tensor& blocks_in, int64_t qtype, int64_t K) {
   TORCH_CHECK(takes(qtype) && K % kBlock == 0, "radixserve_cpu::gguf_int8_pack: unsupported block type ", qtype,
               " or K ", K, " (supported: " RADIXSERVE_INT8_TYPES ", K a multiple of 32)");

@@ -102,7 +102,7 @@ inline uint8_t u_at(const uint8_t* u, int64_t g, int64_t r, int64_t j) {
   return u[g * kGroupBytes + r * 4 + j];
 }
 
-// Weight rows [n0, n0 + rows) of blocks `w` decoded into the tile at `base` (tile_bytes(nb, split(Q))).
+// Weight rows [n0, n0 + rows) of blocks `w` decoded into the tile at `base` (tile_bytes(Q, nb) bytes).
 template <int64_t Q>
 void decode_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t n0, int64_t rows, uint8_t* base) {
   constexpr int64_t per = blocks::weights_of(Q) / kBlock, bb = blocks::bytes_of(Q);
