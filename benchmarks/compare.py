@@ -81,12 +81,8 @@ RADIXSERVE_OPTIONS: dict[str, dict[str, Any]] = {
     "radixserve-exact": {"quantization": "gguf"},
     "radixserve-fast": {"preset": "fast"},
     "radixserve-bf16": {"dtype": "bfloat16"},
-    "radixserve-int8": {"quantization": "gguf", "decode_arithmetic": "int8"},
-    "radixserve-int8-kv-bf16": {
-        "quantization": "gguf",
-        "decode_arithmetic": "int8",
-        "kv_cache_dtype": "bfloat16",
-    },
+    "radixserve-int8": (INT8 := {"quantization": "gguf", "decode_arithmetic": "int8"}),
+    "radixserve-int8-kv-bf16": {**INT8, "kv_cache_dtype": "bfloat16"},
 }
 
 DEFAULT_CASES = ["rag", "multiturn", "nosharing", "steady", "burst", "mixed"]
@@ -176,9 +172,7 @@ def server_command(
         model = model_dir
         if engine == "radixserve-exact" and exact_weights == "fp32":
             options = {}
-        elif engine in ("radixserve-exact", "radixserve-int8", "radixserve-int8-kv-bf16") or (
-            engine == "radixserve-fast" and fast_model == "gguf"
-        ):
+        elif options.get("quantization") == "gguf" or (engine == "radixserve-fast" and fast_model == "gguf"):
             if gguf is None:
                 return None, "no GGUF file of this model (pass --gguf)"
             model = gguf
