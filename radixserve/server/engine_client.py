@@ -111,7 +111,13 @@ class EngineClient:
         ]
         cmd += ["--threads", str(self.threads)] if self.threads else []
         cmd += ["--cpus", ",".join(map(str, self.cpus))] if self.cpus else []
-        cmd += ["--nice", str(self.nice)] if self.nice else []
+        # Niced before Python starts, so every thread and tensor-parallel rank inherits it, and a
+        # renice() that comes while it starts is never undone by the process itself.
+        if self.nice and shutil.which("nice"):
+            cmd = ["nice", "-n", str(self.nice), *cmd]
+        elif self.nice:
+            logger.warning("no nice(1) on PATH: the engine process starts at nice 0, not %d", self.nice)
+            self.nice = 0
         # The child must import the code this process runs (a source tree, a test's sys.path), and
         # live in a session of its own, so a terminal's Ctrl-C reaches only the API server, which
         # drains and then stops the engine.

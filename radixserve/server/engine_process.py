@@ -69,12 +69,6 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--log-level", default="info")
     p.add_argument(
-        "--nice",
-        type=int,
-        default=0,
-        help="start at this nice value (a warm standby: it only takes CPU the serving process leaves)",
-    )
-    p.add_argument(
         "--parent-pid",
         type=int,
         default=None,
@@ -94,18 +88,6 @@ def parse_cpus(text: str) -> list[int]:
     return cpus
 
 
-def _set_nice(value: int) -> None:
-    """The nice value of every thread of this process: on Linux a thread's own, and an import may
-    already have started one."""
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        tids = [0]
-    for tid in tids:
-        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-            os.setpriority(os.PRIO_PROCESS, tid, value)
-
-
 def main(argv: list[str] | None = None, role: RoleFactory | None = None) -> None:
     """Run the engine process; ``role`` builds the role its loop runs (None: the colocated engine)."""
     args = _parse_args(argv)
@@ -120,8 +102,6 @@ def main(argv: list[str] | None = None, role: RoleFactory | None = None) -> None
         signal.signal(signum, lambda n, f: stop.set())
     if args.cpus:  # before torch starts its threads (at its first parallel op): they inherit the mask
         os.sched_setaffinity(0, parse_cpus(args.cpus))
-    if args.nice:  # likewise inherited, by the threads and tensor-parallel ranks it starts later
-        _set_nice(args.nice)
     config = msgspec.json.decode(args.config, type=EngineConfig)
     ctx = zmq.Context()
     failed: list[BaseException] = []

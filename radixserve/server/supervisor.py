@@ -47,6 +47,12 @@ KILL_GRACE_S = 5.0  # a hung process SIGKILLed but not yet reaped after this lon
 # threads slowed it several-fold (a probe waited 57 s in a soak at 2x load). It is reniced to 0 when it
 # takes over; with the serving process dead it has the CPU to itself anyway.
 STANDBY_NICE = 19
+# But at nice 19 beside an engine saturated for minutes it gets ~1.5% of the CPU and may never finish
+# (a tensor-parallel one had not loaded 170 s later): one still starting after STANDBY_PATIENCE_S is
+# reniced to STANDBY_LATE_NICE (~10% of the CPU beside one busy process), so the redundancy comes
+# back at a bounded cost to serving.
+STANDBY_PATIENCE_S = 30.0
+STANDBY_LATE_NICE = 10
 
 
 class Supervisor:
@@ -179,10 +185,20 @@ class Supervisor:
         # Yield the CPU only to a serving process: with none, a restart is waiting for this one.
         nice = STANDBY_NICE if self.client is not None else 0
         self._standby_starting = client = self._new_client(nice)
+        impatient = asyncio.get_running_loop().call_later(STANDBY_PATIENCE_S, self._hurry, client)
         try:
             return await self._start_process(client)
         finally:
+            impatient.cancel()
             self._standby_starting = None
+
+    def _hurry(self, client: EngineClient) -> None:
+        """A standby still starting after STANDBY_PATIENCE_S: raise its priority (never lower it)."""
+        if client is self._standby_starting and client.nice > STANDBY_LATE_NICE:
+            logger.info(
+                "warm standby still starting after %.0f s: nice %d", STANDBY_PATIENCE_S, STANDBY_LATE_NICE
+            )
+            client.renice(STANDBY_LATE_NICE)
 
     def _standby_client(self) -> EngineClient | None:
         """The ready standby's client, if there is one."""

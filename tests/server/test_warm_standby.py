@@ -16,6 +16,7 @@ import pytest
 from server_util import MODEL_NAME, Served, serving, wait_until_healthy
 
 from radixserve.config import EngineConfig
+from radixserve.server import supervisor
 
 
 def wait_for_standby(c: httpx.Client, served: Served, timeout_s: float = 120.0) -> int:
@@ -95,3 +96,17 @@ def test_a_warm_standby_takes_over_a_killed_engine_with_the_disk_pages_written_a
         assert complete(c, doc + [4])["device"] == 40
     messages = [rec.getMessage() for rec in caplog.records if rec.name == "radixserve.server"]
     assert [m for m in messages if f"warm standby engine process {standby} took over" in m], messages
+
+
+def test_a_standby_still_starting_after_the_patience_is_reniced_to_the_late_nice(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # At nice 19 beside a saturated engine a standby may never load: past the patience it is raised
+    # (never to the serving priority). A tiny model's standby starts in seconds, so the patience here
+    # is shorter than that.
+    monkeypatch.setattr(supervisor, "STANDBY_PATIENCE_S", 0.2)
+    config = EngineConfig(str(tiny_llama), page_size=4, num_pages=64, max_model_len=64, warm_standby=True)
+    with serving(config) as s, httpx.Client(base_url=s.url, timeout=60) as c:
+        standby = wait_for_standby(c, s)
+        assert nice_values(standby) == {supervisor.STANDBY_LATE_NICE}
+        assert nice_values(int(s.engine.engine_pid or 0)) == {0}
