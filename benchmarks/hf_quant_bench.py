@@ -37,6 +37,7 @@ from hf_quant_files import write_dequantized, write_quantized  # noqa: E402
 # name: (writer method, options); "ct-*" come from --ct-dir (llm-compressor) where it has them.
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "gptq-w4a16-sym-actorder": ("gptq", {"symmetric": True, "act_order": True}),
+    "gptq-w4a16-sym": ("gptq", {"symmetric": True}),  # fp16 scales, no act-order: on Q4_0 blocks
     "awq-w4a16-asym": ("awq", {}),
     "ct-w8a8": ("w8a8", {}),
     "gptq-w4a16-asym": ("gptq", {}),
@@ -58,9 +59,9 @@ def speed_prompts(folder: Path) -> list[list[int]]:
     return [tokenizer.encode(text)[:64] for text in TEXTS]
 
 
-def radix_scores(folder: Path, log_dir: Path, name: str) -> list[Scored]:
+def radix_scores(folder: Path, log_dir: Path, name: str, *flags: str) -> list[Scored]:
     port = free_port()
-    cmd = radixserve_command(port, model=str(folder), kv_cache_gb=0.25)
+    cmd = radixserve_command(port, *flags, model=str(folder), kv_cache_gb=0.25)
     with serving(name, cmd, port, log_dir) as url:
         scores = score(url, SERVED_NAME, TEXTS)
         SPEED[name] = greedy_tokens_per_s(url, SERVED_NAME, speed_prompts(folder), SPEED_TOKENS)
@@ -93,6 +94,11 @@ def main() -> None:
     ap.add_argument("--ct-dir", type=Path, help="llm-compressor outputs (make_fixtures.py) to use")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument(
+        "--decode-int8",
+        action="store_true",
+        help="also serve each W4A16 folder with --decode-arithmetic int8 (where it runs on GGUF blocks)",
+    )
     ap.add_argument("--vllm-fp32", action="store_true", help="also score vLLM on the fp32 folder (last)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/hf_quant_bench"))
     ap.add_argument("--out", type=Path, default=RESULTS)
@@ -142,6 +148,17 @@ def main() -> None:
             rows.append(table_row(name, "its dequantization (radixserve fp32)", entry["vs_dequantized"]))
         entry["vs_fp32"] = compare_scores(ref, scores)
         rows.append(table_row(name, "radixserve fp32", entry["vs_fp32"]))
+        if args.decode_int8 and method != "w8a8":
+            try:  # refused where the folder is not on GGUF blocks (act-order, asymmetric offsets)
+                fast = radix_scores(folder, logs, f"radix-{name}-int8", "--decode-arithmetic", "int8")
+                entry["decode_int8_vs_fp32"] = compare_scores(ref, fast)
+                rows.append(
+                    table_row(
+                        f"{name} --decode-arithmetic int8", "radixserve fp32", entry["decode_int8_vs_fp32"]
+                    )
+                )
+            except Exception as exc:
+                entry["decode_int8_error"] = f"{type(exc).__name__}: {exc}"
         if not args.no_vllm:
             theirs = vllm_scores(folder, logs, f"vllm-{name}")
             # A dtype refusal, or a kernel with no float32 instance (cpu_gemm_wna16 says "not

@@ -34,6 +34,9 @@ from typing import Any
 
 import torch
 
+from radixserve.model.gguf_blocks import CHUNK as BLOCK
+from radixserve.model.gguf_blocks import Q4_0, Q4_1
+
 METHODS = ("awq", "gptq", "compressed-tensors")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column AWQ_ORDER[i] of its 8
 # The nibble that holds column j of a word (the inverse of AWQ_ORDER).
@@ -147,6 +150,37 @@ class Int4Weight:
         z = self.zeros.index_select(1, self.groups)
         s = self.scales.index_select(1, self.groups)
         return (self.codes - z).float() * s
+
+    def blocks(self) -> tuple[int, torch.Tensor] | None:
+        """The same weight as GGUF blocks ``(qtype, [N, row bytes] uint8)`` where they hold it exactly:
+        Q4_0 where every zero point is 8 (symmetric), else Q4_1 (``d q + m``, ``m = -z s``). Each run of
+        32 input channels must share one group (no act-order interleaving), and every scale (and
+        Q4_1's ``m``) must be an fp16 value; None otherwise. Both decode to ``dense()`` bit for bit:
+        ``(q - 8) d`` is the same product, and ``d q`` and ``-z s`` are exact fp32 multiples of the
+        scale, so their sum is ``(q - z) s`` exactly."""
+        n, k = self.codes.shape
+        if k % BLOCK:
+            return None
+        chunks = self.groups.view(-1, BLOCK)
+        if not torch.equal(chunks, chunks[:, :1].expand_as(chunks)):
+            return None
+        scales = self.scales.index_select(1, chunks[:, 0])  # [N, K/32]
+        zeros = self.zeros.index_select(1, chunks[:, 0])
+        d = scales.half()
+        if not torch.equal(d.float(), scales):
+            return None
+        heads = [d]
+        if not bool((zeros == 8).all()):
+            offset = -(zeros.float() * scales)
+            m = offset.half()
+            if not torch.equal(m.float(), offset):
+                return None
+            heads.append(m)
+        codes = self.codes.view(n, k // BLOCK, BLOCK).to(torch.uint8)
+        nibbles = codes[..., : BLOCK // 2] | (codes[..., BLOCK // 2 :] << 4)  # ggml: j low, j + 16 high
+        raw = [h.unsqueeze(-1).view(torch.uint8) for h in heads] + [nibbles]
+        qtype = Q4_0 if len(heads) == 1 else Q4_1
+        return qtype, torch.cat(raw, dim=-1).reshape(n, -1).contiguous()
 
 
 def unpack_rows(packed: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,16 @@
 """Loading an HF quantized checkpoint (AWQ, GPTQ, compressed-tensors; ``model/hf_quant.py`` reads the
 formats) into the model's own weight-format objects; the model class is the same as for any folder.
 
-- W4A16 (awq, gptq, compressed-tensors pack-quantized): each quantized Linear is dequantized at load,
-  ``(q - z) * s`` per group in fp32 (``Int4Weight.dense``), into the fp32 ``layers.Linear`` it fills,
-  which then takes its usual products (the C++ few-row kernels, oneDNN, the native decode step). So the
-  products equal the dequantized-weight fp32 products exactly, token for token: an exact mode. The
-  cost: the weights are held (and read each step) as fp32, not 4-bit; a kernel reading the packed codes
-  is not built.
+- W4A16 (awq, gptq, compressed-tensors pack-quantized): a quantized Linear whose every part GGUF
+  blocks hold exactly (``Int4Weight.blocks``: Q4_0 for symmetric zero points, Q4_1 where each ``-z s``
+  is an fp16 value; 32 input channels of one group; fp16-valued scales) becomes a ``GGUFLinear`` over
+  those blocks: 4.5-5 bits a weight, read by the GGUF kernels (few-row, int8 with
+  ``--prefill-arithmetic``/``--decode-arithmetic int8``, the native decode step) as a .gguf model's
+  are; the model is then ``quantization`` "gguf". The blocks decode to ``(q - z) * s`` bit for bit, so
+  the products equal the dequantized-weight fp32 products up to summation order: an exact mode. Any
+  other (act-order interleaving, an offset fp16 cannot hold, a bf16 model, ``RADIXSERVE_W4A16_BLOCKS=0``)
+  is dequantized at load, ``(q - z) * s`` per group in fp32 (``Int4Weight.dense``), into the fp32
+  ``layers.Linear`` it fills, which then takes its usual products.
 - W8A8 (compressed-tensors int-quantized): each quantized Linear becomes a ``quant.Int8Linear`` holding
   the checkpoint's int8 weight and per-channel scale as they are; its product quantizes the activations
   per token (symmetric, amax / 127, dynamic) and multiplies int8 by int8 into exact int32 sums
@@ -20,6 +24,7 @@ formats) into the model's own weight-format objects; the model class is the same
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -27,12 +32,15 @@ import torch
 from torch import nn
 
 from radixserve.model import hf_quant
+from radixserve.model.gguf import GGUFLinear, Weight
 from radixserve.model.hf_quant import W8A8, Scheme
 from radixserve.model.llama import LlamaForCausalLM, target_of
 from radixserve.model.quant import Int8Linear
 from radixserve.model.quant import check_supported as check_int8
 
 logger = logging.getLogger("radixserve.model")
+
+BLOCKS_ENV = "RADIXSERVE_W4A16_BLOCKS"  # "0": every W4A16 Linear dequantized to fp32, as before blocks
 
 # Per-Linear tensors of each format other than its marker (hf_quant.MARKERS) and bias.
 AUX = {
@@ -93,16 +101,64 @@ def load_quantized(
         model.load_weights(rest, skip)
         model.quantization = "int8"  # the same modules as --quantization int8
     else:
-        model.load_weights(_dequantized(modules, rest, scheme))
+        blocks = _as_blocks(model, modules, scheme) if _blocks_run(dtype, device) else {}
+        skip = frozenset(f"{m}.weight" for m in blocks)
+        model.load_weights(_dequantized(modules, rest, scheme, set(blocks)), skip)
+        for name, parts in blocks.items():  # after: the Linear's bias came with load_weights
+            lin = model.get_submodule(name)
+            assert isinstance(lin, nn.Linear)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, GGUFLinear(parts, lin.bias))
+        if blocks:
+            model.quantization = "gguf"  # the modules, arithmetic and native step of a .gguf model
+        logger.info(
+            "%s: %d of %d Linears on GGUF blocks (exact), the rest dequantized to fp32",
+            scheme.name,
+            len(blocks),
+            len({target_of(f"{p}.weight")[0] for p in modules}),
+        )
     model.checkpoint_quantization = scheme.name
 
 
+def _blocks_run(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether W4A16 may run on GGUF blocks: their kernels are fp32 on CPU (``gguf.check_supported``)."""
+    return dtype == torch.float32 and device.type == "cpu" and os.environ.get(BLOCKS_ENV, "1") != "0"
+
+
+def _as_blocks(
+    model: LlamaForCausalLM, modules: dict[str, dict[str, torch.Tensor]], scheme: Scheme
+) -> dict[str, list[Weight]]:
+    """The model Linears (``layers.0.self_attn.qkv_proj.weight``) whose every quantized part the GGUF
+    blocks hold exactly (``Int4Weight.blocks``), with those parts in fused order."""
+    parts: dict[str, dict[int, Weight | None]] = {}
+    for prefix, t in modules.items():
+        name, fused = target_of(f"{prefix}.weight")
+        w = hf_quant.decode(t, scheme, prefix)
+        held = w.blocks()
+        parts.setdefault(name, {})[0 if fused is None else fused[1]] = (
+            None if held is None else Weight(held[0], held[1], w.codes.shape[1])
+        )
+    out: dict[str, list[Weight]] = {}
+    for name, by_index in parts.items():
+        module = name.removesuffix(".weight")
+        want = 3 if module.endswith("qkv_proj") else 2 if module.endswith("gate_up_proj") else 1
+        got = [by_index.get(i) for i in range(want)]
+        if all(g is not None for g in got):
+            out[module] = [g for g in got if g is not None]
+    return out
+
+
 def _dequantized(
-    modules: dict[str, dict[str, torch.Tensor]], rest: list[tuple[str, torch.Tensor]], scheme: Scheme
+    modules: dict[str, dict[str, torch.Tensor]],
+    rest: list[tuple[str, torch.Tensor]],
+    scheme: Scheme,
+    on_blocks: set[str],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     yield from rest
     for prefix, t in modules.items():
-        yield f"{prefix}.weight", hf_quant.decode(t, scheme, prefix).dense()
+        name = target_of(f"{prefix}.weight")[0]
+        if name.removesuffix(".weight") not in on_blocks:
+            yield f"{prefix}.weight", hf_quant.decode(t, scheme, prefix).dense()
 
 
 def _install_int8(

@@ -160,7 +160,8 @@ class LlamaForCausalLM(nn.Module):
                     raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
                 params[name].data.copy_(tensor)
             seen.add(name)
-        missing = set(params) - seen - ({"lm_head.weight"} if self.config.tie_word_embeddings else set())
+        tied = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
+        missing = set(params) - seen - skip - tied
         if missing:
             raise ValueError(f"checkpoint lacks weights: {sorted(missing)[:5]}")
 

@@ -14,12 +14,14 @@ from typing import Any
 
 import pytest
 import torch
-from hf_quant_files import pack, write_dequantized, write_quantized
+from hf_quant_files import act_order_groups, pack, quantize, write_dequantized, write_quantized
 from safetensors.torch import load_file, save_file
 from tokenizer_util import make_tokenizer
 
 from radixserve import Engine, SamplingParams
 from radixserve.model import hf_quant
+from radixserve.model.gguf import GGUFLinear
+from radixserve.model.gguf_blocks import Q4_0, Q4_1, dequantize
 from radixserve.model.layers import Linear
 from radixserve.model.llama import DecoderLayer, LlamaForCausalLM, target_of
 from radixserve.model.loader import load_model
@@ -33,6 +35,8 @@ OPTIONS: dict[str, Any] = {"enforce_eager": True, "num_pages": 64, "page_size": 
 # name: (writer method, options) of the spec-written fixtures
 SPEC = {
     "awq": ("awq", {}),
+    "gptq-sym": ("gptq", {"symmetric": True}),  # on Q4_0 blocks
+    "ct-w4a16-sym": ("pack-quantized", {"symmetric": True}),  # bf16 scales, on Q4_0 blocks
     "gptq-sym-actorder-v1": ("gptq", {"symmetric": True, "act_order": True}),
     "gptq-asym-actorder-v1": ("gptq", {"act_order": True}),
     "gptq-asym-v2": ("gptq", {"v2": True}),
@@ -46,6 +50,8 @@ def _weight(model: LlamaForCausalLM, hf_name: str) -> torch.Tensor:
     module = model.get_submodule(name.removesuffix(".weight"))
     if isinstance(module, Int8Linear):
         w = module.qweight.float() * module.scale[:, None]
+    elif isinstance(module, GGUFLinear):
+        w = torch.cat([dequantize(module.part(i), q) for i, q in enumerate(module.qtypes)])
     else:
         assert isinstance(module, Linear)
         w = module.weight
@@ -86,6 +92,7 @@ def test_llm_compressor_files_decode_as_the_tool_decodes_them(tmp_path: Path, sc
     for name, want in ref.items():
         assert torch.equal(_weight(model, name), want), name
     layer = _layer(model)
+    # The tool wrote an fp32 model's scales as fp32, which no GGUF block holds: dense, not Q4_0.
     kind = Int8Linear if scheme == "w8a8" else Linear
     assert isinstance(layer.self_attn.qkv_proj, kind) and isinstance(layer.mlp.down_proj, kind)
     assert type(model.lm_head) is Linear
@@ -106,6 +113,10 @@ def test_w4a16_is_token_identical_to_its_dequantization(
     reference = Engine(model=str(exact), **OPTIONS)
     for name, want in dense.items():
         assert torch.equal(_weight(quantized.model, name), want), name
+    # Symmetric with fp16/bf16 scales and no act-order: Q4_0 blocks; the others' offsets (odd zero
+    # points times a full-mantissa scale) or act-order groups keep them dense.
+    on_blocks = isinstance(_layer(quantized.model).mlp.down_proj, GGUFLinear)
+    assert on_blocks == case.endswith("-sym")
     a = [o.outputs[0].token_ids for o in reference.generate(PROMPTS, GREEDY)]
     b = [o.outputs[0].token_ids for o in quantized.generate(PROMPTS, GREEDY)]
     assert a == b
@@ -230,3 +241,49 @@ def test_damaged_files_and_int8_on_top_fail_clearly(tmp_path: Path, tiny_models:
     save_file(tensors, str(folder / "model.safetensors"))
     with pytest.raises(ValueError, match=r"down_proj\.(qzeros|scales)"):
         load_model(folder, torch.float32, CPU)
+
+
+def test_int4_weights_become_gguf_blocks_only_where_the_blocks_hold_them_exactly() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(64, 96)
+    groups = torch.arange(96) // 32
+
+    def int4(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g: torch.Tensor) -> Any:
+        return hf_quant.Int4Weight(codes.to(torch.int16), zeros.to(torch.int16), scales.float(), g)
+
+    codes, zeros, scales, dense = quantize(w, groups, symmetric=True)
+    held = int4(codes, zeros, scales, groups).blocks()
+    assert held is not None and held[0] == Q4_0 and torch.equal(dequantize(held[1], Q4_0), dense)
+    # Asymmetric with power-of-two scales: every -z s is an fp16 value, so Q4_1 holds it.
+    codes, zeros, _, _ = quantize(w, groups, symmetric=False)
+    pow2 = torch.full(zeros.shape, 2.0**-6)
+    held = int4(codes, zeros, pow2, groups).blocks()
+    assert held is not None and held[0] == Q4_1
+    assert torch.equal(dequantize(held[1], Q4_1), int4(codes, zeros, pow2, groups).dense())
+    # What the blocks cannot hold exactly stays dense: an odd zero times a scale with a full fp16
+    # mantissa, a scale that is no fp16 value, 32 channels of mixed groups (act-order).
+    odd = torch.full(zeros.shape, 7)
+    assert int4(codes, odd, torch.full(zeros.shape, 1 + 2.0**-10), groups).blocks() is None
+    assert int4(codes, zeros * 0 + 8, torch.full(zeros.shape, 1 + 2.0**-20), groups).blocks() is None
+    mixed = act_order_groups(w, 32).long()
+    assert int4(codes, zeros * 0 + 8, torch.full(zeros.shape, 0.25), mixed).blocks() is None
+
+
+def test_a_symmetric_w4a16_file_serves_on_blocks_and_takes_int8_decode(
+    tmp_path: Path, tiny_models: dict[str, Path]
+) -> None:
+    write_quantized(tiny_models["llama"], tmp_path / "q", "gptq", group=32, symmetric=True)
+    engine = Engine(model=str(tmp_path / "q"), **OPTIONS)
+    layer = _layer(engine.model)
+    assert engine.model.quantization == "gguf"
+    for lin in (
+        layer.self_attn.qkv_proj,
+        layer.self_attn.o_proj,
+        layer.mlp.gate_up_proj,
+        layer.mlp.down_proj,
+    ):
+        assert isinstance(lin, GGUFLinear) and lin.qtypes == [Q4_0]
+    # Approximate, as over a .gguf model's blocks: it runs, and stays close to the exact tokens' start.
+    fast = Engine(model=str(tmp_path / "q"), decode_arithmetic="int8", **OPTIONS)
+    out = fast.generate(PROMPTS, GREEDY)
+    assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in out)
