@@ -34,6 +34,7 @@ import httpx
 from benchmarks.common import RESULTS, args_json, machine, write_results
 from benchmarks.plots import plot_soak
 from benchmarks.servers import Server, free_port, radixserve_command
+from benchmarks.soak_capacity import measure_capacity, warm_up
 from benchmarks.soak_faults import FAULTS, TOPOLOGY_FAULTS, Target, process_tree
 from benchmarks.soak_outcomes import (
     classify,
@@ -58,10 +59,11 @@ from benchmarks.soak_server import (
     rss,
     server_flags,
     server_tracebacks,
+    standby_ready_within,
     until_standby_ready,
     wait_idle,
 )
-from benchmarks.soak_traffic import KINDS, Texts, Traffic
+from benchmarks.soak_traffic import Texts, Traffic
 
 
 def log(msg: str) -> None:
@@ -123,38 +125,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-async def warm_up(traffic: Traffic, rounds: int = 3) -> None:
-    """Each kind a few times, alone then together, unrecorded: the first of each (a grammar, prompt
-    logprobs, a batch shape) compiles, which would make the ramp's first steps look slow."""
-    for _ in range(rounds):
-        for kind in KINDS:
-            await traffic.send(kind)
-    await asyncio.gather(*(traffic.send(kind) for kind in KINDS for _ in range(2)))
-
-
-async def measure_capacity(traffic: Traffic, step_s: float, max_c: int) -> tuple[float, list[dict[str, Any]]]:
-    """Answers per second of the mix (ok or an expected 4xx) at concurrency 1, 2, 4, ... until it grows
-    by less than 10%."""
-    steps: list[dict[str, Any]] = []
-    c = 1
-    while c <= max_c:
-        records: list[Record] = []
-
-        async def worker(end: float, records: list[Record]) -> None:
-            while time.perf_counter() < end:
-                records.append(await traffic.send(traffic.pick_kind()))
-
-        start = time.perf_counter()
-        await asyncio.gather(*(worker(start + step_s, records) for _ in range(c)))
-        span = time.perf_counter() - start
-        answered = sum(classify(r, []) in ("ok", "bad_input_4xx") for r in records)
-        steps.append({"concurrency": c, "requests": len(records), "answered_per_s": answered / span})
-        if len(steps) > 1 and steps[-1]["answered_per_s"] < 1.1 * steps[-2]["answered_per_s"]:
-            break
-        c *= 2
-    return max(s["answered_per_s"] for s in steps), steps
-
-
 async def run_load(
     traffic: Traffic, args: argparse.Namespace, rate: float, schedule: list[tuple[float, str]], target: Target
 ) -> tuple[list[Record], list[Record], list[dict[str, Any]], int]:
@@ -211,11 +181,21 @@ async def run_load(
                 faults[-1]["engine_restarts"] = health.get("engine_restarts")
                 faults[-1]["warm_standby"] = health.get("warm_standby")
 
+    async def until_standby(timeout_s: float) -> None:
+        """With a warm standby a single fault is one that finds it ready: wait for it, noting on the
+        latest fault when it was back (None: not within ``timeout_s``)."""
+        if args.warm_standby and faults and "standby_ready_s" not in faults[-1]:
+            back = await standby_ready_within(traffic.http, timeout_s)
+            took = time.perf_counter() - start - faults[-1]["at_s"]
+            faults[-1]["standby_ready_s"] = round(took, 1) if back else None
+
     async def faulting() -> None:
         for at, name in schedule:
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-            # One fault at a time: the next waits for the server to recover from the one before.
+            # One fault at a time: the next waits for the server to recover from the one before (and
+            # with a standby, for the standby to be back).
             await until_recovered(time.perf_counter() + args.recover_timeout_s)
+            await until_standby(args.recover_timeout_s)
             entry: dict[str, Any] = {"name": name, "planned_s": at, "at_s": time.perf_counter() - start}
             try:
                 result = await asyncio.to_thread(FAULTS[name], target)

@@ -83,7 +83,8 @@ def report(name: str, doc: dict[str, Any]) -> str:
         "## Faults",
         "",
         *markdown_table(
-            ["fault", "at s", "recovery s", "hang's first 503 s", "engine start-up s", "what"],
+            ["fault", "at s", "recovery s", "hang's first 503 s", "engine start-up s", "standby back s"]
+            + ["what"],
             [
                 [
                     f["name"],
@@ -91,6 +92,7 @@ def report(name: str, doc: dict[str, Any]) -> str:
                     f.get("recovery_s"),
                     f.get("hang_error_s", ""),
                     _startup(f),
+                    _standby_back(f),
                     f.get("skipped") or f.get("result"),
                 ]
                 for f in doc["faults"]
@@ -146,6 +148,14 @@ def process_rss_line(own: list[dict[str, Any]]) -> str:
         for p in own
     )
     return f"RSS by process, from its 2nd minute (of the run, or of its life) to its last sample: {each}."
+
+
+def _standby_back(f: dict[str, Any]) -> str:
+    """When a warm standby was ready again after the fault (the next fault waits for it)."""
+    if "standby_ready_s" not in f:
+        return ""
+    back = f["standby_ready_s"]
+    return "not within the wait" if back is None else str(back)
 
 
 def _startup(fault: dict[str, Any]) -> str:

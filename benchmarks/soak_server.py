@@ -62,15 +62,21 @@ def disk_tier(size_mb: int) -> Iterator[tuple[Path, bool]]:
                 subprocess.run(["umount", "-l", d], capture_output=True)
 
 
-async def until_standby_ready(http: httpx.AsyncClient, timeout_s: float) -> None:
-    """Until the server's /health says its warm standby is ready (RuntimeError after ``timeout_s``)."""
+async def standby_ready_within(http: httpx.AsyncClient, timeout_s: float) -> bool:
+    """Whether the server's /health says its warm standby is ready within ``timeout_s``."""
     deadline = time.perf_counter() + timeout_s
     while time.perf_counter() < deadline:
         with contextlib.suppress(httpx.HTTPError, ValueError):
             if (await http.get("/health", timeout=10)).json().get("warm_standby") == "ready":
-                return
+                return True
         await asyncio.sleep(0.5)
-    raise RuntimeError(f"the warm standby was not ready within {timeout_s:.0f} s")
+    return False
+
+
+async def until_standby_ready(http: httpx.AsyncClient, timeout_s: float) -> None:
+    """Until the server's /health says its warm standby is ready (RuntimeError after ``timeout_s``)."""
+    if not await standby_ready_within(http, timeout_s):
+        raise RuntimeError(f"the warm standby was not ready within {timeout_s:.0f} s")
 
 
 def server_flags(args: argparse.Namespace, disk: Path, mounted: bool, hang: bool) -> list[str]:

@@ -162,17 +162,22 @@ class DisaggregatedEngine(FanOut):
         return any(p.healthy for p in self.prefill) and any(d.healthy for d in self.decode)
 
     def health(self) -> EngineHealth:
-        """Serving while a prefill and a decode engine are; the restarts of all of them, and the latest
-        reason of each engine that has one, named."""
+        """Serving while a prefill and a decode engine are; the restarts of all of them, the latest
+        reason of each engine that has one, named, and their warm standbys'."""
         engines = {**self._by_name, **{f"prefill-{i}": p for i, p in enumerate(self.prefill)}}
         reports = {name: e.health() for name, e in engines.items()}
         restarts = sum(r.restarts or 0 for r in reports.values())
         reasons = [f"{n}: {r.last_restart_reason}" for n, r in reports.items() if r.last_restart_reason]
         last = "; ".join(reasons) or None
+        # With warm_standby every engine keeps one: "ready" once all of them are.
+        standbys = [r.standby for r in reports.values()]
+        standby: str | None = "ready" if all(s == "ready" for s in standbys) else "starting"
+        standby = standby if any(standbys) else None
         if self.healthy:
-            return EngineHealth("serving", "a prefill and a decode engine serve", restarts, last)
+            serving = "a prefill and a decode engine serve"
+            return EngineHealth("serving", serving, restarts, last, None, standby)
         down = "; ".join(f"{name}: {r.detail}" for name, r in reports.items() if not r.serving)
-        return EngineHealth("restarting", down, restarts, last)
+        return EngineHealth("restarting", down, restarts, last, None, standby)
 
     def limits(self) -> Limits:
         return self.decode[0].limits()

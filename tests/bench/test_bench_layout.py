@@ -29,6 +29,7 @@ LIBRARIES = {
     "modes",
     "plots",
     "servers",
+    "soak_capacity",
     "soak_faults",
     "soak_outcomes",
     "soak_records",

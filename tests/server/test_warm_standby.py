@@ -31,8 +31,12 @@ def wait_for_standby(c: httpx.Client, served: Served, timeout_s: float = 120.0) 
 
 
 def nice_values(pid: int) -> set[int]:
-    """The nice value of every thread of process ``pid``."""
-    return {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+    """The nice value of every thread of process ``pid``, and where the kernel groups sessions, of its
+    session's autogroup (which is what counts between sessions)."""
+    nices = {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+    if Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1":
+        nices.add(int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1]))
+    return nices
 
 
 def complete(c: httpx.Client, prompt: list[int]) -> dict[str, int]:
