@@ -43,6 +43,7 @@ from benchmarks.soak_outcomes import (
     process_rss_growth,
     recover,
     rss_growth,
+    standby_back,
     summarize,
     timeline,
 )
@@ -138,6 +139,7 @@ async def run_load(
     skipped = 0
     traffic.start = start = time.perf_counter()
     done = asyncio.Event()
+    faults_standby: list[tuple[float, str | None]] = []  # (s, /health's warm_standby)
 
     async def one(kind: str) -> None:
         records.append(await traffic.send(kind))
@@ -181,13 +183,12 @@ async def run_load(
                 faults[-1]["engine_restarts"] = health.get("engine_restarts")
                 faults[-1]["warm_standby"] = health.get("warm_standby")
 
-    async def until_standby(timeout_s: float) -> None:
-        """With a warm standby a single fault is one that finds it ready: wait for it, noting on the
-        latest fault when it was back (None: not within ``timeout_s``)."""
-        if args.warm_standby and faults and "standby_ready_s" not in faults[-1]:
-            back = await standby_ready_within(traffic.http, timeout_s)
-            took = time.perf_counter() - start - faults[-1]["at_s"]
-            faults[-1]["standby_ready_s"] = round(took, 1) if back else None
+    async def watching_standby() -> None:  # with a standby: /health's word on it, every 0.5 s
+        while args.warm_standby and not done.is_set():
+            with contextlib.suppress(httpx.HTTPError, ValueError):  # a 503 while restarting: None
+                state = (await traffic.http.get("/health", timeout=10)).json().get("warm_standby")
+                faults_standby.append((time.perf_counter() - start, state))
+            await asyncio.sleep(0.5)
 
     async def faulting() -> None:
         for at, name in schedule:
@@ -195,7 +196,8 @@ async def run_load(
             # One fault at a time: the next waits for the server to recover from the one before (and
             # with a standby, for the standby to be back).
             await until_recovered(time.perf_counter() + args.recover_timeout_s)
-            await until_standby(args.recover_timeout_s)
+            if args.warm_standby:  # a single fault is one that finds the standby ready
+                await standby_ready_within(traffic.http, args.recover_timeout_s)
             entry: dict[str, Any] = {"name": name, "planned_s": at, "at_s": time.perf_counter() - start}
             try:
                 result = await asyncio.to_thread(FAULTS[name], target)
@@ -208,10 +210,13 @@ async def run_load(
             faults.append(entry)
 
     prober = asyncio.create_task(probing())
+    watcher = asyncio.create_task(watching_standby())
     await asyncio.gather(arrivals(), faulting())
     await until_recovered(time.perf_counter() + args.recover_timeout_s)
     done.set()
     await prober
+    await watcher
+    standby_back(faults, faults_standby)
     return records, probes, faults, skipped
 
 

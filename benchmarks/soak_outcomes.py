@@ -69,6 +69,19 @@ def recover(faults: list[dict[str, Any]], probes: Sequence[Record]) -> None:
         f["recovery_s"] = None if first is None else round(first.finished - f["at_s"], 3)
 
 
+def standby_back(faults: list[dict[str, Any]], states: Sequence[tuple[float, str | None]]) -> None:
+    """With a warm standby, set each fault's ``standby_ready_s``: from the fault to /health's first
+    "ready" after it last said otherwise (None: not again before the next fault or the end); a fault
+    that never took the standby (it stayed "ready") gets none."""
+    for i, f in enumerate(faults):
+        end = faults[i + 1]["at_s"] if i + 1 < len(faults) else float("inf")
+        window = [(t, state) for t, state in states if f["at_s"] <= t < end]
+        used = [k for k, (_, state) in enumerate(window) if state != "ready"]
+        if used:
+            back = next((t for t, state in window[used[-1] :] if state == "ready"), None)
+            f["standby_ready_s"] = None if back is None else round(back - f["at_s"], 1)
+
+
 def summarize(records: Sequence[Record], faults: list[dict[str, Any]], end: float) -> dict[str, Any]:
     """Outcome counts overall and by kind, the 5xx and lost messages, and the ok throughput."""
     windows = fault_windows(faults, end)

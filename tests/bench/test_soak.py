@@ -12,6 +12,7 @@ import pytest
 from tiny_models import make_tiny_model
 
 from benchmarks.soak import parse_args, run_soak
+from benchmarks.soak_outcomes import standby_back
 
 DURATION_S = 75
 STOP_HOLD_S = 20
@@ -96,3 +97,13 @@ def test_the_results_are_written(soak: dict[str, Any]) -> None:
     suffixes = sorted(Path(p).suffix for p in soak["paths"])
     assert suffixes == [".json", ".md", ".png"], soak["paths"]
     assert soak["rss_mb"]["start"] and soak["rss_mb"]["end"]
+
+
+def test_standby_back_is_the_first_ready_after_the_fault_took_the_standby() -> None:
+    faults: list[dict[str, Any]] = [{"at_s": 10.0}, {"at_s": 50.0}, {"at_s": 90.0}]
+    states = [(9.5, "ready"), (10.5, "ready"), (11.0, None), (12.0, "starting"), (30.0, "ready")]
+    states += [(51.0, "ready"), (89.0, "ready"), (91.0, "starting"), (95.0, "starting")]
+    standby_back(faults, states)
+    assert faults[0]["standby_ready_s"] == 20.0  # taken (503, then starting), ready again at 30 s
+    assert "standby_ready_s" not in faults[1]  # it stayed ready: this fault did not take it
+    assert faults[2]["standby_ready_s"] is None  # not ready again before the end
