@@ -31,6 +31,8 @@ def fault_windows(faults: Sequence[dict[str, Any]], end: float) -> list[tuple[fl
     """[injected, recovered + GRACE_S] of each fault (to the run's end when it never recovered)."""
     out = []
     for f in faults:
+        if "skipped" in f:  # not injected: no 503 is excused by it
+            continue
         rec = f.get("recovered_at_s")
         out.append((f["at_s"], (end if rec is None else rec) + GRACE_S))
     return out
