@@ -47,10 +47,10 @@ KILL_GRACE_S = 5.0  # a hung process SIGKILLed but not yet reaped after this lon
 # threads slowed it several-fold (a probe waited 57 s in a soak at 2x load). It is reniced to 0 when it
 # takes over; with the serving process dead it has the CPU to itself anyway.
 STANDBY_NICE = 19
-# But at nice 19 beside an engine saturated for minutes it gets ~1.5% of the CPU and may never finish
-# (a tensor-parallel one had not loaded 170 s later): one still starting after STANDBY_PATIENCE_S is
-# reniced to STANDBY_LATE_NICE (~10% of the CPU beside one busy process), so the redundancy comes
-# back at a bounded cost to serving.
+# But at nice 19 beside an engine saturated for minutes it gets ~1.5% of the CPU (weight 15 against
+# 1024) and may not finish for many minutes: one still starting after STANDBY_PATIENCE_S is reniced to
+# STANDBY_LATE_NICE (~10% beside one busy process), so the redundancy comes back at a bounded cost to
+# serving.
 STANDBY_PATIENCE_S = 30.0
 STANDBY_LATE_NICE = 10
 
@@ -193,7 +193,7 @@ class Supervisor:
             self._standby_starting = None
 
     def _hurry(self, client: EngineClient) -> None:
-        """A standby still starting after STANDBY_PATIENCE_S: raise its priority (never lower it)."""
+        """A standby still starting after STANDBY_PATIENCE_S: a lower nice value (never a higher one)."""
         if client is self._standby_starting and client.nice > STANDBY_LATE_NICE:
             logger.info(
                 "warm standby still starting after %.0f s: nice %d", STANDBY_PATIENCE_S, STANDBY_LATE_NICE
