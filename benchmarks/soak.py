@@ -191,15 +191,17 @@ async def run_load(
             await asyncio.sleep(0.5)
 
     async def faulting() -> None:
+        last = start + args.duration_s - 30  # a fault needs load after it: none in the last 30 s
         for at, name in schedule:
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
             # One fault at a time: the next waits for the server to recover from the one before (and
-            # with a standby, for the standby to be back).
-            await until_recovered(time.perf_counter() + args.recover_timeout_s)
+            # with a standby, for the standby to be back), but not past the last moment for a fault.
+            await until_recovered(min(time.perf_counter() + args.recover_timeout_s, last))
             if args.warm_standby:  # a single fault is one that finds the standby ready
-                await standby_ready_within(traffic.http, args.recover_timeout_s)
+                wait_s = min(args.recover_timeout_s, last - time.perf_counter())
+                await standby_ready_within(traffic.http, wait_s)
             entry: dict[str, Any] = {"name": name, "planned_s": at, "at_s": time.perf_counter() - start}
-            if entry["at_s"] > args.duration_s - 30:  # the waits ran late: a fault needs load after it
+            if time.perf_counter() >= last:
                 entry["skipped"] = f"not injected: at {entry['at_s']:.0f} s the load had under 30 s left"
                 faults.append(entry)
                 continue

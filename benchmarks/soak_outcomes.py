@@ -66,6 +66,8 @@ def recover(faults: list[dict[str, Any]], probes: Sequence[Record]) -> None:
     replace the process)."""
     ok = sorted((p for p in probes if p.reply.done and not p.mismatch), key=lambda p: p.finished)
     for f in faults:
+        if "skipped" in f:  # not injected: nothing to recover from
+            continue
         first = next((p for p in ok if p.sent >= f["at_s"]), None)
         f["recovered_at_s"] = None if first is None else round(first.finished, 3)
         f["recovery_s"] = None if first is None else round(first.finished - f["at_s"], 3)
@@ -76,6 +78,8 @@ def standby_back(faults: list[dict[str, Any]], states: Sequence[tuple[float, str
     "ready" after it last said otherwise (None: not again before the next fault or the end); a fault
     that never took the standby (it stayed "ready") gets none."""
     for i, f in enumerate(faults):
+        if "skipped" in f:
+            continue
         end = faults[i + 1]["at_s"] if i + 1 < len(faults) else float("inf")
         window = [(t, state) for t, state in states if f["at_s"] <= t < end]
         used = [k for k, (_, state) in enumerate(window) if state != "ready"]
