@@ -84,6 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="comma-separated soak_faults.FAULTS names, auto (the topology's) or none",
     )
+    a("--fault-quiet-s", type=float, default=30.0, help="no fault in the load's last seconds (load follows)")
     a("--stop-hold-s", type=float, default=20.0, help="how long stop-engine keeps the process stopped")
     a("--full-hold-s", type=float, default=10.0, help="how long disk-full keeps the disk tier full")
     a("--hang-timeout-s", type=float, default=5.0, help=f"the server's {HANG_FLAG}, where it has that flag")
@@ -191,7 +192,7 @@ async def run_load(
             await asyncio.sleep(0.5)
 
     async def faulting() -> None:
-        last = start + args.duration_s - 30  # a fault needs load after it: none in the last 30 s
+        last = start + args.duration_s - args.fault_quiet_s  # a fault needs load after it
         for at, name in schedule:
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
             # One fault at a time: the next waits for the server to recover from the one before (and
@@ -202,7 +203,8 @@ async def run_load(
                 await standby_ready_within(traffic.http, wait_s)
             entry: dict[str, Any] = {"name": name, "planned_s": at, "at_s": time.perf_counter() - start}
             if time.perf_counter() >= last:
-                entry["skipped"] = f"not injected: at {entry['at_s']:.0f} s the load had under 30 s left"
+                left = f"under {args.fault_quiet_s:g} s left"
+                entry["skipped"] = f"not injected: at {entry['at_s']:.0f} s the load had {left}"
                 faults.append(entry)
                 continue
             try:
@@ -254,7 +256,14 @@ def fault_schedule(args: argparse.Namespace) -> list[tuple[float, str]]:
     if unknown:
         raise SystemExit(f"unknown faults {unknown}; choose from {', '.join(FAULTS)}")
     gap = args.duration_s / (len(names) + 1)
-    return [(gap * (i + 1), n) for i, n in enumerate(names)]
+    schedule = [(gap * (i + 1), n) for i, n in enumerate(names)]
+    if schedule and schedule[-1][0] > args.duration_s - args.fault_quiet_s:
+        raise SystemExit(
+            f"{len(names)} faults over {args.duration_s:g} s put the last at {schedule[-1][0]:.0f} s, in the "
+            f"last {args.fault_quiet_s:g} s, where none is injected: lengthen --duration-s or shorten "
+            "--fault-quiet-s"
+        )
+    return schedule
 
 
 def run_soak(args: argparse.Namespace) -> tuple[dict[str, Any], list[Path]]:

@@ -106,7 +106,9 @@ class Traffic:
             base_url=base_url,
             trust_env=False,
             timeout=httpx.Timeout(bound_s, connect=10.0),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            # Pooled connections expire before uvicorn's 5 s keep-alive closes them: a request written
+            # on a connection the server is closing that moment is never read (a ReadError, no status).
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=2.0),
         )
         self.sessions = [_Session(i % len(keys), texts.systems[i % len(texts.systems)]) for i in range(24)]
         self.pin_ids: list[tuple[int, str]] = []

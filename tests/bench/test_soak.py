@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from tiny_models import make_tiny_model
 
-from benchmarks.soak import parse_args, run_soak
+from benchmarks.soak import fault_schedule, parse_args, run_soak
 from benchmarks.soak_outcomes import standby_back
 
 DURATION_S = 75
@@ -30,6 +30,7 @@ def soak(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "--duration-s", str(DURATION_S),
             "--faults", "kill-engine,corrupt-page,stop-engine",
             "--stop-hold-s", str(STOP_HOLD_S),
+            "--fault-quiet-s", "10",  # the stop at 56 s: its 20 s hold and the replacement fit before 75 s
             "--ramp-step-s", "4",
             "--ramp-max-concurrency", "8",
             "--system-chars", "300",
@@ -107,3 +108,11 @@ def test_standby_back_is_the_first_ready_after_the_fault_took_the_standby() -> N
     assert faults[0]["standby_ready_s"] == 20.0  # taken (503, then starting), ready again at 30 s
     assert "standby_ready_s" not in faults[1]  # it stayed ready: this fault did not take it
     assert faults[2]["standby_ready_s"] is None  # not ready again before the end
+
+
+def test_a_schedule_with_a_fault_in_the_quiet_tail_is_refused() -> None:
+    # 3 faults over 75 s: the last at 56 s, inside the default quiet 30 s, where it would be skipped.
+    with pytest.raises(SystemExit, match="quiet"):
+        fault_schedule(parse_args(["--duration-s", "75", "--faults", "kill-engine,corrupt-page,stop-engine"]))
+    args = parse_args(["--duration-s", "75", "--faults", "kill-engine,stop-engine", "--fault-quiet-s", "10"])
+    assert fault_schedule(args) == [(25.0, "kill-engine"), (50.0, "stop-engine")]
