@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from radixserve.disagg.metrics import TransferMetrics
 from radixserve.server.engine_client import describe_exit
-from radixserve.server.messages import FromEngine, KVReserved, PrefillDone, PrefillKV
+from radixserve.server.messages import Abort, FromEngine, KVReserved, PrefillDone, PrefillKV
 
 logger = logging.getLogger("radixserve.disagg")
 
@@ -109,6 +109,9 @@ class LocalPrefill:
             if not self.engines[i].send(job):
                 return "the prefill engine is not running"
             return await done
+        except asyncio.CancelledError:  # the request's stream ended: the engine drops the job
+            self.engines[i].send(Abort(request_id=job.request_id))
+            raise
         finally:
             self._running.pop(job.request_id, None)
 

@@ -10,7 +10,8 @@ token (docs/scaling.md says why).
 Invariants:
 - Pages are read between two steps, on the loop's thread, from the tree: whole, computed pages that
   no step can change; nothing is read that the decode engine already holds (below ``start``).
-- Every job ends with exactly one ``PrefillDone``: all pages sent, or an error saying why not.
+- Every job ends with exactly one ``PrefillDone``: all pages sent, or an error saying why not (an
+  ``Abort`` of its request ends it too: its stream ended, so nobody waits for its pages).
 - The job's own request never reaches the API server's streams: its outputs are taken out here.
 """
 
@@ -76,6 +77,15 @@ class PrefillRole(EngineRole):
             self._done(job, f"the prefill engine refused the prompt: {exc}")
             return
         self._jobs[rid] = job
+
+    def abort(self, request_id: str) -> bool:
+        """The job of ``request_id`` (its stream ended: a dead decode engine, a gone client) stops
+        computing and sending. True: nothing more to abort."""
+        job = self._jobs.pop(request_id + JOB_SUFFIX, None)
+        if job is not None:
+            self.engine.abort(request_id + JOB_SUFFIX)
+            self._done(job, "aborted: its request ended")
+        return True
 
     def after_step(self, outputs: list[StepOutput]) -> list[StepOutput]:
         """Send what the step added to the tree; finish the jobs whose request ended. Returns the

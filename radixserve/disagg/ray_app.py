@@ -34,6 +34,7 @@ from radixserve.scale.replica import EngineReplica, GenerateCall, StreamItem
 from radixserve.server.async_engine import AsyncEngine
 from radixserve.server.engine_client import describe_exit
 from radixserve.server.messages import (
+    Abort,
     CancelTransfer,
     FromEngine,
     KVReceived,
@@ -71,7 +72,11 @@ class PrefillReplica:
                 )
             return await asyncio.wait_for(future, PREFILL_TIMEOUT_S)
         except asyncio.TimeoutError:
+            self.engine.send(Abort(request_id=msg.request_id))  # the engine drops the job
             return PrefillDone(request_id=msg.request_id, pages=0, bytes=0, error="the prefill timed out")
+        except asyncio.CancelledError:  # the caller went away (its request's stream ended)
+            self.engine.send(Abort(request_id=msg.request_id))
+            raise
         finally:
             self._waiting.pop(msg.request_id, None)
 

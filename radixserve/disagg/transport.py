@@ -13,7 +13,8 @@ Invariants:
   not the chunk is still wanted. A sender also unlinks its own files older than ``ORPHAN_S`` (a decode
   engine that died before reading them).
 - ``KVSender.send`` waits at most ``SEND_TIMEOUT_S`` for the destination to take the chunk, then raises
-  ``KVTransferError``: a gone decode engine never hangs the prefill engine.
+  ``KVTransferError`` and holds the destination dead for ``DEAD_S``: later chunks to it fail at once. A
+  gone decode engine stalls the prefill engine's loop once, for less than a hang deadline, not per chunk.
 """
 
 from __future__ import annotations
@@ -33,7 +34,11 @@ import zmq
 
 from radixserve.disagg.transfer import KVTransferError, TransferHeader
 
-SEND_TIMEOUT_S = 10.0
+# A connected PUSH socket takes a chunk at once (the receiver's queue holds 1,000), so the wait is only
+# for a connection (milliseconds on one host) or a dead receiver. It blocks the prefill engine's loop,
+# which its watchdog calls hung after --engine-hang-timeout-s (the soaks use 5 s): well below that.
+SEND_TIMEOUT_S = 2.0
+DEAD_S = 60.0
 ORPHAN_S = 300.0
 TRANSPORTS = ("shm", "tcp")
 
@@ -99,13 +104,22 @@ class KVSender:
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
         self._ctx = ctx
         self._sockets: dict[str, zmq.Socket[bytes]] = {}
+        # Destinations that took nothing, and when: a gone engine's other jobs fail at once. Forgotten
+        # after DEAD_S, should a new engine ever bind the same address (a tcp port reused).
+        self._dead: dict[str, float] = {}
         self._files: list[tuple[float, str]] = []  # shared-memory files written, oldest first
         self._encoder = msgspec.msgpack.Encoder()
 
     def send(self, destination: str, header: TransferHeader, records: torch.Tensor) -> int:
         """Send one chunk; returns the bytes of records sent. KVTransferError if nobody takes it."""
         self._unlink_orphans()
+        if time.monotonic() - self._dead.get(destination, -DEAD_S) < DEAD_S:
+            raise KVTransferError(f"the decode engine at {destination} is gone (it took no KV pages)")
         sock = self._socket(destination)
+        if not sock.poll(int(SEND_TIMEOUT_S * 1000), zmq.POLLOUT):
+            self._dead[destination] = time.monotonic()
+            self._sockets.pop(destination).close(linger=0)
+            raise KVTransferError(f"the decode engine at {destination} did not take the KV pages")
         data = records.contiguous().numpy()
         frames: list[bytes | memoryview]
         if destination.startswith("ipc://"):
@@ -117,8 +131,6 @@ class KVSender:
             frames = [self._encoder.encode(header)]
         else:
             frames = [self._encoder.encode(header), data.data]
-        if not sock.poll(int(SEND_TIMEOUT_S * 1000), zmq.POLLOUT):
-            raise KVTransferError(f"the decode engine at {destination} did not take the KV pages")
         sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
         return int(data.nbytes)
 

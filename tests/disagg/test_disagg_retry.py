@@ -107,3 +107,50 @@ def test_a_hung_prefill_engine_is_killed_by_the_watchdog_and_its_job_retried(dis
     assert engine.prefill[0].engine_pid not in (None, pid)
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # SIGKILLed and reaped, not left stopped
+
+
+def test_a_killed_decode_engine_does_not_take_the_prefill_engines_with_it(disagg: Served) -> None:
+    """The decode engine dies while a prefill engine holds a job for it: the request gets its 503, and
+    the job is dropped (an Abort), not sent to the dead address, where the send's wait would stall the
+    prefill engine's loop past the watchdog's deadline once it has the next job (a soak found it)."""
+    engine: DisaggregatedEngine = disagg.engine
+    prefill_pids = [p.engine_pid or 0 for p in engine.prefill]
+    decode_pid = engine.decode[0].engine_pid
+    assert decode_pid is not None and 0 not in prefill_pids
+    body = {"model": MODEL_NAME, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(base_url=disagg.url, timeout=60) as c:
+        restarts = c.get("/health").json()["engine_restarts"]
+        for pid in prefill_pids:
+            os.kill(pid, signal.SIGSTOP)
+        answer: list[httpx.Response] = []
+        post = threading.Thread(
+            target=lambda: answer.append(c.post("/v1/completions", json={**body, "prompt": f"Orphan: {DOC}"}))
+        )
+        post.start()
+        time.sleep(1.0)  # reserved on the decode engine, the job handed to a stopped prefill engine
+        os.kill(decode_pid, signal.SIGKILL)
+        post.join(timeout=60)
+        for pid in prefill_pids:
+            os.kill(pid, signal.SIGCONT)
+        [r] = answer
+        assert r.status_code == 503, r.text
+        deadline = time.monotonic() + 120
+        while not (engine.decode[0].healthy and c.get("/health").status_code == 200):
+            assert time.monotonic() < deadline, "the decode engine did not come back"
+            time.sleep(0.1)
+        for i in range(3):  # jobs on both prefill engines, each past the watchdog's deadline of the stall
+            prompts = [f"After {i}.{j}: {DOC}" for j in range(2)]
+            posts = [
+                threading.Thread(
+                    target=lambda p=p: answer.append(c.post("/v1/completions", json={**body, "prompt": p}))
+                )
+                for p in prompts
+            ]
+            for t in posts:
+                t.start()
+            for t in posts:
+                t.join(timeout=60)
+            time.sleep(HANG_S / 2)
+        assert [a.status_code for a in answer[1:]] == [200] * 6, [a.text for a in answer[1:]]
+        assert [p.engine_pid for p in engine.prefill] == prefill_pids
+        assert c.get("/health").json()["engine_restarts"] == restarts + 1  # the decode engine's only

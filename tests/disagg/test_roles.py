@@ -37,6 +37,19 @@ def _engine(model: Path, **options: Any) -> Engine:
     return Engine(str(model), page_size=PS, num_pages=256, enforce_eager=True, detokenize=True, **options)
 
 
+def _job(rid: str, prompt: list[int], start: int, end: int, destination: str) -> PrefillKV:
+    """The coordinator's job for a reservation ``[start, end)`` (disagg/dispatch.prefill_job)."""
+    return PrefillKV(
+        request_id=rid,
+        prompt_token_ids=prompt[: end + 1],
+        cache_salt=None,
+        priority=0,
+        start=start,
+        end=end,
+        destination=destination,
+    )
+
+
 class Pair:
     """A prefill and a decode engine with their roles, and the messages each sent to the API server."""
 
@@ -63,17 +76,7 @@ class Pair:
         reserved = [m for m in self.to_server if isinstance(m, KVReserved) and m.request_id == rid]
         if reserved:
             r = reserved[0]
-            self.prefill.handle(
-                PrefillKV(
-                    request_id=rid,
-                    prompt_token_ids=prompt[: r.end + 1],
-                    cache_salt=None,
-                    priority=0,
-                    start=r.start,
-                    end=r.end,
-                    destination=r.address,
-                )
-            )
+            self.prefill.handle(_job(rid, prompt, r.start, r.end, r.address))
             for _ in range(200):
                 if any(isinstance(m, PrefillDone) and m.request_id == rid for m in self.to_server):
                     break
@@ -226,3 +229,91 @@ def test_a_bad_priority_is_refused_before_any_page_is_reserved(
         pair.check()
     finally:
         pair.close()
+
+
+def test_a_gone_decode_engine_stalls_the_sender_once_then_fails_at_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A chunk for an address nobody holds waits ``SEND_TIMEOUT_S``, once: the prefill engine's loop
+    must not stall per chunk (a dead decode engine's jobs would add up past the hang deadline)."""
+    from radixserve.disagg import transport
+
+    monkeypatch.setattr(transport, "SEND_TIMEOUT_S", 0.2)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sender = KVSender(ctx)
+    header = TransferHeader(
+        request_id="r", first_page=0, num_pages=1, page_bytes=8, fingerprint=b"f", checksum=0, sent_at=0.0
+    )
+    records = torch.zeros(1, 8, dtype=torch.uint8)
+    gone = f"ipc://{tmp_path}/kv"  # a decode engine's address after its process died
+    try:
+        with pytest.raises(KVTransferError, match="did not take"):
+            sender.send(gone, header, records)
+        with pytest.raises(KVTransferError, match="is gone"):
+            sender.send(gone, header, records)
+        receiver = KVReceiver(ctx, "shm")  # a live one is still served
+        assert sender.send(receiver.address, header, records) == 8
+        receiver.socket.poll(2000)
+        assert len(receiver.receive()) == 1
+        receiver.close()
+    finally:
+        sender.close()
+        ctx.destroy(linger=0)
+
+
+def test_an_abort_ends_a_prefill_job_before_it_sends(engines: tuple[Engine, Engine, Engine]) -> None:
+    """The request's stream ended (its decode engine died): the prefill engine drops its job, sends
+    nothing and answers the one ``PrefillDone``, and its pages stay accounted for."""
+    p, d, _ = engines
+    p.flush_cache(), d.flush_cache()
+    pair = Pair(p, d, "shm")
+    try:
+        prompt = [(7 * i + 3) % 150 + 1 for i in range(29)]
+        pair.decode.add_request(AddRequest(request_id="a", prompt_token_ids=prompt, params=GREEDY))
+        [r] = [m for m in pair.to_server if isinstance(m, KVReserved)]
+        pair.prefill.handle(_job("a", prompt, r.start, r.end, r.address))
+        assert pair.prefill.abort("a")
+        assert pair.prefill.after_step(p.step()) == []  # the job's "abort" output is its own
+        assert not p.has_unfinished()
+        [done] = [m for m in pair.to_server if isinstance(m, PrefillDone)]
+        assert done.error is not None and "aborted" in done.error and done.pages == 0
+        assert pair.decode.abort("a")  # its stream's Abort frees the reservation
+        assert not pair.decode.reservations
+        pair.check()
+    finally:
+        pair.close()
+
+
+def test_a_cancelled_prefill_job_is_aborted_on_its_engine() -> None:
+    """``LocalPrefill``: the request's stream ended while its job ran (the coordinator cancels the
+    job's task): the prefill engine is told to drop it."""
+    import asyncio
+
+    from radixserve.disagg.dispatch import LocalPrefill
+    from radixserve.server.messages import Abort
+
+    class Engine_:
+        healthy = True
+
+        def __init__(self) -> None:
+            self.sent: list[object] = []
+
+        def send(self, msg: object) -> bool:
+            self.sent.append(msg)
+            return True
+
+    engine = Engine_()
+    pool = LocalPrefill([engine])
+    job = _job("c", [1, 2, 3], 0, 2, "x")
+
+    async def run() -> None:
+        task = asyncio.create_task(pool.prefill("0", job))
+        await asyncio.sleep(0.01)
+        assert pool.busy(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(run())
+    assert engine.sent == [job, Abort(request_id="c")]
+    assert not pool.busy(0)
