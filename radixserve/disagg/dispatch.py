@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -26,6 +27,7 @@ from radixserve.server.messages import Abort, FromEngine, KVReserved, PrefillDon
 logger = logging.getLogger("radixserve.disagg")
 
 MAX_ATTEMPTS = 3
+TAKEOVER_WAIT_S = 5.0  # a ready standby serves a few loop turns after the death: ample
 NO_PREFILL = "no prefill engine is available"
 
 
@@ -45,7 +47,7 @@ def prefill_job(
 
 
 class PrefillPool(Protocol):
-    def pick(self, tried: set[str]) -> str | None:
+    async def pick(self, tried: set[str]) -> str | None:
         """A prefill engine for the next attempt, not one of ``tried`` where the pool can tell; None:
         none is left."""
         ...
@@ -63,7 +65,7 @@ async def run_prefill(
     tried: set[str] = set()
     cause = NO_PREFILL
     for attempt in range(MAX_ATTEMPTS):
-        engine = pool.pick(tried)
+        engine = await pool.pick(tried)
         if engine is None:
             break
         if attempt:
@@ -82,16 +84,29 @@ async def run_prefill(
 
 class LocalPrefill:
     """The pool of prefill engine processes of this process (``AsyncEngine``s in the prefill role):
-    the least busy live one not tried takes a job, ties round-robin. Wire ``on_message`` and
-    ``on_exit`` to each engine's role messages and exit."""
+    the least busy live one not tried takes a job, ties round-robin. An engine is named by its index
+    and its process id (``"0@1234"``): one whose process died and was replaced (a restart, a warm
+    standby's takeover) is a new one to try. Wire ``on_message`` and ``on_exit`` to each engine's
+    role messages and exit."""
 
     def __init__(self, engines: Sequence[Any]) -> None:
         self.engines = list(engines)
         self._running: dict[str, tuple[int, asyncio.Future[str | None]]] = {}  # request -> engine, end
         self._turn = itertools.count()
 
-    def pick(self, tried: set[str]) -> str | None:
-        live = [i for i, e in enumerate(self.engines) if e.healthy and str(i) not in tried]
+    async def pick(self, tried: set[str]) -> str | None:
+        """The least busy live engine not tried; where none is, but a dead one's ready warm standby is
+        about to take over (its exit is being handled), that one, waited for up to ``TAKEOVER_WAIT_S``."""
+        deadline = time.monotonic() + TAKEOVER_WAIT_S
+        while (name := self._pick(tried)) is None and time.monotonic() < deadline:
+            if not any(not e.healthy and e.standby_pid is not None for e in self.engines):
+                return None
+            await asyncio.sleep(0.05)
+        return name
+
+    def _pick(self, tried: set[str]) -> str | None:
+        names = {i: f"{i}@{e.engine_pid}" for i, e in enumerate(self.engines)}
+        live = [i for i, e in enumerate(self.engines) if e.healthy and names[i] not in tried]
         if not live:
             return None
         load = dict.fromkeys(live, 0)
@@ -99,10 +114,10 @@ class LocalPrefill:
             if i in load:
                 load[i] += 1
         turn = next(self._turn)
-        return str(min(live, key=lambda i: (load[i], (i - turn) % len(self.engines))))
+        return names[min(live, key=lambda i: (load[i], (i - turn) % len(self.engines)))]
 
     async def prefill(self, engine: str, job: PrefillKV) -> str | None:
-        i = int(engine)
+        i = int(engine.partition("@")[0])
         done: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
         self._running[job.request_id] = (i, done)
         try:

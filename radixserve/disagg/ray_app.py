@@ -163,7 +163,7 @@ class RayPrefill:
     def __init__(self, handle: Any) -> None:
         self.handle = handle
 
-    def pick(self, tried: set[str]) -> str | None:
+    async def pick(self, tried: set[str]) -> str | None:
         return "any"
 
     async def prefill(self, engine: str, job: PrefillKV) -> str | None:

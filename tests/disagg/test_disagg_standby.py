@@ -1,11 +1,13 @@
 """``--disaggregate 1:1 --warm-standby``: each role keeps a warm standby (server/supervisor.py), so a
 killed decode or prefill engine is replaced by a process already loaded, /health reports the standbys
-of all of them, and the answers after each takeover equal those before."""
+of all of them, the answers after each takeover equal those before, and a prefill job on the killed
+prefill engine is sent again to the process that took over."""
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,10 +29,10 @@ def _wait(check: Callable[[], bool], what: str, timeout_s: float = 120.0) -> Non
         time.sleep(0.05)
 
 
-def _answer(c: httpx.Client, i: int) -> str:
+def _answer(c: httpx.Client, i: int, prompt: str = DOC) -> str:
     body = {
         "model": MODEL_NAME,
-        "prompt": f"{DOC} {i}",
+        "prompt": f"{prompt} {i}",
         "max_tokens": 8,
         "temperature": 0,
         "ignore_eos": True,
@@ -69,7 +71,18 @@ def test_each_role_has_a_warm_standby_that_takes_over_a_killed_engine(tiny_llama
         assert [_answer(c, i) for i in range(3)] == before
         _wait(ready, "the decode role's new standby ready")
 
+        # A job on the prefill engine when it dies is sent again to the standby that took over.
+        serving = prefill.engine_pid
+        assert serving is not None
+        os.kill(serving, signal.SIGSTOP)  # it takes the job and does nothing with it
+        late: list[str] = []
+        fresh = f"Late: {DOC}"  # nothing of it cached on the decode engine: a job for every page
+        post = threading.Thread(target=lambda: late.append(_answer(c, 7, fresh)))
+        post.start()
+        time.sleep(1.0)
         _take_over(c, prefill)
+        post.join(timeout=60)
+        assert late == [_answer(c, 7, fresh)], "the job was not retried on the standby"
         assert [_answer(c, i) for i in range(3)] == before
         health = c.get("/health").json()
         assert health["engine_restarts"] == 2, health

@@ -286,7 +286,7 @@ def test_an_abort_ends_a_prefill_job_before_it_sends(engines: tuple[Engine, Engi
 
 def test_a_cancelled_prefill_job_is_aborted_on_its_engine() -> None:
     """``LocalPrefill``: the request's stream ended while its job ran (the coordinator cancels the
-    job's task): the prefill engine is told to drop it."""
+    job's task): the prefill engine is told to drop it. A retry may go to a replaced process."""
     import asyncio
 
     from radixserve.disagg.dispatch import LocalPrefill
@@ -294,6 +294,8 @@ def test_a_cancelled_prefill_job_is_aborted_on_its_engine() -> None:
 
     class Engine_:
         healthy = True
+        engine_pid = 100
+        standby_pid = None
 
         def __init__(self) -> None:
             self.sent: list[object] = []
@@ -307,7 +309,7 @@ def test_a_cancelled_prefill_job_is_aborted_on_its_engine() -> None:
     job = _job("c", [1, 2, 3], 0, 2, "x")
 
     async def run() -> None:
-        task = asyncio.create_task(pool.prefill("0", job))
+        task = asyncio.create_task(pool.prefill("0@100", job))
         await asyncio.sleep(0.01)
         assert pool.busy(0)
         task.cancel()
@@ -317,3 +319,8 @@ def test_a_cancelled_prefill_job_is_aborted_on_its_engine() -> None:
     asyncio.run(run())
     assert engine.sent == [job, Abort(request_id="c")]
     assert not pool.busy(0)
+
+    # A failed engine is not tried again for the job, but its replacement process is (a standby's).
+    assert asyncio.run(pool.pick(set())) == "0@100" and asyncio.run(pool.pick({"0@100"})) is None
+    engine.engine_pid = 101
+    assert asyncio.run(pool.pick({"0@100"})) == "0@101"
