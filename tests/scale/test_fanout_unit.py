@@ -207,7 +207,7 @@ class FakePool:
         self.engines = [str(i) for i in range(engines)]
         self.ran: list[str] = []
 
-    def pick(self, tried: set[str]) -> str | None:
+    async def pick(self, tried: set[str]) -> str | None:
         return next((e for e in self.engines if e not in tried), None)
 
     async def prefill(self, engine: str, job: PrefillKV) -> str | None:
