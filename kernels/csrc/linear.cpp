@@ -13,6 +13,11 @@
 //   weight: `qweight`/`qscale` (int8 per channel: activations quantized per row, torch._int_mm where
 //   the CPU has VNNI, else the few-row int8 kernel 8 rows a pass: the same numbers) or
 //   `fast_weight` (bf16: x rounded to bf16, oneDNN's bf16 product, fp32 out). Fewer rows stay exact.
+// - Every product above kGemvMaxRows rows runs on rows padded with zeros to one of a few counts
+//   (padded_rows): oneDNN keeps a primitive (its JIT code and plan) per distinct shape, up to 1024 of
+//   them, and a prefill's row count takes any value, so the engine's memory grew by hundreds of MB
+//   over a soak as that cache filled and then churned. A row's result does not depend on how many
+//   rows share the product (tests/kernels/test_cpu_linear.py checks it bit for bit).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -52,6 +57,26 @@ at::Tensor packed_matmul(const at::Tensor& x, const at::Tensor& packed, const st
   return stack.back().toTensor();
 }
 
+// M rounded up to a multiple of 8, and above 64 rows to 8 counts per doubling (at most 1/8 more rows):
+// under 60 counts per weight shape up to 4096 rows.
+int64_t padded_rows(int64_t M) {
+  if (M <= 8) return M;
+  const int top = 63 - __builtin_clzll(static_cast<uint64_t>(M));  // floor(log2 M) >= 3
+  const int64_t step = std::max<int64_t>(8, int64_t{1} << (top - 3));
+  return (M + step - 1) / step * step;
+}
+
+// f(x with padded_rows(M) rows, the extra ones zero), cut back to M rows.
+template <typename F>
+at::Tensor on_padded_rows(const at::Tensor& x, F f) {
+  const int64_t M = x.size(0), padded = padded_rows(M);
+  if (padded == M) return f(x);
+  at::Tensor xp = at::empty({padded, x.size(1)}, x.options());
+  xp.narrow(0, 0, M).copy_(x);
+  xp.narrow(0, M, padded - M).zero_();
+  return f(xp).narrow(0, 0, M);
+}
+
 at::Tensor linear_2d(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& packed,
                      const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& qweight,
                      const std::optional<at::Tensor>& qscale, const std::optional<at::Tensor>& fast_weight,
@@ -61,15 +86,17 @@ at::Tensor linear_2d(const at::Tensor& x, const at::Tensor& weight, const std::o
   const bool plain = weight.is_contiguous() && x.scalar_type() == dtype &&
                      (dtype == at::kFloat || dtype == at::kBFloat16);
   if (M >= 1 && M <= kGemvMaxRows && plain) return gemv(x, weight, bias);
-  if (many_rows > 0 && M > many_rows) {
-    if (qweight.has_value() && qscale.has_value()) return int8_matmul(x, *qweight, *qscale, bias);
-    if (fast_weight.has_value()) {
-      at::Tensor out = at::linear(x.to(fast_weight->scalar_type()), *fast_weight).to(x.scalar_type());
+  if (M == 0) return at::linear(x, weight, bias);
+  const bool cheaper = many_rows > 0 && M > many_rows;  // decided on the real rows, not the padded
+  return on_padded_rows(x, [&](const at::Tensor& xp) {
+    if (cheaper && qweight.has_value() && qscale.has_value()) return int8_matmul(xp, *qweight, *qscale, bias);
+    if (cheaper && fast_weight.has_value()) {
+      at::Tensor out = at::linear(xp.to(fast_weight->scalar_type()), *fast_weight).to(xp.scalar_type());
       return bias.has_value() ? out + *bias : out;
     }
-  }
-  if (packed.has_value() && M > 0) return packed_matmul(x, *packed, bias);
-  return at::linear(x, weight, bias);
+    if (packed.has_value()) return packed_matmul(xp, *packed, bias);
+    return at::linear(xp, weight, bias);
+  });
 }
 
 template <typename F>
@@ -94,8 +121,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
                        const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, "radixserve_cpu: int8_linear wants fp32 activations");
   return on_rows(x, qweight.size(0), [&](const at::Tensor& x2) {
-    return x2.size(0) == 0 ? at::empty({0, qweight.size(0)}, x2.options())
-                           : int8_matmul(x2, qweight, scale, bias);
+    if (x2.size(0) == 0) return at::empty({0, qweight.size(0)}, x2.options());
+    if (x2.size(0) <= kGemvMaxRows) return int8_matmul(x2, qweight, scale, bias);
+    return on_padded_rows(x2, [&](const at::Tensor& xp) { return int8_matmul(xp, qweight, scale, bias); });
   });
 }
 

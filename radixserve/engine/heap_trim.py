@@ -8,6 +8,10 @@ soak-rss-single-nofaults: +18.5% in three minutes). A fixed low threshold (``MAL
 held it to +5.2% but cost 17% of the answers per second (every large block its own mmap and page
 faults: soak-rss-single-nofaults-mmap-threshold), so the threshold stays glibc's and the free memory
 is returned in bulk instead, between two steps.
+
+What a trim cannot return is memory still held: oneDNN's cache of a primitive per product shape
+once grew the engine by hundreds of MB, until the products' row counts were padded to a few
+(kernels/csrc/linear.cpp; soak-rss-oneDNN-rows-*).
 """
 
 from __future__ import annotations
@@ -27,6 +31,30 @@ def _malloc_trim() -> Callable[[int], int] | None:
     if trim is not None:
         trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return trim
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks")
+        + ("uordblks", "fordblks", "keepcost")
+    ]
+
+
+def malloc_in_use_bytes() -> int | None:
+    """Bytes glibc has handed out and not taken back (heap and mmapped blocks; ``mallinfo2``): what
+    the process holds, less what a trim could return. None where there is no ``mallinfo2`` (not glibc,
+    or glibc before 2.33)."""
+    name = ctypes.util.find_library("c")
+    try:
+        info = ctypes.CDLL(name).mallinfo2 if name else None
+    except (OSError, AttributeError):
+        return None
+    if info is None:
+        return None
+    info.restype = _MallInfo2
+    got = info()
+    return int(got.uordblks + got.hblkhd)
 
 
 class HeapTrim:

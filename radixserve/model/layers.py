@@ -109,10 +109,23 @@ class Linear(nn.Linear):
         return out
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] > 2:  # at 1-2 rows oneDNN's per-call setup costs more
-            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-            return out
+        rows = x.shape[0]
+        if x.dim() == 2 and rows > 2:  # at 1-2 rows oneDNN's per-call setup costs more
+            # Zero rows up to a few counts, as linear.cpp's padded_rows: oneDNN caches a primitive per count.
+            padded = padded_rows(rows)
+            xp = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])]) if padded > rows else x
+            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(xp, self.packed, self.bias, "none", [], "")
+            return out[:rows]
         return self._plain(x)
+
+
+def padded_rows(rows: int) -> int:
+    """``rows`` (above 8) rounded up to a multiple of 8, and above 64 to 8 counts per doubling: as
+    kernels/csrc/linear.cpp pads the rows of a oneDNN product."""
+    if rows <= 8:
+        return rows
+    step = max(8, 1 << (rows.bit_length() - 4))
+    return -(-rows // step) * step
 
 
 def _packed_linear_op() -> Any:

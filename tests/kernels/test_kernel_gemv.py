@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from radixserve.engine.heap_trim import malloc_in_use_bytes
 from radixserve.kernels import cpu_build
 from radixserve.model import quant
 from radixserve.model.layers import Linear
@@ -180,3 +181,55 @@ def test_the_ops_trace_in_a_compiled_graph() -> None:
         for m in (2, 5, 20):
             x = torch.randn(m, 64)
             torch.testing.assert_close(f(x), q(lin(x)))
+
+
+def _malloc_in_use_mb() -> float | None:
+    got = malloc_in_use_bytes()
+    return None if got is None else got / 2**20
+
+
+def _onednn_linear(k: int, n: int, bias: bool, seed: int) -> Linear:
+    """A prepacked Linear with its oneDNN copy (skips where torch has no oneDNN)."""
+    torch.manual_seed(seed)
+    lin = Linear(k, n, bias=bias)
+    with torch.no_grad():
+        lin.prepack()
+    if lin.packed is None:
+        pytest.skip("no oneDNN in this torch build")
+    return lin
+
+
+def test_many_row_products_run_on_few_row_counts_so_onednns_cache_stops_growing() -> None:
+    """oneDNN keeps a primitive per row count (up to 1024): the engine's memory grew by hundreds of MB
+    as prefills brought new counts. Padded to a few counts, 591 counts cost little memory, and every
+    row is what it is among any number of batchmates, bit for bit."""
+    if _malloc_in_use_mb() is None:
+        pytest.skip("needs glibc's mallinfo2 to count the memory in use")
+    lin = _onednn_linear(576, 1536, bias=False, seed=7)
+    with torch.no_grad():
+        x = torch.randn(600, 576)
+        whole = lin(x)
+        before = _malloc_in_use_mb()
+        assert before is not None
+        for m in range(9, 600):
+            got = lin(x[:m])
+            assert torch.equal(got, whole[:m]), m
+        grew = _malloc_in_use_mb()
+        assert grew is not None
+        # ~0.2-0.4 MB a primitive: 591 row counts would be 100+ MB; padded, about 40 counts
+        assert grew - before < 40, f"{grew - before:.0f} MB for 591 row counts"
+
+
+def test_the_python_onednn_path_pads_rows_as_the_kernel_does() -> None:
+    """Without the C++ kernels, Linear calls oneDNN from Python on the same padded row counts."""
+    from radixserve.model.layers import padded_rows
+
+    assert [padded_rows(m) for m in (3, 8, 9, 17, 64, 65, 129, 257)] == [3, 8, 16, 24, 64, 72, 144, 288]
+    assert len({padded_rows(m) for m in range(9, 4097)}) < 60
+    lin = _onednn_linear(64, 24, bias=True, seed=8)
+    with torch.no_grad():
+        for m in (3, 9, 70, 130):
+            x = torch.randn(m, 64)
+            got = lin._onednn(x)
+            assert got.shape == (m, 24)
+            assert _rel(got, F.linear(x, lin.weight, lin.bias)) < 1e-5, m
