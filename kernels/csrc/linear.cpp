@@ -17,7 +17,7 @@
 //   (padded_rows): oneDNN keeps a primitive (its JIT code and plan) per distinct shape, up to 1024 of
 //   them, and a prefill's row count takes any value, so the engine's memory grew by hundreds of MB
 //   over a soak as that cache filled and then churned. A row's result does not depend on how many
-//   rows share the product (tests/kernels/test_cpu_linear.py checks it bit for bit).
+//   rows share the product (tests/kernels/test_kernel_gemv.py checks it bit for bit).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -122,7 +122,6 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   TORCH_CHECK(x.scalar_type() == at::kFloat, "radixserve_cpu: int8_linear wants fp32 activations");
   return on_rows(x, qweight.size(0), [&](const at::Tensor& x2) {
     if (x2.size(0) == 0) return at::empty({0, qweight.size(0)}, x2.options());
-    if (x2.size(0) <= kGemvMaxRows) return int8_matmul(x2, qweight, scale, bias);
     return on_padded_rows(x2, [&](const at::Tensor& xp) { return int8_matmul(xp, qweight, scale, bias); });
   });
 }

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from radixserve.engine.heap_trim import malloc_in_use_bytes
 from radixserve.kernels import cpu_build
 from radixserve.model import quant
-from radixserve.model.layers import Linear
+from radixserve.model.layers import Linear, padded_rows
 
 if not cpu_build.load() and shutil.which(os.environ.get("CXX", "c++")) is None:
     pytest.skip("no C++ compiler to build the CPU kernels", allow_module_level=True)
@@ -222,8 +222,6 @@ def test_many_row_products_run_on_few_row_counts_so_onednns_cache_stops_growing(
 
 def test_the_python_onednn_path_pads_rows_as_the_kernel_does() -> None:
     """Without the C++ kernels, Linear calls oneDNN from Python on the same padded row counts."""
-    from radixserve.model.layers import padded_rows
-
     assert [padded_rows(m) for m in (3, 8, 9, 17, 64, 65, 129, 257)] == [3, 8, 16, 24, 64, 72, 144, 288]
     assert len({padded_rows(m) for m in range(9, 4097)}) < 60
     lin = _onednn_linear(64, 24, bias=True, seed=8)
