@@ -23,7 +23,7 @@ from radixserve.engine.intake import Intake
 from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.speculator import Speculator
 from radixserve.model import arithmetic
-from radixserve.model.attention import check_kv_dtype, select_backend
+from radixserve.model.attention import check_dtypes, select_backend
 from radixserve.model.loader import load_model, load_tokenizer, resolve_device_dtype, resolve_model_path
 from radixserve.model.runner import ModelRunner
 from radixserve.parallel import spawn
@@ -65,7 +65,7 @@ class EngineParts:
         shape = (mcfg.num_layers, num_pages, cfg.page_size, self.tp.kv_heads, mcfg.head_dim)
         # One backend for the whole engine: attention in the runner, page copies for the tiers.
         backend = select_backend(cfg.attention_backend, self.device)
-        check_kv_dtype(backend, cfg.kv_cache_dtype)
+        check_dtypes(backend, cfg.kv_cache_dtype, self.device, (dtype_name, self.kv_dtype))
         self.pool = pool = KVPool(*shape, self.kv_dtype, self.device)
         tiers = None
         if cfg.prefix_cache:

@@ -221,11 +221,23 @@ def paged_attention(
     return backend.attention(q, k, v, cache, meta.slot_mapping, meta.plan, scale)
 
 
-def check_kv_dtype(backend: AttentionBackend, kv_dtype: str) -> None:
-    """Refuse a KV dtype asked for that the backend's kernels do not take (``kv_dtypes``), naming those
-    it does. ``auto`` (the model's dtype) is not refused: a dtype the kernels lack runs the reference."""
+def check_dtypes(
+    backend: AttentionBackend, kv_dtype: str, device: torch.device, dtypes: tuple[str, ...]
+) -> None:
+    """Refuse what ``backend``'s kernels would get wrong, with a message that names the way out:
+    - a KV dtype asked for (``kv_dtype``) that they do not take (``kv_dtypes``); ``auto`` (the model's
+      dtype) is not refused: a dtype the kernels lack runs the reference;
+    - Triton on CPU tensors (Triton's interpreter) with bfloat16 among ``dtypes`` (the model's and the
+      KV pool's): the interpreter's ``tl.dot`` over bfloat16 operands returns wrong values (triton
+      3.7.1, ``tests/kernels/test_kernel_engine.py`` checks it still does), so the tokens would be
+      garbage. On CUDA the same kernels are right (``tests/kernels/test_kernel_gpu.py``)."""
     if kv_dtype != "auto" and kv_dtype not in backend.kv_dtypes:
         raise ValueError(
             f"kv_cache_dtype {kv_dtype} is not taken by the {backend.name} attention backend "
             f"(it takes {', '.join(backend.kv_dtypes)})"
+        )
+    if backend.name == "triton" and device.type == "cpu" and "bfloat16" in dtypes:
+        raise ValueError(
+            "the triton attention backend on CPU runs in Triton's interpreter, whose dots over bfloat16 "
+            "are wrong: use dtype and kv_cache_dtype float32 with it, or the cpu or torch backend"
         )
