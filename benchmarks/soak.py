@@ -35,7 +35,7 @@ from benchmarks.common import RESULTS, args_json, machine, write_results
 from benchmarks.plots import plot_soak
 from benchmarks.servers import Server, free_port, radixserve_command
 from benchmarks.soak_capacity import measure_capacity, warm_up
-from benchmarks.soak_faults import FAULTS, TOPOLOGY_FAULTS, Target, process_tree
+from benchmarks.soak_faults import FAULTS, PROCESS_FAULTS, TOPOLOGY_FAULTS, Target, process_tree
 from benchmarks.soak_outcomes import (
     classify,
     hang_errors,
@@ -198,7 +198,7 @@ async def run_load(
             # One fault at a time: the next waits for the server to recover from the one before (and
             # with a standby, for the standby to be back), but not past the last moment for a fault.
             await until_recovered(min(time.perf_counter() + args.recover_timeout_s, last))
-            if args.warm_standby:  # a single fault is one that finds the standby ready
+            if args.warm_standby and name in PROCESS_FAULTS:  # one that finds the standby ready
                 wait_s = min(args.recover_timeout_s, last - time.perf_counter())
                 await standby_ready_within(traffic.http, wait_s)
             entry: dict[str, Any] = {"name": name, "planned_s": at, "at_s": time.perf_counter() - start}

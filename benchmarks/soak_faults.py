@@ -201,10 +201,16 @@ FAULTS: dict[str, Callable[[Target], dict[str, Any]]] = {
     "corrupt-page": _corrupt,
     "disk-full": _fill,
 }
-# The faults that apply to each topology (soak.py's --topology), in schedule order.
+# The faults that end or hang a process. With a warm standby each waits for the standby to be ready,
+# so that it is a single fault (the redundancy in place); the disk faults touch files only and do not.
+PROCESS_FAULTS = frozenset(name for name in FAULTS if name.startswith("kill-") or name == "stop-engine")
+# The faults that apply to each topology (soak.py's --topology), in schedule order. In tp the disk
+# faults come before the second and third process faults: a tensor-parallel standby is three processes
+# at low priority beside three busy ones, which on 2 cores took ~450 s to come back at 2x load, and
+# the disk faults, which need no standby, fill that wait instead of falling past the load's end.
 TOPOLOGY_FAULTS = {
     "single": ["kill-engine", "corrupt-page", "stop-engine", "truncate-page", "disk-full"],
     "replicas": ["kill-replica", "corrupt-page", "kill-engine", "stop-engine", "truncate-page", "disk-full"],
     "disagg": ["kill-decode", "corrupt-page", "kill-prefill", "stop-engine", "truncate-page", "disk-full"],
-    "tp": ["kill-tp-rank", "corrupt-page", "kill-engine", "stop-engine", "truncate-page", "disk-full"],
+    "tp": ["kill-tp-rank", "corrupt-page", "truncate-page", "disk-full", "kill-engine", "stop-engine"],
 }

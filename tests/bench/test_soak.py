@@ -12,6 +12,7 @@ import pytest
 from tiny_models import make_tiny_model
 
 from benchmarks.soak import fault_schedule, parse_args, run_soak
+from benchmarks.soak_faults import FAULTS, PROCESS_FAULTS, TOPOLOGY_FAULTS
 from benchmarks.soak_outcomes import standby_back
 
 DURATION_S = 75
@@ -116,3 +117,15 @@ def test_a_schedule_with_a_fault_in_the_quiet_tail_is_refused() -> None:
         fault_schedule(parse_args(["--duration-s", "75", "--faults", "kill-engine,corrupt-page,stop-engine"]))
     args = parse_args(["--duration-s", "75", "--faults", "kill-engine,stop-engine", "--fault-quiet-s", "10"])
     assert fault_schedule(args) == [(25.0, "kill-engine"), (50.0, "stop-engine")]
+
+
+def test_only_process_faults_wait_for_the_standby_and_tp_fills_its_wait_with_disk_faults() -> None:
+    process = {"kill-engine", "kill-replica", "kill-prefill", "kill-decode", "kill-tp-rank", "stop-engine"}
+    assert process == PROCESS_FAULTS
+    for topology, names in TOPOLOGY_FAULTS.items():
+        assert set(names) <= set(FAULTS), topology
+    # A tp standby takes minutes to come back at 2x load on 2 cores: both disk faults that need none
+    # come before the process faults that wait for it, not after them, past the load's end.
+    tp = TOPOLOGY_FAULTS["tp"]
+    first_wait = next(i for i, name in enumerate(tp) if name in PROCESS_FAULTS and i > 0)
+    assert {"truncate-page", "disk-full"} <= set(tp[:first_wait])
