@@ -233,14 +233,17 @@ RSS_FROM_S = 120.0  # issue 34: RSS growth is judged from the 2nd minute on (sta
 
 async def sample_rss(pid: int, t0: float, every_s: float, out: list[dict[str, Any]]) -> None:
     """Every ``every_s``: the seconds since ``t0``, each role's resident MB summed over its processes,
-    and each process's (``procs``: pid -> [role, MB]), since a fault replaces processes."""
+    and each process's (``procs``: pid -> [role, MB]), since a fault replaces processes; and each
+    process's CPU seconds so far (``cpu_s``: pid -> s), which show who had the CPU when (a standby
+    starting beside the serving processes, say)."""
     while True:
         tree = await asyncio.to_thread(process_tree, pid)
         by_role: dict[str, float] = {}
         for p in tree:
             by_role[p.role] = round(by_role.get(p.role, 0.0) + p.rss_mb, 1)
         procs = {str(p.pid): [p.role, round(p.rss_mb, 1)] for p in tree}
-        out.append({"t_s": round(time.perf_counter() - t0, 1), "mb": by_role, "procs": procs})
+        cpu = {str(p.pid): round(p.cpu_s, 2) for p in tree}
+        out.append({"t_s": round(time.perf_counter() - t0, 1), "mb": by_role, "procs": procs, "cpu_s": cpu})
         await asyncio.sleep(every_s)
 
 

@@ -60,10 +60,11 @@ class Proc:
     role: str
     rss_mb: float
     parent: int
+    cpu_s: float = 0.0  # user + system CPU seconds of all its threads so far (not its children's)
 
 
 def process_tree(root: int) -> list[Proc]:
-    """The server's process and all its descendants, with role and resident memory."""
+    """The server's process and all its descendants, with role, resident memory and CPU time."""
     out = []
     try:
         top = psutil.Process(root)
@@ -78,7 +79,8 @@ def process_tree(root: int) -> list[Proc]:
                 role = "other"  # a spawn child of something else (a Ray helper)
             if role in ENGINE_ROLES and p.nice() > server_nice:
                 role = STANDBY
-            out.append(Proc(p.pid, role, p.memory_info().rss / 2**20, p.ppid()))
+            cpu = p.cpu_times()
+            out.append(Proc(p.pid, role, p.memory_info().rss / 2**20, p.ppid(), cpu.user + cpu.system))
     return out
 
 

@@ -99,6 +99,14 @@ def test_the_results_are_written(soak: dict[str, Any]) -> None:
     suffixes = sorted(Path(p).suffix for p in soak["paths"])
     assert suffixes == [".json", ".md", ".png"], soak["paths"]
     assert soak["rss_mb"]["start"] and soak["rss_mb"]["end"]
+    # Every sample has each process's CPU seconds so far, which never go down for one process.
+    seen: dict[str, float] = {}
+    for sample in soak["rss_samples"]:
+        assert sample["cpu_s"].keys() == sample["procs"].keys()
+        for pid, cpu in sample["cpu_s"].items():
+            assert cpu >= seen.get(pid, 0.0)
+            seen[pid] = cpu
+    assert max(seen.values()) > 0
 
 
 def test_standby_back_is_the_first_ready_after_the_fault_took_the_standby() -> None:
