@@ -110,6 +110,24 @@ def alternate(
     return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
 
 
+def hf_greedy(hf: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """The baseline every engine figure is set beside: HF ``generate``, greedy, exactly ``new_tokens``
+    new tokens for each of ``prompts`` (equal lengths: no padding) on ``hf``'s device; the new tokens."""
+    import torch
+
+    ids = torch.tensor(prompts, device=hf.device)
+    with torch.no_grad():
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,  # no early end, so no row is padded
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return [row[len(prompts[0]) :].tolist() for row in out]
+
+
 def cell(value: Any) -> str:
     """A table cell: floats to 3 significant digits, None as "-"."""
     if value is None:

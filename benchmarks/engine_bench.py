@@ -12,11 +12,10 @@ from __future__ import annotations
 import argparse
 import random
 from functools import partial
-from typing import Any
 
 import torch
 
-from benchmarks.common import best_of, write_results
+from benchmarks.common import best_of, hf_greedy, write_results
 from radixserve import Engine, SamplingParams
 from radixserve.model.runner import SeqChunk
 
@@ -32,19 +31,6 @@ def bare_loop(engine: Engine, prompts: list[list[int]], new_tokens: int) -> None
         for s, tok in zip(seqs, out.logits.argmax(-1).tolist()):
             s.append(tok)
         out = engine.runner.run([SeqChunk(s, len(s) - 1, 1, t) for s, t in zip(seqs, tables)])
-
-
-def hf_generate(hf: Any, prompts: list[list[int]], new_tokens: int) -> None:
-    ids = torch.tensor(prompts)  # equal lengths: no padding needed
-    with torch.no_grad():
-        hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-        )
 
 
 def main() -> None:
@@ -73,7 +59,7 @@ def main() -> None:
         tokens = b * args.new_tokens
         t_engine = best_of(partial(engine.generate, prompts, params), args.repeats)
         t_bare = best_of(partial(bare_loop, engine, prompts, args.new_tokens), args.repeats)
-        t_hf = best_of(partial(hf_generate, hf, prompts, args.new_tokens), args.repeats)
+        t_hf = best_of(partial(hf_greedy, hf, prompts, args.new_tokens), args.repeats)
         r = {"engine_tok_s": tokens / t_engine, "bare_tok_s": tokens / t_bare, "hf_tok_s": tokens / t_hf}
         r["engine_vs_bare"] = r["engine_tok_s"] / r["bare_tok_s"]
         r["engine_vs_hf"] = r["engine_tok_s"] / r["hf_tok_s"]

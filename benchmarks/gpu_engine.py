@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from benchmarks.bench_models import LLAMA_1B, Shape, write_folder
-from benchmarks.common import RESULTS, args_json, write_results
+from benchmarks.common import RESULTS, args_json, hf_greedy, write_results
 from radixserve import Engine, SamplingParams
 
 SMOLLM2_135M = Shape(
@@ -65,19 +65,6 @@ def timed(fn: Callable[[], object]) -> float:
 def engine_tokens(engine: Engine, batch: list[list[int]], new: int) -> list[list[int]]:
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
     return [list(o.outputs[0].token_ids) for o in engine.generate(batch, params)]
-
-
-def hf_tokens(hf: Any, batch: list[list[int]], new: int) -> list[list[int]]:
-    ids = torch.tensor(batch, device=hf.device)
-    out = hf.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=new,
-        min_new_tokens=new,
-        do_sample=False,
-        pad_token_id=2,
-    )
-    return [row[len(batch[0]) :].tolist() for row in out]
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
@@ -114,9 +101,9 @@ def measure_shape(shape: Shape, args: argparse.Namespace, root: Path) -> dict[st
     dtype = getattr(torch, args.dtype)
     hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to(args.device).eval()
     engine_tokens(engine, prompts(2, PROMPT_LEN, 99), 4)  # warm-up: kernels compiled, pools touched
-    hf_tokens(hf, prompts(2, PROMPT_LEN, 99), 4)
+    hf_greedy(hf, prompts(2, PROMPT_LEN, 99), 4)
     rows: list[dict[str, Any]] = []
-    impls = (("radixserve", partial(engine_tokens, engine)), ("hf_generate", partial(hf_tokens, hf)))
+    impls = (("radixserve", partial(engine_tokens, engine)), ("hf_generate", partial(hf_greedy, hf)))
     for b in args.batches:
         batch = prompts(b, PROMPT_LEN, b)
         for impl, run in impls:
@@ -136,7 +123,7 @@ def measure_shape(shape: Shape, args: argparse.Namespace, root: Path) -> dict[st
     reference = make_engine(folder, args, "torch", 8)
     torch_out = engine_tokens(reference, probe, 32)
     reference.close()
-    hf_out = hf_tokens(hf, probe, 32)
+    hf_out = hf_greedy(hf, probe, 32)
     del hf
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

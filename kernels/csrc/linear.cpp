@@ -27,6 +27,17 @@
 #include "gemv.h"
 
 namespace radixserve_cpu {
+
+// M rounded up to a multiple of 8, and above 64 rows to 8 counts per doubling (at most 1/8 more rows):
+// under 60 counts per weight shape up to 4096 rows. An op too, so that a test keeps the Python copy
+// (model/layers.py, for when these kernels do not load) the same rule.
+int64_t padded_rows(int64_t M) {
+  if (M <= 8) return M;
+  const int top = 63 - __builtin_clzll(static_cast<uint64_t>(M));  // floor(log2 M) >= 3
+  const int64_t step = std::max<int64_t>(8, int64_t{1} << (top - 3));
+  return (M + step - 1) / step * step;
+}
+
 namespace {
 
 // quant.int8_linear for any row count: the same quantization, exact int32 sums, the same roundings.
@@ -55,15 +66,6 @@ at::Tensor packed_matmul(const at::Tensor& x, const at::Tensor& packed, const st
                           std::optional<std::string>(std::string(""))};
   op.callBoxed(&stack);
   return stack.back().toTensor();
-}
-
-// M rounded up to a multiple of 8, and above 64 rows to 8 counts per doubling (at most 1/8 more rows):
-// under 60 counts per weight shape up to 4096 rows.
-int64_t padded_rows(int64_t M) {
-  if (M <= 8) return M;
-  const int top = 63 - __builtin_clzll(static_cast<uint64_t>(M));  // floor(log2 M) >= 3
-  const int64_t step = std::max<int64_t>(8, int64_t{1} << (top - 3));
-  return (M + step - 1) / step * step;
 }
 
 // f(x with padded_rows(M) rows, the extra ones zero), cut back to M rows.
@@ -137,6 +139,7 @@ TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
   m.def("gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("int8_gemv(Tensor x, Tensor qweight, Tensor scale, Tensor? bias) -> Tensor");
   m.def("quantize_rows(Tensor x) -> (Tensor, Tensor)");
+  m.def("padded_rows(int rows) -> int", &radixserve_cpu::padded_rows);  // no tensor: a catch-all kernel
 }
 
 // The packed weight is a oneDNN (MkldnnCPU) tensor, which decides the dispatch key: the same kernel

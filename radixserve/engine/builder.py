@@ -38,6 +38,11 @@ class EngineParts:
             raise ValueError(
                 "decode_arithmetic int8 with tensor_parallel_size > 1 is not built (tiles are not sharded)"
             )
+        self.kv_dtype = dtype_name if cfg.kv_cache_dtype == "auto" else cfg.kv_cache_dtype
+        # One backend for the whole engine: attention in the runner, page copies for the tiers. Its
+        # dtypes are checked before the model loads (and tensor-parallel ranks start) for nothing.
+        backend = select_backend(cfg.attention_backend, self.device)
+        check_dtypes(backend, cfg.kv_cache_dtype, self.device, (dtype_name, self.kv_dtype))
         if cfg.tensor_parallel_size > 1:  # before loading a model that a rank re-running a script won't use
             spawn.check_main_script()
         self.model_path = path = resolve_model_path(model, cfg.quantization)
@@ -54,7 +59,6 @@ class EngineParts:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = sorted(eos)
         self.eos = frozenset(eos)
-        self.kv_dtype = dtype_name if cfg.kv_cache_dtype == "auto" else cfg.kv_cache_dtype
         page_bytes = KVPool.bytes_per_page(
             mcfg.num_layers, cfg.page_size, self.tp.kv_heads, mcfg.head_dim, self.kv_dtype
         )
@@ -63,9 +67,6 @@ class EngineParts:
             self.max_model_len, cfg.max_model_len is not None, num_pages, cfg.page_size
         )
         shape = (mcfg.num_layers, num_pages, cfg.page_size, self.tp.kv_heads, mcfg.head_dim)
-        # One backend for the whole engine: attention in the runner, page copies for the tiers.
-        backend = select_backend(cfg.attention_backend, self.device)
-        check_dtypes(backend, cfg.kv_cache_dtype, self.device, (dtype_name, self.kv_dtype))
         self.pool = pool = KVPool(*shape, self.kv_dtype, self.device)
         tiers = None
         if cfg.prefix_cache:

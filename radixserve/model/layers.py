@@ -121,7 +121,8 @@ class Linear(nn.Linear):
 
 def padded_rows(rows: int) -> int:
     """``rows`` (above 8) rounded up to a multiple of 8, and above 64 to 8 counts per doubling: as
-    kernels/csrc/linear.cpp pads the rows of a oneDNN product."""
+    kernels/csrc/linear.cpp pads the rows of a oneDNN product. A copy of its rule for when those
+    kernels do not load; tests/kernels/test_kernel_gemv.py keeps the two equal."""
     if rows <= 8:
         return rows
     step = max(8, 1 << (rows.bit_length() - 4))

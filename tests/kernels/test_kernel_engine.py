@@ -78,3 +78,10 @@ def test_bfloat16_with_triton_on_cpu_is_refused(tiny_llama: Path, dtype: str, kv
             attention_backend="triton",
             num_pages=16,
         )
+
+
+def test_a_refused_dtype_is_refused_before_the_model_loads(tmp_path: Path) -> None:
+    """The refusal comes first: no model is loaded (nor a tensor-parallel rank started) for an engine
+    that cannot run. The folder holds no model, so a later check would fail on loading it instead."""
+    with pytest.raises(ValueError, match="Triton's interpreter"):
+        Engine(str(tmp_path), device="cpu", dtype="bfloat16", attention_backend="triton", num_pages=16)

@@ -221,9 +221,12 @@ def test_many_row_products_run_on_few_row_counts_so_onednns_cache_stops_growing(
 
 
 def test_the_python_onednn_path_pads_rows_as_the_kernel_does() -> None:
-    """Without the C++ kernels, Linear calls oneDNN from Python on the same padded row counts."""
+    """Without the C++ kernels, Linear calls oneDNN from Python on the same padded row counts: the
+    Python copy of the rule equals the kernel's own, row count by row count."""
     assert [padded_rows(m) for m in (3, 8, 9, 17, 64, 65, 129, 257)] == [3, 8, 16, 24, 64, 72, 144, 288]
     assert len({padded_rows(m) for m in range(9, 4097)}) < 60
+    kernel = torch.ops.radixserve_cpu.padded_rows
+    assert [padded_rows(m) for m in range(1, 4097)] == [kernel(m) for m in range(1, 4097)]
     lin = _onednn_linear(64, 24, bias=True, seed=8)
     with torch.no_grad():
         for m in (3, 9, 70, 130):
