@@ -1,7 +1,9 @@
 """Prefill over GGUF blocks: exact (fp32 arithmetic on the blocks), int8 on the blocks
 (``--prefill-arithmetic int8`` with ``--quantization gguf``, kernels/csrc/gguf_int8.cpp), int8 on the
-blocks' stored tiles (``--decode-arithmetic int8``: every step, the LM head too), and the fp32 weights'
-exact prefill, side by side in one process, with each mode's accuracy beside its speed.
+blocks' stored tiles (``--decode-arithmetic int8``: every step, the LM head too), bf16 on the blocks
+(``--prefill-arithmetic bfloat16``, kernels/csrc/gguf_bf16.cpp), and the fp32 weights' exact prefill and
+bf16 prefill over them (a bf16 copy), side by side in one process, with each mode's accuracy beside
+its speed.
 
 - Speed: one prefill step of ``--tokens`` tokens (one chunk, fresh pages) through the engine's own
   runner, the modes interleaved round by round so that a noisy machine's slow spells fall on all of
@@ -44,6 +46,8 @@ MODES: dict[str, dict[str, Any]] = {
     "gguf int8 blocks": {"quantization": "gguf", "prefill_arithmetic": "int8"},
     # int8 at every step (decode_arithmetic int8): stored tiles, the LM head in int8 too
     "gguf int8 tiles": {"quantization": "gguf", "decode_arithmetic": "int8"},
+    "gguf bf16 blocks": {"quantization": "gguf", "prefill_arithmetic": "bfloat16"},
+    "fp32 bf16 copy": {"prefill_arithmetic": "bfloat16"},
 }
 REFERENCE = "gguf exact"
 
@@ -87,15 +91,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--ftype", default=None, help="a llama-quantize type of the default model (Q4_K_M, ...)")
     p.add_argument("--peers-dir", type=Path, default=PEERS_DIR, help="where llama.cpp is built")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated MODES names")
     p.add_argument("--name", default="gguf_int8")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    models: dict[str, dict[str, Any]] = {name: {} for name in MODES}
+    modes = {name: MODES[name] for name in args.modes.split(",")}
+    modes.update({name: MODES[name] for name in ("fp32 exact", REFERENCE)})  # the ratios' and accuracy's
+    models: dict[str, dict[str, Any]] = {name: {} for name in modes}
     notes = ""
     if args.ftype:
         gguf = quantized_file(prepare_default_model(progress=False), args.peers_dir, args.ftype)
-        models = {name: {"model": str(gguf)} for name in MODES}
+        models = {name: {"model": str(gguf)} for name in modes}
         models["fp32 exact"] = {"model": str(dequantized_folder(gguf))}
         notes = f"File: {gguf.name} (llama-quantize), tensor types {tensor_types(gguf)}."
     opts: dict[str, Any] = {
@@ -105,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
         # The row threshold of the cheaper arithmetic: the texts (40-70 tokens each) are above it.
         "max_running_requests": 16,
     }
-    engines = {name: Engine(**opts, **models[name], **extra) for name, extra in MODES.items()}
+    engines = {name: Engine(**opts, **models[name], **extra) for name, extra in modes.items()}
     arith = {name: e.model.arithmetic for name, e in engines.items()}
     logits = {name: text_logits(e) for name, e in engines.items()}
     rng = random.Random(0)

@@ -51,6 +51,7 @@ SOURCES = (
     "gguf_linear.cpp",
     "native_step.cpp",
     "gguf_int8.cpp",
+    "gguf_bf16.cpp",
 )
 HEADERS = (
     "radixserve_cpu.h",

@@ -26,7 +26,10 @@ Why: prefill is compute-bound (issue 21: 97% of the fp32 peak on an EPYC, 71% on
   exact kernel) multiplies on the blocks themselves, no copy: x quantized per 32-block, VNNI integer
   dot products with the blocks' values, the blocks' scales after each (``kernels/gguf_int8.py``).
   Where that kernel cannot run (no AVX512-VNNI, or ``RADIXSERVE_GGUF_INT8=0``) the products stay
-  exact, said in one log line. ``bfloat16`` over GGUF blocks is not built: a clear error.
+  exact, said in one log line. ``bfloat16`` (asked for by name; ``auto`` does not pick it) multiplies
+  on the blocks too: each tile of weight rows decoded exactly and rounded to bf16, x rounded to bf16,
+  AVX512_BF16 dot products summed in fp32 (``kernels/gguf_bf16.py``), every block type; without
+  AVX512_BF16 a clear error.
 - ``decode_arithmetic`` int8 (GGUF weights): every product, decode steps and the LM head included, in
   that int8 arithmetic, as llama.cpp runs on CPU: decode over the blocks in fp32 is bound by decoding
   them and by the FMAs, not by their bytes. Each weight's tiles are decoded once at load and kept
@@ -47,7 +50,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from radixserve.kernels import gguf_int8
+from radixserve.kernels import gguf_bf16, gguf_int8
 from radixserve.model.gguf import GGUFLinear, Weight
 from radixserve.model.gguf_blocks import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, TYPE_NAMES, is_blocks
 from radixserve.model.layers import Linear
@@ -179,10 +182,12 @@ def _probe_linear(w: torch.Tensor, candidate: str, qtype: int | None) -> nn.Modu
 def _resolve_gguf(arithmetic: str, model: nn.Module) -> str:
     """``resolve`` for a GGUF model: int8 on the blocks where its kernel runs, else exact (one log line)."""
     if arithmetic == "bfloat16":
-        raise ValueError(
-            "prefill_arithmetic bfloat16 over GGUF blocks is not built; int8 runs on the blocks "
-            "(use int8, exact or auto)"
-        )
+        why_not = gguf_bf16.why_unavailable()
+        if why_not is not None:
+            raise ValueError(
+                f"prefill_arithmetic bfloat16 over GGUF blocks: {why_not}; use int8, exact or auto"
+            )
+        return "bfloat16"
     why = gguf_int8.why_unavailable()
     if why is not None:
         logger.warning(
@@ -314,13 +319,15 @@ def apply(model: LlamaForCausalLM, arithmetic: str, many_rows: int, decode: str 
     if chosen != "exact" and getattr(model, "quantization", None) == "gguf":
         linears = _decoder_gguf_linears(model)
         for g in linears:
-            g.use_many_rows_arithmetic("int8", many_rows)
+            g.use_many_rows_arithmetic(chosen, many_rows)
         logger.info(
-            "products of more than %d rows run in int8 on the GGUF blocks (approximate); fewer stay exact",
+            "products of more than %d rows run in %s on the GGUF blocks (approximate); fewer stay exact",
             many_rows,
+            chosen,
         )
+        takes = gguf_int8.TYPES if chosen == "int8" else ()  # bfloat16 takes every block type
         exact = sorted(
-            {TYPE_NAMES[q] for g in linears for q in g.qtypes if is_blocks(q) and q not in gguf_int8.TYPES}
+            {TYPE_NAMES[q] for g in linears for q in g.qtypes if is_blocks(q) and takes and q not in takes}
         )
         if exact:
             logger.info(

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from radixserve.kernels import gguf_int8
+from radixserve.kernels import gguf_bf16, gguf_int8
 from radixserve.model.gguf_blocks import F32, FORMATS, TYPE_NAMES, dequantize, is_blocks, row_bytes
 
 SUPPORTED = ", ".join(TYPE_NAMES.values())
@@ -62,16 +62,20 @@ def gguf_linear(
     use_op: bool,
     many_rows: int = 0,
     tiles: torch.Tensor | None = None,
+    arithmetic: str = "int8",
 ) -> torch.Tensor:
     """``x [..., K] @ W.T + bias`` with ``W`` the rows ``blocks`` of type ``qtype``: through the C++ op,
     or (``use_op`` False) the reference: dequantize, then ``F.linear``. Above ``many_rows`` rows (> 0,
-    set by model/arithmetic.py), int8 arithmetic on the blocks (approximate, kernels/gguf_int8.py)
-    for the types that kernel takes (``gguf_int8.TYPES``); the others stay exact. With ``tiles`` (the
-    blocks' int8 tiles, ``gguf_int8.pack``: ``decode_arithmetic`` int8), int8 at every row count."""
+    set by model/arithmetic.py), ``arithmetic`` on the blocks (approximate): int8 (kernels/gguf_int8.py)
+    for the types that kernel takes (``gguf_int8.TYPES``; the others stay exact), or bfloat16
+    (kernels/gguf_bf16.py, every type). With ``tiles`` (the blocks' int8 tiles, ``gguf_int8.pack``:
+    ``decode_arithmetic`` int8), int8 at every row count."""
     k = x.shape[-1]
     rows = x.reshape(-1, k)
     if use_op and tiles is not None:
         out: torch.Tensor = gguf_int8.tiles_linear(rows, tiles, qtype, blocks.shape[0], bias)
+    elif use_op and 0 < many_rows < rows.shape[0] and arithmetic == "bfloat16":
+        out = gguf_bf16.linear(rows, blocks, qtype, bias)
     elif use_op and 0 < many_rows < rows.shape[0] and qtype in gguf_int8.TYPES:
         out = gguf_int8.linear(rows, blocks, qtype, bias)
     elif use_op:
@@ -134,7 +138,10 @@ class GGUFLinear(nn.Module):
         self.out_features = sum(p.data.shape[0] for p in parts)
         self.bias = nn.Parameter(bias.float(), requires_grad=False) if bias is not None else None
         self.use_op = _op_loaded()
-        self.many_rows = 0  # rows above which products run in int8 on the blocks (model/arithmetic.py)
+        self.many_rows = (
+            0  # rows above which products run in many_arithmetic on the blocks (model/arithmetic.py)
+        )
+        self.many_arithmetic = "int8"
         # Each group's int8 tiles (decode_arithmetic int8: every product of it in int8), else None.
         self.tiles: list[torch.Tensor | None] = [None] * len(self.qtypes)
         self._choose()
@@ -162,11 +169,13 @@ class GGUFLinear(nn.Module):
     def use_many_rows_arithmetic(self, arithmetic: str, rows: int) -> None:
         """Products of more than ``rows`` rows in ``arithmetic`` over the blocks themselves (prefill,
         extend: ``model/arithmetic.py``): "int8" (activations per 32-block times the blocks,
-        ``kernels/gguf_int8.py``; parts of a type that kernel does not take stay exact); fewer rows
-        keep the blocks' exact fp32 arithmetic."""
-        if arithmetic != "int8":
+        ``kernels/gguf_int8.py``; parts of a type that kernel does not take stay exact) or "bfloat16"
+        (each tile decoded and rounded to bf16, ``kernels/gguf_bf16.py``); fewer rows keep the blocks'
+        exact fp32 arithmetic."""
+        if arithmetic not in ("int8", "bfloat16"):
             raise ValueError(f"many-rows arithmetic {arithmetic!r} over GGUF blocks is not built")
         self.many_rows = rows
+        self.many_arithmetic = arithmetic
 
     def use_int8_tiles(self) -> list[int]:
         """Every product in int8 (``decode_arithmetic`` int8, model/arithmetic.py): each part group of a
@@ -197,14 +206,23 @@ class GGUFLinear(nn.Module):
 
     def _blocks(self, x: torch.Tensor) -> torch.Tensor:
         return gguf_linear(
-            x, self.part(0), self.qtypes[0], self.bias, self.use_op, self.many_rows, self.tiles[0]
+            x,
+            self.part(0),
+            self.qtypes[0],
+            self.bias,
+            self.use_op,
+            self.many_rows,
+            self.tiles[0],
+            self.many_arithmetic,
         )
 
     def _parts(self, x: torch.Tensor) -> torch.Tensor:
         outs = [
             nn.functional.linear(x, self.part(i), None)
             if qtype == F32
-            else gguf_linear(x, self.part(i), qtype, None, self.use_op, self.many_rows, self.tiles[i])
+            else gguf_linear(
+                x, self.part(i), qtype, None, self.use_op, self.many_rows, self.tiles[i], self.many_arithmetic
+            )
             for i, qtype in enumerate(self.qtypes)
         ]
         out = torch.cat(outs, dim=-1)
