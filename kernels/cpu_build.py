@@ -273,11 +273,13 @@ def _register_fakes() -> None:
     ) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
-    @torch.library.register_fake("radixserve_cpu::gguf_linear")
     def _gguf_linear(
         x: torch.Tensor, blocks: torch.Tensor, qtype: int, K: int, bias: torch.Tensor | None
     ) -> torch.Tensor:
         return x.new_empty((x.shape[0], blocks.shape[0]))
+
+    for op in ("gguf_linear", "gguf_bf16_linear"):  # the exact product and the bf16 one: one signature
+        torch.library.register_fake(f"radixserve_cpu::{op}")(_gguf_linear)
 
     @torch.library.register_fake("radixserve_cpu::plan")
     def _plan(

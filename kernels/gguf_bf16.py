@@ -15,30 +15,12 @@ from __future__ import annotations
 
 import torch
 
-_fake_registered = False
-
-
-def _ops_loaded() -> bool:
-    """Whether the C++ kernels load; registers the op's fake (shapes only, for dynamo) once they do."""
-    from radixserve.kernels import cpu_build
-
-    global _fake_registered
-    loaded = cpu_build.load()
-    if loaded and not _fake_registered:
-        _fake_registered = True
-
-        @torch.library.register_fake("radixserve_cpu::gguf_bf16_linear")
-        def _fake(
-            x: torch.Tensor, blocks: torch.Tensor, qtype: int, K: int, bias: torch.Tensor | None
-        ) -> torch.Tensor:
-            return x.new_empty((x.shape[0], blocks.shape[0]))
-
-    return loaded
-
 
 def why_unavailable() -> str | None:
     """Why the bf16 block kernel does not run here, or None where it does."""
-    if not _ops_loaded():
+    from radixserve.kernels import cpu_build  # the build registers the op's fake (for dynamo) too
+
+    if not cpu_build.load():
         return "the C++ CPU kernels are unavailable"
     if not bool(torch.ops.radixserve_cpu.gguf_bf16_dot()):
         return "this CPU (or this build of the kernels) has no AVX512_BF16 (vdpbf16ps)"
@@ -47,7 +29,7 @@ def why_unavailable() -> str | None:
 
 def linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None) -> torch.Tensor:
     """``x [M, K] @ W.T + bias`` in bf16 arithmetic on the blocks (``why_unavailable()`` first, which
-    loads the op and registers its fake)."""
+    loads the op)."""
     out: torch.Tensor = torch.ops.radixserve_cpu.gguf_bf16_linear(x, blocks, qtype, x.shape[-1], bias)
     return out
 

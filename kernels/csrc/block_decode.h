@@ -8,12 +8,14 @@
 // radixserve/model/gguf_blocks.py's, their torch reference).
 #pragma once
 
+#include <ATen/ATen.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
@@ -67,6 +69,30 @@ inline int64_t block_row_bytes(int64_t qtype, int64_t K) {
   TORCH_CHECK(K % weights_of(qtype) == 0, "radixserve_cpu: K (", K, ") is not whole blocks of ",
               weights_of(qtype), " weights of GGUF type ", qtype);
   return K / weights_of(qtype) * bb;
+}
+
+// The checked operands of a product over block rows (gguf_linear, gguf_bf16_linear): x float32 [M, K]
+// (its rows may be strided), blocks uint8 [N, block_row_bytes(qtype, K)] made contiguous, bias float32
+// [N] or undefined. `op` names the op in the errors.
+struct Operands {
+  at::Tensor x, blocks, bias;
+};
+
+inline Operands checked_operands(const char* op, const at::Tensor& x_in, const at::Tensor& blocks_in, int64_t qtype,
+                                 int64_t K, const std::optional<at::Tensor>& bias_in) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(1) == K, "radixserve_cpu::", op,
+              ": x must be float32 [M, ", K, "], got ", x_in.sizes(), " ", x_in.scalar_type());
+  const int64_t rb = block_row_bytes(qtype, K);
+  TORCH_CHECK(blocks_in.dim() == 2 && blocks_in.scalar_type() == at::kByte && blocks_in.size(1) == rb,
+              "radixserve_cpu::", op, ": blocks must be uint8 [N, ", rb, "], got ", blocks_in.sizes(), " ",
+              blocks_in.scalar_type());
+  Operands o{x_in.stride(1) == 1 ? x_in : x_in.contiguous(), blocks_in.contiguous(), at::Tensor()};
+  if (bias_in.has_value()) {
+    o.bias = bias_in->contiguous();
+    TORCH_CHECK(o.bias.dim() == 1 && o.bias.size(0) == o.blocks.size(0) && o.bias.scalar_type() == at::kFloat,
+                "radixserve_cpu::", op, ": bias must be float32 [", o.blocks.size(0), "]");
+  }
+  return o;
 }
 
 inline float half_at(const uint8_t* p) {

@@ -38,6 +38,7 @@ namespace {
 constexpr int64_t kTileRows = 64;  // 4 vectors of 16 rows
 constexpr int kMR = 6;             // x rows a pass: 6 x 4 accumulators, 4 weight vectors, 1 broadcast
 
+using blocks::checked_operands;
 using dense::cpu_has_bf16_dot;  // false in a build without AVX-512
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -123,25 +124,11 @@ void run(const uint16_t* xb, int64_t M, int64_t K, const uint8_t* w, int64_t row
 
 at::Tensor gguf_bf16_linear(const at::Tensor& x_in, const at::Tensor& blocks_in, int64_t qtype, int64_t K,
                             const std::optional<at::Tensor>& bias_in) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(1) == K,
-              "radixserve_cpu::gguf_bf16_linear: x must be float32 [M, ", K, "], got ", x_in.sizes(), " ",
-              x_in.scalar_type());
-  TORCH_CHECK(K % 32 == 0, "radixserve_cpu::gguf_bf16_linear: K (", K, ") must be a multiple of 32");
-  const int64_t rb = blocks::block_row_bytes(qtype, K);
-  TORCH_CHECK(blocks_in.dim() == 2 && blocks_in.scalar_type() == at::kByte && blocks_in.size(1) == rb,
-              "radixserve_cpu::gguf_bf16_linear: blocks must be uint8 [N, ", rb, "], got ", blocks_in.sizes(), " ",
-              blocks_in.scalar_type());
+  const blocks::Operands o = checked_operands("gguf_bf16_linear", x_in, blocks_in, qtype, K, bias_in);
+  const at::Tensor &x = o.x, &blocks = o.blocks, &bias = o.bias;
   TORCH_CHECK(cpu_has_bf16_dot(),
               "radixserve_cpu::gguf_bf16_linear needs AVX512_BF16 (vdpbf16ps), which this CPU or build lacks");
-  const at::Tensor blocks = blocks_in.contiguous();
-  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
-  const int64_t M = x.size(0), N = blocks.size(0);
-  at::Tensor bias;
-  if (bias_in.has_value()) {
-    bias = bias_in->contiguous();
-    TORCH_CHECK(bias.dim() == 1 && bias.size(0) == N && bias.scalar_type() == at::kFloat,
-                "radixserve_cpu::gguf_bf16_linear: bias must be float32 [", N, "]");
-  }
+  const int64_t M = x.size(0), N = blocks.size(0), rb = blocks.size(1);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
 #if defined(CPU_CAPABILITY_AVX512)

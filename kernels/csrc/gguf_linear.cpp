@@ -124,22 +124,9 @@ void run(const Args& a, int64_t M) {
 
 at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& blocks_in, int64_t qtype, int64_t K,
                        const std::optional<at::Tensor>& bias_in) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(1) == K,
-              "radixserve_cpu::gguf_linear: x must be float32 [M, ", K, "], got ", x_in.sizes(), " ",
-              x_in.scalar_type());
-  const int64_t rb = block_row_bytes(qtype, K);
-  TORCH_CHECK(blocks_in.dim() == 2 && blocks_in.scalar_type() == at::kByte && blocks_in.size(1) == rb,
-              "radixserve_cpu::gguf_linear: blocks must be uint8 [N, ", rb, "], got ", blocks_in.sizes(), " ",
-              blocks_in.scalar_type());
-  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
-  const at::Tensor blocks = blocks_in.contiguous();
-  const int64_t M = x.size(0), N = blocks.size(0);
-  at::Tensor bias;
-  if (bias_in.has_value()) {
-    bias = bias_in->contiguous();
-    TORCH_CHECK(bias.dim() == 1 && bias.size(0) == N && bias.scalar_type() == at::kFloat,
-                "radixserve_cpu::gguf_linear: bias must be float32 [", N, "]");
-  }
+  const blocks::Operands o = checked_operands("gguf_linear", x_in, blocks_in, qtype, K, bias_in);
+  const at::Tensor &x = o.x, &blocks = o.blocks, &bias = o.bias;
+  const int64_t M = x.size(0), N = blocks.size(0), rb = blocks.size(1);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   const Args a{x.data_ptr<float>(), x.stride(0), blocks.data_ptr<uint8_t>(), rb, K, N,
