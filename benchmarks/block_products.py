@@ -1,0 +1,117 @@
+"""Many-row products over GGUF blocks, kernel by kernel: exact (``gguf_linear``: tiles decoded to fp32,
+sgemm), bf16 on the blocks (``gguf_bf16_linear``: tiles rounded to bf16, vdpbf16ps) and int8 on the
+blocks (``gguf_int8_linear``: x in int8 per 32-block, vpdpbusd), in one process on random blocks: no
+model is needed, so it runs on any machine with the C++ kernels (a lent machine's host CPU included).
+
+Each product is one decoder layer's of SmolLM2-135M (qkv 960x576, o 576x576, gate_up 3072x576, down
+576x1536) or of Llama-3.2-1B's shape (``--shape 1b``), at ``--rows`` rows (a prefill chunk), for a
+4-bit and an 8-bit type; the kernels interleaved round by round, the best of ``--rounds``; GFLOP/s is
+2 * rows * N * K over the time. A kernel that does not run here (no AVX512_BF16 or VNNI) is left out
+with the reason.
+
+    python -m benchmarks.block_products [--rows 512] [--rounds 5] [--threads N] [--shape 135m]
+
+Writes benchmarks/results/<name>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+from benchmarks.common import RESULTS, args_json, write_results
+from radixserve.kernels import cpu_build, gguf_bf16, gguf_int8
+from radixserve.model.gguf_blocks import FORMATS
+
+SHAPES = {
+    "135m": [(960, 576), (576, 576), (3072, 576), (576, 1536)],
+    "1b": [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)],
+}
+TYPES = (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+
+
+def random_blocks(qtype: GGMLQuantizationType, n: int, k: int) -> torch.Tensor:
+    """Random block bytes with finite fp16 scales (the scale words of Q4_1 and Q8_0 lead each block)."""
+    f = FORMATS[int(qtype)]
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(n, k // f.weights, f.bytes), dtype=np.uint8)
+    scale_words = 2 if qtype == GGMLQuantizationType.Q4_1 else 1  # d (and m for Q4_1)
+    raw[..., : 2 * scale_words] = (
+        (rng.standard_normal((n, k // f.weights, scale_words)) * 0.01).astype(np.float16).view(np.uint8)
+    )
+    return torch.from_numpy(raw.reshape(n, -1))
+
+
+def kernels() -> tuple[dict[str, Callable[..., torch.Tensor]], dict[str, str]]:
+    """The kernels that run here, and why each of the others does not."""
+    run: dict[str, Callable[..., torch.Tensor]] = {
+        "exact": lambda x, b, q: torch.ops.radixserve_cpu.gguf_linear(x, b, q, x.shape[1], None)
+    }
+    skipped = {}
+    for name, module in (("bf16", gguf_bf16), ("int8", gguf_int8)):
+        why = module.why_unavailable()
+        if why is None:
+            run[name] = lambda x, b, q, m=module: m.linear(x, b, q, None)  # type: ignore[misc]
+        else:
+            skipped[name] = why
+    return run, skipped
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, default=512)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="135m")
+    p.add_argument("--out-dir", type=Path, default=RESULTS)
+    p.add_argument("--name", default="block_products")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not cpu_build.load():
+        raise SystemExit("the C++ CPU kernels do not build here")
+    run, skipped = kernels()
+    rows, results = [], []
+    for qtype in TYPES:
+        totals = dict.fromkeys(run, 0.0)
+        for n, k in SHAPES[args.shape]:
+            blocks, x = random_blocks(qtype, n, k), torch.randn(args.rows, k)
+            best = dict.fromkeys(run, float("inf"))
+            for f in run.values():  # warm-up
+                f(x, blocks, int(qtype))
+            for _ in range(args.rounds):
+                for name, f in run.items():
+                    start = time.perf_counter()
+                    f(x, blocks, int(qtype))
+                    best[name] = min(best[name], time.perf_counter() - start)
+            for name, s in best.items():
+                totals[name] += s
+                gflops = 2 * args.rows * n * k / s / 1e9
+                results.append({"type": qtype.name, "n": n, "k": k, "kernel": name, "s": s, "gflops": gflops})
+        for name, s in totals.items():
+            flops = sum(2 * args.rows * n * k for n, k in SHAPES[args.shape])
+            rows.append(
+                [qtype.name, name, f"{s * 1e3:.2f}", f"{flops / s / 1e9:.0f}", f"{totals['exact'] / s:.2f}x"]
+            )
+    notes = "".join(f"\n- {name} left out: {why}\n" for name, why in skipped.items())
+    write_results(
+        args.name,
+        {"args": args_json(args), "threads": torch.get_num_threads(), "products": results, "skipped": skipped}
+        | {"cpu_capability": torch.backends.cpu.get_cpu_capability()},
+        rows,
+        ["type", "kernel", "layer's products ms", "GFLOP/s", "vs exact"],
+        f"One decoder layer's products ({args.shape}) at {args.rows} rows over GGUF blocks, best of "
+        f"{args.rounds} interleaved rounds",
+        out_dir=args.out_dir,
+        notes=notes,
+    )
+
+
+if __name__ == "__main__":
+    main()
