@@ -83,12 +83,8 @@ RADIXSERVE_OPTIONS: dict[str, dict[str, Any]] = {
     "radixserve-fast": {"preset": "fast"},
     "radixserve-bf16": {"dtype": "bfloat16"},
     "radixserve-int8": (INT8 := {"quantization": "gguf", "decode_arithmetic": "int8"}),
-    "radixserve-int8-kv-bf16": {**INT8, "kv_cache_dtype": "bfloat16"},
-    "radixserve-bf16-blocks": {
-        "quantization": "gguf",
-        "prefill_arithmetic": "bfloat16",
-        "kv_cache_dtype": "bfloat16",
-    },
+    "radixserve-int8-kv-bf16": {**INT8, **(KV_BF16 := {"kv_cache_dtype": "bfloat16"})},
+    "radixserve-bf16-blocks": {"quantization": "gguf", "prefill_arithmetic": "bfloat16", **KV_BF16},
 }
 
 DEFAULT_CASES = ["rag", "multiturn", "nosharing", "steady", "burst", "mixed"]
