@@ -17,6 +17,11 @@ Invariants:
   reservations with the running requests).
 - A request with nothing to receive (its prompt cached here, too short, or asking for prompt logprobs,
   which need every position computed here) is added at once, as in a colocated engine.
+- A request whose pages cannot be reserved now (the pool is held by running requests and other
+  reservations) waits, in arrival order, and is reserved as pages free (``poll``), as SGLang's decode
+  server holds a request until it can preallocate its pages: computing its prompt here instead put
+  prefill work on the decode engine just when its pool was busiest. One that waited ``ROOM_WAIT_S``
+  is computed here after all, so none waits on the transfers of others without bound.
 - The request's outputs report ``kv_transfer_tokens``, and ``cached_tokens`` without them: only what
   this engine held before the transfer counts as a cache hit.
 """
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -59,6 +65,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("radixserve.disagg")
 
 DEFAULT_TIMEOUT_S = 120.0
+ROOM_WAIT_S = 10.0  # a request waits this long for room to reserve its pages, then is computed here
 
 
 @dataclass(eq=False)
@@ -135,6 +142,7 @@ class DecodeRole(EngineRole):
         self.reservations: dict[str, Reservation] = {}
         self._held: dict[str, tuple[TreeNode, float]] = {}  # received prefixes, locked until scheduled
         self._transferred: dict[str, int] = {}  # request id -> tokens received, until it finishes
+        self.waiting_for_room: deque[tuple[AddRequest, float]] = deque()  # with when each came
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, msg: AddRequest) -> bool:
@@ -144,8 +152,6 @@ class DecodeRole(EngineRole):
         return True
 
     def _reserve(self, msg: AddRequest) -> None:
-        kv = self.engine.kv_manager
-        ps = self.engine.config.page_size
         n = len(msg.prompt_token_ids)
         try:
             priority_value(msg.priority)
@@ -155,28 +161,42 @@ class DecodeRole(EngineRole):
         if msg.request_id in self.reservations or n > self.engine.max_model_len:
             self._add(msg)  # refused there, as it would be colocated
             return
-        res = Reservation(msg, 0, 0, time.monotonic() + self.timeout_s, ps)
         # A warm (cache control) fills this engine's own cache: it computes here, as colocated.
         if msg.params.prompt_logprobs is not None or n < 2 or msg.warm:
             self._add(msg)
             return
+        if self.waiting_for_room or not self._try_reserve(msg):  # behind those already waiting
+            self.waiting_for_room.append((msg, time.monotonic()))
+
+    def _try_reserve(self, msg: AddRequest) -> bool:
+        """Reserve ``msg``'s pages and say where to send them, or add it (everything usable is cached
+        here); False: no room for them now."""
+        kv = self.engine.kv_manager
+        ps = self.engine.config.page_size
+        res = Reservation(msg, 0, 0, time.monotonic() + self.timeout_s, ps)
         res.start = kv.match_device(res)
-        res.end = ((n - 1) // ps) * ps
-        if res.end <= res.start or not kv.admit(res, res.end - res.start):
-            self._add(msg)  # everything usable is cached here, or no room: computed here
-            return
+        res.end = ((len(msg.prompt_token_ids) - 1) // ps) * ps
+        if res.end <= res.start:
+            self._add(msg)
+            return True
+        if not kv.admit(res, res.end - res.start):
+            return False
         self.reservations[msg.request_id] = res
         self._send(
             KVReserved(request_id=msg.request_id, start=res.start, end=res.end, address=self.receiver.address)
         )
+        return True
 
     def abort(self, request_id: str) -> bool:
-        """Free the request's reservation or held prefix; True if it had a reservation (nothing else to
-        abort)."""
+        """Free the request's reservation or held prefix, or drop it from the wait for room; True if it
+        had a reservation or was waiting (nothing else to abort)."""
         self._release_held(request_id)
+        waiting = [w for w in self.waiting_for_room if w[0].request_id == request_id]
+        for w in waiting:
+            self.waiting_for_room.remove(w)
         res = self.reservations.pop(request_id, None)
         if res is None:
-            return False
+            return bool(waiting)
         self._free(res)
         return True
 
@@ -196,10 +216,18 @@ class DecodeRole(EngineRole):
         return [self.receiver.socket]
 
     def poll(self) -> None:
-        """Write the chunks that arrived; end the reservations that are complete or timed out."""
+        """Write the chunks that arrived; end the reservations that are complete or timed out; reserve
+        for the requests waiting for room, oldest first, while there is room."""
         for header, records in self.receiver.receive():
             self._write(header, records)
         now = time.monotonic()
+        while self.waiting_for_room:
+            msg, since = self.waiting_for_room[0]
+            if now - since > ROOM_WAIT_S:
+                self._add(msg)  # computed here after all
+            elif not self._try_reserve(msg):
+                break
+            self.waiting_for_room.popleft()
         for rid, res in list(self.reservations.items()):
             if now > res.deadline:
                 del self.reservations[rid]

@@ -324,3 +324,43 @@ def test_a_cancelled_prefill_job_is_aborted_on_its_engine() -> None:
     assert asyncio.run(pool.pick(set())) == "0@100" and asyncio.run(pool.pick({"0@100"})) is None
     engine.engine_pid = 101
     assert asyncio.run(pool.pick({"0@100"})) == "0@101"
+
+
+def test_a_request_without_room_waits_for_its_reservation_instead_of_being_computed_here(
+    tiny_llama: Path, engines: tuple[Engine, Engine, Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pool held by one reservation has no room for a second's pages: the second is not computed
+    on the decode engine (the prefill work the decode role exists to keep away) but waits, and is
+    reserved once the first's pages are free; past ROOM_WAIT_S one is computed here after all."""
+    from radixserve.disagg import decode
+
+    p, _, _ = engines
+    d = Engine(str(tiny_llama), page_size=PS, num_pages=16, enforce_eager=True, detokenize=True)
+    pair = Pair(p, d, "shm")
+    try:
+        first, second, third = ([(k * 7 + i) % 150 + 1 for i in range(40)] for k in (1, 2, 3))
+        pair.decode.add_request(AddRequest(request_id="a", prompt_token_ids=first, params=GREEDY))
+        pair.decode.add_request(AddRequest(request_id="b", prompt_token_ids=second, params=GREEDY))
+        pair.decode.poll()
+        reserved = [m.request_id for m in pair.to_server if isinstance(m, KVReserved)]
+        assert reserved == ["a"] and not pair.added  # b neither reserved nor computed here
+        assert [m.request_id for m, _ in pair.decode.waiting_for_room] == ["b"]
+        pair.check()
+        assert pair.decode.abort("a")  # its pages free
+        pair.decode.poll()
+        reserved = [m.request_id for m in pair.to_server if isinstance(m, KVReserved)]
+        assert reserved == ["a", "b"] and not pair.decode.waiting_for_room and not pair.added
+        pair.check()
+
+        for rid in ("c", "e"):
+            pair.decode.add_request(AddRequest(request_id=rid, prompt_token_ids=third, params=GREEDY))
+        assert not pair.added and [m.request_id for m, _ in pair.decode.waiting_for_room] == ["c", "e"]
+        assert pair.decode.abort("e")  # a waiting one is dropped: nothing else to abort
+        monkeypatch.setattr(decode, "ROOM_WAIT_S", -1.0)  # waited past the bound
+        pair.decode.poll()
+        assert [m.request_id for m in pair.added] == ["c"] and not pair.decode.waiting_for_room
+        assert pair.decode.abort("b")
+        d.abort("c")
+        pair.check()
+    finally:
+        pair.close()
