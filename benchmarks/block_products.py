@@ -1,7 +1,9 @@
 """Many-row products over GGUF blocks, kernel by kernel: exact (``gguf_linear``: tiles decoded to fp32,
 sgemm), bf16 on the blocks (``gguf_bf16_linear``: tiles rounded to bf16, vdpbf16ps) and int8 on the
-blocks (``gguf_int8_linear``: x in int8 per 32-block, vpdpbusd), in one process on random blocks: no
-model is needed, so it runs on any machine with the C++ kernels (a lent machine's host CPU included).
+blocks (``gguf_int8_linear``: x in int8 per 32-block, vpdpbusd), beside torch's bf16 product over a
+dense bf16 copy of the weight (the fp32 weights' bfloat16 mode; oneDNN, with AMX where it executes), in
+one process on random blocks: no model is needed, so it runs on any machine with the C++ kernels (a
+lent machine's host CPU included).
 
 Each product is one decoder layer's of SmolLM2-135M (qkv 960x576, o 576x576, gate_up 3072x576, down
 576x1536) or of Llama-3.2-1B's shape (``--shape 1b``), at ``--rows`` rows (a prefill chunk), for a
@@ -27,7 +29,7 @@ from gguf import GGMLQuantizationType
 
 from benchmarks.common import RESULTS, args_json, write_results
 from radixserve.kernels import cpu_build, gguf_bf16, gguf_int8
-from radixserve.model.gguf_blocks import FORMATS
+from radixserve.model.gguf_blocks import FORMATS, dequantize
 
 SHAPES = {
     "135m": [(960, 576), (576, 576), (3072, 576), (576, 1536)],
@@ -48,16 +50,24 @@ def random_blocks(qtype: GGMLQuantizationType, n: int, k: int) -> torch.Tensor:
     return torch.from_numpy(raw.reshape(n, -1))
 
 
+def bf16_copy(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The fp32 weights' ``bfloat16`` mode for comparison: a dense bf16 copy of the weight (made once,
+    outside the timing), x rounded to bf16, torch's product (oneDNN: AMX where it executes), fp32 out."""
+    return torch.nn.functional.linear(x.to(torch.bfloat16), weight).float()
+
+
 def kernels() -> tuple[dict[str, Callable[..., torch.Tensor]], dict[str, str]]:
-    """The kernels that run here, and why each of the others does not."""
+    """The kernels that run here, and why each of the others does not. Each takes x, the blocks, their
+    type and the dense bf16 copy (which only "bf16 copy" reads)."""
     run: dict[str, Callable[..., torch.Tensor]] = {
-        "exact": lambda x, b, q: torch.ops.radixserve_cpu.gguf_linear(x, b, q, x.shape[1], None)
+        "exact": lambda x, b, q, w: torch.ops.radixserve_cpu.gguf_linear(x, b, q, x.shape[1], None),
+        "bf16 copy": lambda x, b, q, w: bf16_copy(x, w),
     }
     skipped = {}
     for name, module in (("bf16", gguf_bf16), ("int8", gguf_int8)):
         why = module.why_unavailable()
         if why is None:
-            run[name] = lambda x, b, q, m=module: m.linear(x, b, q, None)  # type: ignore[misc]
+            run[name] = lambda x, b, q, w, m=module: m.linear(x, b, q, None)  # type: ignore[misc]
         else:
             skipped[name] = why
     return run, skipped
@@ -82,13 +92,14 @@ def main(argv: list[str] | None = None) -> None:
         totals = dict.fromkeys(run, 0.0)
         for n, k in SHAPES[args.shape]:
             blocks, x = random_blocks(qtype, n, k), torch.randn(args.rows, k)
+            dense = dequantize(blocks, int(qtype)).to(torch.bfloat16)
             best = dict.fromkeys(run, float("inf"))
             for f in run.values():  # warm-up
-                f(x, blocks, int(qtype))
+                f(x, blocks, int(qtype), dense)
             for _ in range(args.rounds):
                 for name, f in run.items():
                     start = time.perf_counter()
-                    f(x, blocks, int(qtype))
+                    f(x, blocks, int(qtype), dense)
                     best[name] = min(best[name], time.perf_counter() - start)
             for name, s in best.items():
                 totals[name] += s
