@@ -2,14 +2,14 @@
 sgemm), bf16 on the blocks (``gguf_bf16_linear``: tiles rounded to bf16, vdpbf16ps) and int8 on the
 blocks (``gguf_int8_linear``: x in int8 per 32-block, vpdpbusd), beside torch's bf16 product over a
 dense bf16 copy of the weight (the fp32 weights' bfloat16 mode; oneDNN, with AMX where it executes), in
-one process on random blocks: no model is needed, so it runs on any machine with the C++ kernels (a
+one process on random weights: no model is needed, so it runs on any machine with the C++ kernels (a
 lent machine's host CPU included).
 
 Each product is one decoder layer's of SmolLM2-135M (qkv 960x576, o 576x576, gate_up 3072x576, down
 576x1536) or of Llama-3.2-1B's shape (``--shape 1b``), at ``--rows`` rows (a prefill chunk), for a
-4-bit and an 8-bit type; the kernels interleaved round by round, the best of ``--rounds``; GFLOP/s is
-2 * rows * N * K over the time. A kernel that does not run here (no AVX512_BF16 or VNNI) is left out
-with the reason.
+4-bit and an 8-bit type (a random normal weight quantized by gguf); the kernels interleaved round by
+round, the best of ``--rounds``; GFLOP/s is 2 * rows * N * K over the time. A kernel that does not
+run here (no AVX512_BF16 or VNNI) is left out with the reason.
 
     python -m benchmarks.block_products [--rows 512] [--rounds 5] [--threads N] [--shape 135m]
 
@@ -26,10 +26,11 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
+from gguf.quants import quantize
 
 from benchmarks.common import RESULTS, args_json, write_results
 from radixserve.kernels import cpu_build, gguf_bf16, gguf_int8
-from radixserve.model.gguf_blocks import FORMATS, dequantize
+from radixserve.model.gguf_blocks import dequantize
 
 SHAPES = {
     "135m": [(960, 576), (576, 576), (3072, 576), (576, 1536)],
@@ -39,15 +40,10 @@ TYPES = (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
 
 
 def random_blocks(qtype: GGMLQuantizationType, n: int, k: int) -> torch.Tensor:
-    """Random block bytes with finite fp16 scales (the scale words of Q4_1 and Q8_0 lead each block)."""
-    f = FORMATS[int(qtype)]
-    rng = np.random.default_rng(0)
-    raw = rng.integers(0, 256, size=(n, k // f.weights, f.bytes), dtype=np.uint8)
-    scale_words = 2 if qtype == GGMLQuantizationType.Q4_1 else 1  # d (and m for Q4_1)
-    raw[..., : 2 * scale_words] = (
-        (rng.standard_normal((n, k // f.weights, scale_words)) * 0.01).astype(np.float16).view(np.uint8)
-    )
-    return torch.from_numpy(raw.reshape(n, -1))
+    """A random weight [n, k] in ``qtype``'s blocks, as gguf's writer quantizes it (as the start-up
+    arithmetic probe makes its blocks)."""
+    w = np.random.default_rng(0).standard_normal((n, k), dtype=np.float32) / k**0.5
+    return torch.from_numpy(quantize(w, qtype)).reshape(n, -1)
 
 
 def bf16_copy(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -349,10 +349,10 @@ def apply(model: LlamaForCausalLM, arithmetic: str, many_rows: int, decode: str 
             many_rows,
             chosen,
         )
-        takes = gguf_int8.TYPES if chosen == "int8" else ()  # bfloat16 takes every block type
-        exact = sorted(
-            {TYPE_NAMES[q] for g in linears for q in g.qtypes if is_blocks(q) and takes and q not in takes}
-        )
+        exact: list[str] = []  # the block types that stay exact: none in bfloat16, which takes every one
+        if chosen == "int8":
+            qtypes = {q for g in linears for q in g.qtypes if is_blocks(q) and q not in gguf_int8.TYPES}
+            exact = sorted(TYPE_NAMES[q] for q in qtypes)
         if exact:
             logger.info(
                 "GGUF weights of type %s stay exact at every row count (the int8 block kernel takes %s)",

@@ -138,9 +138,8 @@ class GGUFLinear(nn.Module):
         self.out_features = sum(p.data.shape[0] for p in parts)
         self.bias = nn.Parameter(bias.float(), requires_grad=False) if bias is not None else None
         self.use_op = _op_loaded()
-        self.many_rows = (
-            0  # rows above which products run in many_arithmetic on the blocks (model/arithmetic.py)
-        )
+        # Products of more rows than this run in many_arithmetic on the blocks (model/arithmetic.py).
+        self.many_rows = 0
         self.many_arithmetic = "int8"
         # Each group's int8 tiles (decode_arithmetic int8: every product of it in int8), else None.
         self.tiles: list[torch.Tensor | None] = [None] * len(self.qtypes)

@@ -41,6 +41,27 @@ def tiny_gguf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "tiny.gguf"
 
 
+Asked = list[tuple[list[str], int | None]]  # each probe call's candidates and block type
+
+
+def _fake_probe(monkeypatch: pytest.MonkeyPatch, times: dict[str, float]) -> Asked:
+    """``arithmetic.probe`` answering ``times``; the list of what it was asked."""
+    asked: Asked = []
+
+    def fake_probe(
+        candidates: list[str], shapes: list[tuple[int, int]], qtype: int | None = None
+    ) -> dict[str, float]:
+        asked.append((candidates, qtype))
+        return times
+
+    monkeypatch.setattr(arithmetic, "probe", fake_probe)
+    return asked
+
+
+def _decoder(model: torch.nn.Module) -> list[GGUFLinear]:
+    return [m for n, m in model.named_modules() if isinstance(m, GGUFLinear) and n.startswith("layers.")]
+
+
 def _prefill_logits(path: Path, prompts: list[list[int]], arith: str) -> list[torch.Tensor]:
     model = load_model(path, torch.float32, CPU, "gguf")
     assert arithmetic.apply(model, arith, 16) == arith
@@ -60,7 +81,7 @@ def test_bf16_over_blocks_slower_than_exact_here_is_kept_with_a_warning(
 ) -> None:
     """As on a Xeon, whose vdpbf16ps does no more multiply-adds a cycle than its fp32 FMAs (the block
     products at 2 threads: 0.61x the exact ones there, 2.0x on a Zen 4)."""
-    monkeypatch.setattr(arithmetic, "probe", lambda *a, **k: {"exact": 1.0, "bfloat16": 1.6})
+    _fake_probe(monkeypatch, {"exact": 1.0, "bfloat16": 1.6})
     model = load_model(tiny_gguf, torch.float32, CPU, "gguf")
     with caplog.at_level(logging.WARNING, logger="radixserve.model"):
         assert arithmetic.apply(model, "bfloat16", 16) == "bfloat16"
@@ -142,20 +163,12 @@ def test_bf16_over_blocks_is_refused_where_its_kernel_cannot_run(
 def test_bf16_over_blocks_sets_every_decoder_weight_and_runs_past_the_threshold(
     tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    asked: list[tuple[list[str], int | None]] = []
-
-    def fake_probe(
-        candidates: list[str], shapes: list[tuple[int, int]], qtype: int | None = None
-    ) -> dict[str, float]:
-        asked.append((candidates, qtype))
-        return {"exact": 2.0, "bfloat16": 1.0}
-
-    monkeypatch.setattr(arithmetic, "probe", fake_probe)
+    asked = _fake_probe(monkeypatch, {"exact": 2.0, "bfloat16": 1.0})
     model = load_model(tiny_gguf, torch.float32, CPU, "gguf")
     with caplog.at_level(logging.WARNING, logger="radixserve.model"):
         assert arithmetic.apply(model, "bfloat16", 16) == "bfloat16"
     assert asked and asked[0][0] == ["exact", "bfloat16"] and not caplog.records  # timed; faster: quiet
-    decoder = [m for n, m in model.named_modules() if isinstance(m, GGUFLinear) and n.startswith("layers.")]
+    decoder = _decoder(model)
     assert decoder and all(m.many_rows == 16 and m.many_arithmetic == "bfloat16" for m in decoder)
     lin = decoder[0]
     x = torch.randn(40, lin.in_features)
@@ -174,18 +187,10 @@ def test_int8_and_auto_over_blocks_set_the_threshold(
 ) -> None:
     model = load_model(tiny_gguf, torch.float32, CPU, "gguf")
     assert arithmetic.apply(model, "int8", 16) == "int8"
-    decoder = [m for n, m in model.named_modules() if isinstance(m, GGUFLinear) and n.startswith("layers.")]
+    decoder = _decoder(model)
     assert decoder and all(m.many_rows == 16 for m in decoder)
     assert isinstance(model.lm_head, GGUFLinear) and model.lm_head.many_rows == 0  # the head stays exact
-    asked: list[tuple[list[str], int | None]] = []
-
-    def fake_probe(
-        candidates: list[str], shapes: list[tuple[int, int]], qtype: int | None = None
-    ) -> dict[str, float]:
-        asked.append((candidates, qtype))
-        return {"exact": 2.0, "int8": 1.0}
-
-    monkeypatch.setattr(arithmetic, "probe", fake_probe)
+    asked = _fake_probe(monkeypatch, {"exact": 2.0, "int8": 1.0})
     assert arithmetic.resolve("auto", load_model(tiny_gguf, torch.float32, CPU, "gguf")) == "int8"
     assert asked == [(["exact", "int8"], 3)]  # the tiny file's decoder blocks are Q4_1
 
