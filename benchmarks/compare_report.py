@@ -7,6 +7,7 @@ is a ``serve_bench`` run), so tests check them on synthetic figures.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 from benchmarks.loadgen import TABLE_HEADER, table_row
@@ -92,13 +93,19 @@ def goal_rows(ratio_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+# Every engine whose weights or arithmetic are not fp32's (``{gguf}``: the GGUF file's name).
 ENGINE_NOTES = {
-    "radixserve-exact": "GGUF-exact on the same Q4_1 file: exact arithmetic over its 4-bit blocks",
+    "radixserve-spec": "--speculative ngram: greedy, token-identical to plain decoding",
+    "radixserve-exact": "GGUF-exact on {gguf}: exact arithmetic over its blocks",
     "radixserve-fast": "--preset fast: approximate; its accuracy is accuracy_bench's",
-    "radixserve-int8": "--decode-arithmetic int8 on the Q4_1 file: approximate; accuracy: gguf_int8_bench",
-    "radixserve-bf16-blocks": "bf16 prefill on the Q4_1 file's blocks, bf16 K/V, exact decode: approximate",
+    "radixserve-bf16": "--dtype bfloat16: bf16 weights, products and K/V: approximate",
+    "radixserve-int8": "--decode-arithmetic int8 on {gguf}: approximate; accuracy: gguf_int8_bench",
+    "radixserve-int8-kv-bf16": "--decode-arithmetic int8 on {gguf}, bf16 K/V: approximate; accuracy: "
+    "accuracy_bench",
+    "radixserve-bf16-blocks": "bf16 prefill on {gguf}'s blocks, bf16 K/V, exact decode: approximate",
     "vllm-cpu-bf16": "bf16 weights and arithmetic",
-    "llama-server": "the Q4_1 GGUF's 4-bit weights",
+    "vllm-cpu-ngram": "vLLM's n-gram speculation, fp32",
+    "llama-server": "{gguf}'s blocks, llama.cpp's arithmetic",
 }
 
 
@@ -114,7 +121,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
         f"{doc['sizes']['output_tokens']} tokens (EOS ignored), greedy.",
         "",
     ]
-    lines += [f"- {e}: {note}" for e, note in ENGINE_NOTES.items() if e in doc["engines"]]
+    gguf = Path(doc["gguf"]).name if doc.get("gguf") else "the GGUF file"
+    lines += [f"- {e}: {note.format(gguf=gguf)}" for e, note in ENGINE_NOTES.items() if e in doc["engines"]]
     for note in doc["skipped"]:
         lines.append(f"- skipped: {note}")
     for case, by_engine in doc["results"].items():

