@@ -7,11 +7,14 @@ lent machine's host CPU included).
 
 Each product is one decoder layer's of SmolLM2-135M (qkv 960x576, o 576x576, gate_up 3072x576, down
 576x1536) or of Llama-3.2-1B's shape (``--shape 1b``), at ``--rows`` rows (a prefill chunk), for a
-4-bit and an 8-bit type (a random normal weight quantized by gguf); the kernels interleaved round by
-round, the best of ``--rounds``; GFLOP/s is 2 * rows * N * K over the time. A kernel that does not
-run here (no AVX512_BF16 or VNNI) is left out with the reason.
+4-bit and an 8-bit type (a random normal weight quantized by gguf); with ``--gguf FILE``, instead, the
+seven weights of layer ``--layer`` of a real file, as stored (types gguf's writer cannot make, such as
+llama-quantize's k-quants), totalled by type. The kernels are interleaved round by round, the best of
+``--rounds``; GFLOP/s is 2 * rows * N * K over the time. A kernel that does not run here (no
+AVX512_BF16 or VNNI) is left out with the reason.
 
     python -m benchmarks.block_products [--rows 512] [--rounds 5] [--threads N] [--shape 135m]
+        [--gguf FILE --layer 0]
 
 Writes benchmarks/results/<name>.{json,md}.
 """
@@ -30,13 +33,15 @@ from gguf.quants import quantize
 
 from benchmarks.common import RESULTS, args_json, write_results
 from radixserve.kernels import cpu_build, gguf_bf16, gguf_int8
-from radixserve.model.gguf_blocks import dequantize
+from radixserve.model.gguf import read_gguf
+from radixserve.model.gguf_blocks import TYPE_NAMES, dequantize, is_blocks
 
 SHAPES = {
     "135m": [(960, 576), (576, 576), (3072, 576), (576, 1536)],
     "1b": [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)],
 }
 TYPES = (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+LAYER_WEIGHTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
 def random_blocks(qtype: GGMLQuantizationType, n: int, k: int) -> torch.Tensor:
@@ -44,6 +49,20 @@ def random_blocks(qtype: GGMLQuantizationType, n: int, k: int) -> torch.Tensor:
     arithmetic probe makes its blocks)."""
     w = np.random.default_rng(0).standard_normal((n, k), dtype=np.float32) / k**0.5
     return torch.from_numpy(quantize(w, qtype)).reshape(n, -1)
+
+
+def weights(args: argparse.Namespace) -> list[tuple[str, int, torch.Tensor]]:
+    """(type name, type id, blocks [N, row bytes]) of every weight timed: random ones of ``TYPES`` in
+    the ``--shape``'s layer, or layer ``--layer`` of ``--gguf`` (its block-typed weights)."""
+    if args.gguf is None:
+        return [(q.name, int(q), random_blocks(q, n, k)) for q in TYPES for n, k in SHAPES[args.shape]]
+    file = read_gguf(args.gguf)
+    out = []
+    for name in LAYER_WEIGHTS:
+        w = file.weight(f"blk.{args.layer}.{name}.weight")
+        if is_blocks(w.qtype):
+            out.append((TYPE_NAMES[w.qtype], w.qtype, w.data))
+    return out
 
 
 def bf16_copy(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -75,6 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--shape", choices=sorted(SHAPES), default="135m")
+    p.add_argument("--gguf", type=Path, default=None, help="time this file's weights, not random ones")
+    p.add_argument("--layer", type=int, default=0, help="with --gguf: the layer whose weights are timed")
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     p.add_argument("--name", default="block_products")
     args = p.parse_args(argv)
@@ -83,29 +104,32 @@ def main(argv: list[str] | None = None) -> None:
     if not cpu_build.load():
         raise SystemExit("the C++ CPU kernels do not build here")
     run, skipped = kernels()
-    rows, results = [], []
-    for qtype in TYPES:
-        totals = dict.fromkeys(run, 0.0)
-        for n, k in SHAPES[args.shape]:
-            blocks, x = random_blocks(qtype, n, k), torch.randn(args.rows, k)
-            dense = dequantize(blocks, int(qtype)).to(torch.bfloat16)
-            best = dict.fromkeys(run, float("inf"))
-            for f in run.values():  # warm-up
-                f(x, blocks, int(qtype), dense)
-            for _ in range(args.rounds):
-                for name, f in run.items():
-                    start = time.perf_counter()
-                    f(x, blocks, int(qtype), dense)
-                    best[name] = min(best[name], time.perf_counter() - start)
-            for name, s in best.items():
-                totals[name] += s
-                gflops = 2 * args.rows * n * k / s / 1e9
-                results.append({"type": qtype.name, "n": n, "k": k, "kernel": name, "s": s, "gflops": gflops})
+    results = []
+    for type_name, qtype, blocks in weights(args):
+        dense = dequantize(blocks, qtype).to(torch.bfloat16)
+        n, k = dense.shape
+        x = torch.randn(args.rows, k)
+        best = dict.fromkeys(run, float("inf"))
+        for f in run.values():  # warm-up
+            f(x, blocks, qtype, dense)
+        for _ in range(args.rounds):
+            for name, f in run.items():
+                start = time.perf_counter()
+                f(x, blocks, qtype, dense)
+                best[name] = min(best[name], time.perf_counter() - start)
+        for name, s in best.items():
+            gflops = 2 * args.rows * n * k / s / 1e9
+            results.append({"type": type_name, "n": n, "k": k, "kernel": name, "s": s, "gflops": gflops})
+    rows = []
+    for type_name in dict.fromkeys(r["type"] for r in results):  # totals by type, in order
+        mine = [r for r in results if r["type"] == type_name]
+        flops = sum(2 * args.rows * r["n"] * r["k"] for r in mine if r["kernel"] == "exact")
+        totals = {name: sum(r["s"] for r in mine if r["kernel"] == name) for name in run}
         for name, s in totals.items():
-            flops = sum(2 * args.rows * n * k for n, k in SHAPES[args.shape])
             rows.append(
-                [qtype.name, name, f"{s * 1e3:.2f}", f"{flops / s / 1e9:.0f}", f"{totals['exact'] / s:.2f}x"]
+                [type_name, name, f"{s * 1e3:.2f}", f"{flops / s / 1e9:.0f}", f"{totals['exact'] / s:.2f}x"]
             )
+    source = f"{args.gguf.name}, layer {args.layer}" if args.gguf else args.shape
     notes = "".join(f"\n- {name} left out: {why}\n" for name, why in skipped.items())
     write_results(
         args.name,
@@ -113,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         | {"cpu_capability": torch.backends.cpu.get_cpu_capability()},
         rows,
         ["type", "kernel", "layer's products ms", "GFLOP/s", "vs exact"],
-        f"One decoder layer's products ({args.shape}) at {args.rows} rows over GGUF blocks, best of "
+        f"One decoder layer's products ({source}) at {args.rows} rows over GGUF blocks, best of "
         f"{args.rounds} interleaved rounds",
         out_dir=args.out_dir,
         notes=notes,

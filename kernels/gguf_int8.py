@@ -2,11 +2,11 @@
 x quantized to int8 per 32-block, exact int32 dot products with the blocks' integer values, fp32
 scales after each block. The approximate many-rows mode over GGUF weights (model/arithmetic.py).
 
-- Types (``TYPES``, the op's own list): those whose every chunk of 32 weights is one scale times
+- Types (``TYPES``, the op's own list): every block type, each chunk of 32 weights one scale times
   integers plus at most one minimum (``model/gguf_blocks.CHUNK_AFFINE``, which a test holds equal):
-  Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K, and Q3_K and Q6_K, whose integer scale per 16
-  weights multiplies each half's integer sum. A Q2_K weight (a minimum per 16 weights) keeps the exact
-  kernel (``model/gguf.py``).
+  Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K, and Q2_K, Q3_K and Q6_K, whose integer scale per
+  16 weights multiplies each half's integer sum (Q2_K's minimum per 16 weights multiplies each half's
+  sum of x).
 
 - ``available()``: whether the fast kernel runs here: the C++ kernels load, the CPU reports
   AVX512-VNNI, and ``RADIXSERVE_GGUF_INT8=0`` (forcing the fallback, as on a CPU without it) is unset.
@@ -22,8 +22,8 @@ import torch
 DISABLE_ENV = "RADIXSERVE_GGUF_INT8"
 QK = 32
 # GGML type ids the op takes (csrc/gguf_int8.cpp's takes()): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL,
-# Q3_K, Q4_K, Q5_K, Q6_K.
-TYPES = (2, 3, 6, 7, 8, 20, 11, 12, 13, 14)
+# Q2_K, Q3_K, Q4_K, Q5_K, Q6_K.
+TYPES = (2, 3, 6, 7, 8, 20, 10, 11, 12, 13, 14)
 TILE_ROWS = 32  # weight rows per int8 tile (csrc/int8_tiles.h)
 TILES_KIND = (
     256  # + a type id: that type's int8 tiles, as the native step's kinds name them (step_products.h)
@@ -120,11 +120,12 @@ def reference_terms(
     x: torch.Tensor, values: torch.Tensor, dw: torch.Tensor, mw: torch.Tensor | None
 ) -> torch.Tensor:
     """The terms [M, N, T] of the block product of x and a weight in its integer form (values
-    [N, K/32, 32], scale dw and minimum mw [N, K/32]: ``model/gguf_blocks.chunk_integers``), each
-    computed as the kernel computes it: the exact int32 dot of each block times the fp32 scale product
-    d_w * d_x (T = K/32 terms), and for a type with a minimum also each block's m_w * (d_x * s)
-    (T = 2 K/32). In float64, exact: the kernel's output is their sum in fp32, one fused multiply-add
-    a term, so it lies within T * 2^-24 * sum(|terms|) of their exact sum."""
+    [N, K/32, 32], scale dw and minimum mw [N, K/32], Q2_K's [N, K/16]:
+    ``model/gguf_blocks.chunk_integers``), each computed as the kernel computes it: the exact int32 dot
+    of each block times the fp32 scale product d_w * d_x (T = K/32 terms), and for a type with a
+    minimum also each block's m_w * (d_x * s) (T = 2 K/32), Q2_K's each half's m_h * (d_x * s_h) with
+    s_h that half's sum of q (T = 3 K/32). In float64, exact: the kernel's output is their sum in
+    fp32, one fused multiply-add a term, so it lies within T * 2^-24 * sum(|terms|) of their exact sum."""
     q, dx, s = quantize_q8_blocks(x)
     m = x.shape[0]
     qv = q.reshape(m, -1, QK).to(torch.int64)
@@ -134,6 +135,8 @@ def reference_terms(
     # scaled dots (up to ~2^25) can pass.
     terms = dots.to(torch.float32).double() * scale
     if mw is not None:  # the min's terms apart: the kernel adds them with fused multiply-adds of their own
-        mins = mw.unsqueeze(0).double() * (dx * s.float()).unsqueeze(1).double()
+        per = mw.shape[1] // dx.shape[1]  # minimums per block: 1, or Q2_K's 2 (one per half)
+        sums = s if per == 1 else qv.reshape(m, -1, QK // per).sum(-1, dtype=torch.int32)
+        mins = mw.unsqueeze(0).double() * (dx.repeat_interleave(per, 1) * sums.float()).unsqueeze(1).double()
         terms = torch.cat((terms, mins), dim=-1)
     return terms

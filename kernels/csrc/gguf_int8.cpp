@@ -6,14 +6,14 @@
 // Why: prefill is compute-bound, and gguf_linear decodes every block to fp32 and multiplies at the
 // fp32 peak. AVX512-VNNI's vpdpbusd does 64 int8 multiply-adds an instruction, four times an fp32 FMA.
 //
-// Types: those with an integer form (block_ints.h): every type but Q2_K, whose min per 16 weights
-// stays on the exact kernel. The math (llama.cpp's Q8_0 / Q8_1 activations; our own code):
+// Types: those with an integer form (block_ints.h): every block type. The math (llama.cpp's Q8_0 / Q8_1 activations; our own code):
 // - x is quantized per row and per 32-block: d = max|x| / 127, q = round-half-even(x / d) in int8
 //   (fp32 scale, where llama.cpp stores an fp16 one), and s = sum(q) per block.
 // - a chunk of weights is  w = d_w * k_h * (u - offset) + m_w  (block_ints.h), so per weight row n and
 //   chunk b the dot is exact in int32:  i = sum_j u[j] * q[j] - offset * s  (a split type: each half's,
 //   times its k_h, summed).
-// - out[m, n] = sum_b  i * (d_w * d_x)  [+ m_w * (d_x * s) for a type with a minimum],
+// - out[m, n] = sum_b  i * (d_w * d_x)  [+ m_w * (d_x * s) for a type with a minimum; Q2_K:
+//   + m_h * (d_x * s_h) for each half h, s_h that half's sum of q],
 //   summed over b in order with one fused multiply-add each, then + bias.
 // So the only rounding besides the activation quantization is fp32 summation over K/32 terms (and a
 // split type's dot, which can pass 2^24, rounded to fp32 as the reference rounds it): the

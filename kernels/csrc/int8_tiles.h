@@ -20,6 +20,7 @@
 namespace radixserve_cpu::int8_tiles {
 
 using ints::chunk_values;
+using ints::half_min;
 using ints::has_min;
 using ints::kBlock;
 using ints::split;
@@ -60,13 +61,13 @@ inline void quantize_block_portable(const float* x, int8_t* q, float* d_out, int
   *s_out = s2[0] + s2[1];
 }
 
-// A tile of 32 weight rows, decoded: u [nb][8][32][4] bytes, dw and mw [nb][32] fp32, and a split type's
-// half scales k [nb][2][32] int32 (absent for the others), one after the other in tile_bytes(Q, nb)
-// bytes. Rows past the weight's last are zero (their outputs are not stored). Decoded per call into a
+// A tile of 32 weight rows, decoded: u [nb][8][32][4] bytes, dw and mw [nb][32] fp32 (a half_min type's
+// mw [nb][2][32]), and a split type's half scales k [nb][2][32] int32 (absent for the others), one after
+// the other in tile_bytes(Q, nb) bytes. Rows past the weight's last are zero (their outputs are not stored). Decoded per call into a
 // thread's buffer (gguf_int8_linear), or once at load into a weight's stored tiles (gguf_int8_pack),
 // which the products then stream as they are.
 //
-// Types whose u fit in 4 bits (Q4_0, Q4_1, Q4_K, Q3_K) keep two groups a byte: group g in the low
+// Types whose u fit in 4 bits (Q4_0, Q4_1, Q4_K, Q3_K, Q2_K) keep two groups a byte: group g in the low
 // nibble of slot g % 4 for g < 4, the high nibble for g >= 4 ([nb][4][32][4] bytes), so a stored tile
 // of the default model's Q4_1 is 0.75 bytes a weight, not 1.25, and a decode step reads 40% fewer bytes;
 // a shift and a mask a 64-byte load give the bytes back.
@@ -78,7 +79,7 @@ struct Tile {
 };
 
 constexpr bool nibbles(int64_t q) {
-  return q == blocks::kQ4_0 || q == blocks::kQ4_1 || q == blocks::kQ4_K || q == blocks::kQ3_K;
+  return q == blocks::kQ4_0 || q == blocks::kQ4_1 || q == blocks::kQ4_K || q == blocks::kQ3_K || q == blocks::kQ2_K;
 }
 
 constexpr int64_t kGroupBytes = kTileRows * 4;  // one group's 4 bytes of every row of a tile
@@ -86,13 +87,18 @@ constexpr int64_t kGroupBytes = kTileRows * 4;  // one group's 4 bytes of every 
 // Bytes of one chunk's u in a tile: 8 groups, or 4 slots of two.
 constexpr int64_t chunk_u_bytes(int64_t q) { return (nibbles(q) ? kGroups / 2 : kGroups) * kGroupBytes; }
 
+// Minimums per chunk and tile row: one, or a half_min type's two.
+constexpr int64_t mins_per_chunk(int64_t q) { return half_min(q) ? 2 : 1; }
+
 constexpr int64_t tile_bytes(int64_t q, int64_t nb) {
-  return nb * chunk_u_bytes(q) + 2 * nb * kTileRows * 4 + (split(q) ? 2 * nb * kTileRows * 4 : 0);
+  return nb * chunk_u_bytes(q) + (1 + mins_per_chunk(q)) * nb * kTileRows * 4 +
+         (split(q) ? 2 * nb * kTileRows * 4 : 0);
 }
 
 inline Tile tile_at(const uint8_t* base, int64_t q, int64_t nb) {
   const auto* dw = reinterpret_cast<const float*>(base + nb * chunk_u_bytes(q));
-  return {base, dw, dw + nb * kTileRows, reinterpret_cast<const int32_t*>(dw + 2 * nb * kTileRows)};
+  const float* mw = dw + nb * kTileRows;
+  return {base, dw, mw, reinterpret_cast<const int32_t*>(mw + mins_per_chunk(q) * nb * kTileRows)};
 }
 
 // Byte j (0-3) of row r's group g in a chunk's u (at u).
@@ -110,13 +116,15 @@ void decode_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t n0, in
   uint8_t* u = base;
   auto* dw = reinterpret_cast<float*>(base + nb * chunk_u_bytes(Q));
   float* mw = dw + nb * kTileRows;
-  auto* hk = reinterpret_cast<int32_t*>(mw + nb * kTileRows);
+  auto* hk = reinterpret_cast<int32_t*>(mw + mins_per_chunk(Q) * nb * kTileRows);
   for (int64_t r = 0; r < rows; ++r) {
     const uint8_t* row = w + (n0 + r) * row_bytes;
     for (int64_t b = 0; b < nb; ++b) {
       uint8_t vals[kBlock];  // the chunk's 32 unsigned byte values in K order
       int32_t k[2] = {0, 0};
-      chunk_values<Q>(row + b / per * bb, b % per, vals, dw[b * kTileRows + r], mw[b * kTileRows + r], k);
+      float m[2] = {0.f, 0.f};
+      chunk_values<Q>(row + b / per * bb, b % per, vals, dw[b * kTileRows + r], m, k);
+      for (int64_t h = 0; h < mins_per_chunk(Q); ++h) mw[(mins_per_chunk(Q) * b + h) * kTileRows + r] = m[h];
       if constexpr (split(Q)) {
         hk[(2 * b) * kTileRows + r] = k[0];
         hk[(2 * b + 1) * kTileRows + r] = k[1];
@@ -170,6 +178,11 @@ void tile_rows_portable(const QuantX& x, const Tile& t, int64_t m0, int64_t m1, 
         const float dx = x.d[m * x.nb + b];
         acc = std::fma(static_cast<float>(i), t.dw[b * kTileRows + r] * dx, acc);
         if constexpr (has_min(Q)) acc = std::fma(t.mw[b * kTileRows + r], x.ds[m * x.nb + b], acc);
+        if constexpr (half_min(Q)) {  // each half's minimum times d_x * that half's sum
+          const int32_t* s2 = x.s2 + m * 2 * x.nb + 2 * b;
+          for (int64_t h = 0; h < 2; ++h)
+            acc = std::fma(t.mw[(2 * b + h) * kTileRows + r], dx * static_cast<float>(s2[h]), acc);
+        }
       }
       o.out[m * o.N + n0 + r] = o.bias != nullptr ? acc + o.bias[n0 + r] : acc;
     }
@@ -280,6 +293,18 @@ VNNI_TARGET void tile_rows_vnni(const QuantX& x, const Tile& t, int64_t m0, int6
         const __m512 ds = _mm512_set1_ps(x.ds[(m0 + r) * x.nb + b]);
         acc[r][0] = _mm512_fmadd_ps(mw0, ds, acc[r][0]);
         acc[r][1] = _mm512_fmadd_ps(mw1, ds, acc[r][1]);
+      }
+    }
+    if constexpr (half_min(Q)) {
+      for (int h = 0; h < 2; ++h) {
+        const __m512 mw0 = _mm512_loadu_ps(t.mw + (2 * b + h) * kTileRows);
+        const __m512 mw1 = _mm512_loadu_ps(t.mw + (2 * b + h) * kTileRows + 16);
+        for (int r = 0; r < R; ++r) {
+          const int64_t m = m0 + r;
+          const __m512 ds = _mm512_set1_ps(x.d[m * x.nb + b] * static_cast<float>(x.s2[m * 2 * x.nb + 2 * b + h]));
+          acc[r][0] = _mm512_fmadd_ps(mw0, ds, acc[r][0]);
+          acc[r][1] = _mm512_fmadd_ps(mw1, ds, acc[r][1]);
+        }
       }
     }
   }

@@ -52,7 +52,7 @@ from torch import nn
 
 from radixserve.kernels import gguf_bf16, gguf_int8
 from radixserve.model.gguf import GGUFLinear, Weight
-from radixserve.model.gguf_blocks import FORMATS, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, TYPE_NAMES, is_blocks
+from radixserve.model.gguf_blocks import FORMATS, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, TYPE_NAMES
 from radixserve.model.layers import Linear
 from radixserve.model.llama import LlamaForCausalLM
 
@@ -344,21 +344,12 @@ def apply(model: LlamaForCausalLM, arithmetic: str, many_rows: int, decode: str 
         linears = _decoder_gguf_linears(model)
         for g in linears:
             g.use_many_rows_arithmetic(chosen, many_rows)
+        # Both block kernels take every block type, so no part stays exact.
         logger.info(
             "products of more than %d rows run in %s on the GGUF blocks (approximate); fewer stay exact",
             many_rows,
             chosen,
         )
-        exact: list[str] = []  # the block types that stay exact: none in bfloat16, which takes every one
-        if chosen == "int8":
-            qtypes = {q for g in linears for q in g.qtypes if is_blocks(q) and q not in gguf_int8.TYPES}
-            exact = sorted(TYPE_NAMES[q] for q in qtypes)
-        if exact:
-            logger.info(
-                "GGUF weights of type %s stay exact at every row count (the int8 block kernel takes %s)",
-                ", ".join(exact),
-                ", ".join(TYPE_NAMES[q] for q in gguf_int8.TYPES),
-            )
     elif chosen != "exact":
         for name, m in model.named_modules():
             if _is_decoder_linear(name, m):

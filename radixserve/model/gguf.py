@@ -67,9 +67,8 @@ def gguf_linear(
     """``x [..., K] @ W.T + bias`` with ``W`` the rows ``blocks`` of type ``qtype``: through the C++ op,
     or (``use_op`` False) the reference: dequantize, then ``F.linear``. Above ``many_rows`` rows (> 0,
     set by model/arithmetic.py), ``arithmetic`` on the blocks (approximate): int8 (kernels/gguf_int8.py)
-    for the types that kernel takes (``gguf_int8.TYPES``; the others stay exact), or bfloat16
-    (kernels/gguf_bf16.py, every type). With ``tiles`` (the blocks' int8 tiles, ``gguf_int8.pack``:
-    ``decode_arithmetic`` int8), int8 at every row count."""
+    or bfloat16 (kernels/gguf_bf16.py), each for every block type. With ``tiles`` (the blocks' int8
+    tiles, ``gguf_int8.pack``: ``decode_arithmetic`` int8), int8 at every row count."""
     k = x.shape[-1]
     rows = x.reshape(-1, k)
     if use_op and tiles is not None:
@@ -168,7 +167,7 @@ class GGUFLinear(nn.Module):
     def use_many_rows_arithmetic(self, arithmetic: str, rows: int) -> None:
         """Products of more than ``rows`` rows in ``arithmetic`` over the blocks themselves (prefill,
         extend: ``model/arithmetic.py``): "int8" (activations per 32-block times the blocks,
-        ``kernels/gguf_int8.py``; parts of a type that kernel does not take stay exact) or "bfloat16"
+        ``kernels/gguf_int8.py``) or "bfloat16"
         (each tile decoded and rounded to bf16, ``kernels/gguf_bf16.py``); fewer rows keep the blocks'
         exact fp32 arithmetic."""
         if arithmetic not in ("int8", "bfloat16"):
@@ -179,7 +178,7 @@ class GGUFLinear(nn.Module):
     def use_int8_tiles(self) -> list[int]:
         """Every product in int8 (``decode_arithmetic`` int8, model/arithmetic.py): each part group of a
         type the int8 kernel takes gets its blocks' int8 tiles, made once here (kept beside the blocks:
-        1.25 bytes a weight, 0.75 for the 4-bit types). Returns the types left exact (Q2_K, plain types)."""
+        1.25 bytes a weight, 0.75 for the 4-bit types). Returns the types left exact (plain parts: F32)."""
         exact = []
         for i, qtype in enumerate(self.qtypes):
             if qtype in gguf_int8.TYPES:

@@ -194,26 +194,32 @@ def dequantize(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
 
 
 # The types whose every chunk of 32 weights is one fp32 scale times integers plus at most one fp32
-# minimum: the int8 block kernel's (kernels/gguf_int8.TYPES, held equal by a test; kernels sit below
-# this package, so they keep their own list). Q3_K's and Q6_K's integer scale per 16 weights goes into
-# the integers; Q2_K's minimum per 16 weights has no such form.
-CHUNK_AFFINE = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q3_K, Q4_K, Q5_K, Q6_K)
+# minimum (Q2_K: one per 16 weights): the int8 block kernel's (kernels/gguf_int8.TYPES, held equal by
+# a test; kernels sit below this package, so they keep their own list). Q2_K's, Q3_K's and Q6_K's
+# integer scale per 16 weights goes into the integers. Every block type.
+CHUNK_AFFINE = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
 
 
 def chunk_integers(
     blocks: torch.Tensor, qtype: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A weight ``[N, row_bytes]`` of a ``CHUNK_AFFINE`` type as (integer values ``[N, K/32, 32]``
-    int32, scale ``[N, K/32]`` fp32, minimum ``[N, K/32]`` fp32 or None): ``weight = scale * value +
-    minimum`` in fp32, which is ``dequantize``'s result bit for bit, but for the sign of a zero weight
-    of Q3_K or Q6_K (tests/model/test_gguf.py, and on llama-quantize's own blocks
-    tests/model/test_gguf_kquants.py)."""
+    int32, scale ``[N, K/32]`` fp32, minimum ``[N, K/32]`` fp32, Q2_K's ``[N, K/16]``, or None):
+    ``weight = scale * value + minimum`` in fp32 (``affine_weights``), which is ``dequantize``'s result
+    bit for bit, but for the sign of a zero weight of Q3_K or Q6_K (tests/model/test_gguf.py, and on
+    llama-quantize's own blocks tests/model/test_gguf_kquants.py)."""
     if qtype not in CHUNK_AFFINE:
         raise ValueError(f"{TYPE_NAMES.get(qtype, qtype)} has no scale per chunk of 32 weights")
     f = FORMATS[qtype]
     n, b = blocks.shape[0], blocks.reshape(-1, f.bytes)
     minimum: torch.Tensor | None = None
-    if qtype == Q6_K:  # (d * scale) * (q - 32), d * scale exact: the same as d * (scale * (q - 32))
+    if qtype == Q2_K:  # (d * sc) * q - dmin * mn per 16 weights: d * (sc * q) is exact, as is dmin * mn
+        sc = b[:, 0:16]
+        scale = _half(b[:, 80:82]).expand(-1, 8)
+        minimum = -(_half(b[:, 82:84]) * (sc >> 4).float())
+        ql = _bits(b[:, 16:80].reshape(-1, 2, 32), range(0, 8, 2), 3).reshape(-1, 16, 16)
+        q = (ql.to(torch.int32) * (sc & 0x0F).to(torch.int32).reshape(-1, 16, 1)).reshape(-1, 8, 32)
+    elif qtype == Q6_K:  # (d * scale) * (q - 32), d * scale exact: the same as d * (scale * (q - 32))
         scale = _half(b[:, 208:210]).expand(-1, 8)  # one d for the block's 8 chunks
         sub = b[:, 192:208].contiguous().view(torch.int8).to(torch.int32).reshape(-1, 16, 1)
         low = _nibbles(b[:, 0:128], 2).reshape(-1, 8, 32)
@@ -256,3 +262,13 @@ def chunk_integers(
         scale.contiguous().reshape(shape),
         None if minimum is None else minimum.reshape(shape),
     )
+
+
+def affine_weights(values: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None) -> torch.Tensor:
+    """``chunk_integers``' weight ``[N, K]``: ``scale * value + minimum`` in fp32, each minimum over its
+    chunk of 32 weights (Q2_K's over each half of 16)."""
+    n = values.shape[0]
+    weights = scale.unsqueeze(-1) * values.float()
+    if minimum is not None:
+        weights = (weights.reshape(n, minimum.shape[1], -1) + minimum.unsqueeze(-1)).reshape(values.shape)
+    return weights.reshape(n, -1)

@@ -3,7 +3,7 @@
 with the blocks' integer values, the same fp32 scale products; the only difference allowed is the fp32
 summation over the terms, bounded by T * 2^-24 * sum(|terms|) (T terms a sum: K/32, twice that for a
 type with a minimum). The VNNI kernel equals the portable one bit for bit. Every type the kernel takes
-(``gguf_int8.TYPES``: the legacy ones, IQ4_NL, and the k-quants but Q2_K)."""
+(``gguf_int8.TYPES``: every block type, the legacy ones, IQ4_NL and the k-quants)."""
 
 from __future__ import annotations
 
@@ -43,8 +43,10 @@ def _x(rows: int, seed: int, k: int = K) -> torch.Tensor:
     return x
 
 
-def test_the_kernel_takes_every_type_whose_chunks_have_one_scale() -> None:
-    assert set(TYPES) == {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+def test_the_kernel_takes_every_block_type() -> None:
+    assert set(TYPES) == {Q(q) for q in gguf_blocks.FORMATS}  # Q2_K too: a minimum per 16 weights
+    legacy = {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL}
+    assert set(TYPES) == legacy | {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
     assert set(gguf_int8.TYPES) == set(gguf_blocks.CHUNK_AFFINE)  # the op's list, the formats' list
 
 
@@ -65,7 +67,7 @@ def test_block_int8_product_equals_its_reference(qtype: Q, rows: int) -> None:
     x = _x(rows, rows, k)
     got = torch.ops.radixserve_cpu.gguf_int8_linear(x, blocks, int(qtype), k, None)
     terms = gguf_int8.reference_terms(x, *gguf_blocks.chunk_integers(blocks, int(qtype)))
-    assert terms.shape == (rows, N, k // 32 * (2 if qtype in WITH_MIN else 1))
+    assert terms.shape == (rows, N, k // 32 * (2 if qtype in WITH_MIN else 3 if qtype == Q.Q2_K else 1))
     bound = terms.shape[-1] * 2.0**-24 * terms.abs().sum(-1)
     err = (got.double() - terms.sum(-1)).abs()
     assert got.shape == (rows, N) and bool((err <= bound).all()), float((err - bound).max())
@@ -88,16 +90,14 @@ def test_block_int8_product_is_close_to_the_exact_one_with_bias(qtype: Q) -> Non
 
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q6_K, Q.Q2_K])
 def test_gguf_linear_takes_the_block_int8_path_above_many_rows(qtype: Q) -> None:
-    """Above ``many_rows`` rows a type the kernel takes runs in int8; Q2_K (a minimum every 16
-    weights) stays exact at every row count."""
+    """Above ``many_rows`` rows the block product runs in int8; at or below, exact."""
     if not gguf_int8.available():
         pytest.skip(f"the VNNI block kernel does not run here: {gguf_int8.why_unavailable()}")
     blocks, k = _blocks(qtype), _k(qtype)
     x = _x(12, 2, k)
     exact = torch.ops.radixserve_cpu.gguf_linear(x, blocks, int(qtype), k, None)
-    takes = qtype != Q.Q2_K
-    int8 = torch.ops.radixserve_cpu.gguf_int8_linear(x, blocks, int(qtype), k, None) if takes else exact
-    assert not torch.equal(int8, exact) or not takes
+    int8 = torch.ops.radixserve_cpu.gguf_int8_linear(x, blocks, int(qtype), k, None)
+    assert not torch.equal(int8, exact)
     assert torch.equal(gguf.gguf_linear(x, blocks, int(qtype), None, True, many_rows=11), int8)
     assert torch.equal(gguf.gguf_linear(x, blocks, int(qtype), None, True, many_rows=12), exact)
 
@@ -108,9 +108,6 @@ def test_bad_input_is_a_clear_error() -> None:
         torch.ops.radixserve_cpu.gguf_int8_linear(torch.randn(2, 40), blocks, int(Q.Q4_0), 40, None)
     with pytest.raises(RuntimeError, match="unsupported block type"):
         torch.ops.radixserve_cpu.gguf_int8_linear(torch.randn(2, K), blocks, 1, K, None)
-    q2k = _blocks(Q.Q2_K)
-    with pytest.raises(RuntimeError, match="unsupported block type 10"):  # Q2_K: 16-weight minimums
-        torch.ops.radixserve_cpu.gguf_int8_linear(torch.randn(2, 256), q2k[:, :84], 10, 256, None)
     with pytest.raises(RuntimeError, match="whole blocks of 256"):
         torch.ops.radixserve_cpu.gguf_int8_linear(torch.randn(2, K), blocks, int(Q.Q4_K), K, None)
     with pytest.raises(RuntimeError, match="blocks must be uint8"):
@@ -125,10 +122,11 @@ def test_stored_tiles_give_the_blocks_product_bit_for_bit(qtype: Q, portable: bo
     blocks, k = _blocks(qtype, seed=5), _k(qtype)
     tiles = gguf_int8.pack(blocks, int(qtype), k)
     assert tiles.dtype == torch.uint8 and tiles.shape[0] == -(-N // gguf_int8.TILE_ROWS)  # a short last tile
-    # u: a byte a weight, half a byte where it fits in 4 bits; then fp32 d_w and m_w (and Q3_K/Q6_K's k_h)
-    # per 32 weights of each of the tile's 32 rows.
-    u_bytes = 0.5 if qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q3_K) else 1.0
-    per_chunk = 32 * (32 * u_bytes + 8 + (8 if qtype in (Q.Q3_K, Q.Q6_K) else 0))
+    # u: a byte a weight, half a byte where it fits in 4 bits; then fp32 d_w and m_w (Q2_K: two m_h; and
+    # Q2_K/Q3_K/Q6_K's k_h) per 32 weights of each of the tile's 32 rows.
+    u_bytes = 0.5 if qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q3_K, Q.Q2_K) else 1.0
+    scales = 8 + (4 if qtype == Q.Q2_K else 0) + (8 if qtype in (Q.Q2_K, Q.Q3_K, Q.Q6_K) else 0)
+    per_chunk = 32 * (32 * u_bytes + scales)
     assert tiles.shape[1] == k // 32 * per_chunk
     bias = torch.randn(N)
     for rows in (1, 3, 8, 40):
@@ -146,5 +144,5 @@ def test_stored_tiles_of_the_wrong_shape_are_a_clear_error() -> None:
         torch.ops.radixserve_cpu.gguf_int8_tiles_linear(
             torch.randn(2, K), tiles[:-1], int(Q.Q4_0), K, N, None
         )
-    with pytest.raises(RuntimeError, match="unsupported block type 10"):
-        torch.ops.radixserve_cpu.gguf_int8_pack(_blocks(Q.Q2_K)[:, :84], 10, 256)
+    with pytest.raises(RuntimeError, match="unsupported block type 1"):  # F16: no blocks
+        torch.ops.radixserve_cpu.gguf_int8_pack(blocks, 1, K)

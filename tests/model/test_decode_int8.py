@@ -84,10 +84,16 @@ def _vnni() -> None:
         pytest.skip(f"the VNNI block kernel does not run here: {gguf_int8.why_unavailable()}")
 
 
-def test_native_int8_step_matches_the_torch_int8_step(mixed_gguf: Path) -> None:
-    reference = _runner(mixed_gguf, False, "int8")
-    native = _runner(mixed_gguf, True, "int8")
-    exact = _runner(mixed_gguf, False, "exact")
+# llama-quantize's own Q4_K_M mix (tests/make_kquant_gguf.py): Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, IQ4_NL.
+KQUANT_FIXTURE = Path(__file__).resolve().parents[1] / "data" / "kquant_tiny.gguf"
+
+
+@pytest.mark.parametrize("file", ["mixed", "kquant"])
+def test_native_int8_step_matches_the_torch_int8_step(mixed_gguf: Path, file: str) -> None:
+    path = mixed_gguf if file == "mixed" else KQUANT_FIXTURE
+    reference = _runner(path, False, "int8")
+    native = _runner(path, True, "int8")
+    exact = _runner(path, False, "exact")
     assert native.native is not None
     assert all(k >= gguf_int8.TILES_KIND for k in native.native.kinds)  # every weight streamed as tiles
     steps = _steps(reference.model.config.vocab_size)

@@ -51,8 +51,7 @@ def test_the_integer_form_of_blocks_is_the_reference_bit_for_bit(qtype: GGMLQuan
     blocks = random_blocks(qtype, rows=37, blocks=5)
     values, scale, minimum = gguf_blocks.chunk_integers(blocks, int(qtype))
     assert values.dtype == torch.int32 and values.shape == (37, scale.shape[1], 32)
-    weights = scale.unsqueeze(-1) * values.float()
-    got = (weights if minimum is None else weights + minimum.unsqueeze(-1)).reshape(37, -1).numpy()
+    got = gguf_blocks.affine_weights(values, scale, minimum).numpy()
     want = reference_dequantize(blocks.numpy(), qtype).reshape(37, -1)
     # Bit for bit, but for a zero's sign: Q3_K and Q6_K fold their 16-weight scales into the integers.
     assert np.array_equal(got, want) and bool(

@@ -71,20 +71,20 @@ def test_the_integer_form_of_llama_cpp_blocks_is_the_reference_bit_for_bit() -> 
         if qtype not in gguf_blocks.CHUNK_AFFINE:
             continue
         seen.add(gguf_blocks.TYPE_NAMES[qtype])
-        values, scale, minimum = gguf_blocks.chunk_integers(torch.from_numpy(data.copy()), qtype)
-        got = scale.unsqueeze(-1) * values.float()
-        got = (got if minimum is None else got + minimum.unsqueeze(-1)).reshape(data.shape[0], -1)
+        got = gguf_blocks.affine_weights(*gguf_blocks.chunk_integers(torch.from_numpy(data.copy()), qtype))
         assert torch.equal(got, gguf_blocks.dequantize(torch.from_numpy(data.copy()), qtype)), name
-    assert seen >= {"Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "IQ4_NL"}
+    assert seen >= {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "IQ4_NL"}
 
 
 @pytest.mark.skipif(not cpu_build.load(), reason="no C++ CPU kernels here (they need a compiler)")
 def test_the_int8_kernel_multiplies_llama_cpp_blocks_as_its_reference() -> None:
-    """The int8 block kernel on llama-quantize's own k-quant (but Q2_K), Q5_0 and IQ4_NL tensors: within fp32
+    """The int8 block kernel on llama-quantize's own k-quant, Q5_0 and IQ4_NL tensors: within fp32
     summation of its reference terms (kernels/gguf_int8.py), and within 2% of the exact product."""
+    seen = set()
     for name, qtype, data in _quantized():
         if qtype not in gguf_int8.TYPES:
             continue
+        seen.add(gguf_blocks.TYPE_NAMES[qtype])
         blocks = torch.from_numpy(data.copy())
         k = blocks.shape[1] // gguf_blocks.FORMATS[qtype].bytes * gguf_blocks.FORMATS[qtype].weights
         x = torch.randn(40, k, generator=torch.Generator().manual_seed(qtype))
@@ -94,6 +94,7 @@ def test_the_int8_kernel_multiplies_llama_cpp_blocks_as_its_reference() -> None:
         assert bool((err <= terms.shape[-1] * 2.0**-24 * terms.abs().sum(-1)).all()), name
         exact = torch.ops.radixserve_cpu.gguf_linear(x, blocks, qtype, k, None)
         assert float((got - exact).norm() / exact.norm()) < 0.02, name
+    assert seen >= {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "IQ4_NL"}
 
 
 def test_the_llama_quantize_file_serves_token_identical_to_its_fp32_dequantization(tmp_path: Path) -> None:
