@@ -27,6 +27,7 @@ import json
 import shutil
 import subprocess
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -285,14 +286,16 @@ def dequantized_folder(gguf: Path) -> Path:
     return folder
 
 
-def quantized_file(folder: Path, peers_dir: Path, ftype: str) -> Path:
-    """``<folder>.<ftype>.gguf`` beside the folder, quantized by llama-quantize from its F32 GGUF once."""
-    out = folder.parent / f"{folder.name}.{ftype}.gguf"
+def quantized_file(folder: Path, peers_dir: Path, ftype: str, tensor_types: Sequence[str] = ()) -> Path:
+    """``<folder>.<ftype>.gguf`` beside the folder, quantized by llama-quantize from its F32 GGUF once;
+    ``tensor_types`` (``ffn_down=q2_k``, ...) are its ``--tensor-type`` overrides, named in the file's."""
+    out = folder.parent / f"{folder.name}.{'+'.join([ftype, *tensor_types])}.gguf"
     if not out.is_file():
         f32 = build_gguf(folder, "F32")
         tool = peers_dir / "llama.cpp-build" / "bin" / "llama-quantize"
         tmp = out.with_suffix(".gguf.tmp")
-        subprocess.run([str(tool), str(f32), str(tmp), ftype], check=True, capture_output=True)
+        overrides = [a for t in tensor_types for a in ("--tensor-type", t)]
+        subprocess.run([str(tool), *overrides, str(f32), str(tmp), ftype], check=True, capture_output=True)
         tmp.rename(out)
     return out
 

@@ -13,11 +13,12 @@ its speed.
   model's fp32 folder is its Q4_1 file's exact dequantization), and mean |d loglik| of the text tokens.
 
     python -m benchmarks.gguf_int8_bench [--tokens 512] [--rounds 7] [--captured] [--threads N]
-        [--ftype Q4_K_M]
+        [--ftype Q4_K_M] [--tensor-type ffn_down=q2_k ...]
 
 ``--ftype``: instead of the default model's own Q4_1 file, llama.cpp's ``llama-quantize`` of its fp32
 weights to that type (bench_models.quantized_file; Q4_K_M mixes Q5_0, Q4_K, Q6_K and Q8_0), with "fp32
-exact" the fp32 folder of that file's dequantization.
+exact" the fp32 folder of that file's dequantization; ``--tensor-type`` passes llama-quantize overrides
+(``ffn_down=q2_k``: SmolLM2's only rows that are whole 256-weight super-blocks).
 
 Writes benchmarks/results/gguf_int8.{json,md}.
 """
@@ -90,6 +91,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--captured", action="store_true", help="the compiled step (default: eager)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--ftype", default=None, help="a llama-quantize type of the default model (Q4_K_M, ...)")
+    p.add_argument(
+        "--tensor-type", action="append", default=[], help="with --ftype: llama-quantize's override NAME=TYPE"
+    )
     p.add_argument("--peers-dir", type=Path, default=PEERS_DIR, help="where llama.cpp is built")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated MODES names")
     p.add_argument("--name", default="gguf_int8")
@@ -101,7 +105,8 @@ def main(argv: list[str] | None = None) -> None:
     models: dict[str, dict[str, Any]] = {name: {} for name in modes}
     notes = ""
     if args.ftype:
-        gguf = quantized_file(prepare_default_model(progress=False), args.peers_dir, args.ftype)
+        folder = prepare_default_model(progress=False)
+        gguf = quantized_file(folder, args.peers_dir, args.ftype, args.tensor_type)
         models = {name: {"model": str(gguf)} for name in modes}
         models["fp32 exact"] = {"model": str(dequantized_folder(gguf))}
         notes = f"File: {gguf.name} (llama-quantize), tensor types {tensor_types(gguf)}."
