@@ -61,6 +61,7 @@ HEADERS = (
     "block_decode.h",
     "block_ints.h",
     "block_rows.h",
+    "int8_tiles.h",
     "step_products.h",
 )
 DISABLE_ENV = "RADIXSERVE_CPU_KERNELS"

@@ -63,9 +63,9 @@ inline void quantize_block_portable(const float* x, int8_t* q, float* d_out, int
 
 // A tile of 32 weight rows, decoded: u [nb][8][32][4] bytes, dw and mw [nb][32] fp32 (a half_min type's
 // mw [nb][2][32]), and a split type's half scales k [nb][2][32] int32 (absent for the others), one after
-// the other in tile_bytes(Q, nb) bytes. Rows past the weight's last are zero (their outputs are not stored). Decoded per call into a
-// thread's buffer (gguf_int8_linear), or once at load into a weight's stored tiles (gguf_int8_pack),
-// which the products then stream as they are.
+// the other in tile_bytes(Q, nb) bytes. Rows past the weight's last are zero (their outputs are not
+// stored). Decoded per call into a thread's buffer (gguf_int8_linear), or once at load into a weight's
+// stored tiles (gguf_int8_pack), which the products then stream as they are.
 //
 // Types whose u fit in 4 bits (Q4_0, Q4_1, Q4_K, Q3_K, Q2_K) keep two groups a byte: group g in the low
 // nibble of slot g % 4 for g < 4, the high nibble for g >= 4 ([nb][4][32][4] bytes), so a stored tile
@@ -79,7 +79,8 @@ struct Tile {
 };
 
 constexpr bool nibbles(int64_t q) {
-  return q == blocks::kQ4_0 || q == blocks::kQ4_1 || q == blocks::kQ4_K || q == blocks::kQ3_K || q == blocks::kQ2_K;
+  return q == blocks::kQ4_0 || q == blocks::kQ4_1 || q == blocks::kQ4_K || q == blocks::kQ3_K ||
+         q == blocks::kQ2_K;
 }
 
 constexpr int64_t kGroupBytes = kTileRows * 4;  // one group's 4 bytes of every row of a tile
@@ -301,7 +302,8 @@ VNNI_TARGET void tile_rows_vnni(const QuantX& x, const Tile& t, int64_t m0, int6
         const __m512 mw1 = _mm512_loadu_ps(t.mw + (2 * b + h) * kTileRows + 16);
         for (int r = 0; r < R; ++r) {
           const int64_t m = m0 + r;
-          const __m512 ds = _mm512_set1_ps(x.d[m * x.nb + b] * static_cast<float>(x.s2[m * 2 * x.nb + 2 * b + h]));
+          const float sum = static_cast<float>(x.s2[m * 2 * x.nb + 2 * b + h]);
+          const __m512 ds = _mm512_set1_ps(x.d[m * x.nb + b] * sum);
           acc[r][0] = _mm512_fmadd_ps(mw0, ds, acc[r][0]);
           acc[r][1] = _mm512_fmadd_ps(mw1, ds, acc[r][1]);
         }

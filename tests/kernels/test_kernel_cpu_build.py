@@ -106,6 +106,13 @@ def test_the_cache_key_covers_torch_isa_sources_and_flags(tmp_path: Path) -> Non
     assert cpu_build.build_key("AVX2", [src], ["-O3"]) != key
 
 
+def test_every_file_of_the_kernels_is_in_the_cache_key() -> None:
+    """The key hashes SOURCES and HEADERS: a file missing from them (int8_tiles.h was) could change
+    while a stale library kept loading."""
+    on_disk = {p.name for p in cpu_build.CSRC.iterdir() if p.suffix in (".cpp", ".h")}
+    assert on_disk == {*cpu_build.SOURCES, *cpu_build.HEADERS}
+
+
 TINY_OP = """
 #include <torch/library.h>
 int64_t answer() { return 42; }
