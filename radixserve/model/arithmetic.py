@@ -29,7 +29,10 @@ Why: prefill is compute-bound (issue 21: 97% of the fp32 peak on an EPYC, 71% on
   exact, said in one log line. ``bfloat16`` (asked for by name; ``auto`` does not pick it) multiplies
   on the blocks too: each tile of weight rows decoded exactly and rounded to bf16, x rounded to bf16,
   AVX512_BF16 dot products summed in fp32 (``kernels/gguf_bf16.py``), every block type; without
-  AVX512_BF16 a clear error.
+  AVX512_BF16 a clear error. Or, where the start-up timing finds it ``COPY_GAIN`` times faster, over a
+  dense bf16 copy of the blocks (2 bytes a weight; oneDNN's bf16 product, AMX where it executes: 3.7x
+  the exact blocks on a Xeon where the block kernel ran 0.6x; on Zen 4 faster for the scalar-decoded
+  k-quants), logged with both timings.
 - ``decode_arithmetic`` int8 (GGUF weights): every product, decode steps and the LM head included, in
   that int8 arithmetic, as llama.cpp runs on CPU: decode over the blocks in fp32 is bound by decoding
   them and by the FMAs, not by their bytes. Each weight's tiles are decoded once at load and kept
@@ -64,6 +67,9 @@ CHEAPER = ("int8", "bfloat16")
 PROBE_ROWS = 256  # rows of the timed products: a prefill chunk's order of size
 PROBE_TIMEOUT_S = 120.0
 PROBE_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)  # block types gguf.quants.quantize writes
+# A dense bf16 copy of GGUF blocks (2 bytes a weight beside them) is made only where its timed product
+# beats the bf16 block kernel by this factor: on Zen 4 the two tie on legacy blocks, within noise.
+COPY_GAIN = 1.2
 
 
 def cpu_flags() -> set[str]:
@@ -100,9 +106,10 @@ def probe(
     candidates: list[str], shapes: list[tuple[int, int]], rows: int = PROBE_ROWS, qtype: int | None = None
 ) -> dict[str, float]:
     """Seconds for one product of ``rows`` rows by every weight of ``shapes``, per candidate ("exact",
-    "int8", "bfloat16"), timed in a subprocess: fp32 weights, or with ``qtype`` GGUF blocks of that
-    type. A candidate missing from the result did not run: its product failed or killed the
-    subprocess (an instruction the CPU lists but traps)."""
+    "int8", "bfloat16"; with ``qtype``, also "bfloat16-copy": bf16 over a dense copy of the blocks),
+    timed in a subprocess: fp32 weights, or with ``qtype`` GGUF blocks of that type. A candidate missing
+    from the result did not run: its product failed or killed the subprocess (an instruction the CPU
+    lists but traps)."""
     arg = json.dumps({"candidates": candidates, "shapes": shapes, "rows": rows, "qtype": qtype})
     code = "import sys; from radixserve.model.arithmetic import _probe_main; _probe_main(sys.argv[1])"
     # The child imports this very package, wherever the caller's working directory is.
@@ -168,7 +175,9 @@ def _probe_linear(w: torch.Tensor, candidate: str, qtype: int | None) -> nn.Modu
 
         blocks = torch.from_numpy(quantize(w.numpy(), GGMLQuantizationType(qtype))).reshape(w.shape[0], -1)
         glin = GGUFLinear([Weight(qtype, blocks, w.shape[1])])
-        if (candidate == "int8" and gguf_int8.available()) or (
+        if candidate == "bfloat16-copy":
+            glin.use_many_rows_arithmetic("bfloat16", 1, dense=True)
+        elif (candidate == "int8" and gguf_int8.available()) or (
             candidate == "bfloat16" and gguf_bf16.why_unavailable() is None
         ):
             glin.use_many_rows_arithmetic(candidate, 1)
@@ -189,7 +198,6 @@ def _resolve_gguf(arithmetic: str, model: nn.Module) -> str:
             raise ValueError(
                 f"prefill_arithmetic bfloat16 over GGUF blocks: {why_not}; use int8, exact or auto"
             )
-        _warn_if_slower(model, "bfloat16")
         return "bfloat16"
     why = gguf_int8.why_unavailable()
     if why is not None:
@@ -219,21 +227,33 @@ def _probe_qtype_and_shapes(model: nn.Module, takes: tuple[int, ...]) -> tuple[i
     return max(set(writable), key=writable.count), sorted({(m.out_features, m.in_features) for m in linears})
 
 
-def _warn_if_slower(model: nn.Module, arithmetic: str) -> None:
-    """``arithmetic`` over the blocks, asked for by name, timed against the exact blocks: a warning
-    where it is slower on this CPU (bf16 on a Xeon: its vdpbf16ps does no more multiply-adds a cycle
-    than two fp32 FMAs, and the exact kernel's sgemm is the better product there). It stays as asked."""
+def _bf16_over_blocks(model: nn.Module) -> bool:
+    """bf16 over the blocks, asked for by name: its block kernel, a dense bf16 copy and the exact blocks
+    timed at start-up. True where the copy is to be made (at least ``COPY_GAIN`` times faster than the
+    block kernel: a Xeon whose vdpbf16ps does no more multiply-adds a cycle than its two fp32 FMAs, but
+    whose AMX runs oneDNN's bf16 product). A warning where the product chosen is slower than the exact
+    blocks; it stays as asked."""
     qtype, shapes = _probe_qtype_and_shapes(model, tuple(FORMATS))
-    times = probe(["exact", arithmetic], shapes, qtype=qtype)
-    if arithmetic in times and "exact" in times and times[arithmetic] > times["exact"]:
+    times = probe(["exact", "bfloat16", "bfloat16-copy"], shapes, qtype=qtype)
+    blocks, copy = times.get("bfloat16"), times.get("bfloat16-copy")
+    dense = copy is not None and (blocks is None or copy * COPY_GAIN < blocks)
+    logger.info(
+        "prefill_arithmetic bfloat16 over GGUF blocks: %s (timed at %d rows over %s blocks: %s)",
+        "a dense bf16 copy of the decoder's blocks, 2 bytes a weight" if dense else "the bf16 block kernel",
+        PROBE_ROWS,
+        TYPE_NAMES.get(qtype, qtype),
+        ", ".join(f"{c} {t * 1e3:.1f} ms" for c, t in sorted(times.items())) or "no candidate ran",
+    )
+    chosen = copy if dense else blocks
+    if chosen is not None and "exact" in times and chosen > times["exact"]:
         logger.warning(
-            "prefill_arithmetic %s over GGUF blocks is slower than the exact blocks on this CPU (%.1f ms "
-            "against %.1f ms at %d rows) and approximate: exact or int8 would serve faster",
-            arithmetic,
-            times[arithmetic] * 1e3,
+            "prefill_arithmetic bfloat16 over GGUF blocks is slower than the exact blocks on this CPU (%.1f "
+            "ms against %.1f ms at %d rows) and approximate: exact or int8 would serve faster",
+            chosen * 1e3,
             times["exact"] * 1e3,
             PROBE_ROWS,
         )
+    return dense
 
 
 def resolve(arithmetic: str, model: nn.Module) -> str:
@@ -342,8 +362,9 @@ def apply(model: LlamaForCausalLM, arithmetic: str, many_rows: int, decode: str 
     chosen = resolve(arithmetic, model)
     if chosen != "exact" and getattr(model, "quantization", None) == "gguf":
         linears = _decoder_gguf_linears(model)
+        dense = chosen == "bfloat16" and _bf16_over_blocks(model)
         for g in linears:
-            g.use_many_rows_arithmetic(chosen, many_rows)
+            g.use_many_rows_arithmetic(chosen, many_rows, dense=dense)
         # Both block kernels take every block type, so no part stays exact.
         logger.info(
             "products of more than %d rows run in %s on the GGUF blocks (approximate); fewer stay exact",

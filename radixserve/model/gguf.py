@@ -63,16 +63,21 @@ def gguf_linear(
     many_rows: int = 0,
     tiles: torch.Tensor | None = None,
     arithmetic: str = "int8",
+    dense: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x [..., K] @ W.T + bias`` with ``W`` the rows ``blocks`` of type ``qtype``: through the C++ op,
     or (``use_op`` False) the reference: dequantize, then ``F.linear``. Above ``many_rows`` rows (> 0,
     set by model/arithmetic.py), ``arithmetic`` on the blocks (approximate): int8 (kernels/gguf_int8.py)
     or bfloat16 (kernels/gguf_bf16.py), each for every block type. With ``tiles`` (the blocks' int8
-    tiles, ``gguf_int8.pack``: ``decode_arithmetic`` int8), int8 at every row count."""
+    tiles, ``gguf_int8.pack``: ``decode_arithmetic`` int8), int8 at every row count. With ``dense`` (a bf16
+    copy of the weight, where the start-up timing chose it), bfloat16 above ``many_rows`` multiplies
+    that copy instead, in the dense Linear's op (oneDNN's bf16 product: AMX where it executes)."""
     k = x.shape[-1]
     rows = x.reshape(-1, k)
     if use_op and tiles is not None:
         out: torch.Tensor = gguf_int8.tiles_linear(rows, tiles, qtype, blocks.shape[0], bias)
+    elif use_op and 0 < many_rows < rows.shape[0] and arithmetic == "bfloat16" and dense is not None:
+        out = torch.ops.radixserve_cpu.linear(rows, dense, None, bias, None, None, dense, many_rows)
     elif use_op and 0 < many_rows < rows.shape[0] and arithmetic == "bfloat16":
         out = gguf_bf16.linear(rows, blocks, qtype, bias)
     elif use_op and 0 < many_rows < rows.shape[0] and qtype in gguf_int8.TYPES:
@@ -142,6 +147,8 @@ class GGUFLinear(nn.Module):
         self.many_arithmetic = "int8"
         # Each group's int8 tiles (decode_arithmetic int8: every product of it in int8), else None.
         self.tiles: list[torch.Tensor | None] = [None] * len(self.qtypes)
+        # Each block group's dense bf16 copy, where bfloat16 multiplies one (use_many_rows_arithmetic).
+        self.bf16_copies: list[torch.Tensor | None] = [None] * len(self.qtypes)
         self._choose()
 
     def native_rows(self, start: int, end: int) -> tuple[torch.Tensor, int] | None:
@@ -164,16 +171,21 @@ class GGUFLinear(nn.Module):
         w: torch.Tensor = getattr(self, f"weight{i}")
         return w
 
-    def use_many_rows_arithmetic(self, arithmetic: str, rows: int) -> None:
+    def use_many_rows_arithmetic(self, arithmetic: str, rows: int, dense: bool = False) -> None:
         """Products of more than ``rows`` rows in ``arithmetic`` over the blocks themselves (prefill,
         extend: ``model/arithmetic.py``): "int8" (activations per 32-block times the blocks,
         ``kernels/gguf_int8.py``) or "bfloat16"
-        (each tile decoded and rounded to bf16, ``kernels/gguf_bf16.py``); fewer rows keep the blocks'
-        exact fp32 arithmetic."""
-        if arithmetic not in ("int8", "bfloat16"):
+        (each tile decoded and rounded to bf16, ``kernels/gguf_bf16.py``; with ``dense``, over a bf16 copy
+        of each block group made now, 2 bytes a weight: oneDNN's bf16 product, its output rounded to
+        bf16 as the fp32 weights' bfloat16 mode rounds it); fewer rows keep the blocks' exact fp32
+        arithmetic."""
+        if arithmetic not in ("int8", "bfloat16") or (dense and arithmetic != "bfloat16"):
             raise ValueError(f"many-rows arithmetic {arithmetic!r} over GGUF blocks is not built")
         self.many_rows = rows
         self.many_arithmetic = arithmetic
+        for i, qtype in enumerate(self.qtypes):
+            if dense and is_blocks(qtype):
+                self.bf16_copies[i] = dequantize(self.part(i), qtype).to(torch.bfloat16)
 
     def use_int8_tiles(self) -> list[int]:
         """Every product in int8 (``decode_arithmetic`` int8, model/arithmetic.py): each part group of a
@@ -212,6 +224,7 @@ class GGUFLinear(nn.Module):
             self.many_rows,
             self.tiles[0],
             self.many_arithmetic,
+            self.bf16_copies[0],
         )
 
     def _parts(self, x: torch.Tensor) -> torch.Tensor:
@@ -219,7 +232,15 @@ class GGUFLinear(nn.Module):
             nn.functional.linear(x, self.part(i), None)
             if qtype == F32
             else gguf_linear(
-                x, self.part(i), qtype, None, self.use_op, self.many_rows, self.tiles[i], self.many_arithmetic
+                x,
+                self.part(i),
+                qtype,
+                None,
+                self.use_op,
+                self.many_rows,
+                self.tiles[i],
+                self.many_arithmetic,
+                self.bf16_copies[i],
             )
             for i, qtype in enumerate(self.qtypes)
         ]

@@ -18,7 +18,7 @@ from benchmarks.accuracy import TEXTS
 from radixserve import Engine, SamplingParams
 from radixserve.cache.page_pool import KVPool
 from radixserve.kernels import cpu_build, gguf_bf16, gguf_int8
-from radixserve.model import arithmetic, gguf_load
+from radixserve.model import arithmetic, gguf_blocks, gguf_load
 from radixserve.model.attention import select_backend
 from radixserve.model.gguf import GGUFLinear
 from radixserve.model.loader import load_model, load_tokenizer
@@ -167,9 +167,11 @@ def test_bf16_over_blocks_sets_every_decoder_weight_and_runs_past_the_threshold(
     model = load_model(tiny_gguf, torch.float32, CPU, "gguf")
     with caplog.at_level(logging.WARNING, logger="radixserve.model"):
         assert arithmetic.apply(model, "bfloat16", 16) == "bfloat16"
-    assert asked and asked[0][0] == ["exact", "bfloat16"] and not caplog.records  # timed; faster: quiet
+    assert asked and asked[0][0] == ["exact", "bfloat16", "bfloat16-copy"]  # timed
+    assert not caplog.records  # faster than exact: quiet
     decoder = _decoder(model)
     assert decoder and all(m.many_rows == 16 and m.many_arithmetic == "bfloat16" for m in decoder)
+    assert all(c is None for m in decoder for c in m.bf16_copies)  # no copy timed: the block kernel
     lin = decoder[0]
     x = torch.randn(40, lin.in_features)
     with torch.no_grad():
@@ -179,6 +181,48 @@ def test_bf16_over_blocks_sets_every_decoder_weight_and_runs_past_the_threshold(
     assert torch.equal(few, exact_few)  # within the threshold: the exact kernel
     assert not torch.equal(many, exact_many)  # past it: bf16 arithmetic
     assert torch.allclose(many, exact_many, rtol=0.05, atol=0.05)
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize(("copy_s", "made"), [(1.0, True), (1.3, False)])
+def test_a_dense_bf16_copy_serves_where_the_timing_finds_it_enough_faster(
+    tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch, copy_s: float, made: bool
+) -> None:
+    """As on a Xeon whose AMX runs oneDNN's bf16 product (3.7x the exact blocks, the block kernel
+    0.6x): the copy is made where it beats the block kernel by COPY_GAIN (1.5 / 1.3 is not enough)."""
+    _fake_probe(monkeypatch, {"exact": 2.0, "bfloat16": 1.5, "bfloat16-copy": copy_s})
+    model = load_model(tiny_gguf, torch.float32, CPU, "gguf")
+    assert arithmetic.apply(model, "bfloat16", 16) == "bfloat16"
+    decoder = _decoder(model)
+    lin = decoder[0]
+    if not made:
+        assert all(c is None for m in decoder for c in m.bf16_copies)
+        return
+    for m in decoder:
+        for i, q in enumerate(m.qtypes):
+            copy = m.bf16_copies[i]
+            if not gguf_blocks.is_blocks(q):  # a plain part stays fp32, exact
+                assert copy is None
+                continue
+            assert copy is not None and copy.dtype == torch.bfloat16
+            assert torch.equal(copy, gguf_blocks.dequantize(m.part(i), q).to(torch.bfloat16))
+    x = torch.randn(40, lin.in_features)
+    with torch.no_grad():
+        many, few = lin(x), lin(x[:16])
+        copies, lin.bf16_copies = lin.bf16_copies, [None] * len(lin.qtypes)
+        kernel = lin(x)  # the bf16 block kernel: the same rounded operands, summed in fp32
+        lin.bf16_copies, lin.many_rows = copies, 0
+        exact_many, exact_few = lin(x), lin(x[:16])
+    assert torch.equal(few, exact_few)  # within the threshold: the exact kernel
+    assert not torch.equal(many, exact_many)  # past it: bf16 over the copy
+    # oneDNN rounds each output to bf16 (2^-8 relative) where the block kernel keeps fp32.
+    assert torch.allclose(many, kernel, rtol=2**-7, atol=1e-3)
+
+
+@needs_bf16_dot
+def test_the_probe_times_bf16_on_the_blocks_and_over_a_dense_copy() -> None:
+    times = arithmetic.probe(["bfloat16", "bfloat16-copy"], [(48, 64), (32, 96)], rows=40, qtype=3)
+    assert set(times) == {"bfloat16", "bfloat16-copy"} and all(t > 0 for t in times.values())
 
 
 @needs_vnni
