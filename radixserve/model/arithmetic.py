@@ -31,8 +31,8 @@ Why: prefill is compute-bound (issue 21: 97% of the fp32 peak on an EPYC, 71% on
   AVX512_BF16 dot products summed in fp32 (``kernels/gguf_bf16.py``), every block type; without
   AVX512_BF16 a clear error. Or, where the start-up timing finds it ``COPY_GAIN`` times faster, over a
   dense bf16 copy of the blocks (2 bytes a weight; oneDNN's bf16 product, AMX where it executes: 3.7x
-  the exact blocks on a Xeon where the block kernel ran 0.6x; on Zen 4 faster for the scalar-decoded
-  k-quants), logged with both timings.
+  the exact blocks on a Xeon where the block kernel ran 0.6x; on Zen 4 the two tie on the legacy
+  blocks the probe times, and the kernel is kept), logged with the timings.
 - ``decode_arithmetic`` int8 (GGUF weights): every product, decode steps and the LM head included, in
   that int8 arithmetic, as llama.cpp runs on CPU: decode over the blocks in fp32 is bound by decoding
   them and by the FMAs, not by their bytes. Each weight's tiles are decoded once at load and kept
@@ -362,9 +362,9 @@ def apply(model: LlamaForCausalLM, arithmetic: str, many_rows: int, decode: str 
     chosen = resolve(arithmetic, model)
     if chosen != "exact" and getattr(model, "quantization", None) == "gguf":
         linears = _decoder_gguf_linears(model)
-        dense = chosen == "bfloat16" and _bf16_over_blocks(model)
+        model.bf16_copy = chosen == "bfloat16" and _bf16_over_blocks(model)
         for g in linears:
-            g.use_many_rows_arithmetic(chosen, many_rows, dense=dense)
+            g.use_many_rows_arithmetic(chosen, many_rows, dense=model.bf16_copy)
         # Both block kernels take every block type, so no part stays exact.
         logger.info(
             "products of more than %d rows run in %s on the GGUF blocks (approximate); fewer stay exact",

@@ -174,11 +174,10 @@ class GGUFLinear(nn.Module):
     def use_many_rows_arithmetic(self, arithmetic: str, rows: int, dense: bool = False) -> None:
         """Products of more than ``rows`` rows in ``arithmetic`` over the blocks themselves (prefill,
         extend: ``model/arithmetic.py``): "int8" (activations per 32-block times the blocks,
-        ``kernels/gguf_int8.py``) or "bfloat16"
-        (each tile decoded and rounded to bf16, ``kernels/gguf_bf16.py``; with ``dense``, over a bf16 copy
-        of each block group made now, 2 bytes a weight: oneDNN's bf16 product, its output rounded to
-        bf16 as the fp32 weights' bfloat16 mode rounds it); fewer rows keep the blocks' exact fp32
-        arithmetic."""
+        ``kernels/gguf_int8.py``) or "bfloat16" (each tile decoded and rounded to bf16,
+        ``kernels/gguf_bf16.py``; with ``dense``, over a bf16 copy of each block group made now, 2 bytes
+        a weight: oneDNN's bf16 product, its output rounded to bf16 as the fp32 weights' bfloat16 mode
+        rounds it); fewer rows keep the blocks' exact fp32 arithmetic."""
         if arithmetic not in ("int8", "bfloat16") or (dense and arithmetic != "bfloat16"):
             raise ValueError(f"many-rows arithmetic {arithmetic!r} over GGUF blocks is not built")
         self.many_rows = rows

@@ -98,6 +98,7 @@ class LlamaForCausalLM(nn.Module):
     checkpoint_quantization: str | None = None  # a quantized HF checkpoint's scheme (model/hf_quant.py)
     arithmetic: str = "exact"  # of products with many rows (model/arithmetic.py)
     decode_arithmetic: str = "exact"  # of decode steps too (model/arithmetic.py: int8 over GGUF blocks)
+    bf16_copy: bool = False  # bfloat16 over GGUF blocks multiplies dense bf16 copies (model/arithmetic.py)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

@@ -17,6 +17,7 @@ from gguf_files import write_tiny_gguf
 from benchmarks.accuracy import TEXTS
 from radixserve import Engine, SamplingParams
 from radixserve.cache.page_pool import KVPool
+from radixserve.cache.tiers import model_fingerprint
 from radixserve.kernels import cpu_build, gguf_bf16, gguf_int8
 from radixserve.model import arithmetic, gguf_blocks, gguf_load
 from radixserve.model.attention import select_backend
@@ -193,6 +194,12 @@ def test_a_dense_bf16_copy_serves_where_the_timing_finds_it_enough_faster(
     _fake_probe(monkeypatch, {"exact": 2.0, "bfloat16": 1.5, "bfloat16-copy": copy_s})
     model = load_model(tiny_gguf, torch.float32, CPU, "gguf")
     assert arithmetic.apply(model, "bfloat16", 16) == "bfloat16"
+    assert model.bf16_copy is made
+    # Its K/V are the copy's: the disk tier and a P/D transfer keep them apart from the kernel's.
+    fingerprint = model_fingerprint(model, model.config, torch.float32, 16)
+    model.bf16_copy = not made
+    assert model_fingerprint(model, model.config, torch.float32, 16) != fingerprint
+    model.bf16_copy = made
     decoder = _decoder(model)
     lin = decoder[0]
     if not made:
