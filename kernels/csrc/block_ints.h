@@ -1,17 +1,18 @@
 // The integer form of GGUF blocks, for the int8 block kernel (gguf_int8.cpp): which types have one,
 // and each chunk of 32 weights as  w = d_w * k_h * (u - offset) + m_w, with u unsigned bytes (the
 // vpdpbusd operand), d_w and m_w exact fp32, and k_h an integer scale per half for the "split" types
-// (Q2_K, Q3_K, Q6_K); Q2_K's m_w is per half too (m_h). Its torch twin is radixserve/model/gguf_blocks.py's chunk_integers; the layouts are
-// block_decode.h's.
+// (Q2_K, Q3_K, Q6_K); Q2_K's m_w is per half too (m_h). Its torch twin is
+// radixserve/model/gguf_blocks.py's chunk_integers; the layouts are block_decode.h's.
 //
-// - u: a nibble (Q4_0, Q4_1, Q4_K), 5 bits (Q5_0, Q5_1, Q5_K), 6 bits (Q6_K), 3 bits (Q3_K), the int8
-//   + 128 (Q8_0), IQ4_NL's level + 128; offset 8, 16, 32, 4, 128 where the values are signed.
+// - u: a nibble (Q4_0, Q4_1, Q4_K), 5 bits (Q5_0, Q5_1, Q5_K), 6 bits (Q6_K), 3 bits (Q3_K), 2 bits
+//   (Q2_K), the int8 + 128 (Q8_0), IQ4_NL's level + 128; offset 8, 16, 32, 4, 128 where the values
+//   are signed.
 // - d_w: the fp16 scale, times a k-quant's 6-bit sub-block scale for Q4_K/Q5_K (exact in fp32); m_w:
 //   Q4_1's and Q5_1's fp16 min, Q4_K's and Q5_K's -dmin * min (exact); Q2_K's -dmin * min of each 16
 //   weights (m_h, exact).
-// - k_h (split types): Q6_K's int8 scale of each 16 weights, Q3_K's 6-bit scale - 32, Q2_K's 4-bit scale. Folding it into
-//   the integers rounds as gguf's (d * k_h) * (u - offset) does: d * k_h is exact, so both are one
-//   rounding of the same product (only a zero weight's sign can differ).
+// - k_h (split types): Q6_K's int8 scale of each 16 weights, Q3_K's 6-bit scale - 32, Q2_K's 4-bit
+//   scale. Folding it into the integers rounds as gguf's (d * k_h) * (u - offset) does: d * k_h is
+//   exact, so both are one rounding of the same product (only a zero weight's sign can differ).
 #pragma once
 
 #include <c10/util/Exception.h>

@@ -55,7 +55,7 @@ from torch import nn
 
 from radixserve.kernels import gguf_bf16, gguf_int8
 from radixserve.model.gguf import GGUFLinear, Weight
-from radixserve.model.gguf_blocks import FORMATS, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, TYPE_NAMES
+from radixserve.model.gguf_blocks import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, TYPE_NAMES
 from radixserve.model.layers import Linear
 from radixserve.model.llama import LlamaForCausalLM
 
@@ -213,17 +213,17 @@ def _resolve_gguf(arithmetic: str, model: nn.Module) -> str:
     if not any(q in gguf_int8.TYPES for m in _decoder_gguf_linears(model) for q in m.qtypes):
         logger.info("prefill_arithmetic auto: exact (the GGUF decoder weights hold no blocks it takes)")
         return "exact"
-    qtype, shapes = _probe_qtype_and_shapes(model, gguf_int8.TYPES)
+    qtype, shapes = _probe_qtype_and_shapes(model)
     return _fastest(probe(["exact", "int8"], shapes, qtype=qtype), "over GGUF blocks")
 
 
-def _probe_qtype_and_shapes(model: nn.Module, takes: tuple[int, ...]) -> tuple[int, list[tuple[int, int]]]:
-    """The block type the probe times (the decoder's commonest of ``takes``) and its weight shapes."""
+def _probe_qtype_and_shapes(model: nn.Module) -> tuple[int, list[tuple[int, int]]]:
+    """The block type the probe times (the decoder's commonest that gguf's writer makes: both block
+    kernels take every block type) and its weight shapes."""
     linears = _decoder_gguf_linears(model)
-    qtypes = [q for m in linears for q in m.qtypes if q in takes]
-    # The probe's blocks come from gguf's writer, which writes no k-quant or IQ4_NL: Q5_0 (a Q4_K_M
-    # file's commonest type) stands in for a file of those only.
-    writable = [q for q in qtypes if q in PROBE_TYPES] or [Q5_0]
+    # gguf's writer writes no k-quant or IQ4_NL: Q5_0 (a Q4_K_M file's commonest type) stands in for a
+    # file of those only.
+    writable = [q for m in linears for q in m.qtypes if q in PROBE_TYPES] or [Q5_0]
     return max(set(writable), key=writable.count), sorted({(m.out_features, m.in_features) for m in linears})
 
 
@@ -233,7 +233,7 @@ def _bf16_over_blocks(model: nn.Module) -> bool:
     block kernel: a Xeon whose vdpbf16ps does no more multiply-adds a cycle than its two fp32 FMAs, but
     whose AMX runs oneDNN's bf16 product). A warning where the product chosen is slower than the exact
     blocks; it stays as asked."""
-    qtype, shapes = _probe_qtype_and_shapes(model, tuple(FORMATS))
+    qtype, shapes = _probe_qtype_and_shapes(model)
     times = probe(["exact", "bfloat16", "bfloat16-copy"], shapes, qtype=qtype)
     blocks, copy = times.get("bfloat16"), times.get("bfloat16-copy")
     dense = copy is not None and (blocks is None or copy * COPY_GAIN < blocks)

@@ -194,10 +194,10 @@ def dequantize(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
 
 
 # The types whose every chunk of 32 weights is one fp32 scale times integers plus at most one fp32
-# minimum (Q2_K: one per 16 weights): the int8 block kernel's (kernels/gguf_int8.TYPES, held equal by
-# a test; kernels sit below this package, so they keep their own list). Q2_K's, Q3_K's and Q6_K's
-# integer scale per 16 weights goes into the integers. Every block type.
-CHUNK_AFFINE = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
+# minimum (Q2_K: one per 16 weights): every block type (Q2_K's, Q3_K's and Q6_K's integer scale per 16
+# weights goes into the integers). The int8 block kernel's too (kernels/gguf_int8.TYPES, held equal by
+# a test; kernels sit below this package, so they keep their own list).
+CHUNK_AFFINE = tuple(FORMATS)
 
 
 def chunk_integers(
