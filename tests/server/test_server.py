@@ -240,7 +240,14 @@ def test_disconnected_streams_release_their_pages(url: str, client: httpx.Client
     readers = [s.__enter__().iter_lines() for s in streams]  # kept alive: a dropped reader closes its stream
     for lines in readers:
         assert first_event(lines)
-    assert scrape(client)["radixserve:num_requests_running"] == 10
+    # The gauge is the engine's snapshot as of its latest step report, which can reach the server
+    # just after a stream's first token: wait (bounded) for it rather than read it once.
+    deadline = time.monotonic() + 10
+    while (
+        running := scrape(client)["radixserve:num_requests_running"]
+    ) != 10 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert running == 10
     for s, c in zip(streams, clients, strict=True):
         s.__exit__(None, None, None)
         c.close()
