@@ -38,9 +38,9 @@ from hf_quant_files import write_dequantized, write_quantized  # noqa: E402
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "gptq-w4a16-sym-actorder": ("gptq", {"symmetric": True, "act_order": True}),
     "gptq-w4a16-sym": ("gptq", {"symmetric": True}),  # fp16 scales, no act-order: on Q4_0 blocks
-    "awq-w4a16-asym": ("awq", {}),
+    "awq-w4a16-asym": ("awq", {}),  # fp16 scales, odd zero points: on Q5_0 blocks
     "ct-w8a8": ("w8a8", {}),
-    "gptq-w4a16-asym": ("gptq", {}),
+    "gptq-w4a16-asym": ("gptq", {}),  # on Q5_0 blocks
     "ct-w4a16-sym": ("pack-quantized", {"symmetric": True}),
     "ct-w4a16-asym-actorder": ("pack-quantized", {"act_order": True}),
 }

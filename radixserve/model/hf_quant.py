@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from radixserve.model.gguf_blocks import CHUNK as BLOCK
-from radixserve.model.gguf_blocks import Q4_0, Q4_1
+from radixserve.model.gguf_blocks import Q4_0, Q4_1, Q5_0
 
 METHODS = ("awq", "gptq", "compressed-tensors")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column AWQ_ORDER[i] of its 8
@@ -152,12 +152,15 @@ class Int4Weight:
         return (self.codes - z).float() * s
 
     def blocks(self) -> tuple[int, torch.Tensor] | None:
-        """The same weight as GGUF blocks ``(qtype, [N, row bytes] uint8)`` where they hold it exactly:
-        Q4_0 where every zero point is 8 (symmetric), else Q4_1 (``d q + m``, ``m = -z s``). Each run of
-        32 input channels must share one group (no act-order interleaving), and every scale (and
-        Q4_1's ``m``) must be an fp16 value; None otherwise. Both decode to ``dense()`` bit for bit:
-        ``(q - 8) d`` is the same product, and ``d q`` and ``-z s`` are exact fp32 multiples of the
-        scale, so their sum is ``(q - z) s`` exactly."""
+        """The same weight as GGUF blocks ``(qtype, [N, row bytes] uint8)`` where they hold it exactly,
+        the fewest bytes first: Q4_0 where every zero point is 8 (symmetric); Q4_1 (``d q + m``,
+        ``m = -z s``) where every ``m`` is an fp16 value; else Q5_0 (``d (q5 - 16)``) with ``q5 = q - z
+        + 16``, which holds any integer zero point's ``q - z`` in [-16, 15] (AWQ's and GPTQ's usual
+        case: an odd zero times a full-mantissa scale is rarely an fp16 value). Each run of 32 input
+        channels must share one group (no act-order interleaving) and every scale must be an fp16
+        value; None otherwise. All three decode to ``dense()`` bit for bit: ``d`` is the scale, a small
+        integer times it is an exact fp32 product, and Q4_1's ``d q`` and ``-z s`` are exact fp32
+        multiples of the scale, so their sum is ``(q - z) s`` exactly."""
         n, k = self.codes.shape
         if k % BLOCK:
             return None
@@ -169,18 +172,31 @@ class Int4Weight:
         d = scales.half()
         if not torch.equal(d.float(), scales):
             return None
-        heads = [d]
-        if not bool((zeros == 8).all()):
-            offset = -(zeros.float() * scales)
-            m = offset.half()
-            if not torch.equal(m.float(), offset):
-                return None
-            heads.append(m)
-        codes = self.codes.view(n, k // BLOCK, BLOCK).to(torch.uint8)
-        nibbles = codes[..., : BLOCK // 2] | (codes[..., BLOCK // 2 :] << 4)  # ggml: j low, j + 16 high
-        raw = [h.unsqueeze(-1).view(torch.uint8) for h in heads] + [nibbles]
-        qtype = Q4_0 if len(heads) == 1 else Q4_1
-        return qtype, torch.cat(raw, dim=-1).reshape(n, -1).contiguous()
+        codes = self.codes.view(n, k // BLOCK, BLOCK)
+        if bool((zeros == 8).all()):
+            return Q4_0, _legacy_blocks([d], codes.to(torch.uint8))
+        offset = -(zeros.float() * scales)
+        m = offset.half()
+        if torch.equal(m.float(), offset):
+            return Q4_1, _legacy_blocks([d, m], codes.to(torch.uint8))
+        q5 = codes - zeros.unsqueeze(-1) + 16
+        if int(q5.min()) < 0 or int(q5.max()) > 31:
+            return None
+        q5 = q5.to(torch.uint8)
+        bits = (q5 >> 4).to(torch.int64) << torch.arange(BLOCK)  # bit j: weight j's fifth bit
+        high = bits.sum(-1).to(torch.int32).view(torch.uint8).view(n, k // BLOCK, 4)  # little-endian
+        return Q5_0, _legacy_blocks([d], q5 & 0xF, high)
+
+
+def _legacy_blocks(
+    heads: list[torch.Tensor], codes: torch.Tensor, high: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Rows of ggml legacy blocks from their fp16 heads ``[N, B]`` each, optional high-bit words ``[N, B,
+    4]`` (Q5) and low nibbles ``[N, B, 32]``: the heads' bytes, the high bits, then 16 bytes holding
+    weight j in the low nibble and weight j + 16 in the high one (ggml's order)."""
+    nibbles = codes[..., : BLOCK // 2] | (codes[..., BLOCK // 2 :] << 4)
+    raw = [h.unsqueeze(-1).view(torch.uint8) for h in heads] + ([] if high is None else [high]) + [nibbles]
+    return torch.cat(raw, dim=-1).reshape(codes.shape[0], -1).contiguous()
 
 
 def unpack_rows(packed: torch.Tensor) -> torch.Tensor:

@@ -3,14 +3,14 @@ formats) into the model's own weight-format objects; the model class is the same
 
 - W4A16 (awq, gptq, compressed-tensors pack-quantized): a quantized Linear whose every part GGUF
   blocks hold exactly (``Int4Weight.blocks``: Q4_0 for symmetric zero points, Q4_1 where each ``-z s``
-  is an fp16 value; 32 input channels of one group; fp16-valued scales) becomes a ``GGUFLinear`` over
-  those blocks: 4.5-5 bits a weight, read by the GGUF kernels (few-row, int8 with
-  ``--prefill-arithmetic``/``--decode-arithmetic int8``, the native decode step) as a .gguf model's
-  are; the model is then ``quantization`` "gguf". The blocks decode to ``(q - z) * s`` bit for bit, so
-  the products equal the dequantized-weight fp32 products up to summation order: an exact mode. Any
-  other (act-order interleaving, an offset fp16 cannot hold, a bf16 model, ``RADIXSERVE_W4A16_BLOCKS=0``)
-  is dequantized at load, ``(q - z) * s`` per group in fp32 (``Int4Weight.dense``), into the fp32
-  ``layers.Linear`` it fills, which then takes its usual products.
+  is an fp16 value, else Q5_0 holding ``q - z``; 32 input channels of one group; fp16-valued scales)
+  becomes a ``GGUFLinear`` over those blocks: 4.5-5.5 bits a weight, read by the GGUF kernels
+  (few-row, int8 with ``--prefill-arithmetic``/``--decode-arithmetic int8``, the native decode step)
+  as a .gguf model's are; the model is then ``quantization`` "gguf". The blocks decode to
+  ``(q - z) * s`` bit for bit, so the products equal the dequantized-weight fp32 products up to
+  summation order: an exact mode. Any other (act-order interleaving, fp32 scales, a bf16 model,
+  ``RADIXSERVE_W4A16_BLOCKS=0``) is dequantized at load, ``(q - z) * s`` per group in fp32
+  (``Int4Weight.dense``), into the fp32 ``layers.Linear`` it fills, which then takes its usual products.
 - W8A8 (compressed-tensors int-quantized): each quantized Linear becomes a ``quant.Int8Linear`` holding
   the checkpoint's int8 weight and per-channel scale as they are; its product quantizes the activations
   per token (symmetric, amax / 127, dynamic) and multiplies int8 by int8 into exact int32 sums

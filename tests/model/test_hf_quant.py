@@ -21,7 +21,7 @@ from tokenizer_util import make_tokenizer
 from radixserve import Engine, SamplingParams
 from radixserve.model import hf_quant
 from radixserve.model.gguf import GGUFLinear
-from radixserve.model.gguf_blocks import Q4_0, Q4_1, dequantize
+from radixserve.model.gguf_blocks import Q4_0, Q4_1, Q5_0, dequantize
 from radixserve.model.layers import Linear
 from radixserve.model.llama import DecoderLayer, LlamaForCausalLM, target_of
 from radixserve.model.loader import load_model
@@ -34,12 +34,12 @@ PROMPTS = [[5, 17, 42, 7], [100, 3], [250, 251, 252, 9, 11, 13], [64]]
 OPTIONS: dict[str, Any] = {"enforce_eager": True, "num_pages": 64, "page_size": 4}
 # name: (writer method, options) of the spec-written fixtures
 SPEC = {
-    "awq": ("awq", {}),
+    "awq": ("awq", {}),  # on Q5_0 blocks
     "gptq-sym": ("gptq", {"symmetric": True}),  # on Q4_0 blocks
     "ct-w4a16-sym": ("pack-quantized", {"symmetric": True}),  # bf16 scales, on Q4_0 blocks
     "gptq-sym-actorder-v1": ("gptq", {"symmetric": True, "act_order": True}),
     "gptq-asym-actorder-v1": ("gptq", {"act_order": True}),
-    "gptq-asym-v2": ("gptq", {"v2": True}),
+    "gptq-asym-v2": ("gptq", {"v2": True}),  # on Q5_0 blocks
     "ct-w4a16-asym-g_idx": ("pack-quantized", {"act_order": True}),
 }
 
@@ -113,10 +113,13 @@ def test_w4a16_is_token_identical_to_its_dequantization(
     reference = Engine(model=str(exact), **OPTIONS)
     for name, want in dense.items():
         assert torch.equal(_weight(quantized.model, name), want), name
-    # Symmetric with fp16/bf16 scales and no act-order: Q4_0 blocks; the others' offsets (odd zero
-    # points times a full-mantissa scale) or act-order groups keep them dense.
-    on_blocks = isinstance(_layer(quantized.model).mlp.down_proj, GGUFLinear)
-    assert on_blocks == case.endswith("-sym")
+    # fp16/bf16 scales and no act-order: GGUF blocks (Q4_0 symmetric, Q5_0 for the asymmetric ones'
+    # odd zero points times full-mantissa scales); act-order groups keep a Linear dense.
+    down = _layer(quantized.model).mlp.down_proj
+    act_order = options.get("act_order", False)
+    assert isinstance(down, GGUFLinear) != act_order
+    if isinstance(down, GGUFLinear):
+        assert down.qtypes == [Q4_0 if case.endswith("-sym") else Q5_0]
     a = [o.outputs[0].token_ids for o in reference.generate(PROMPTS, GREEDY)]
     b = [o.outputs[0].token_ids for o in quantized.generate(PROMPTS, GREEDY)]
     assert a == b
@@ -260,19 +263,28 @@ def test_int4_weights_become_gguf_blocks_only_where_the_blocks_hold_them_exactly
     held = int4(codes, zeros, pow2, groups).blocks()
     assert held is not None and held[0] == Q4_1
     assert torch.equal(dequantize(held[1], Q4_1), int4(codes, zeros, pow2, groups).dense())
-    # What the blocks cannot hold exactly stays dense: an odd zero times a scale with a full fp16
-    # mantissa, a scale that is no fp16 value, 32 channels of mixed groups (act-order).
-    odd = torch.full(zeros.shape, 7)
-    assert int4(codes, odd, torch.full(zeros.shape, 1 + 2.0**-10), groups).blocks() is None
+    # An odd zero times a scale with a full fp16 mantissa is no fp16 value: Q5_0 holds q - z instead,
+    # for every zero point a 4-bit code can have (GPTQ v1's stored z - 1 gives z up to 16).
+    odd_and_16 = torch.where(torch.arange(zeros.numel()).view(zeros.shape) % 2 == 0, 7, 16)
+    for z in (torch.full(zeros.shape, 15), odd_and_16):
+        full = int4(codes, z, torch.full(zeros.shape, 1 + 2.0**-10), groups)
+        held = full.blocks()
+        assert held is not None and held[0] == Q5_0
+        assert torch.equal(dequantize(held[1], Q5_0), full.dense())
+    # What the blocks cannot hold exactly stays dense: a q - z beyond Q5_0's [-16, 15], a scale that
+    # is no fp16 value, 32 channels of mixed groups (act-order).
+    wide = torch.full(zeros.shape, 17)
+    assert int4(codes, wide, torch.full(zeros.shape, 1 + 2.0**-10), groups).blocks() is None
     assert int4(codes, zeros * 0 + 8, torch.full(zeros.shape, 1 + 2.0**-20), groups).blocks() is None
     mixed = act_order_groups(w, 32).long()
     assert int4(codes, zeros * 0 + 8, torch.full(zeros.shape, 0.25), mixed).blocks() is None
 
 
-def test_a_symmetric_w4a16_file_serves_on_blocks_and_takes_int8_decode(
-    tmp_path: Path, tiny_models: dict[str, Path]
+@pytest.mark.parametrize(("method", "symmetric", "qtype"), [("gptq", True, Q4_0), ("awq", False, Q5_0)])
+def test_a_w4a16_file_serves_on_blocks_and_takes_int8_decode(
+    tmp_path: Path, tiny_models: dict[str, Path], method: str, symmetric: bool, qtype: int
 ) -> None:
-    write_quantized(tiny_models["llama"], tmp_path / "q", "gptq", group=32, symmetric=True)
+    write_quantized(tiny_models["llama"], tmp_path / "q", method, group=32, symmetric=symmetric)
     engine = Engine(model=str(tmp_path / "q"), **OPTIONS)
     layer = _layer(engine.model)
     assert engine.model.quantization == "gguf"
@@ -282,7 +294,7 @@ def test_a_symmetric_w4a16_file_serves_on_blocks_and_takes_int8_decode(
         layer.mlp.gate_up_proj,
         layer.mlp.down_proj,
     ):
-        assert isinstance(lin, GGUFLinear) and lin.qtypes == [Q4_0]
+        assert isinstance(lin, GGUFLinear) and set(lin.qtypes) == {qtype}
     # Approximate, as over a .gguf model's blocks: it runs, and stays close to the exact tokens' start.
     fast = Engine(model=str(tmp_path / "q"), decode_arithmetic="int8", **OPTIONS)
     out = fast.generate(PROMPTS, GREEDY)
