@@ -117,8 +117,16 @@ class GGUFLinear(nn.Module):
 
     product: Callable[[torch.Tensor], torch.Tensor]
 
-    def __init__(self, parts: list[Weight], bias: torch.Tensor | None = None) -> None:
+    input_order: torch.Tensor | None
+
+    def __init__(
+        self, parts: list[Weight], bias: torch.Tensor | None = None, input_order: torch.Tensor | None = None
+    ) -> None:
         super().__init__()
+        # GPTQ act-order on blocks (model/hf_quant_load.py): the weight's column j is input channel
+        # input_order[j], so that each block's 32 columns share one scale group; forward reorders x.
+        order = None if input_order is None else input_order.to(torch.int64).contiguous()
+        self.register_buffer("input_order", order)
         self.in_features = parts[0].cols
         groups: list[list[Weight]] = []
         for part in parts:
@@ -155,6 +163,8 @@ class GGUFLinear(nn.Module):
         """What the native decode step streams of output rows ``[start, end)`` (``model/native_step.py``):
         those rows of the one part group that holds them all (uint8 block rows, or fp32 rows: kind F32
         = 0) with their GGML type id; None where they span groups of different types."""
+        if self.input_order is not None:
+            return None  # the step multiplies its input as it is
         for i, (first, last) in enumerate(self.group_rows):
             if first <= start and end <= last:
                 tiles = self.tiles[i]
@@ -199,7 +209,26 @@ class GGUFLinear(nn.Module):
         return exact
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_order is not None:
+            x = x.index_select(-1, self.input_order)
         return self.product(x)
+
+    def undo_input_order(self) -> None:
+        """Hold every part as fp32 rows in the input's own column order (exact: blocks decode
+        exactly), for a split along the input (tensor parallel), which reordered blocks cannot take:
+        a block's 32 columns lie anywhere in the input."""
+        if self.input_order is None:
+            return
+        inverse = torch.argsort(self.input_order)
+        for i, qtype in enumerate(self.qtypes):
+            w = self.part(i).detach()
+            dense = (dequantize(w, qtype) if is_blocks(qtype) else w).index_select(1, inverse)
+            self.register_parameter(f"weight{i}", nn.Parameter(dense.contiguous(), requires_grad=False))
+            self.qtypes[i] = F32
+        self.input_order = None
+        self.tiles = [None] * len(self.qtypes)
+        self.bf16_copies = [None] * len(self.qtypes)
+        self._choose()
 
     def _choose(self) -> None:
         """The product, chosen once: one matrix straight to its kernel, or one product per part."""

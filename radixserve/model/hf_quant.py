@@ -151,20 +151,27 @@ class Int4Weight:
         s = self.scales.index_select(1, self.groups)
         return (self.codes - z).float() * s
 
-    def blocks(self) -> tuple[int, torch.Tensor] | None:
-        """The same weight as GGUF blocks ``(qtype, [N, row bytes] uint8)`` where they hold it exactly,
-        the fewest bytes first: Q4_0 where every zero point is 8 (symmetric); Q4_1 (``d q + m``,
-        ``m = -z s``) where every ``m`` is an fp16 value; else Q5_0 (``d (q5 - 16)``) with ``q5 = q - z
-        + 16``, which holds any integer zero point's ``q - z`` in [-16, 15] (AWQ's and GPTQ's usual
-        case: an odd zero times a full-mantissa scale is rarely an fp16 value). Each run of 32 input
-        channels must share one group (no act-order interleaving) and every scale must be an fp16
-        value; None otherwise. All three decode to ``dense()`` bit for bit: ``d`` is the scale, a small
-        integer times it is an exact fp32 product, and Q4_1's ``d q`` and ``-z s`` are exact fp32
-        multiples of the scale, so their sum is ``(q - z) s`` exactly."""
+    def blocks(self) -> tuple[int, torch.Tensor, torch.Tensor | None] | None:
+        """The same weight as GGUF blocks ``(qtype, [N, row bytes] uint8, input order)`` where they hold
+        it exactly, the fewest bytes first: Q4_0 where every zero point is 8 (symmetric); Q4_1 (``d q +
+        m``, ``m = -z s``) where every ``m`` is an fp16 value; else Q5_0 (``d (q5 - 16)``) with ``q5 = q
+        - z + 16``, which holds any integer zero point's ``q - z`` in [-16, 15] (AWQ's and GPTQ's usual
+        case: an odd zero times a full-mantissa scale is rarely an fp16 value). Act-order groups
+        (interleaved over the input channels) are first sorted: the blocks' column ``j`` is input
+        channel ``order[j]`` (the third item; None where the groups already run in order), and the
+        product takes its input in that order. Each 32 columns must then share one group and every
+        scale must be an fp16 value; None otherwise. All three types decode to ``dense()`` (its columns
+        in that order) bit for bit: ``d`` is the scale, a small integer times it is an exact fp32
+        product, and Q4_1's ``d q`` and ``-z s`` are exact fp32 multiples of the scale, so their sum is
+        ``(q - z) s`` exactly."""
         n, k = self.codes.shape
         if k % BLOCK:
             return None
-        chunks = self.groups.view(-1, BLOCK)
+        groups, codes, order = self.groups, self.codes, None
+        if k and not bool((groups[1:] >= groups[:-1]).all()):  # act-order: groups interleaved
+            order = torch.argsort(groups, stable=True)
+            groups, codes = groups.index_select(0, order), codes.index_select(1, order)
+        chunks = groups.view(-1, BLOCK)
         if not torch.equal(chunks, chunks[:, :1].expand_as(chunks)):
             return None
         scales = self.scales.index_select(1, chunks[:, 0])  # [N, K/32]
@@ -172,20 +179,20 @@ class Int4Weight:
         d = scales.half()
         if not torch.equal(d.float(), scales):
             return None
-        codes = self.codes.view(n, k // BLOCK, BLOCK)
+        codes = codes.view(n, k // BLOCK, BLOCK)
         if bool((zeros == 8).all()):
-            return Q4_0, _legacy_blocks([d], codes.to(torch.uint8))
+            return Q4_0, _legacy_blocks([d], codes.to(torch.uint8)), order
         offset = -(zeros.float() * scales)
         m = offset.half()
         if torch.equal(m.float(), offset):
-            return Q4_1, _legacy_blocks([d, m], codes.to(torch.uint8))
+            return Q4_1, _legacy_blocks([d, m], codes.to(torch.uint8)), order
         q5 = codes - zeros.unsqueeze(-1) + 16
         if int(q5.min()) < 0 or int(q5.max()) > 31:
             return None
         q5 = q5.to(torch.uint8)
         bits = (q5 >> 4).to(torch.int64) << torch.arange(BLOCK)  # bit j: weight j's fifth bit
         high = bits.sum(-1).to(torch.int32).view(torch.uint8).view(n, k // BLOCK, 4)  # little-endian
-        return Q5_0, _legacy_blocks([d], q5 & 0xF, high)
+        return Q5_0, _legacy_blocks([d], q5 & 0xF, high), order
 
 
 def _legacy_blocks(

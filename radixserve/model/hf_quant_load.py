@@ -104,11 +104,11 @@ def load_quantized(
         blocks = _as_blocks(model, modules, scheme) if _blocks_run(dtype, device) else {}
         skip = frozenset(f"{m}.weight" for m in blocks)
         model.load_weights(_dequantized(modules, rest, scheme, set(blocks)), skip)
-        for name, parts in blocks.items():  # after: the Linear's bias came with load_weights
+        for name, (parts, order) in blocks.items():  # after: the Linear's bias came with load_weights
             lin = model.get_submodule(name)
             assert isinstance(lin, nn.Linear)
             parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, GGUFLinear(parts, lin.bias))
+            setattr(model.get_submodule(parent), child, GGUFLinear(parts, lin.bias, order))
         if blocks:
             model.quantization = "gguf"  # the modules, arithmetic and native step of a .gguf model
         logger.info(
@@ -127,25 +127,34 @@ def _blocks_run(dtype: torch.dtype, device: torch.device) -> bool:
 
 def _as_blocks(
     model: LlamaForCausalLM, modules: dict[str, dict[str, torch.Tensor]], scheme: Scheme
-) -> dict[str, list[Weight]]:
-    """The model Linears (``layers.0.self_attn.qkv_proj.weight``) whose every quantized part the GGUF
-    blocks hold exactly (``Int4Weight.blocks``), with those parts in fused order."""
-    parts: dict[str, dict[int, Weight | None]] = {}
+) -> dict[str, tuple[list[Weight], torch.Tensor | None]]:
+    """The model Linears (``layers.0.self_attn.qkv_proj``) whose every quantized part the GGUF blocks
+    hold exactly (``Int4Weight.blocks``), with those parts in fused order and their one input order
+    (act-order; fused parts share an input, and GPTQ gives them one order, but a file may not: those
+    stay dense)."""
+    parts: dict[str, dict[int, tuple[Weight, torch.Tensor | None] | None]] = {}
     for prefix, t in modules.items():
         name, fused = target_of(f"{prefix}.weight")
         w = hf_quant.decode(t, scheme, prefix)
         held = w.blocks()
         parts.setdefault(name, {})[0 if fused is None else fused[1]] = (
-            None if held is None else Weight(held[0], held[1], w.codes.shape[1])
+            None if held is None else (Weight(held[0], held[1], w.codes.shape[1]), held[2])
         )
-    out: dict[str, list[Weight]] = {}
+    out: dict[str, tuple[list[Weight], torch.Tensor | None]] = {}
     for name, by_index in parts.items():
         module = name.removesuffix(".weight")
         want = 3 if module.endswith("qkv_proj") else 2 if module.endswith("gate_up_proj") else 1
-        got = [by_index.get(i) for i in range(want)]
-        if all(g is not None for g in got):
-            out[module] = [g for g in got if g is not None]
+        got = [g for g in (by_index.get(i) for i in range(want)) if g is not None]
+        if len(got) < want:
+            continue
+        order = got[0][1]
+        if all(_same_order(o, order) for _, o in got):
+            out[module] = ([w for w, _ in got], order)
     return out
+
+
+def _same_order(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
 
 def _dequantized(

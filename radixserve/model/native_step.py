@@ -116,6 +116,8 @@ def unsupported(model: LlamaForCausalLM, pool: KVPool) -> str | None:
     for layer in _layers(model):
         for m, start, end in _streams(layer, cfg):
             weight = _native_rows(m, start, end)
+            if weight is None and getattr(m, "input_order", None) is not None:
+                return "a decoder linear reorders its input channels (GPTQ act-order on GGUF blocks)"
             if weight is None:
                 qtypes = getattr(m, "qtypes", [])
                 if len(qtypes) > 1:

@@ -164,6 +164,7 @@ def keep_cols(m: nn.Module, start: int, end: int, keep_bias: bool) -> None:
     elif isinstance(m, Int8Linear):
         m.qweight = m.qweight[:, start:end].contiguous()
     elif isinstance(m, GGUFLinear):
+        m.undo_input_order()
         for i, qtype in enumerate(m.qtypes):
             w = getattr(m, f"weight{i}").data
             if is_blocks(qtype):

@@ -17,11 +17,14 @@ from typing import Any
 import psutil
 import pytest
 import torch
+from hf_quant_files import write_quantized
 
 from radixserve import Engine, SamplingParams
 from radixserve.config import EngineConfig
 from radixserve.engine.tensor_parallel import TensorParallel
 from radixserve.model.config import ModelConfig
+from radixserve.model.gguf import GGUFLinear
+from radixserve.model.llama import DecoderLayer
 from radixserve.model.runner import SeqChunk
 from radixserve.model.sharding import check_tensor_parallel
 from radixserve.outputs import RequestOutput
@@ -194,6 +197,23 @@ def test_gguf_weights_under_tp() -> None:
     eng = Engine(quantization="gguf", enforce_eager=True, num_pages=32, tensor_parallel_size=3)
     try:
         assert_logits_close(prefill_logits(eng, prompts), ref)
+    finally:
+        eng.close()
+
+
+def test_act_order_w4a16_blocks_under_tp(tiny_llama: Path, tmp_path: Path) -> None:
+    """A GPTQ act-order file on GGUF blocks at TP=2: a block's 32 columns lie anywhere in the input, so
+    the row-parallel splits (o, down) hold theirs as fp32 in the input's order; exact, so TP=1's logits."""
+    write_quantized(tiny_llama, tmp_path / "q", "gptq", group=32, symmetric=True, act_order=True)
+    one = tiny_engine(tmp_path / "q")
+    layer = one.model.layers[0]
+    assert isinstance(layer, DecoderLayer) and isinstance(layer.mlp.down_proj, GGUFLinear)
+    assert layer.mlp.down_proj.input_order is not None
+    ref = prefill_logits(one, TINY_PROMPTS)
+    one.close()
+    eng = tiny_engine(tmp_path / "q", tensor_parallel_size=2)
+    try:
+        assert_logits_close(prefill_logits(eng, TINY_PROMPTS), ref)
     finally:
         eng.close()
 

@@ -19,13 +19,14 @@ from safetensors.torch import load_file, save_file
 from tokenizer_util import make_tokenizer
 
 from radixserve import Engine, SamplingParams
-from radixserve.model import hf_quant
-from radixserve.model.gguf import GGUFLinear
-from radixserve.model.gguf_blocks import Q4_0, Q4_1, Q5_0, dequantize
+from radixserve.model import hf_quant, native_step
+from radixserve.model.gguf import GGUFLinear, Weight
+from radixserve.model.gguf_blocks import F32, Q4_0, Q4_1, Q5_0, dequantize
 from radixserve.model.layers import Linear
 from radixserve.model.llama import DecoderLayer, LlamaForCausalLM, target_of
 from radixserve.model.loader import load_model
 from radixserve.model.quant import Int8Linear, int8_linear, quantize_rows
+from radixserve.model.sharding import keep_cols
 
 CPU = torch.device("cpu")
 DATA = Path(__file__).resolve().parent.parent / "data" / "hf_quant"
@@ -52,6 +53,8 @@ def _weight(model: LlamaForCausalLM, hf_name: str) -> torch.Tensor:
         w = module.qweight.float() * module.scale[:, None]
     elif isinstance(module, GGUFLinear):
         w = torch.cat([dequantize(module.part(i), q) for i, q in enumerate(module.qtypes)])
+        if module.input_order is not None:  # its column j is input channel input_order[j]
+            w = w.index_select(1, torch.argsort(module.input_order))
     else:
         assert isinstance(module, Linear)
         w = module.weight
@@ -113,13 +116,11 @@ def test_w4a16_is_token_identical_to_its_dequantization(
     reference = Engine(model=str(exact), **OPTIONS)
     for name, want in dense.items():
         assert torch.equal(_weight(quantized.model, name), want), name
-    # fp16/bf16 scales and no act-order: GGUF blocks (Q4_0 symmetric, Q5_0 for the asymmetric ones'
-    # odd zero points times full-mantissa scales); act-order groups keep a Linear dense.
+    # fp16/bf16 scales: GGUF blocks (Q4_0 symmetric, Q5_0 for the asymmetric ones' odd zero points
+    # times full-mantissa scales); act-order groups sorted, the product's input reordered to match.
     down = _layer(quantized.model).mlp.down_proj
-    act_order = options.get("act_order", False)
-    assert isinstance(down, GGUFLinear) != act_order
-    if isinstance(down, GGUFLinear):
-        assert down.qtypes == [Q4_0 if case.endswith("-sym") else Q5_0]
+    assert isinstance(down, GGUFLinear) and down.qtypes == [Q4_0 if "-sym" in case else Q5_0]
+    assert (down.input_order is not None) == options.get("act_order", False)
     a = [o.outputs[0].token_ids for o in reference.generate(PROMPTS, GREEDY)]
     b = [o.outputs[0].token_ids for o in quantized.generate(PROMPTS, GREEDY)]
     assert a == b
@@ -257,6 +258,7 @@ def test_int4_weights_become_gguf_blocks_only_where_the_blocks_hold_them_exactly
     codes, zeros, scales, dense = quantize(w, groups, symmetric=True)
     held = int4(codes, zeros, scales, groups).blocks()
     assert held is not None and held[0] == Q4_0 and torch.equal(dequantize(held[1], Q4_0), dense)
+    assert held[2] is None  # groups already in order: the input as it is
     # Asymmetric with power-of-two scales: every -z s is an fp16 value, so Q4_1 holds it.
     codes, zeros, _, _ = quantize(w, groups, symmetric=False)
     pow2 = torch.full(zeros.shape, 2.0**-6)
@@ -271,13 +273,48 @@ def test_int4_weights_become_gguf_blocks_only_where_the_blocks_hold_them_exactly
         held = full.blocks()
         assert held is not None and held[0] == Q5_0
         assert torch.equal(dequantize(held[1], Q5_0), full.dense())
+    # Act-order groups of 32 interleave over the input: sorted, each 32 columns share a group, and the
+    # blocks hold the weight's columns in that order (column j is input channel order[j]).
+    shuffled = act_order_groups(w, 32).long()
+    act = int4(codes, zeros * 0 + 8, torch.full(zeros.shape, 0.25), shuffled)
+    held = act.blocks()
+    assert held is not None and held[0] == Q4_0 and held[2] is not None
+    assert torch.equal(shuffled[held[2]], torch.arange(96) // 32)
+    assert torch.equal(dequantize(held[1], Q4_0), act.dense()[:, held[2]])
     # What the blocks cannot hold exactly stays dense: a q - z beyond Q5_0's [-16, 15], a scale that
-    # is no fp16 value, 32 channels of mixed groups (act-order).
+    # is no fp16 value, act-order groups of 16 (32 sorted columns still span two groups).
     wide = torch.full(zeros.shape, 17)
     assert int4(codes, wide, torch.full(zeros.shape, 1 + 2.0**-10), groups).blocks() is None
     assert int4(codes, zeros * 0 + 8, torch.full(zeros.shape, 1 + 2.0**-20), groups).blocks() is None
-    mixed = act_order_groups(w, 32).long()
-    assert int4(codes, zeros * 0 + 8, torch.full(zeros.shape, 0.25), mixed).blocks() is None
+    by16 = act_order_groups(w, 16).long()
+    z16 = torch.full((64, 6), 8)
+    assert int4(codes, z16, torch.full(z16.shape, 0.25), by16).blocks() is None
+
+
+def test_an_act_order_linear_on_blocks_equals_its_dense_weight_whole_and_split_along_its_input() -> None:
+    torch.manual_seed(1)
+    w = torch.randn(48, 128)
+    groups = act_order_groups(w, 32).long()
+    codes, zeros, scales, dense = quantize(w, groups, symmetric=False)
+    held = hf_quant.Int4Weight(codes.to(torch.int16), zeros.to(torch.int16), scales.float(), groups).blocks()
+    assert held is not None and held[2] is not None
+    lin = GGUFLinear([Weight(held[0], held[1], 128)], None, held[2])
+    x = torch.randn(5, 128)
+    torch.testing.assert_close(lin(x), x @ dense.T, rtol=1e-5, atol=1e-5)
+    # A tensor-parallel rank keeps input channels [64, 128): the blocks' columns of those channels are
+    # spread over every block, so the split holds them as fp32 columns in the input's own order.
+    keep_cols(lin, 64, 128, keep_bias=True)
+    assert lin.input_order is None and lin.qtypes == [F32]
+    torch.testing.assert_close(lin(x[:, 64:]), x[:, 64:] @ dense[:, 64:].T, rtol=1e-5, atol=1e-5)
+
+
+def test_an_act_order_file_on_blocks_tells_the_native_step_why_it_cannot_run(
+    tmp_path: Path, tiny_models: dict[str, Path]
+) -> None:
+    write_quantized(tiny_models["llama"], tmp_path / "q", "gptq", group=32, symmetric=True, act_order=True)
+    engine = Engine(model=str(tmp_path / "q"), **OPTIONS)
+    why = native_step.unsupported(engine.model, engine.pool)
+    assert why is not None and "act-order" in why
 
 
 @pytest.mark.parametrize(("method", "symmetric", "qtype"), [("gptq", True, Q4_0), ("awq", False, Q5_0)])
