@@ -19,7 +19,8 @@
 //   h = rmsnorm(x); gate/up: a thread computes gate and up rows [j0, j1) and silu(gate) * up there
 //   x += act W_down^T
 // The weights are streamed as they are held (fp32 or bf16 [N, K], or GGUF blocks [N, row bytes]), each
-// read once for all M rows (step_products.h); nothing is copied per step. A fused projection comes as
+// read once for all M rows (step_products.h); nothing is copied per step but a weight's input where it
+// takes it in another order (GPTQ act-order on blocks: each thread gathers its own copy, M x K floats). A fused projection comes as
 // its parts (q, k, v; gate, up), each of its own kind: llama.cpp's k-quant files mix types within one
 // (attn_v gets more bits than attn_q and attn_k in some layers).
 //
@@ -72,6 +73,12 @@ enum LayerTensor : int {
   kGate,
   kUp,
   kDown,
+  // Input orders (GPTQ act-order on GGUF blocks): int64 [K], the weight's column j is input channel
+  // order[j]; empty where the weight takes its input as it is. q/k/v share one, gate/up another.
+  kQkvOrder,
+  kOOrder,
+  kGateUpOrder,
+  kDownOrder,
   kTensorsPerLayer
 };
 // Weight kinds per layer in `kinds`, one per weight tensor above, in its order.
@@ -95,6 +102,22 @@ void rmsnorm(const float* x, int64_t M, int64_t H, const float* weight, float ep
     const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
     for (int64_t i = 0; i < H; ++i) h[m * ld + i] = weight[i] * (xr[i] * inv);
   }
+}
+
+const int64_t* opt_order(const at::Tensor& t) { return t.numel() > 0 ? t.data_ptr<int64_t>() : nullptr; }
+
+// M rows of x (ld apart) in a weight's input order (its column j is input channel order[j]), written to
+// this thread's scratch (rows ld apart, zero up to the next kPad: the scratch serves inputs of several
+// widths); x itself where the weight has no order.
+const float* in_order(const float* x, int64_t ld, int64_t M, int64_t K, const int64_t* order, float* scratch) {
+  if (order == nullptr) return x;
+  const int64_t padded = std::min(ld, (K + kPad - 1) / kPad * kPad);
+  for (int64_t m = 0; m < M; ++m) {
+    float* row = scratch + m * ld;
+    for (int64_t j = 0; j < K; ++j) row[j] = x[m * ld + order[j]];
+    std::fill(row + K, row + padded, 0.f);
+  }
+  return scratch;
 }
 
 // One head of D values in place: an optional RMSNorm (q/k norm), then neox RoPE by cos/sin [D/2].
@@ -206,6 +229,16 @@ at::Tensor decode_step(const at::Tensor& x_in, const at::Tensor& cos, const at::
       lin[l * kKindsPerLayer + j] = {kind, t.data_ptr(), N, K, t.size(1) * t.element_size(), nullptr};
     }
     lin[l * kKindsPerLayer + kWq].bias = opt_ptr(weights[l * kTensorsPerLayer + kQkvBias]);  // of all qkv rows
+    for (int j : {kQkvOrder, kOOrder, kGateUpOrder, kDownOrder}) {
+      const at::Tensor& t = weights[l * kTensorsPerLayer + j];
+      if (t.numel() == 0) continue;
+      const int64_t K = j == kOOrder ? q_size : (j == kDownOrder ? I : H);
+      TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous() && t.numel() == K,
+                  "radixserve_cpu::decode_step: input order ", j, " of layer ", l, " must be int64 [", K, "]");
+      const int64_t* o = t.data_ptr<int64_t>();
+      TORCH_CHECK(std::all_of(o, o + K, [K](int64_t c) { return c >= 0 && c < K; }),
+                  "radixserve_cpu::decode_step: input order ", j, " of layer ", l, " leaves [0, ", K, ")");
+    }
     for (int j : {kInNorm, kPostNorm, kQkvBias, kQNorm, kKNorm}) {
       const at::Tensor& t = weights[l * kTensorsPerLayer + j];
       const int64_t want = j == kQkvBias ? qkv_size : (j == kQNorm || j == kKNorm ? D : H);
@@ -244,6 +277,7 @@ at::Tensor decode_step(const at::Tensor& x_in, const at::Tensor& cos, const at::
   {
     const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
     std::vector<float> h(M * ldh, 0.f);  // this thread's normalised rows
+    std::vector<float> ordered(M * ldh, 0.f);  // a product's input in its weight's order (act-order)
     std::vector<float> head(D);
     for (int64_t l = 0; l < L; ++l) {
       const at::Tensor* lw = weights.data() + l * kTensorsPerLayer;
@@ -255,12 +289,13 @@ at::Tensor decode_step(const at::Tensor& x_in, const at::Tensor& cos, const at::
       const auto [h0, h1] = band(Hq + 2 * Hkv, 1, tid, nth);
       std::vector<float>& qkv = gate_up;  // free until gate/up: [M, qkv_size] here
       const float* bias = lk[kWq].bias;
+      const float* hq = in_order(h.data(), ldh, M, H, opt_order(lw[kQkvOrder]), ordered.data());
       // This band's heads of each part: q heads [0, Hq), k heads [Hq, Hq + Hkv), v heads after.
       const int64_t first_head[3] = {0, Hq, Hq + Hkv}, end_head[3] = {Hq, Hq + Hkv, Hq + 2 * Hkv};
       for (int p = 0; p < 3; ++p) {
         const int64_t a = std::max(h0, first_head[p]), b = std::min(h1, end_head[p]);
         const int64_t offset = first_head[p] * D;  // of the part's rows in qkv
-        product(M, lk[kWq + p], h.data(), ldh, (a - first_head[p]) * D, (b - first_head[p]) * D,
+        product(M, lk[kWq + p], hq, ldh, (a - first_head[p]) * D, (b - first_head[p]) * D,
                 [&](int m, int64_t n, float s) {
                   const int64_t i = offset + n;
                   qkv[m * qkv_size + i] = bias != nullptr ? s + bias[i] : s;
@@ -299,7 +334,8 @@ at::Tensor decode_step(const at::Tensor& x_in, const at::Tensor& cos, const at::
       // -- o_proj + residual
       {
         const auto [n0, n1] = band(H, kBandAlign, tid, nth);
-        product(M, lk[kWo], attn.data(), q_size, n0, n1, [&](int m, int64_t n, float s) { xs[m * H + n] += s; });
+        const float* in = in_order(attn.data(), q_size, M, q_size, opt_order(lw[kOOrder]), ordered.data());
+        product(M, lk[kWo], in, q_size, n0, n1, [&](int m, int64_t n, float s) { xs[m * H + n] += s; });
       }
 #pragma omp barrier
       // -- gate/up with SiLU
@@ -307,8 +343,9 @@ at::Tensor decode_step(const at::Tensor& x_in, const at::Tensor& cos, const at::
       {
         const auto [j0, j1] = band(I, kBandAlign, tid, nth);
         float* gu = gate_up.data();
-        product(M, lk[kWgate], h.data(), ldh, j0, j1, [&](int m, int64_t n, float s) { gu[m * 2 * I + n] = s; });
-        product(M, lk[kWup], h.data(), ldh, j0, j1, [&](int m, int64_t n, float s) { gu[m * 2 * I + I + n] = s; });
+        const float* in = in_order(h.data(), ldh, M, H, opt_order(lw[kGateUpOrder]), ordered.data());
+        product(M, lk[kWgate], in, ldh, j0, j1, [&](int m, int64_t n, float s) { gu[m * 2 * I + n] = s; });
+        product(M, lk[kWup], in, ldh, j0, j1, [&](int m, int64_t n, float s) { gu[m * 2 * I + I + n] = s; });
         for (int64_t m = 0; m < M; ++m)
           for (int64_t j = j0; j < j1; ++j) {
             const float g = gu[m * 2 * I + j];
@@ -319,7 +356,8 @@ at::Tensor decode_step(const at::Tensor& x_in, const at::Tensor& cos, const at::
       // -- down + residual
       {
         const auto [n0, n1] = band(H, kBandAlign, tid, nth);
-        product(M, lk[kWdown], act.data(), ldh, n0, n1, [&](int m, int64_t n, float s) { xs[m * H + n] += s; });
+        const float* in = in_order(act.data(), ldh, M, I, opt_order(lw[kDownOrder]), ordered.data());
+        product(M, lk[kWdown], in, ldh, n0, n1, [&](int m, int64_t n, float s) { xs[m * H + n] += s; });
       }
 #pragma omp barrier
     }

@@ -162,9 +162,8 @@ class GGUFLinear(nn.Module):
     def native_rows(self, start: int, end: int) -> tuple[torch.Tensor, int] | None:
         """What the native decode step streams of output rows ``[start, end)`` (``model/native_step.py``):
         those rows of the one part group that holds them all (uint8 block rows, or fp32 rows: kind F32
-        = 0) with their GGML type id; None where they span groups of different types."""
-        if self.input_order is not None:
-            return None  # the step multiplies its input as it is
+        = 0) with their GGML type id; None where they span groups of different types. The step takes
+        ``input_order`` too, and gathers its input in that order."""
         for i, (first, last) in enumerate(self.group_rows):
             if first <= start and end <= last:
                 tiles = self.tiles[i]

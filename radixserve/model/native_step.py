@@ -23,6 +23,8 @@ with SiLU, down and residual) with 5 barriers a layer and no Python between them
   and every step runs in torch.
 - Weights: streamed as the model holds them (already the kernel's layout: rows of fp32 or bf16, or
   rows of GGUF blocks; a part is a row view of its fused projection), so the native step adds no memory.
+  A weight with an ``input_order`` (GPTQ act-order on blocks) gets its input gathered in that order,
+  each thread its own copy.
 - ``RADIXSERVE_NATIVE_STEP=0`` turns it off (the torch step for every decode, as before);
   ``RADIXSERVE_NATIVE_BF16=0`` only for bf16 weights (the fallback a CPU without AVX512_BF16 takes).
 - Numbers: fp32 and GGUF weights: fp32 arithmetic in another summation order, equal to the reference
@@ -82,6 +84,13 @@ def _streams(layer: DecoderLayer, cfg: ModelConfig) -> list[tuple[torch.nn.Modul
     ]
 
 
+def _input_order(m: torch.nn.Module) -> torch.Tensor:
+    """A linear's input order (GPTQ act-order on GGUF blocks: its column j is input channel order[j]),
+    empty where it takes its input as it is."""
+    order = getattr(m, "input_order", None)
+    return EMPTY if order is None else order
+
+
 def _native_rows(m: torch.nn.Module, start: int, end: int) -> tuple[torch.Tensor, int] | None:
     """What the kernel streams of rows ``[start, end)`` of a linear (its ``native_rows``), None where
     it has none."""
@@ -116,8 +125,6 @@ def unsupported(model: LlamaForCausalLM, pool: KVPool) -> str | None:
     for layer in _layers(model):
         for m, start, end in _streams(layer, cfg):
             weight = _native_rows(m, start, end)
-            if weight is None and getattr(m, "input_order", None) is not None:
-                return "a decoder linear reorders its input channels (GPTQ act-order on GGUF blocks)"
             if weight is None:
                 qtypes = getattr(m, "qtypes", [])
                 if len(qtypes) > 1:
@@ -164,6 +171,10 @@ class NativeStep:
                 gate,
                 up,
                 down,
+                *(
+                    _input_order(m)
+                    for m in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+                ),
             ]
             kinds += layer_kinds
         self.weights, self.kinds = weights, kinds

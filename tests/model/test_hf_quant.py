@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from tokenizer_util import make_tokenizer
 
 from radixserve import Engine, SamplingParams
-from radixserve.model import hf_quant, native_step
+from radixserve.model import hf_quant
 from radixserve.model.gguf import GGUFLinear, Weight
 from radixserve.model.gguf_blocks import F32, Q4_0, Q4_1, Q5_0, dequantize
 from radixserve.model.layers import Linear
@@ -306,15 +306,6 @@ def test_an_act_order_linear_on_blocks_equals_its_dense_weight_whole_and_split_a
     keep_cols(lin, 64, 128, keep_bias=True)
     assert lin.input_order is None and lin.qtypes == [F32]
     torch.testing.assert_close(lin(x[:, 64:]), x[:, 64:] @ dense[:, 64:].T, rtol=1e-5, atol=1e-5)
-
-
-def test_an_act_order_file_on_blocks_tells_the_native_step_why_it_cannot_run(
-    tmp_path: Path, tiny_models: dict[str, Path]
-) -> None:
-    write_quantized(tiny_models["llama"], tmp_path / "q", "gptq", group=32, symmetric=True, act_order=True)
-    engine = Engine(model=str(tmp_path / "q"), **OPTIONS)
-    why = native_step.unsupported(engine.model, engine.pool)
-    assert why is not None and "act-order" in why
 
 
 @pytest.mark.parametrize(("method", "symmetric", "qtype"), [("gptq", True, Q4_0), ("awq", False, Q5_0)])

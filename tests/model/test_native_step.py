@@ -17,6 +17,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf_files import write_tiny_gguf
+from hf_quant_files import write_quantized
 
 from radixserve.cache.page_pool import KVPool
 from radixserve.kernels import cpu_build
@@ -119,6 +120,25 @@ def test_native_step_streams_fused_projections_whose_gguf_parts_differ_in_type(t
     layer = native.model.layers[0]
     assert isinstance(layer, DecoderLayer)
     assert len(getattr(layer.self_attn.qkv_proj, "qtypes", [])) == 3  # q, k and v: three types
+    assert _compare(reference, native, _steps(reference.model.config.vocab_size)) == 4
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_native_step_gathers_the_input_of_act_order_blocks(
+    tmp_path: Path, tiny_models: dict[str, Path], symmetric: bool
+) -> None:
+    """A GPTQ act-order file on GGUF blocks (Q4_0, or Q5_0 asymmetric): each weight's columns are its
+    input channels sorted by group, and the step gathers each product's input in that order."""
+    write_quantized(
+        tiny_models["llama"], tmp_path / "q", "gptq", group=32, symmetric=symmetric, act_order=True
+    )
+    reference = _runner(tmp_path / "q", False)
+    native = _runner(tmp_path / "q", True)
+    layer = native.model.layers[0]
+    assert isinstance(layer, DecoderLayer)
+    assert all(
+        getattr(m, "input_order", None) is not None for m in (layer.self_attn.o_proj, layer.mlp.down_proj)
+    )
     assert _compare(reference, native, _steps(reference.model.config.vocab_size)) == 4
 
 
