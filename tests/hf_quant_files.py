@@ -92,9 +92,20 @@ def _awq(prefix: str, w: torch.Tensor, group: int, **_: Any) -> tuple[dict[str, 
 
 
 def _gptq(
-    prefix: str, w: torch.Tensor, group: int, symmetric: bool, act_order: bool, v2: bool, **_: Any
+    prefix: str,
+    w: torch.Tensor,
+    group: int,
+    symmetric: bool,
+    act_order: bool,
+    v2: bool,
+    inputs_of: torch.Tensor,
+    **_: Any,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    g_idx = act_order_groups(w, group) if act_order else (torch.arange(w.shape[1]) // group).to(torch.int32)
+    g_idx = (
+        act_order_groups(inputs_of, group)
+        if act_order
+        else (torch.arange(w.shape[1]) // group).to(torch.int32)
+    )
     codes, zeros, scales, dense = quantize(w, g_idx, symmetric)
     out = {
         f"{prefix}.qweight": pack(codes).t().contiguous(),  # along K: [K/8, N]
@@ -106,9 +117,19 @@ def _gptq(
 
 
 def _packed(
-    prefix: str, w: torch.Tensor, group: int, symmetric: bool, act_order: bool, **_: Any
+    prefix: str,
+    w: torch.Tensor,
+    group: int,
+    symmetric: bool,
+    act_order: bool,
+    inputs_of: torch.Tensor,
+    **_: Any,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    g_idx = act_order_groups(w, group) if act_order else (torch.arange(w.shape[1]) // group).to(torch.int32)
+    g_idx = (
+        act_order_groups(inputs_of, group)
+        if act_order
+        else (torch.arange(w.shape[1]) // group).to(torch.int32)
+    )
     codes, zeros, scales, dense = quantize(w, g_idx, symmetric, torch.bfloat16)
     out = {
         f"{prefix}.weight_packed": pack(codes),  # unsigned nibbles (signed code + 8) along K: [N, K/8]
@@ -178,16 +199,30 @@ def write_quantized(
     dst.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     dense: dict[str, torch.Tensor] = {}
+    source: dict[str, torch.Tensor] = {}
     for file in sorted(src.glob("*.safetensors")):
-        for name, t in load_file(str(file)).items():
-            if not LINEAR.search(name):
-                tensors[name] = t
-                continue
-            prefix = name.removesuffix(".weight")
-            out, dense[name] = WRITERS[method](
-                prefix, t.float(), group=group, symmetric=symmetric, act_order=act_order, v2=v2
-            )
-            tensors |= out
+        source |= load_file(str(file))
+    # Act-order ranks input channels by the Hessian of the Linear's inputs; q/k/v (and gate/up) share
+    # their input, so GPTQ gives them one g_idx. Here: the column norms of the weights that share it.
+    sharing: dict[str, list[torch.Tensor]] = {}
+    for name, t in source.items():
+        if LINEAR.search(name):
+            sharing.setdefault(_input_key(name), []).append(t.float())
+    for name, t in source.items():
+        if not LINEAR.search(name):
+            tensors[name] = t
+            continue
+        prefix = name.removesuffix(".weight")
+        out, dense[name] = WRITERS[method](
+            prefix,
+            t.float(),
+            group=group,
+            symmetric=symmetric,
+            act_order=act_order,
+            v2=v2,
+            inputs_of=torch.cat(sharing[_input_key(name)]),
+        )
+        tensors |= out
     save_file(tensors, str(dst / "model.safetensors"))
     cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"] = quant_config(method, group, symmetric, act_order, v2)
@@ -196,6 +231,11 @@ def write_quantized(
         if f.suffix != ".safetensors" and f.name != "config.json" and f.is_file():
             shutil.copy(f, dst / f.name)
     return dense
+
+
+def _input_key(name: str) -> str:
+    """The Linears that take the same input share this key (q/k/v of a layer; gate/up of a layer)."""
+    return re.sub(r"\.(q|k|v)_proj\.", ".qkv.", re.sub(r"\.(gate|up)_proj\.", ".gate_up.", name))
 
 
 def write_dequantized(src: Path, dst: Path, dense: dict[str, torch.Tensor]) -> Path:

@@ -116,11 +116,15 @@ def test_w4a16_is_token_identical_to_its_dequantization(
     reference = Engine(model=str(exact), **OPTIONS)
     for name, want in dense.items():
         assert torch.equal(_weight(quantized.model, name), want), name
-    # fp16/bf16 scales: GGUF blocks (Q4_0 symmetric, Q5_0 for the asymmetric ones' odd zero points
-    # times full-mantissa scales); act-order groups sorted, the product's input reordered to match.
-    down = _layer(quantized.model).mlp.down_proj
-    assert isinstance(down, GGUFLinear) and down.qtypes == [Q4_0 if "-sym" in case else Q5_0]
-    assert (down.input_order is not None) == options.get("act_order", False)
+    # fp16/bf16 scales: GGUF blocks (Q4_0 symmetric; asymmetric Q5_0 for odd zero points times
+    # full-mantissa scales, Q4_1 where a part's every -z s is an fp16 value, as bf16 scales' short
+    # mantissa often makes it); act-order groups sorted, the product's input reordered to match.
+    layer = _layer(quantized.model)
+    for lin in (layer.self_attn.qkv_proj, layer.mlp.down_proj):
+        assert isinstance(lin, GGUFLinear)
+        types = set(lin.qtypes)
+        assert types == {Q4_0} if "-sym" in case else (Q5_0 in types and types <= {Q4_1, Q5_0}), types
+        assert (lin.input_order is not None) == options.get("act_order", False)
     a = [o.outputs[0].token_ids for o in reference.generate(PROMPTS, GREEDY)]
     b = [o.outputs[0].token_ids for o in quantized.generate(PROMPTS, GREEDY)]
     assert a == b
@@ -289,6 +293,22 @@ def test_int4_weights_become_gguf_blocks_only_where_the_blocks_hold_them_exactly
     by16 = act_order_groups(w, 16).long()
     z16 = torch.full((64, 6), 8)
     assert int4(codes, z16, torch.full(z16.shape, 0.25), by16).blocks() is None
+
+
+def test_fused_parts_of_different_act_orders_stay_dense(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
+    """q/k/v share one input, so one order: a file whose k_proj ranks its input otherwise keeps that
+    layer's q/k/v dense (the rest of the model still on blocks)."""
+    write_quantized(tiny_models["llama"], tmp_path / "q", "gptq", group=32, symmetric=True, act_order=True)
+    file = tmp_path / "q" / "model.safetensors"
+    tensors = load_file(str(file))
+    name = "model.layers.0.self_attn.k_proj.g_idx"
+    tensors[name] = tensors[name].flip(0).contiguous()
+    save_file(tensors, str(file))
+    model = load_model(tmp_path / "q", torch.float32, CPU)
+    first, second = model.layers[0], model.layers[1]
+    assert isinstance(first, DecoderLayer) and isinstance(second, DecoderLayer)
+    assert type(first.self_attn.qkv_proj) is Linear and isinstance(first.self_attn.o_proj, GGUFLinear)
+    assert isinstance(second.self_attn.qkv_proj, GGUFLinear)
 
 
 def test_an_act_order_linear_on_blocks_equals_its_dense_weight_whole_and_split_along_its_input() -> None:
