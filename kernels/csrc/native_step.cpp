@@ -19,10 +19,10 @@
 //   h = rmsnorm(x); gate/up: a thread computes gate and up rows [j0, j1) and silu(gate) * up there
 //   x += act W_down^T
 // The weights are streamed as they are held (fp32 or bf16 [N, K], or GGUF blocks [N, row bytes]), each
-// read once for all M rows (step_products.h); nothing is copied per step but a weight's input where it
-// takes it in another order (GPTQ act-order on blocks: each thread gathers its own copy, M x K floats). A fused projection comes as
-// its parts (q, k, v; gate, up), each of its own kind: llama.cpp's k-quant files mix types within one
-// (attn_v gets more bits than attn_q and attn_k in some layers).
+// read once for all M rows (step_products.h); nothing is copied per step but the input of a weight that
+// takes it in another order (GPTQ act-order on blocks: each thread gathers its own copy, M x K floats).
+// A fused projection comes as its parts (q, k, v; gate, up), each of its own kind: llama.cpp's k-quant
+// files mix types within one (attn_v gets more bits than attn_q and attn_k in some layers).
 //
 // Numbers: fp32 and GGUF weights: the same operations as the torch model in fp32, summed in another
 // order (the products' order is gemv.cpp's and gguf_linear.cpp's), so the step equals the reference
