@@ -91,6 +91,12 @@ def _awq(prefix: str, w: torch.Tensor, group: int, **_: Any) -> tuple[dict[str, 
     return out, dense
 
 
+def _g_idx(k: int, group: int, act_order: bool, inputs_of: torch.Tensor) -> torch.Tensor:
+    """Each of ``k`` input channels' group: GPTQ act-order's ranking of ``inputs_of`` (the weights that
+    share the Linear's input), else ``group`` consecutive channels at a time."""
+    return act_order_groups(inputs_of, group) if act_order else (torch.arange(k) // group).to(torch.int32)
+
+
 def _gptq(
     prefix: str,
     w: torch.Tensor,
@@ -101,11 +107,7 @@ def _gptq(
     inputs_of: torch.Tensor,
     **_: Any,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    g_idx = (
-        act_order_groups(inputs_of, group)
-        if act_order
-        else (torch.arange(w.shape[1]) // group).to(torch.int32)
-    )
+    g_idx = _g_idx(w.shape[1], group, act_order, inputs_of)
     codes, zeros, scales, dense = quantize(w, g_idx, symmetric)
     out = {
         f"{prefix}.qweight": pack(codes).t().contiguous(),  # along K: [K/8, N]
@@ -125,11 +127,7 @@ def _packed(
     inputs_of: torch.Tensor,
     **_: Any,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    g_idx = (
-        act_order_groups(inputs_of, group)
-        if act_order
-        else (torch.arange(w.shape[1]) // group).to(torch.int32)
-    )
+    g_idx = _g_idx(w.shape[1], group, act_order, inputs_of)
     codes, zeros, scales, dense = quantize(w, g_idx, symmetric, torch.bfloat16)
     out = {
         f"{prefix}.weight_packed": pack(codes),  # unsigned nibbles (signed code + 8) along K: [N, K/8]
