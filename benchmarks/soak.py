@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import random
 import sys
 import time
@@ -164,11 +165,14 @@ async def run_load(
     def recovered_after(t: float) -> bool:
         return any(p.sent >= t and p.reply.done and not p.mismatch for p in probes)
 
+    probe_numbers = itertools.count()
+
+    async def probe_once() -> None:
+        probes.append(await traffic.probe(next(probe_numbers)))
+
     async def probing() -> None:
-        i = 0
         while not done.is_set():
-            probes.append(await traffic.probe(i))
-            i += 1
+            await probe_once()
             await asyncio.sleep(0.2)
 
     async def until_recovered(deadline: float) -> None:
@@ -198,10 +202,11 @@ async def run_load(
             # One fault at a time: the next waits for the server to recover from the one before (and
             # with a standby, for the standby to be back), but not past the last moment for a fault.
             await until_recovered(min(time.perf_counter() + args.recover_timeout_s, last))
+            entry: dict[str, Any] = {"name": name, "planned_s": at}
             if args.warm_standby and name in PROCESS_FAULTS:  # one that finds the standby ready
                 wait_s = min(args.recover_timeout_s, last - time.perf_counter())
-                await standby_ready_within(traffic.http, wait_s)
-            entry: dict[str, Any] = {"name": name, "planned_s": at, "at_s": time.perf_counter() - start}
+                entry["standby_ready"] = await standby_ready_within(traffic.http, wait_s)
+            entry["at_s"] = time.perf_counter() - start
             if time.perf_counter() >= last:
                 left = f"under {args.fault_quiet_s:g} s left"
                 entry["skipped"] = f"not injected: at {entry['at_s']:.0f} s the load had {left}"
@@ -217,12 +222,22 @@ async def run_load(
             log(f"fault {name}: {entry.get('result') or entry.get('skipped')}")
             faults.append(entry)
 
+    # Each fault sends a probe the moment it takes hold: the probe loop's next one waits for the one in
+    # flight, whose latency (p50 6 s at 2x load in tp) would otherwise count in the recovery.
+    fault_probes: set[asyncio.Task[None]] = set()
+    loop = asyncio.get_running_loop()
+
+    def fault_probe() -> None:  # in the fault's thread
+        loop.call_soon_threadsafe(lambda: fault_probes.add(asyncio.create_task(probe_once())))
+
+    target.took_hold = fault_probe
     prober = asyncio.create_task(probing())
     watcher = asyncio.create_task(watching_standby())
     await asyncio.gather(arrivals(), faulting())
     await until_recovered(time.perf_counter() + args.recover_timeout_s)
     done.set()
     await prober
+    await asyncio.gather(*fault_probes)
     await watcher
     standby_back(faults, faults_standby)
     return records, probes, faults, skipped

@@ -93,6 +93,15 @@ class Target:
     rng: random.Random
     stop_s: float = 20.0  # stop-engine's hold
     full_s: float = 10.0  # disk-full's
+    # Called (in the fault's thread) the moment a fault takes hold, before any hold: the soak sends a
+    # probe then, whose answer times the recovery.
+    took_hold: Callable[[], None] = lambda: None
+
+    def hold(self) -> float:
+        """The moment the fault took hold (``t``), after telling ``took_hold``."""
+        at = time.perf_counter()
+        self.took_hold()
+        return at
 
     def pick(self, roles: tuple[str, ...]) -> Proc:
         tree = process_tree(self.server_pid)
@@ -110,7 +119,7 @@ def _kill(roles: tuple[str, ...]) -> Callable[[Target], dict[str, Any]]:
     def fault(t: Target) -> dict[str, Any]:
         p = t.pick(roles)
         os.kill(p.pid, signal.SIGKILL)
-        return {"t": time.perf_counter(), "pid": p.pid, "role": p.role}
+        return {"t": t.hold(), "pid": p.pid, "role": p.role}
 
     return fault
 
@@ -118,7 +127,7 @@ def _kill(roles: tuple[str, ...]) -> Callable[[Target], dict[str, Any]]:
 def _stop(t: Target) -> dict[str, Any]:
     p = t.pick(("engine", "decode", "prefill"))
     os.kill(p.pid, signal.SIGSTOP)
-    at = time.perf_counter()
+    at = t.hold()
     time.sleep(t.stop_s)
     try:
         os.kill(p.pid, signal.SIGCONT)
@@ -150,7 +159,7 @@ def _truncate(t: Target) -> dict[str, Any]:
     path = _page(t)
     size = path.stat().st_size
     os.truncate(path, size // 2)
-    return {"t": time.perf_counter(), "file": path.name, "size": size, "cut_to": size // 2}
+    return {"t": t.hold(), "file": path.name, "size": size, "cut_to": size // 2}
 
 
 def _corrupt(t: Target) -> dict[str, Any]:
@@ -163,7 +172,7 @@ def _corrupt(t: Target) -> dict[str, Any]:
             byte = f.read(1)
             f.seek(off)
             f.write(bytes([byte[0] ^ 0xFF]))
-    return {"t": time.perf_counter(), "file": path.name, "size": size, "flipped_offsets": offsets}
+    return {"t": t.hold(), "file": path.name, "size": size, "flipped_offsets": offsets}
 
 
 def _fill(t: Target) -> dict[str, Any]:
@@ -179,7 +188,7 @@ def _fill(t: Target) -> dict[str, Any]:
                 f.flush()
                 written += len(block)
     free = psutil.disk_usage(str(t.disk_dir)).free
-    at = time.perf_counter()
+    at = t.hold()
     time.sleep(t.full_s)
     filler.unlink()
     left = sorted(p.name for p in t.disk_dir.glob("*.tmp"))

@@ -151,11 +151,13 @@ def process_rss_line(own: list[dict[str, Any]]) -> str:
 
 
 def _standby_back(f: dict[str, Any]) -> str:
-    """When a warm standby was ready again after the fault (the next fault waits for it)."""
+    """When a warm standby was ready again after the fault (the next fault waits for it), and whether a
+    process fault found none ready (it waited ``--recover-timeout-s``: the restart was a cold start)."""
+    cold = "none ready at the fault: " if f.get("standby_ready") is False else ""
     if "standby_ready_s" not in f:
-        return ""
+        return cold.rstrip(": ")
     back = f["standby_ready_s"]
-    return "not within the wait" if back is None else str(back)
+    return cold + ("not within the wait" if back is None else str(back))
 
 
 def _startup(fault: dict[str, Any]) -> str:

@@ -48,11 +48,13 @@ KILL_GRACE_S = 5.0  # a hung process SIGKILLed but not yet reaped after this lon
 # takes over; with the serving process dead it has the CPU to itself anyway.
 STANDBY_NICE = 19
 # But at nice 19 beside an engine saturated for minutes it gets ~1.5% of the CPU (weight 15 against
-# 1024) and may not finish for many minutes: one still starting after STANDBY_PATIENCE_S is reniced to
-# STANDBY_LATE_NICE (~10% beside one busy process), so the redundancy comes back at a bounded cost to
-# serving.
-STANDBY_PATIENCE_S = 30.0
-STANDBY_LATE_NICE = 10
+# 1024) and may not finish for many minutes, so a standby still starting is raised step by step: (after
+# s, nice). At nice 10 it gets ~10% beside one busy process, which is enough for one engine process;
+# a tensor-parallel standby (three processes, ~28 CPU-s to start) beside three busy ranks on 2 cores got
+# 23 CPU-s in 8 minutes at nice 19 then 10 and never came back (soak-tp-2x-standby-quiet), leaving a
+# second fault to a cold start. So past STANDBY_LADDER's last step it starts at the serving priority:
+# the redundancy comes back within one start-up's CPU, at a cost to serving bounded by that start-up.
+STANDBY_LADDER: tuple[tuple[float, int], ...] = ((30.0, 10), (90.0, 0))
 
 
 class Supervisor:
@@ -185,20 +187,20 @@ class Supervisor:
         # Yield the CPU only to a serving process: with none, a restart is waiting for this one.
         nice = STANDBY_NICE if self.client is not None else 0
         self._standby_starting = client = self._new_client(nice)
-        impatient = asyncio.get_running_loop().call_later(STANDBY_PATIENCE_S, self._hurry, client)
+        loop = asyncio.get_running_loop()
+        steps = [loop.call_later(after, self._hurry, client, after, value) for after, value in STANDBY_LADDER]
         try:
             return await self._start_process(client)
         finally:
-            impatient.cancel()
+            for step in steps:
+                step.cancel()
             self._standby_starting = None
 
-    def _hurry(self, client: EngineClient) -> None:
-        """A standby still starting after STANDBY_PATIENCE_S: a lower nice value (never a higher one)."""
-        if client is self._standby_starting and client.nice > STANDBY_LATE_NICE:
-            logger.info(
-                "warm standby still starting after %.0f s: nice %d", STANDBY_PATIENCE_S, STANDBY_LATE_NICE
-            )
-            client.renice(STANDBY_LATE_NICE)
+    def _hurry(self, client: EngineClient, after: float, value: int) -> None:
+        """A standby still starting ``after`` s: nice ``value`` (a lower one, never a higher one)."""
+        if client is self._standby_starting and client.nice > value:
+            logger.info("warm standby still starting after %.0f s: nice %d", after, value)
+            client.renice(value)
 
     def _standby_client(self) -> EngineClient | None:
         """The ready standby's client, if there is one."""

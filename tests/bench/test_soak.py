@@ -5,6 +5,9 @@ wrong, no 5xx but the 503s of a restart, and no page leaked. One soak serves eve
 
 from __future__ import annotations
 
+import os
+import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +15,7 @@ import pytest
 from tiny_models import make_tiny_model
 
 from benchmarks.soak import fault_schedule, parse_args, run_soak
-from benchmarks.soak_faults import FAULTS, PROCESS_FAULTS, TOPOLOGY_FAULTS
+from benchmarks.soak_faults import FAULTS, PROCESS_FAULTS, TOPOLOGY_FAULTS, Target
 from benchmarks.soak_outcomes import standby_back
 
 DURATION_S = 75
@@ -83,6 +86,24 @@ def test_the_kill_and_the_corrupt_page_were_injected_and_the_server_recovered(so
     assert kill["engine_restarts"] >= 1 and kill["engine_startup_s"]["load"] > 0, kill
     # At twice the capacity requests are always in flight: the kill failed some, with a 503.
     assert soak["summary"]["outcomes"]["restart_503"] > 0, _reasons(soak)
+
+
+def test_each_fault_sends_a_probe_the_moment_it_takes_hold(soak: dict[str, Any]) -> None:
+    # Its recovery is that probe's answer (or a later one's), not the wait for the probe in flight.
+    sent = [r["sent_s"] for r in soak["requests"] if r["kind"] == "probe"]
+    for f in soak["faults"]:
+        assert any(f["at_s"] <= s < f["at_s"] + 0.5 for s in sent), (f, sent)
+
+
+@pytest.mark.parametrize("name", ["corrupt-page", "truncate-page"])
+def test_a_fault_tells_took_hold_once_when_it_takes_hold(tmp_path: Path, name: str) -> None:
+    (tmp_path / "a.kv").write_bytes(bytes(1024))
+    called: list[float] = []
+    target = Target(
+        os.getpid(), tmp_path, random.Random(0), took_hold=lambda: called.append(time.perf_counter())
+    )
+    result = FAULTS[name](target)
+    assert len(called) == 1 and result["t"] <= called[0] <= time.perf_counter()
 
 
 def test_a_hung_engine_process_is_replaced(soak: dict[str, Any]) -> None:

@@ -102,15 +102,28 @@ def test_a_warm_standby_takes_over_a_killed_engine_with_the_disk_pages_written_a
     assert [m for m in messages if f"warm standby engine process {standby} took over" in m], messages
 
 
-def test_a_standby_still_starting_after_the_patience_is_reniced_to_the_late_nice(
-    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("ladder", "final"),
+    [(((0.2, 10),), 10), (((0.2, 10), (0.4, 0)), 0)],
+    ids=["late-nice", "serving-nice"],
+)
+def test_a_standby_still_starting_is_raised_step_by_step(
+    tiny_llama: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    ladder: tuple[tuple[float, int], ...],
+    final: int,
 ) -> None:
-    # At nice 19 beside a saturated engine a standby may never load: past the patience it is raised
-    # (never to the serving priority). A tiny model's standby starts in seconds, so the patience here
-    # is shorter than that.
-    monkeypatch.setattr(supervisor, "STANDBY_PATIENCE_S", 0.2)
+    # At nice 19 beside a saturated engine a standby may never load: still starting after each step's
+    # time, it is raised to that step's nice value, the last step being the serving priority (a
+    # tensor-parallel standby never came back at 10). A tiny model's standby starts in seconds, so the
+    # steps here come sooner than that.
+    caplog.set_level(logging.INFO, logger="radixserve.server")
+    monkeypatch.setattr(supervisor, "STANDBY_LADDER", ladder)
     config = EngineConfig(str(tiny_llama), page_size=4, num_pages=64, max_model_len=64, warm_standby=True)
     with serving(config) as s, httpx.Client(base_url=s.url, timeout=60) as c:
         standby = wait_for_standby(c, s)
-        assert nice_values(standby) == {supervisor.STANDBY_LATE_NICE}
+        assert nice_values(standby) == {final}
         assert nice_values(int(s.engine.engine_pid or 0)) == {0}
+    raised = [r.getMessage() for r in caplog.records if "warm standby still starting" in r.getMessage()]
+    assert [m.rsplit(" ", 1)[-1] for m in raised] == [str(value) for _, value in ladder], raised
