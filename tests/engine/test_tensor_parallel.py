@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from hf_quant_files import write_quantized
 
 from radixserve import Engine, SamplingParams
 from radixserve.config import EngineConfig
-from radixserve.engine.tensor_parallel import TensorParallel
+from radixserve.engine.tensor_parallel import TensorParallel, bind_process
 from radixserve.model.config import ModelConfig
 from radixserve.model.gguf import GGUFLinear
 from radixserve.model.llama import DecoderLayer
@@ -97,6 +98,11 @@ def test_tiny_model_matches_one_rank(
         assert isinstance(eng.tp, TensorParallel) and len(eng.tp.pids) == size - 1
         bound = [os.sched_getaffinity(0)] + [set(psutil.Process(pid).cpu_affinity()) for pid in eng.tp.pids]
         assert set().union(*bound) <= cores and all(bound)
+        # Every thread of a rank, those it started before it was ready too (gloo's), shares its binding.
+        for pid, cpus in zip([os.getpid(), *eng.tp.pids], bound, strict=True):
+            assert {frozenset(os.sched_getaffinity(t.id)) for t in psutil.Process(pid).threads()} == {
+                frozenset(cpus)
+            }
         if len(cores) >= size:  # a share each, none shared
             assert sum(len(b) for b in bound) == len(set().union(*bound)) == len(cores) // size * size
         assert_same(tiny_ref, eng.generate(TINY_PROMPTS, GREEDY))
@@ -104,6 +110,32 @@ def test_tiny_model_matches_one_rank(
     finally:
         eng.close()
     assert os.sched_getaffinity(0) == cores  # rank 0's binding undone
+    assert all(os.sched_getaffinity(t.id) == cores for t in psutil.Process().threads())
+
+
+def test_bind_process_binds_every_thread_of_the_process() -> None:
+    # A rank binds itself once it is ready, after its start-up started threads (gloo's): binding the
+    # calling thread alone would leave those where they were.
+    cores = os.sched_getaffinity(0)
+    started, stop = threading.Event(), threading.Event()
+
+    def wait() -> None:
+        started.set()
+        stop.wait()
+
+    other = threading.Thread(target=wait)
+    other.start()
+    started.wait()
+    one = {min(cores)}
+    try:
+        assert bind_process(one) == cores
+        assert other.native_id is not None and os.sched_getaffinity(other.native_id) == one
+        assert os.sched_getaffinity(0) == one
+    finally:
+        bind_process(cores)
+        stop.set()
+        other.join()
+    assert os.sched_getaffinity(0) == cores
 
 
 def test_prefix_hits_and_tier_round_trip_under_tp(
