@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import random
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from hf_quant_files import write_quantized
 
 from radixserve import Engine, SamplingParams
 from radixserve.config import EngineConfig
-from radixserve.engine.tensor_parallel import TensorParallel, bind_process
+from radixserve.engine.tensor_parallel import STOP_WAIT_S, TensorParallel, TensorParallelError, bind_process
 from radixserve.model.config import ModelConfig
 from radixserve.model.gguf import GGUFLinear
 from radixserve.model.llama import DecoderLayer
@@ -111,6 +112,26 @@ def test_tiny_model_matches_one_rank(
         eng.close()
     assert os.sched_getaffinity(0) == cores  # rank 0's binding undone
     assert all(os.sched_getaffinity(t.id) == cores for t in psutil.Process().threads())
+
+
+def test_a_dead_rank_fails_the_step_and_close_kills_the_ranks_left_at_once(tiny_llama: Path) -> None:
+    # A rank left waiting in a collective for the dead one never reads "stop": closing waited
+    # STOP_WAIT_S (10 s) for it, and the engine process's exit and restart with it.
+    eng = tiny_engine(tiny_llama, tensor_parallel_size=4)
+    assert isinstance(eng.tp, TensorParallel)
+    ranks = [psutil.Process(pid) for pid in eng.tp.pids]
+    for i, prompt in enumerate(TINY_PROMPTS):
+        eng.add_request(prompt, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True), f"r{i}")
+    for _ in range(3):
+        eng.step()
+    ranks[0].kill()
+    with pytest.raises(TensorParallelError, match="rank 1 .* died of SIGKILL"):
+        for _ in range(200):
+            eng.step()
+    started = time.monotonic()
+    eng.close()
+    assert time.monotonic() - started < STOP_WAIT_S / 2
+    assert not any(r.is_running() and r.status() != psutil.STATUS_ZOMBIE for r in ranks)
 
 
 def test_bind_process_binds_every_thread_of_the_process() -> None:
