@@ -49,12 +49,12 @@ KILL_GRACE_S = 5.0  # a hung process SIGKILLed but not yet reaped after this lon
 STANDBY_NICE = 19
 # But at nice 19 beside an engine saturated for minutes it gets ~1.5% of the CPU (weight 15 against
 # 1024) and may not finish for many minutes, so a standby still starting is raised step by step: (after
-# s, nice). At nice 10 it gets ~10% beside one busy process, which is enough for one engine process;
-# a tensor-parallel standby (three processes, ~28 CPU-s to start) beside three busy ranks on 2 cores got
-# 23 CPU-s in 8 minutes at nice 19 then 10 and never came back (soak-tp-2x-standby-quiet), leaving a
-# second fault to a cold start. So past STANDBY_LADDER's last step it starts at the serving priority:
-# the redundancy comes back within one start-up's CPU, at a cost to serving bounded by that start-up.
-STANDBY_LADDER: tuple[tuple[float, int], ...] = ((30.0, 10), (90.0, 0))
+# s, nice). At nice 10 it gets ~10% beside one busy process: in soaks at 2x load a standby came back
+# 121-123 s after a fault (one engine) and 74-89 s (three tensor-parallel ranks, since they start
+# unbound: engine/tensor_parallel.py). A standby still starting after the last step starts at the
+# serving priority, so the redundancy comes back in bounded time on a machine too busy even for nice
+# 10, at a cost to serving bounded by the rest of one start-up.
+STANDBY_LADDER: tuple[tuple[float, int], ...] = ((30.0, 10), (180.0, 0))
 
 
 class Supervisor:

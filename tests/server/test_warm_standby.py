@@ -115,9 +115,9 @@ def test_a_standby_still_starting_is_raised_step_by_step(
     final: int,
 ) -> None:
     # At nice 19 beside a saturated engine a standby may never load: still starting after each step's
-    # time, it is raised to that step's nice value, the last step being the serving priority (a
-    # tensor-parallel standby never came back at 10). A tiny model's standby starts in seconds, so the
-    # steps here come sooner than that.
+    # time, it is raised to that step's nice value, the last step being the serving priority (a bound
+    # on the time without redundancy). A tiny model's standby starts in seconds, so the steps here come
+    # sooner than that.
     caplog.set_level(logging.INFO, logger="radixserve.server")
     monkeypatch.setattr(supervisor, "STANDBY_LADDER", ladder)
     config = EngineConfig(str(tiny_llama), page_size=4, num_pages=64, max_model_len=64, warm_standby=True)
