@@ -36,7 +36,7 @@ from benchmarks.common import RESULTS, args_json, machine, write_results
 from benchmarks.plots import plot_soak
 from benchmarks.servers import Server, free_port, radixserve_command
 from benchmarks.soak_capacity import measure_capacity, warm_up
-from benchmarks.soak_faults import FAULTS, PROCESS_FAULTS, TOPOLOGY_FAULTS, Target, process_tree
+from benchmarks.soak_faults import FAULTS, PROCESS_FAULTS, Target, fault_schedule, process_tree
 from benchmarks.soak_outcomes import (
     classify,
     hang_errors,
@@ -260,28 +260,6 @@ async def sample_rss(pid: int, t0: float, every_s: float, out: list[dict[str, An
         cpu = {str(p.pid): round(p.cpu_s, 2) for p in tree}
         out.append({"t_s": round(time.perf_counter() - t0, 1), "mb": by_role, "procs": procs, "cpu_s": cpu})
         await asyncio.sleep(every_s)
-
-
-def fault_schedule(args: argparse.Namespace) -> list[tuple[float, str]]:
-    names = (
-        TOPOLOGY_FAULTS[args.topology]
-        if args.faults == "auto"
-        else []
-        if args.faults == "none"
-        else [f.strip() for f in args.faults.split(",") if f.strip()]
-    )
-    unknown = [n for n in names if n not in FAULTS]
-    if unknown:
-        raise SystemExit(f"unknown faults {unknown}; choose from {', '.join(FAULTS)}")
-    gap = args.duration_s / (len(names) + 1)
-    schedule = [(gap * (i + 1), n) for i, n in enumerate(names)]
-    if schedule and schedule[-1][0] > args.duration_s - args.fault_quiet_s:
-        raise SystemExit(
-            f"{len(names)} faults over {args.duration_s:g} s put the last at {schedule[-1][0]:.0f} s, in the "
-            f"last {args.fault_quiet_s:g} s, where none is injected: lengthen --duration-s or shorten "
-            "--fault-quiet-s"
-        )
-    return schedule
 
 
 def run_soak(args: argparse.Namespace) -> tuple[dict[str, Any], list[Path]]:

@@ -22,6 +22,7 @@ Faults (``FAULTS``), each a function of a ``Target`` that returns what it did, a
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import random
@@ -225,3 +226,27 @@ TOPOLOGY_FAULTS = {
     "disagg": ["kill-decode", "corrupt-page", "kill-prefill", "stop-engine", "truncate-page", "disk-full"],
     "tp": ["kill-tp-rank", "corrupt-page", "truncate-page", "disk-full", "kill-engine", "stop-engine"],
 }
+
+
+def fault_schedule(args: argparse.Namespace) -> list[tuple[float, str]]:
+    """The faults of ``args.faults`` (``auto``: the topology's), evenly spaced over ``args.duration_s``
+    as (seconds, name); SystemExit for an unknown name or a last fault inside the quiet tail."""
+    names = (
+        TOPOLOGY_FAULTS[args.topology]
+        if args.faults == "auto"
+        else []
+        if args.faults == "none"
+        else [f.strip() for f in args.faults.split(",") if f.strip()]
+    )
+    unknown = [n for n in names if n not in FAULTS]
+    if unknown:
+        raise SystemExit(f"unknown faults {unknown}; choose from {', '.join(FAULTS)}")
+    gap = args.duration_s / (len(names) + 1)
+    schedule = [(gap * (i + 1), n) for i, n in enumerate(names)]
+    if schedule and schedule[-1][0] > args.duration_s - args.fault_quiet_s:
+        raise SystemExit(
+            f"{len(names)} faults over {args.duration_s:g} s put the last at {schedule[-1][0]:.0f} s, in the "
+            f"last {args.fault_quiet_s:g} s, where none is injected: lengthen --duration-s or shorten "
+            "--fault-quiet-s"
+        )
+    return schedule

@@ -36,7 +36,6 @@ import os
 import signal
 import socket
 import traceback
-from collections.abc import Collection
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -54,6 +53,7 @@ from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.runner import ModelRunner, RunnerOutput, SeqChunk
 from radixserve.model.sharding import check_tensor_parallel, local_kv_heads, shard_model
 from radixserve.parallel import comm
+from radixserve.parallel.cpus import bind_process, rank_cores
 from radixserve.parallel.spawn import MainScriptError, main_script_error
 
 logger = logging.getLogger("radixserve.engine")
@@ -66,28 +66,6 @@ STOP_WAIT_S = 10.0  # how long a healthy rank gets to finish its last command wh
 
 class TensorParallelError(RuntimeError):
     """A rank of the engine died, or a collective between them failed: the engine cannot go on."""
-
-
-def rank_cores(rank: int, size: int, cores: list[int]) -> list[int]:
-    """Rank ``rank``'s share of ``cores`` (the engine's usable cores, taken before any rank was bound)."""
-    share = max(1, len(cores) // size)
-    return cores[rank * share : (rank + 1) * share] or [cores[rank % len(cores)]]
-
-
-def bind_process(cpus: Collection[int]) -> set[int]:
-    """Bind every thread of this process (and those it starts) to ``cpus``; returns the old binding.
-
-    A rank binds itself only once it is ready (warmed up), not as it starts. A process inherits its
-    parent's binding, and a warm standby's ranks, bound from the start, sat on the cores of the busy
-    serving ranks: runnable 92% of the time, they got ~2% of their core and never finished starting
-    under load (3 ranks on 2 cores, Zen 4). Unbound until ready, they came back 80 s after a rank kill.
-    Serving stays bound: 3 unbound ranks on 2 cores answered 1.6 requests/s where bound ones answered
-    2.4."""
-    old = os.sched_getaffinity(0)
-    for tid in os.listdir("/proc/self/task"):
-        with contextlib.suppress(OSError):  # a thread that ended meanwhile
-            os.sched_setaffinity(int(tid), cpus)
-    return old
 
 
 def _wire(chunks: list[SeqChunk]) -> list[WireChunk]:

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from tiny_models import make_tiny_model
 
-from benchmarks.soak import fault_schedule, parse_args, run_soak
-from benchmarks.soak_faults import FAULTS, PROCESS_FAULTS, TOPOLOGY_FAULTS, Target
+from benchmarks.soak import parse_args, run_soak
+from benchmarks.soak_faults import FAULTS, PROCESS_FAULTS, TOPOLOGY_FAULTS, Target, fault_schedule
 from benchmarks.soak_outcomes import standby_back
 
 DURATION_S = 75

@@ -23,13 +23,14 @@ from hf_quant_files import write_quantized
 
 from radixserve import Engine, SamplingParams
 from radixserve.config import EngineConfig
-from radixserve.engine.tensor_parallel import STOP_WAIT_S, TensorParallel, TensorParallelError, bind_process
+from radixserve.engine.tensor_parallel import STOP_WAIT_S, TensorParallel, TensorParallelError
 from radixserve.model.config import ModelConfig
 from radixserve.model.gguf import GGUFLinear
 from radixserve.model.llama import DecoderLayer
 from radixserve.model.runner import SeqChunk
 from radixserve.model.sharding import check_tensor_parallel
 from radixserve.outputs import RequestOutput
+from radixserve.parallel.cpus import bind_process
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=5)
 TOL = 1e-4
