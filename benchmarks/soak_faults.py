@@ -66,23 +66,35 @@ class Proc:
 
 def process_tree(root: int) -> list[Proc]:
     """The server's process and all its descendants, with role, resident memory and CPU time."""
-    out = []
     try:
         top = psutil.Process(root)
         procs = [top, *top.children(recursive=True)]
-        server_nice = top.nice()
     except psutil.NoSuchProcess:
         return []
+    seen: dict[int, tuple[psutil.Process, str, int, int]] = {}  # pid -> process, role, nice, parent
     for p in procs:
         with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            role = role_of(p.cmdline())
-            if role == "tp-rank" and role_of(psutil.Process(p.ppid()).cmdline()) not in ENGINE_ROLES:
+            seen[p.pid] = (p, role_of(p.cmdline()), p.nice(), p.ppid())
+    out = []
+    for pid, (p, role, nice, parent) in seen.items():
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            if role == "tp-rank" and (parent not in seen or seen[parent][1] not in ENGINE_ROLES):
                 role = "other"  # a spawn child of something else (a Ray helper)
-            if role in ENGINE_ROLES and p.nice() > server_nice:
+            if role in ENGINE_ROLES and nice > _supervisor_nice(seen, pid):
                 role = STANDBY
             cpu = p.cpu_times()
-            out.append(Proc(p.pid, role, p.memory_info().rss / 2**20, p.ppid(), cpu.user + cpu.system))
+            out.append(Proc(pid, role, p.memory_info().rss / 2**20, parent, cpu.user + cpu.system))
     return out
+
+
+def _supervisor_nice(seen: dict[int, tuple[psutil.Process, str, int, int]], pid: int) -> int:
+    """The nice value of the process that supervises engine-like ``pid``: its nearest ancestor that is
+    not engine-like (the server, or a Ray replica: Ray runs its workers, and so their engines, at nice
+    15). A standby waits niced above it; a tensor-parallel rank is compared past its engine."""
+    parent = seen[pid][3]
+    while parent in seen and seen[parent][1] in ENGINE_ROLES:
+        parent = seen[parent][3]
+    return seen[parent][2] if parent in seen else 0
 
 
 @dataclass

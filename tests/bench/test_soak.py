@@ -7,16 +7,27 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from tiny_models import make_tiny_model
 
 from benchmarks.soak import parse_args, run_soak
-from benchmarks.soak_faults import FAULTS, PROCESS_FAULTS, TOPOLOGY_FAULTS, Target, fault_schedule
+from benchmarks.soak_faults import (
+    FAULTS,
+    PROCESS_FAULTS,
+    TOPOLOGY_FAULTS,
+    Target,
+    fault_schedule,
+    process_tree,
+)
 from benchmarks.soak_outcomes import standby_back
+from benchmarks.soak_report import verdict
 
 DURATION_S = 75
 STOP_HOLD_S = 20
@@ -95,6 +106,21 @@ def test_each_fault_sends_a_probe_the_moment_it_takes_hold(soak: dict[str, Any])
         assert any(f["at_s"] <= s < f["at_s"] + 0.5 for s in sent), (f, sent)
 
 
+def test_a_fault_not_injected_fails_the_soak(soak: dict[str, Any]) -> None:
+    assert soak["passed"]["every_fault_injected"], soak["faults"]
+    outcomes = dict.fromkeys(["lost", "wrong", "error_5xx", "error_4xx"], 0)
+    doc: dict[str, Any] = {
+        "summary": {"outcomes": outcomes},
+        "pages": {"balanced": True, "leaked": 0},
+        "probes": {"final_round_ok": True},
+        "duration_s": 60,
+        "faults": [{"name": "corrupt-page", "at_s": 10.0, "recovery_s": 2.0}],
+    }
+    assert all(verdict(doc).values())
+    doc["faults"].append({"name": "kill-engine", "at_s": 30.0, "skipped": "LookupError: no process"})
+    assert not verdict(doc)["every_fault_injected"]
+
+
 @pytest.mark.parametrize("name", ["corrupt-page", "truncate-page"])
 def test_a_fault_tells_took_hold_once_when_it_takes_hold(tmp_path: Path, name: str) -> None:
     (tmp_path / "a.kv").write_bytes(bytes(1024))
@@ -158,3 +184,33 @@ def test_only_process_faults_wait_for_the_standby_and_tp_fills_its_wait_with_dis
     tp = TOPOLOGY_FAULTS["tp"]
     first_wait = next(i for i, name in enumerate(tp) if name in PROCESS_FAULTS and i > 0)
     assert {"truncate-page", "disk-full"} <= set(tp[:first_wait])
+
+
+def _parent_of(nice: int, own: str, child: str) -> subprocess.Popen[bytes]:
+    """A process at ``nice`` whose command line holds ``own``, with a child whose holds ``child``."""
+    code = (  # the child's marker reversed, so that it is not in this process's own command line
+        f"import os, subprocess, sys, time; os.nice({nice}); "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', sys.argv[2][::-1]]); "
+        "time.sleep(60)"
+    )
+    return subprocess.Popen([sys.executable, "-c", code, own, child[::-1]])
+
+
+def test_an_engine_is_a_standby_only_niced_above_its_supervisor() -> None:
+    # Ray runs a replica's worker, and so its engine, at nice 15: that engine serves. A standby waits
+    # niced above its supervisor (the server or the replica); its tensor-parallel rank is a standby too.
+    replica = _parent_of(15, "ServeReplica", "radixserve.server.engine_process")
+    standby = _parent_of(19, "radixserve.server.engine_process", "spawn_main")
+    try:
+        deadline = time.monotonic() + 30
+        while len(tree := process_tree(os.getpid())) < 5 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        roles = {(p.parent, p.role) for p in tree}
+        assert (replica.pid, "engine") in roles, tree
+        assert (os.getpid(), "standby") in roles and (standby.pid, "standby") in roles, tree
+    finally:
+        for parent in (replica, standby):
+            for child in psutil.Process(parent.pid).children():
+                child.kill()
+            parent.kill()
+            parent.wait()
