@@ -105,6 +105,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--page-size", type=int, default=16)
     a("--max-running-requests", type=int, default=8)
     a("--max-waiting-requests", type=int, default=32, help="beyond this the server sheds with 429")
+    a(
+        "--max-queue-wait-s",
+        type=float,
+        default=60.0,
+        help="the server answers 429 to a request unscheduled this long (below --bound-s: else it is lost)",
+    )
     a("--tmpfs-mb", type=int, default=96, help="size of the disk tier's own tmpfs (when it can be mounted)")
     a("--engine-threads", type=int, default=None)
     a("--enforce-eager", action="store_true", help="serve eager steps (a quick run: no compile per restart)")

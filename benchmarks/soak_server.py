@@ -86,6 +86,7 @@ def server_flags(args: argparse.Namespace, disk: Path, mounted: bool, hang: bool
     flags += ["--max-body-bytes", str(MAX_BODY_BYTES), "--num-pages", str(args.num_pages)]
     flags += ["--page-size", str(args.page_size), "--max-running-requests", str(args.max_running_requests)]
     flags += ["--max-waiting-requests", str(args.max_waiting_requests)]
+    flags += ["--max-queue-wait-s", f"{args.max_queue_wait_s:g}"] if args.max_queue_wait_s else []
     flags += ["--disk-cache-dir", str(disk), "--disk-cache-gb", f"{disk_gb:.4f}"]
     flags += ["--enforce-eager"] if args.enforce_eager else []
     flags += [] if args.heap_trim_s is None else ["--heap-trim-s", f"{args.heap_trim_s:g}"]

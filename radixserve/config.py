@@ -85,6 +85,13 @@ class EngineConfig:
     )
     max_model_len: int | None = knob(None, "context length (default: the model's)", ge=1, integer=True)
     max_waiting_requests: int = knob(1024, "beyond this, new requests get 429", ge=1, integer=True)
+    # A server's bound on a request's wait for its first step (server/engine_loop.py): past it the
+    # request gets a 429, as a full queue's would, instead of a client's timeout with no answer. Off by
+    # default, as in vLLM and SGLang: a batch job may rightly wait long. Set it below the clients'
+    # timeout (the soak, benchmarks/soak.py, runs 60 s under its 90 s bound); docs/server.md.
+    max_queue_wait_s: float = knob(
+        0.0, "a request still unscheduled after this many seconds gets 429 (0: no limit)", ge=0
+    )
     prefix_cache: bool = knob(True, "disable prefix caching")  # the flag is --no-prefix-cache
     schedule_policy: str = knob("lpm", "admission order of waiting requests", choices=SCHEDULE_POLICIES)
     eviction_policy: str = knob("lru", "which cached prefixes go first", choices=EVICTION_POLICIES)

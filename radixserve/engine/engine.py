@@ -77,6 +77,12 @@ class Engine(EngineParts, OfflineAPI):
         step; thread-safe. Each sample it stops ends with an "abort" output."""
         self._inbox.put(("abort", (request_id, index)))
 
+    def overdue(self, max_wait_s: float) -> list[str]:
+        """The requests (group ids) that arrived over ``max_wait_s`` ago and were never scheduled (a
+        preempted one was: its client may hold tokens already). Between two steps only."""
+        since = time.monotonic() - max_wait_s
+        return [g for g in self._unscheduled if self._groups[g][0].arrival_time < since]
+
     def has_unfinished(self) -> bool:
         return bool(self._groups) or not self._inbox.empty()
 

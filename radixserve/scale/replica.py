@@ -49,6 +49,7 @@ from radixserve.server.engine_api import (
     EngineUnavailableError,
     Limits,
     QueueFullError,
+    QueueTimeoutError,
     RequestRecord,
 )
 from radixserve.server.messages import EngineError, ErrorKind
@@ -113,6 +114,8 @@ class ReplicaError:
             return ReplicaError("over_budget", str(exc), exc.param, exc.code)
         if isinstance(exc, InvalidRequestError):
             return ReplicaError("invalid", str(exc), exc.param, exc.code)
+        if isinstance(exc, QueueTimeoutError):  # before its base class, to keep its kind
+            return ReplicaError("queue_timeout", str(exc))
         if isinstance(exc, QueueFullError):
             return ReplicaError("queue_full", str(exc))
         if isinstance(exc, EngineUnavailableError):

@@ -15,7 +15,7 @@ from typing import TypeVar, cast
 import msgspec
 
 from radixserve.errors import InvalidRequestError, PinBudgetError
-from radixserve.server.engine_api import EngineUnavailableError, QueueFullError
+from radixserve.server.engine_api import EngineUnavailableError, QueueFullError, QueueTimeoutError
 from radixserve.server.messages import Call, CallOp, CallResult, EngineError, EngineOp, ToEngine
 
 R = TypeVar("R")
@@ -33,6 +33,8 @@ def exception(error: EngineError) -> Exception:
         return InvalidRequestError(error.message, error.param, error.code)
     if error.kind == "queue_full":
         return QueueFullError(error.message)
+    if error.kind == "queue_timeout":
+        return QueueTimeoutError(error.message)
     if error.kind == "unavailable":
         return EngineUnavailableError(error.message)
     return EngineCallError(f"the engine's call failed: {error.message}")

@@ -46,6 +46,10 @@ class QueueFullError(RuntimeError):
     """Too many requests are waiting to be scheduled; the client should retry later."""
 
 
+class QueueTimeoutError(QueueFullError):
+    """The request waited ``max_queue_wait_s`` without being scheduled (it was dropped): a 429 too."""
+
+
 class EngineUnavailableError(RuntimeError):
     """The server is shutting down, or the engine process died and is being restarted (503: retry)."""
 

@@ -218,6 +218,7 @@ class EngineLoop:
                 return
             if engine.has_unfinished():
                 progressed = self._step()
+                self._drop_overdue()
             if time.monotonic() - self._sent_at >= HEARTBEAT_S:
                 self.send(Heartbeat())
             self.heap.maybe()
@@ -241,6 +242,18 @@ class EngineLoop:
             )
             self.send(msg)
         return progressed
+
+    def _drop_overdue(self) -> None:
+        """Fail each request still unscheduled ``max_queue_wait_s`` after it arrived with a typed 429
+        (a client's timeout would have no answer at all). The engine drops it at its next step, which
+        comes before this runs again: so each gets one error."""
+        limit = self.engine.config.max_queue_wait_s
+        if not limit:
+            return
+        for rid in self.engine.overdue(limit):
+            self.engine.abort(rid)
+            message = f"the request waited {limit:g} s without being scheduled (max_queue_wait_s)"
+            self._refuse(rid, EngineError(kind="queue_timeout", message=message))
 
     def _receive(self, timeout_ms: int) -> None:
         if not self._poller.poll(timeout_ms):

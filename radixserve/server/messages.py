@@ -195,7 +195,7 @@ class StepOutputs(_Message, kw_only=True):
     kv_events: KVEvents | None = None  # with the kv_events knob: the tree's page changes since the last
 
 
-ErrorKind = Literal["invalid", "over_budget", "queue_full", "unavailable", "failed"]
+ErrorKind = Literal["invalid", "over_budget", "queue_full", "queue_timeout", "unavailable", "failed"]
 
 
 class EngineError(_Message, kw_only=True):
@@ -205,6 +205,8 @@ class EngineError(_Message, kw_only=True):
     - ``invalid``: the input is refused as given (InvalidRequestError: 400, with ``param`` and ``code``);
     - ``over_budget``: a pin over --max-pinned-fraction (PinBudgetError: 429);
     - ``queue_full``: ``max_waiting_requests`` are waiting (QueueFullError: 429);
+    - ``queue_timeout``: the request waited ``max_queue_wait_s`` unscheduled and was dropped
+      (QueueTimeoutError, a QueueFullError: 429);
     - ``unavailable``: the engine is shutting down, or a request's KV transfer failed (503);
     - ``failed``: a call raised in the engine, which itself is fine (EngineCallError: 500).
     """

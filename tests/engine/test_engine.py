@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -167,6 +168,29 @@ def test_abort_frees_pages(tiny_llama: Path) -> None:
     outs = engine.step()
     assert [o.finish_reason for o in outs if o.group_id == rid] == ["abort"]
     assert engine.stats().free_pages == 256
+    engine.check_integrity()
+
+
+def test_overdue_lists_only_requests_never_scheduled(tiny_llama: Path) -> None:
+    # Two run at a time over pages for about one: the third waits, and one of the two is preempted.
+    engine = Engine(str(tiny_llama), page_size=4, num_pages=16, prefix_cache=False, max_running_requests=2)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    first = engine.add_request(list(range(3, 23)), params)
+    second = engine.add_request(list(range(40, 60)), params)
+    third = engine.add_request(list(range(70, 90)), params)
+    engine.step()  # a request is the engine's from the step that takes it in
+    assert engine.overdue(60.0) == []  # nobody waited that long
+    time.sleep(0.05)
+    assert engine.overdue(0.01) == [third]
+    while engine.scheduler.num_preemptions == 0 and engine.has_unfinished():
+        engine.step()
+    preempted = [r.group_id for r in engine.scheduler.waiting if r.num_preemptions]
+    assert preempted and preempted[0] in (first, second)
+    assert engine.overdue(0.0) == [third]  # a preempted request ran: never overdue
+    engine.abort(third)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.overdue(0.0) == [] and engine.stats().free_pages == 16
     engine.check_integrity()
 
 

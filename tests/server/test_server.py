@@ -349,15 +349,19 @@ def test_models_and_flush_cache(client: httpx.Client) -> None:
     assert scrape(client)["radixserve:kv_pages_cached"] == 0
 
 
+# A stream that holds the only running slot of a server with --max-running-requests 1.
+HOLD_THE_SLOT = {
+    "model": MODEL_NAME,
+    "prompt": "hold the only slot",
+    "max_tokens": 480,
+    "ignore_eos": True,
+    "stream": True,
+}
+
+
 def test_queue_full_is_429_with_retry_after(tiny_llama: Path) -> None:
     config = EngineConfig(str(tiny_llama), page_size=4, num_pages=256, max_running_requests=1)
-    body = {
-        "model": MODEL_NAME,
-        "prompt": "hold the only slot",
-        "max_tokens": 480,
-        "ignore_eos": True,
-        "stream": True,
-    }
+    body = HOLD_THE_SLOT
     with running_server(config, max_waiting_requests=1) as url, httpx.Client(base_url=url, timeout=60) as c:
         with c.stream("POST", "/v1/completions", json=body) as running:
             lines = running.iter_lines()  # kept alive: a dropped reader closes its stream
@@ -378,6 +382,37 @@ def test_queue_full_is_429_with_retry_after(tiny_llama: Path) -> None:
             assert r.json()["error"]["type"] == "rate_limit_error"
         waiting.join(timeout=30)
         assert c.post("/v1/completions", json={**body, "max_tokens": 2, "stream": False}).status_code == 200
+
+
+def test_a_request_unscheduled_past_max_queue_wait_s_gets_429_and_the_rest_are_served(
+    tiny_llama: Path,
+) -> None:
+    # The holder's 480 tokens take ~0.4 s on 2 cores: far past the bound, which then decides alone.
+    config = EngineConfig(
+        str(tiny_llama), page_size=4, num_pages=256, max_running_requests=1, max_queue_wait_s=0.05
+    )
+    body = HOLD_THE_SLOT
+    with running_server(config) as url, httpx.Client(base_url=url, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json=body) as running:
+            lines = running.iter_lines()  # kept alive: a dropped reader closes its stream
+            assert first_event(lines)
+            started = time.monotonic()
+            r = c.post("/v1/completions", json={**body, "max_tokens": 4, "stream": False})
+            waited = time.monotonic() - started
+            assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
+            error = r.json()["error"]
+            assert error["type"] == "rate_limit_error"
+            assert "waited 0.05 s without being scheduled" in error["message"]
+            assert 0.05 <= waited < 30
+            # A stream is refused alike, before its first event: the client sees the 429 itself.
+            with c.stream("POST", "/v1/completions", json={**body, "max_tokens": 4}) as waiting:
+                assert waiting.status_code == 429
+            # The request that held the slot was never disturbed: it runs to its length.
+            events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+            assert events[-1]["choices"][0]["finish_reason"] == "length"
+        # Once the slot is free, a request is scheduled at once and served.
+        r = c.post("/v1/completions", json={**body, "max_tokens": 2, "stream": False})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
 # -- 6. metrics ------------------------------------------------------------------------------------
