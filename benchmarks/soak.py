@@ -38,13 +38,13 @@ from benchmarks.servers import Server, free_port, radixserve_command
 from benchmarks.soak_capacity import measure_capacity, warm_up
 from benchmarks.soak_faults import FAULTS, PROCESS_FAULTS, Target, fault_schedule, process_tree
 from benchmarks.soak_outcomes import (
+    back,
     classify,
     hang_errors,
     page_accounting,
     process_rss_growth,
     recover,
     rss_growth,
-    standby_back,
     summarize,
     timeline,
 )
@@ -54,11 +54,14 @@ from benchmarks.soak_server import (
     HANG_FLAG,
     KEYS,
     MAX_BODY_BYTES,
+    REPLICAS,
     TOPOLOGIES,
     disk_tier,
     has_flag,
     negative_bodies,
+    replicas_serving,
     rss,
+    sample_rss,
     server_flags,
     server_tracebacks,
     standby_ready_within,
@@ -148,6 +151,7 @@ async def run_load(
     traffic.start = start = time.perf_counter()
     done = asyncio.Event()
     faults_standby: list[tuple[float, str | None]] = []  # (s, /health's warm_standby)
+    replica_counts: list[tuple[float, str | None]] = []  # (s, "ready" while every replica's engine serves)
 
     async def one(kind: str) -> None:
         records.append(await traffic.send(kind))
@@ -194,11 +198,17 @@ async def run_load(
                 faults[-1]["engine_restarts"] = health.get("engine_restarts")
                 faults[-1]["warm_standby"] = health.get("warm_standby")
 
-    async def watching_standby() -> None:  # with a standby: /health's word on it, every 0.5 s
-        while args.warm_standby and not done.is_set():
-            with contextlib.suppress(httpx.HTTPError, ValueError):  # a 503 while restarting: None
-                state = (await traffic.http.get("/health", timeout=10)).json().get("warm_standby")
-                faults_standby.append((time.perf_counter() - start, state))
+    async def watching() -> None:  # every 0.5 s: /health on the standby, /metrics on the replicas
+        replicas = args.topology == "replicas"
+        while (args.warm_standby or replicas) and not done.is_set():
+            now = time.perf_counter() - start
+            if args.warm_standby:
+                with contextlib.suppress(httpx.HTTPError, ValueError):  # a 503 while restarting: None
+                    state = (await traffic.http.get("/health", timeout=10)).json().get("warm_standby")
+                    faults_standby.append((now, state))
+            if replicas:
+                serving = await replicas_serving(traffic.http)
+                replica_counts.append((now, "ready" if serving is not None and serving >= REPLICAS else ""))
             await asyncio.sleep(0.5)
 
     async def faulting() -> None:
@@ -238,34 +248,19 @@ async def run_load(
 
     target.took_hold = fault_probe
     prober = asyncio.create_task(probing())
-    watcher = asyncio.create_task(watching_standby())
+    watcher = asyncio.create_task(watching())
     await asyncio.gather(arrivals(), faulting())
     await until_recovered(time.perf_counter() + args.recover_timeout_s)
     done.set()
     await prober
     await asyncio.gather(*fault_probes)
     await watcher
-    standby_back(faults, faults_standby)
+    back(faults, faults_standby, "standby_ready_s")
+    back(faults, replica_counts, "replicas_back_s")
     return records, probes, faults, skipped
 
 
 RSS_FROM_S = 120.0  # issue 34: RSS growth is judged from the 2nd minute on (start-up and caches fill before)
-
-
-async def sample_rss(pid: int, t0: float, every_s: float, out: list[dict[str, Any]]) -> None:
-    """Every ``every_s``: the seconds since ``t0``, each role's resident MB summed over its processes,
-    and each process's (``procs``: pid -> [role, MB]), since a fault replaces processes; and each
-    process's CPU seconds so far (``cpu_s``: pid -> s), which show who had the CPU when (a standby
-    starting beside the serving processes, say)."""
-    while True:
-        tree = await asyncio.to_thread(process_tree, pid)
-        by_role: dict[str, float] = {}
-        for p in tree:
-            by_role[p.role] = round(by_role.get(p.role, 0.0) + p.rss_mb, 1)
-        procs = {str(p.pid): [p.role, round(p.rss_mb, 1)] for p in tree}
-        cpu = {str(p.pid): round(p.cpu_s, 2) for p in tree}
-        out.append({"t_s": round(time.perf_counter() - t0, 1), "mb": by_role, "procs": procs, "cpu_s": cpu})
-        await asyncio.sleep(every_s)
 
 
 def run_soak(args: argparse.Namespace) -> tuple[dict[str, Any], list[Path]]:

@@ -28,13 +28,18 @@ UNAVAILABLE = {"service_unavailable_error"}
 
 
 def fault_windows(faults: Sequence[dict[str, Any]], end: float) -> list[tuple[float, float]]:
-    """[injected, recovered + GRACE_S] of each fault (to the run's end when it never recovered)."""
+    """[injected, recovered + GRACE_S] of each fault (to the run's end when it never recovered). With
+    replicas, a probe may be answered by the replica the fault spared while the other restarts its
+    engine: the window lasts until every replica's engine serves again (``replicas_back_s``)."""
     out = []
     for f in faults:
         if "skipped" in f:  # not injected: no 503 is excused by it
             continue
         rec = f.get("recovered_at_s")
-        out.append((f["at_s"], (end if rec is None else rec) + GRACE_S))
+        stop = end if rec is None else rec
+        if "replicas_back_s" in f:
+            stop = end if f["replicas_back_s"] is None else max(stop, f["at_s"] + f["replicas_back_s"])
+        out.append((f["at_s"], stop + GRACE_S))
     return out
 
 
@@ -73,10 +78,11 @@ def recover(faults: list[dict[str, Any]], probes: Sequence[Record]) -> None:
         f["recovery_s"] = None if first is None else round(first.finished - f["at_s"], 3)
 
 
-def standby_back(faults: list[dict[str, Any]], states: Sequence[tuple[float, str | None]]) -> None:
-    """With a warm standby, set each fault's ``standby_ready_s``: from the fault to /health's first
-    "ready" after it last said otherwise (None: not again before the next fault or the end); a fault
-    that never took the standby (it stayed "ready") gets none."""
+def back(faults: list[dict[str, Any]], states: Sequence[tuple[float, str | None]], key: str) -> None:
+    """Set each fault's ``key``: from the fault to the first "ready" in ``states`` after they last
+    said otherwise (None: not again before the next fault or the end); a fault that never took it
+    away (it stayed "ready") gets none. ``states``: /health's word on the warm standby
+    (``standby_ready_s``), or whether every replica's engine serves (``replicas_back_s``)."""
     for i, f in enumerate(faults):
         if "skipped" in f:
             continue
@@ -84,8 +90,8 @@ def standby_back(faults: list[dict[str, Any]], states: Sequence[tuple[float, str
         window = [(t, state) for t, state in states if f["at_s"] <= t < end]
         used = [k for k, (_, state) in enumerate(window) if state != "ready"]
         if used:
-            back = next((t for t, state in window[used[-1] :] if state == "ready"), None)
-            f["standby_ready_s"] = None if back is None else round(back - f["at_s"], 1)
+            ready = next((t for t, state in window[used[-1] :] if state == "ready"), None)
+            f[key] = None if ready is None else round(ready - f["at_s"], 1)
 
 
 def summarize(records: Sequence[Record], faults: list[dict[str, Any]], end: float) -> dict[str, Any]:

@@ -88,7 +88,7 @@ def report(name: str, doc: dict[str, Any]) -> str:
         "",
         *markdown_table(
             ["fault", "at s", "recovery s", "hang's first 503 s", "engine start-up s", "standby back s"]
-            + ["what"],
+            + ["every replica serving again s", "what"],
             [
                 [
                     f["name"],
@@ -97,6 +97,7 @@ def report(name: str, doc: dict[str, Any]) -> str:
                     f.get("hang_error_s", ""),
                     _startup(f),
                     _standby_back(f),
+                    _replicas_back(f),
                     f.get("skipped") or f.get("result"),
                 ]
                 for f in doc["faults"]
@@ -162,6 +163,15 @@ def _standby_back(f: dict[str, Any]) -> str:
         return cold.rstrip(": ")
     back = f["standby_ready_s"]
     return cold + ("not within the wait" if back is None else str(back))
+
+
+def _replicas_back(f: dict[str, Any]) -> str:
+    """With replicas: when every replica's engine served again after a fault that stopped one (a 503
+    before then is a restart's; a probe may have recovered sooner, on the other replica)."""
+    if "replicas_back_s" not in f:
+        return ""
+    back = f["replicas_back_s"]
+    return "not before the next fault or the end" if back is None else str(back)
 
 
 def _startup(fault: dict[str, Any]) -> str:

@@ -1,5 +1,6 @@
 """The soak's server (benchmarks/soak.py): its flags per topology, the disk tier's own tmpfs, whether
-the server has hang detection, the negative bodies of its own schema, and its state once idle.
+the server has hang detection, the negative bodies of its own schema, its state once idle, how many
+replicas' engines serve, and its processes' RSS over the run.
 
 ``--api-key`` with several keys and ``--salt-per-key``; a small device pool (pages go to disk and come
 back); a short queue (overload is shed with 429s, not queued past the client's bound).
@@ -22,11 +23,12 @@ from typing import Any
 import httpx
 
 from benchmarks.metrics import parse_prometheus
-from benchmarks.soak_faults import Proc
+from benchmarks.soak_faults import Proc, process_tree
 
+REPLICAS = 2
 TOPOLOGIES = {
     "single": [],
-    "replicas": ["--replicas", "2"],
+    "replicas": ["--replicas", str(REPLICAS)],
     "disagg": ["--disaggregate", "1:1"],
     "tp": ["--tensor-parallel-size", "3"],
 }
@@ -71,6 +73,13 @@ async def standby_ready_within(http: httpx.AsyncClient, timeout_s: float) -> boo
                 return True
         await asyncio.sleep(0.5)
     return False
+
+
+async def replicas_serving(http: httpx.AsyncClient) -> float | None:
+    """The ingress's ``radixserve_replicas`` (replicas whose engine serves); None if not read."""
+    with contextlib.suppress(httpx.HTTPError):
+        return parse_prometheus((await http.get("/metrics", timeout=10)).text).get("radixserve_replicas")
+    return None
 
 
 async def until_standby_ready(http: httpx.AsyncClient, timeout_s: float) -> None:
@@ -170,3 +179,19 @@ def server_tracebacks(log_path: Path, most: int = 3) -> list[dict[str, Any]]:
             counts[tb] = counts.get(tb, 0) + 1
     ranked = sorted(counts.items(), key=lambda kv: -kv[1])[:most]
     return [{"count": n, "traceback": tb[-3000:]} for tb, n in ranked]
+
+
+async def sample_rss(pid: int, t0: float, every_s: float, out: list[dict[str, Any]]) -> None:
+    """Every ``every_s``: the seconds since ``t0``, each role's resident MB summed over its processes,
+    and each process's (``procs``: pid -> [role, MB]), since a fault replaces processes; and each
+    process's CPU seconds so far (``cpu_s``: pid -> s), which show who had the CPU when (a standby
+    starting beside the serving processes, say)."""
+    while True:
+        tree = await asyncio.to_thread(process_tree, pid)
+        by_role: dict[str, float] = {}
+        for p in tree:
+            by_role[p.role] = round(by_role.get(p.role, 0.0) + p.rss_mb, 1)
+        procs = {str(p.pid): [p.role, round(p.rss_mb, 1)] for p in tree}
+        cpu = {str(p.pid): round(p.cpu_s, 2) for p in tree}
+        out.append({"t_s": round(time.perf_counter() - t0, 1), "mb": by_role, "procs": procs, "cpu_s": cpu})
+        await asyncio.sleep(every_s)

@@ -35,7 +35,9 @@ class RayReplicas:
     def __init__(self, handle: Any, index: Any) -> None:
         self.handle = handle
         self.index = index
-        self.answered = 0  # replicas that answered the latest stats poll (``radixserve_replicas``)
+        # Replicas whose engine served at the latest stats poll (``radixserve_replicas``): not one whose
+        # engine process is restarting, though its actor answers.
+        self.answered = 0
         self._stats: dict[str, EngineStats] = {}
 
     async def members(self, every: bool = False) -> list[str]:
@@ -70,10 +72,13 @@ class RayReplicas:
                 )
                 answered = set()
                 for answer in answers:
-                    if not isinstance(answer, BaseException):
-                        rid, stats = answer
-                        self._stats[rid] = msgspec.structs.replace(stats)
-                        answered.add(rid)
+                    if isinstance(answer, BaseException):  # the replica is gone, or did not answer
+                        continue
+                    rid, stats = answer
+                    if isinstance(stats, BaseException):  # its engine does not serve: stats kept
+                        continue
+                    self._stats[rid] = msgspec.structs.replace(stats)
+                    answered.add(rid)
                 self.answered = len(answered)
             except Exception:
                 logger.exception("polling the replicas' stats failed")

@@ -85,7 +85,7 @@ class ReplicaSetEngine(FanOut):
 
     @property
     def replicas(self) -> int:
-        """Replicas that answered the latest stats poll (``radixserve_replicas``)."""
+        """Replicas whose engine served at the latest stats poll (``radixserve_replicas``)."""
         return self.transport.answered
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -229,7 +229,8 @@ def rebased(record: RequestRecord, outside_s: float) -> RequestRecord:
 
 
 class ReplicaCount(Collector):
-    """``radixserve_replicas`` on the ingress's /metrics: the engine replicas taking traffic."""
+    """``radixserve_replicas`` on the ingress's /metrics: the engine replicas taking traffic (whose
+    engine process serves: not one restarting it)."""
 
     def __init__(self, engine: ReplicaSetEngine) -> None:
         self._engine = engine

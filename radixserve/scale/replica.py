@@ -291,7 +291,12 @@ class EngineReplica:
         """How this replica started: seconds by phase (load, compile, warm, total) and its warm-up."""
         return self.replica_id, self.startup_s, self.warm_report
 
-    async def stats(self, route: RouteKey) -> tuple[str, EngineStats]:
+    async def stats(self, route: RouteKey) -> tuple[str, EngineStats | ReplicaError]:
+        """This engine's stats; while its engine process is not serving (restarting, hung), why not:
+        so the ingress counts this replica out of ``radixserve_replicas`` until it serves again."""
+        health = self.engine.health()
+        if not health.serving:
+            return self.replica_id, ReplicaError("unavailable", health.detail)
         return self.replica_id, self.engine.stats()
 
     async def cache_tree(

@@ -26,7 +26,8 @@ from benchmarks.soak_faults import (
     fault_schedule,
     process_tree,
 )
-from benchmarks.soak_outcomes import standby_back
+from benchmarks.soak_outcomes import back, classify, fault_windows
+from benchmarks.soak_records import Record, Reply
 from benchmarks.soak_report import verdict
 
 DURATION_S = 75
@@ -160,10 +161,25 @@ def test_standby_back_is_the_first_ready_after_the_fault_took_the_standby() -> N
     faults: list[dict[str, Any]] = [{"at_s": 10.0}, {"at_s": 50.0}, {"at_s": 90.0}]
     states = [(9.5, "ready"), (10.5, "ready"), (11.0, None), (12.0, "starting"), (30.0, "ready")]
     states += [(51.0, "ready"), (89.0, "ready"), (91.0, "starting"), (95.0, "starting")]
-    standby_back(faults, states)
+    back(faults, states, "standby_ready_s")
     assert faults[0]["standby_ready_s"] == 20.0  # taken (503, then starting), ready again at 30 s
     assert "standby_ready_s" not in faults[1]  # it stayed ready: this fault did not take it
     assert faults[2]["standby_ready_s"] is None  # not ready again before the end
+
+
+def test_a_503_while_a_replica_restarts_its_engine_is_a_restart_s_after_a_probe_recovered() -> None:
+    # The probes recovered at 11 s on the replica the fault spared; the other's engine served again at
+    # 25 s. A 503 at 20 s is that restart's, one at 40 s is not.
+    faults: list[dict[str, Any]] = [{"at_s": 10.0, "recovered_at_s": 11.0}]
+    back(
+        faults, [(9.5, "ready"), (10.5, "ready"), (11.0, ""), (24.0, ""), (25.0, "ready")], "replicas_back_s"
+    )
+    assert faults[0]["replicas_back_s"] == 15.0
+    windows = fault_windows(faults, end=100.0)
+    assert windows == [(10.0, 25.0 + 2.0)]
+    error = {"type": "service_unavailable_error", "message": "the engine process is not available"}
+    at_20, at_40 = (Record("cache", 0, sent, sent + 0.5, Reply(503, error)) for sent in (20.0, 40.0))
+    assert [classify(r, windows) for r in (at_20, at_40)] == ["restart_503", "error_5xx"]
 
 
 def test_a_schedule_with_a_fault_in_the_quiet_tail_is_refused() -> None:
