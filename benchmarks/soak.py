@@ -208,7 +208,8 @@ async def run_load(
                     faults_standby.append((now, state))
             if replicas:
                 serving = await replicas_serving(traffic.http)
-                replica_counts.append((now, "ready" if serving is not None and serving >= REPLICAS else ""))
+                if serving is not None:  # not read: no word either way
+                    replica_counts.append((now, "ready" if serving >= REPLICAS else ""))
             await asyncio.sleep(0.5)
 
     async def faulting() -> None:

@@ -33,6 +33,7 @@ TOPOLOGIES = {
     "tp": ["--tensor-parallel-size", "3"],
 }
 KEYS = ["soak-key-a", "soak-key-b", "soak-key-c"]
+METRICS_KEY = {"Authorization": f"Bearer {KEYS[0]}"}  # /metrics, like every route but /health, wants one
 HANG_FLAG = "--engine-hang-timeout-s"  # the server's hang detection, where it has it
 MAX_BODY_BYTES = 256 * 1024
 
@@ -76,9 +77,12 @@ async def standby_ready_within(http: httpx.AsyncClient, timeout_s: float) -> boo
 
 
 async def replicas_serving(http: httpx.AsyncClient) -> float | None:
-    """The ingress's ``radixserve_replicas`` (replicas whose engine serves); None if not read."""
+    """The ingress's ``radixserve_replicas`` (replicas whose engine serves); None if not read (the
+    route answered no metrics: a 401 without the key read as "no replica serves" until 2026-12-05)."""
     with contextlib.suppress(httpx.HTTPError):
-        return parse_prometheus((await http.get("/metrics", timeout=10)).text).get("radixserve_replicas")
+        r = await http.get("/metrics", headers=METRICS_KEY, timeout=10)
+        if r.status_code == 200:
+            return parse_prometheus(r.text).get("radixserve_replicas")
     return None
 
 
@@ -144,7 +148,7 @@ def negative_bodies(base_url: str, n: int, seed: int) -> tuple[list[tuple[str, A
 
 def wait_idle(url: str, timeout_s: float = 60.0) -> dict[str, float]:
     """/metrics once nothing runs or waits and no page is held privately (or at the timeout)."""
-    headers = {"Authorization": f"Bearer {KEYS[0]}"}
+    headers = METRICS_KEY
     deadline = time.monotonic() + timeout_s
     metrics: dict[str, float] = {}
     while time.monotonic() < deadline:

@@ -5,6 +5,7 @@ wrong, no 5xx but the 503s of a restart, and no page leaked. One soak serves eve
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import subprocess
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
 import pytest
 from tiny_models import make_tiny_model
@@ -29,6 +31,7 @@ from benchmarks.soak_faults import (
 from benchmarks.soak_outcomes import back, classify, fault_windows
 from benchmarks.soak_records import Record, Reply
 from benchmarks.soak_report import verdict
+from benchmarks.soak_server import METRICS_KEY, replicas_serving
 
 DURATION_S = 75
 STOP_HOLD_S = 20
@@ -180,6 +183,21 @@ def test_a_503_while_a_replica_restarts_its_engine_is_a_restart_s_after_a_probe_
     error = {"type": "service_unavailable_error", "message": "the engine process is not available"}
     at_20, at_40 = (Record("cache", 0, sent, sent + 0.5, Reply(503, error)) for sent in (20.0, 40.0))
     assert [classify(r, windows) for r in (at_20, at_40)] == ["restart_503", "error_5xx"]
+
+
+def test_the_replica_count_is_read_with_a_key_and_an_unread_one_is_none() -> None:
+    def metrics(request: httpx.Request) -> httpx.Response:
+        if request.headers.get("authorization") != METRICS_KEY["Authorization"]:
+            return httpx.Response(401, json={"error": {"type": "authentication_error"}})
+        return httpx.Response(200, text="# TYPE radixserve_replicas gauge\nradixserve_replicas 1.0\n")
+
+    async def read(transport: httpx.MockTransport) -> float | None:
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:
+            return await replicas_serving(http)
+
+    assert asyncio.run(read(httpx.MockTransport(metrics))) == 1.0
+    refused = httpx.MockTransport(lambda request: httpx.Response(401))
+    assert asyncio.run(read(refused)) is None  # no word, not "no replica serves"
 
 
 def test_a_schedule_with_a_fault_in_the_quiet_tail_is_refused() -> None:
