@@ -13,8 +13,9 @@ Invariants:
 - Every reservation ends once: all pages written (the request is added), or freed with a
   ``RequestError`` (kind ``unavailable``: a 503) on a refused chunk, a ``CancelTransfer``, or when no chunk
   came for ``timeout_s`` (from the reservation, then from the last chunk); an ``Abort`` frees it
-  silently. free + cached + in-use == total holds throughout (``check_integrity`` counts
-  reservations with the running requests).
+  silently, as does the loop's ``max_queue_wait_s`` (``overdue``), which answers the request itself.
+  free + cached + in-use == total holds throughout (``check_integrity`` counts reservations with the
+  running requests).
 - A request with nothing to receive (its prompt cached here, too short, or asking for prompt logprobs,
   which need every position computed here) is added at once, as in a colocated engine.
 - A request whose pages cannot be reserved now (the pool is held by running requests and other
@@ -22,6 +23,8 @@ Invariants:
   server holds a request until it can preallocate its pages: computing its prompt here instead put
   prefill work on the decode engine just when its pool was busiest. One that waited ``ROOM_WAIT_S``
   is computed here after all, so none waits on the transfers of others without bound.
+- A request's wait counts from its arrival here, through its wait for room and its transfer into the
+  engine's queue (it is added with that arrival time): ``overdue`` bounds the whole wait, as colocated.
 - The request's outputs report ``kv_transfer_tokens``, and ``cached_tokens`` without them: only what
   this engine held before the transfer counts as a cache hit.
 """
@@ -77,6 +80,7 @@ class Reservation:
     end: int
     deadline: float
     page_size: int
+    arrived: float  # when the request reached this engine process (monotonic)
     pages: RequestPages = field(default_factory=RequestPages)
     num_computed_tokens: int = 0
     # Admission counts a request's cache hit once; the request itself does that when it is added.
@@ -121,13 +125,14 @@ class Reservation:
 
 class DecodeRole(EngineRole):
     """Reservations and received pages of one decode engine; ``send`` reaches the API server and
-    ``add`` hands a request to the engine process's own admission (False: refused, answered there)."""
+    ``add`` hands a request, with when it arrived here, to the engine process's own admission (False:
+    refused, answered there)."""
 
     def __init__(
         self,
         engine: Engine,
         send: Callable[[FromEngine], None],
-        add: Callable[[AddRequest], bool],
+        add: Callable[[AddRequest, float], bool],
         receiver: KVReceiver,
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
@@ -153,31 +158,32 @@ class DecodeRole(EngineRole):
 
     def _reserve(self, msg: AddRequest) -> None:
         n = len(msg.prompt_token_ids)
+        now = time.monotonic()
         try:
             priority_value(msg.priority)
         except InvalidRequestError:
-            self._add(msg)  # refused there, with the engine's own error
+            self._add(msg, now)  # refused there, with the engine's own error
             return
         if msg.request_id in self.reservations or n > self.engine.max_model_len:
-            self._add(msg)  # refused there, as it would be colocated
+            self._add(msg, now)  # refused there, as it would be colocated
             return
         # A warm (cache control) fills this engine's own cache: it computes here, as colocated.
         if msg.params.prompt_logprobs is not None or n < 2 or msg.warm:
-            self._add(msg)
+            self._add(msg, now)
             return
-        if self.waiting_for_room or not self._try_reserve(msg):  # behind those already waiting
-            self.waiting_for_room.append((msg, time.monotonic()))
+        if self.waiting_for_room or not self._try_reserve(msg, now):  # behind those already waiting
+            self.waiting_for_room.append((msg, now))
 
-    def _try_reserve(self, msg: AddRequest) -> bool:
+    def _try_reserve(self, msg: AddRequest, arrived: float) -> bool:
         """Reserve ``msg``'s pages and say where to send them, or add it (everything usable is cached
         here); False: no room for them now."""
         kv = self.engine.kv_manager
         ps = self.engine.config.page_size
-        res = Reservation(msg, 0, 0, time.monotonic() + self.timeout_s, ps)
+        res = Reservation(msg, 0, 0, time.monotonic() + self.timeout_s, ps, arrived)
         res.start = kv.match_device(res)
         res.end = ((len(msg.prompt_token_ids) - 1) // ps) * ps
         if res.end <= res.start:
-            self._add(msg)
+            self._add(msg, arrived)
             return True
         if not kv.admit(res, res.end - res.start):
             return False
@@ -224,8 +230,8 @@ class DecodeRole(EngineRole):
         while self.waiting_for_room:
             msg, since = self.waiting_for_room[0]
             if now - since > ROOM_WAIT_S:
-                self._add(msg)  # computed here after all
-            elif not self._try_reserve(msg):
+                self._add(msg, since)  # computed here after all
+            elif not self._try_reserve(msg, since):
                 break
             self.waiting_for_room.popleft()
         for rid, res in list(self.reservations.items()):
@@ -235,6 +241,14 @@ class DecodeRole(EngineRole):
         for rid, (_, held_at) in list(self._held.items()):
             if now - held_at > self.timeout_s:  # never scheduled (refused or aborted unseen)
                 self._release_held(rid)
+
+    def overdue(self, max_wait_s: float) -> list[str]:
+        """The engine's overdue requests, and those still waiting for room or for their pages that
+        arrived over ``max_wait_s`` ago (``abort`` then frees what each holds)."""
+        since = time.monotonic() - max_wait_s
+        late = [msg.request_id for msg, came in self.waiting_for_room if came < since]
+        late += [rid for rid, res in self.reservations.items() if res.arrived < since]
+        return late + self.engine.overdue(max_wait_s)
 
     def after_step(self, outputs: list[StepOutput]) -> list[StepOutput]:
         """Release the held prefixes the step scheduled; report the transfer in the outputs of requests
@@ -308,7 +322,7 @@ class DecodeRole(EngineRole):
                 chunk_seconds=res.chunk_seconds,
             )
         )
-        if self._add(res.add):
+        if self._add(res.add, res.arrived):
             self._transferred[rid] = moved
         else:
             self._release_held(rid)

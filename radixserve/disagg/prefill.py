@@ -12,7 +12,8 @@ Invariants:
   no step can change; nothing is read that the decode engine already holds (below ``start``).
 - Every job ends with exactly one ``PrefillDone``: all pages sent, or an error saying why not (an
   ``Abort`` of its request ends it too: its stream ended, so nobody waits for its pages).
-- The job's own request never reaches the API server's streams: its outputs are taken out here.
+- The job's own request never reaches the API server's streams: its outputs are taken out here, and
+  ``max_queue_wait_s`` never drops it (the decode engine bounds the wait: ``overdue``).
 """
 
 from __future__ import annotations
@@ -104,6 +105,12 @@ class PrefillRole(EngineRole):
                 missing = job.msg.end - job.sent
                 self._done(job, None if missing == 0 else f"{missing} tokens' pages were not computed")
         return [o for o in outputs if not o.group_id.endswith(JOB_SUFFIX)]
+
+    def overdue(self, max_wait_s: float) -> list[str]:
+        """None: a job is not a client's request. The decode engine that reserved its pages bounds the
+        request's wait (a reservation counts as waiting there), and its failure ends the job (an
+        ``Abort``). Dropped here, the job failed as "pages not computed": a 503, not the wait's 429."""
+        return []
 
     def close(self) -> None:
         self.sender.close()

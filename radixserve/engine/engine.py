@@ -64,10 +64,13 @@ class Engine(EngineParts, OfflineAPI):
         priority: int | str = 0,
         pin: PinSpec | None = None,
         warm: bool = False,
+        arrival_time: float | None = None,
     ) -> str:
         """Validate and queue one prompt (n samples); InvalidRequestError on bad input (engine/intake.py;
-        pins: CacheControl)"""
-        reqs = self.intake.make(prompt, params, request_id, cache_salt, priority)
+        pins: CacheControl). ``arrival_time`` (monotonic; None: now): when the request reached this
+        process, if earlier than now (a decode engine's request that waited for its pages): its age in
+        the queue, for aging and ``overdue``, counts from then."""
+        reqs = self.intake.make(prompt, params, request_id, cache_salt, priority, arrival_time)
         self.cache_control.prepare(reqs, pin, warm)
         self._inbox.put(("add", reqs))
         return reqs[0].group_id

@@ -48,9 +48,11 @@ class Intake:
         request_id: str | None,
         cache_salt: str | None,
         priority: int | str,
+        arrival_time: float | None = None,
     ) -> list[Request]:
         """The requests of ``prompt``'s samples, one per ``params.n``, sharing one group id (``request_id``
-        or a fresh one); InvalidRequestError on bad input."""
+        or a fresh one), arrived at ``arrival_time`` (monotonic; None: now); InvalidRequestError on bad
+        input."""
         params = params or SamplingParams()
         params.validate(self.vocab_size)
         token_ids = tokenize(self.tokenizer, prompt)
@@ -59,7 +61,7 @@ class Intake:
             self.grammar_compiler.validate(params)
         level = priority_value(priority)
         group_id = request_id or uuid.uuid4().hex
-        now = time.monotonic()
+        now = time.monotonic() if arrival_time is None else arrival_time
         return [
             self.new_request(group_id, i, token_ids, params, level, cache_salt, now) for i in range(params.n)
         ]

@@ -117,6 +117,11 @@ class EngineRole:
     def poll(self) -> None:
         """Between two steps, after the messages were taken: the role's own inputs."""
 
+    def overdue(self, max_wait_s: float) -> list[str]:
+        """The clients' requests here that arrived over ``max_wait_s`` ago and were never scheduled: the
+        loop fails each with a queue timeout and aborts it (``abort`` first, then the engine)."""
+        return self.engine.overdue(max_wait_s)
+
     def after_step(self, outputs: list[StepOutput]) -> list[StepOutput]:
         """The step's outputs, as the API server gets them."""
         return outputs
@@ -218,7 +223,7 @@ class EngineLoop:
                 return
             if engine.has_unfinished():
                 progressed = self._step()
-                self._drop_overdue()
+            self._drop_overdue()  # a role's requests may wait with nothing in the engine
             if time.monotonic() - self._sent_at >= HEARTBEAT_S:
                 self.send(Heartbeat())
             self.heap.maybe()
@@ -245,13 +250,15 @@ class EngineLoop:
 
     def _drop_overdue(self) -> None:
         """Fail each request still unscheduled ``max_queue_wait_s`` after it arrived with a typed 429
-        (a client's timeout would have no answer at all). The engine drops it at its next step, which
-        comes before this runs again: so each gets one error."""
+        (a client's timeout would have no answer at all). The role lists them (a decode role's waits for
+        pages count), and drops its own; the engine drops the rest at its next step, which comes before
+        this runs again: so each gets one error."""
         limit = self.engine.config.max_queue_wait_s
         if not limit:
             return
-        for rid in self.engine.overdue(limit):
-            self.engine.abort(rid)
+        for rid in self.role.overdue(limit):
+            if not self.role.abort(rid):
+                self.engine.abort(rid)
             message = f"the request waited {limit:g} s without being scheduled (max_queue_wait_s)"
             self._refuse(rid, EngineError(kind="queue_timeout", message=message))
 
@@ -323,8 +330,9 @@ class EngineLoop:
                 )
             )
 
-    def add(self, msg: AddRequest) -> bool:
-        """Add the request to the engine, or answer why not (False)."""
+    def add(self, msg: AddRequest, arrival_time: float | None = None) -> bool:
+        """Add the request to the engine, or answer why not (False). ``arrival_time``: when it reached
+        this process, if a role held it first (Engine.add_request)."""
         rid = msg.request_id
         if self.stop.is_set():
             self._refuse(rid, EngineError(kind="unavailable", message="the engine is shutting down"))
@@ -337,7 +345,14 @@ class EngineLoop:
             return False
         try:
             self.engine.add_request(
-                msg.prompt_token_ids, msg.params, rid, msg.cache_salt, msg.priority, msg.pin, msg.warm
+                msg.prompt_token_ids,
+                msg.params,
+                rid,
+                msg.cache_salt,
+                msg.priority,
+                msg.pin,
+                msg.warm,
+                arrival_time,
             )
         except ValueError as exc:  # InvalidRequestError (PinBudgetError: a 429) or another refusal
             self._refuse(rid, error_of(exc))

@@ -4,7 +4,8 @@ a foreign layout or a corrupt chunk is refused, and every page is accounted for 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import msgspec
 import pytest
 import torch
 import zmq
+from loop_util import Harness, harness
 
 from radixserve.disagg.decode import DecodeRole
 from radixserve.disagg.prefill import PrefillRole
@@ -19,14 +21,17 @@ from radixserve.disagg.transfer import KVTransferError, TransferHeader, checksum
 from radixserve.disagg.transport import KVReceiver, KVSender
 from radixserve.engine.engine import Engine
 from radixserve.sampling.params import SamplingParams
+from radixserve.server.engine_loop import EngineLoop
 from radixserve.server.messages import (
     AddRequest,
+    CheckIntegrity,
     FromEngine,
     KVReceived,
     KVReserved,
     PrefillDone,
     PrefillKV,
     RequestError,
+    StepOutputs,
 )
 
 PS = 4
@@ -57,22 +62,34 @@ class Pair:
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.to_server: list[FromEngine] = []
         self.added: list[AddRequest] = []
+        self.arrivals: dict[str, float] = {}  # the arrival time each added request was added with
         self.p_engine, self.d_engine = prefill, decode
         self.prefill = PrefillRole(prefill, self.to_server.append, KVSender(self.ctx))
         self.decode = DecodeRole(
             decode, self.to_server.append, self._add, KVReceiver(self.ctx, transport), timeout_s=30.0
         )
 
-    def _add(self, msg: AddRequest) -> bool:
+    def _add(self, msg: AddRequest, arrival_time: float) -> bool:
         self.added.append(msg)
+        self.arrivals[msg.request_id] = arrival_time
         self.d_engine.add_request(
-            msg.prompt_token_ids, msg.params, msg.request_id, msg.cache_salt, msg.priority
+            msg.prompt_token_ids,
+            msg.params,
+            msg.request_id,
+            msg.cache_salt,
+            msg.priority,
+            arrival_time=arrival_time,
         )
         return True
 
     def serve(self, rid: str, prompt: list[int]) -> list[int]:
         """Run one request through both roles, as the coordinator would; its output tokens."""
         self.decode.add_request(AddRequest(request_id=rid, prompt_token_ids=prompt, params=GREEDY))
+        return self.serve_reserved(rid, prompt)
+
+    def serve_reserved(self, rid: str, prompt: list[int]) -> list[int]:
+        """Run a request the decode role has taken: its prefill job, if it reserved pages, then its
+        decode; its output tokens."""
         reserved = [m for m in self.to_server if isinstance(m, KVReserved) and m.request_id == rid]
         if reserved:
             r = reserved[0]
@@ -364,3 +381,103 @@ def test_a_request_without_room_waits_for_its_reservation_instead_of_being_compu
         pair.check()
     finally:
         pair.close()
+
+
+def test_a_wait_for_room_or_for_pages_is_overdue_from_its_arrival_and_keeps_it(
+    tiny_llama: Path, engines: tuple[Engine, Engine, Engine]
+) -> None:
+    """A request waiting for room and one waiting for its pages are both the decode engine's waiting
+    requests: past ``max_queue_wait_s`` from their arrival here they are overdue, and aborting them
+    frees what they hold. The one reserved later, and the engine request it becomes, keep its arrival."""
+    p, _, _ = engines
+    d = Engine(str(tiny_llama), page_size=PS, num_pages=16, enforce_eager=True, detokenize=True)
+    pair = Pair(p, d, "shm")
+    try:
+        first, second = ([(k * 7 + i) % 150 + 1 for i in range(40)] for k in (1, 2))
+        pair.decode.add_request(AddRequest(request_id="a", prompt_token_ids=first, params=GREEDY))
+        pair.decode.add_request(AddRequest(request_id="b", prompt_token_ids=second, params=GREEDY))
+        [(_, b_came)] = pair.decode.waiting_for_room
+        assert pair.decode.overdue(3600.0) == []
+        assert sorted(pair.decode.overdue(0.0)) == ["a", "b"]
+        assert pair.decode.abort("a")  # as the loop drops an overdue one: its pages free
+        pair.check()
+        pair.decode.poll()  # b is reserved now, with the time it came
+        assert pair.decode.reservations["b"].arrived == b_came
+        assert pair.decode.overdue(0.0) == ["b"]
+        assert pair.prefill.overdue(0.0) == []  # a job is bounded by its decode engine, never here
+        got = pair.serve_reserved("b", second)
+        assert got and pair.arrivals["b"] == b_came  # the engine's queue counts from then too
+        pair.check()
+    finally:
+        pair.close()
+
+
+def _messages_until(
+    h: Harness, done: Callable[[FromEngine], bool], timeout_s: float = 30.0
+) -> list[FromEngine]:
+    """What the loop sent, until ``done`` says so (or fail after ``timeout_s``)."""
+    got: list[FromEngine] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        msg = h.receive(int(timeout_s * 1000))
+        got.append(msg)
+        if done(msg):
+            return got
+    raise AssertionError(f"not done after {timeout_s} s: {[type(m).__name__ for m in got]}")
+
+
+def test_a_reservation_past_max_queue_wait_s_gets_the_queue_timeout_and_frees_its_pages(
+    tiny_llama: Path,
+) -> None:
+    """No prefill engine ever sends the pages: the request is answered with the wait's 429 after
+    ``max_queue_wait_s``, not the 503 of the KV timeout minutes later, and its pages are free."""
+    d = _engine(tiny_llama, max_queue_wait_s=0.2)
+
+    def role(loop: EngineLoop) -> DecodeRole:
+        return DecodeRole(loop.engine, loop.send, loop.add, KVReceiver(loop.context, "shm"))
+
+    with harness(d, role) as h:
+        prompt = [(7 * i + 3) % 200 + 1 for i in range(37)]
+        h.send(AddRequest(request_id="r", prompt_token_ids=prompt, params=GREEDY))
+        got = _messages_until(h, lambda m: isinstance(m, RequestError))
+        assert any(isinstance(m, KVReserved) and m.request_id == "r" for m in got)
+        error = got[-1]
+        assert isinstance(error, RequestError) and error.request_id == "r"
+        assert error.error.kind == "queue_timeout" and "max_queue_wait_s" in error.error.message
+        h.call(CheckIntegrity())  # the reservation's pages were counted back
+        assert d.kv_manager.num_in_use == 0
+
+
+def _finished(msg: StepOutputs, rid: str) -> bool:
+    return any(o.group_id == rid and o.finish_reason is not None for o in msg.outputs)
+
+
+def test_max_queue_wait_s_never_drops_a_prefill_job(tiny_llama: Path) -> None:
+    """A job that waits past ``max_queue_wait_s`` behind a running request is still computed and sent:
+    dropped there, it failed as "pages not computed" (a 503) and sent a stray error for its own id."""
+    p = _engine(tiny_llama, max_queue_wait_s=0.05, max_running_requests=1)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    receiver = KVReceiver(ctx, "shm")
+
+    def role(loop: EngineLoop) -> PrefillRole:
+        return PrefillRole(loop.engine, loop.send, KVSender(loop.context))
+
+    try:
+        with harness(p, role) as h:
+            hold = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+            h.send(AddRequest(request_id="hold", prompt_token_ids=[5, 6, 7], params=hold))
+            _messages_until(h, lambda m: isinstance(m, StepOutputs) and "hold" in m.scheduled)
+            prompt = [(7 * i + 3) % 200 + 1 for i in range(37)]
+            h.send(_job("j", prompt, 0, 36, receiver.address))
+            sent = time.monotonic()
+            got = _messages_until(h, lambda m: isinstance(m, PrefillDone))
+            waited = time.monotonic() - sent
+            done = got[-1]
+            assert isinstance(done, PrefillDone)
+            assert not [m for m in got if isinstance(m, RequestError)]
+            assert done.error is None and done.pages == 9
+            # It waited past the limit behind the running request: the case this is about.
+            assert waited > 0.05 and any(isinstance(m, StepOutputs) and _finished(m, "hold") for m in got)
+    finally:
+        receiver.close()
+        ctx.destroy(linger=0)
