@@ -87,7 +87,8 @@ def pick_layout(args: argparse.Namespace, on_cluster: bool = False) -> Layout:
     if args.disaggregate is not None:
         if args.engine_cpus is not None:
             raise ValueError(
-                "--engine-cpus pins one engine process; with --disaggregate use --engine-threads"
+                "--engine-cpus pins one engine process; with --disaggregate each engine process is "
+                "pinned to cores of its own (or give --engine-threads to let them share every core)"
             )
         return "disaggregated"
     return "single"

@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import os
 import uuid
 from collections.abc import AsyncGenerator, Callable
 
@@ -73,12 +74,29 @@ def parse_split(text: str) -> tuple[int, int]:
     return split
 
 
+def split_cpus(
+    cpus: list[int], num_prefill: int, num_decode: int
+) -> tuple[list[list[int] | None], list[list[int] | None]] | None:
+    """The CPUs of each prefill and each decode engine process: ``cpus`` cut into one slice per engine,
+    the prefill engines taking the cores left over (their work is compute). None with fewer cores
+    than engines: then they share all of them."""
+    engines = num_prefill + num_decode
+    if len(cpus) < engines:
+        return None
+    base, extra = divmod(len(cpus), engines)
+    sizes = [base + (i < extra) for i in range(num_prefill)] + [base] * num_decode
+    starts = list(itertools.accumulate([0, *sizes]))
+    slices: list[list[int] | None] = [cpus[a:b] for a, b in itertools.pairwise(starts)]
+    return slices[:num_prefill], slices[num_prefill:]
+
+
 class DisaggregatedEngine(FanOut):
     """P prefill and D decode engine processes behind the interface the routes use.
 
     ``transport``: how pages travel (``shm`` on one host, ``tcp``); ``kv_timeout_s``: how long a
     decode engine's reservation waits for its next chunk of pages. The other arguments are
-    ``AsyncEngine``'s, for every engine process.
+    ``AsyncEngine``'s, for every engine process; without ``engine_threads`` each process is pinned to
+    cores of its own where there are enough (``split_cpus``).
     """
 
     def __init__(
@@ -102,21 +120,27 @@ class DisaggregatedEngine(FanOut):
         if num_prefill < 1 or num_decode < 1:
             raise ValueError("--disaggregate needs at least one prefill and one decode engine")
 
-        def engine(role: str, cfg: EngineConfig) -> AsyncEngine:
+        def engine(role: str, cfg: EngineConfig, cpus: list[int] | None) -> AsyncEngine:
             return AsyncEngine(
                 cfg,
                 max_waiting_requests,
                 engine_threads=engine_threads,
+                engine_cpus=cpus,
                 log_level=log_level,
                 chat_template=chat_template,
                 process_args=role_command(role, transport, timeout_s=kv_timeout_s),
             )
 
+        # Without --engine-threads, each engine process gets cores of its own (split_cpus): sharing
+        # every core, a busy prefill engine's and a busy decode engine's threads preempted each other
+        # at the ~150 barriers of a step, and both ran at a fraction of their speed (docs/scaling.md).
+        own = split_cpus(sorted(os.sched_getaffinity(0)), num_prefill, num_decode)
+        prefill_cpus, decode_cpus = (
+            own if own and engine_threads is None else ([None] * num_prefill, [None] * num_decode)
+        )
         # Decode engines report their trees' changes, so the pick of one knows what each holds.
-        self.decode = [
-            engine("decode", dataclasses.replace(config, kv_events=True)) for _ in range(num_decode)
-        ]
-        self.prefill = [engine("prefill", config) for _ in range(num_prefill)]
+        self.decode = [engine("decode", dataclasses.replace(config, kv_events=True), c) for c in decode_cpus]
+        self.prefill = [engine("prefill", config, c) for c in prefill_cpus]
         self._by_name = {f"decode-{i}": d for i, d in enumerate(self.decode)}
         super().__init__(LocalEngines(self._by_name, {f"prefill-{i}": p for i, p in enumerate(self.prefill)}))
         self.model = self.decode[0].model

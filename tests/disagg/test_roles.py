@@ -229,6 +229,15 @@ def test_the_split_flag_takes_two_positive_counts() -> None:
     assert args.disaggregate == (1, 2) and args.kv_transport == "tcp"
 
 
+def test_the_cores_are_split_between_the_engines_prefill_first() -> None:
+    from radixserve.disagg.coordinator import split_cpus
+
+    assert split_cpus([0, 1], 1, 1) == ([[0]], [[1]])
+    assert split_cpus([0, 1, 2, 3, 4, 5, 6], 2, 1) == ([[0, 1, 2], [3, 4]], [[5, 6]])
+    assert split_cpus([4, 5, 6, 7], 1, 2) == ([[4, 5]], [[6], [7]])
+    assert split_cpus([0], 1, 1) is None  # fewer cores than engines: they share
+
+
 def test_a_bad_priority_is_refused_before_any_page_is_reserved(
     engines: tuple[Engine, Engine, Engine],
 ) -> None:
