@@ -198,9 +198,9 @@ def build_disaggregated_application(
         ray_actor_options={"num_cpus": options.replica_cpus},
         max_ongoing_requests=options.max_ongoing_requests,
         health_check_period_s=2,
-    ).bind(options.config, options.engine_threads)
+    ).bind(options.config, options.threads)
     decode = engine_deployment(options, DecodeReplica, index_name, num_decode).bind(
-        options.config, index_name, options.engine_threads, options.chat_template, prefill, kv_timeout_s
+        options.config, index_name, options.threads, options.chat_template, prefill, kv_timeout_s
     )
     return ingress_deployment().bind(decode, options, index_name)
 

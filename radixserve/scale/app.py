@@ -58,6 +58,13 @@ class ScaleOptions:
                 raise ValueError(f"{flag} must be >= 0 seconds, got {value}")
 
     @property
+    def threads(self) -> int:
+        """Each replica's engine process's torch threads: ``engine_threads``, else the CPUs Ray reserves
+        for its replica (at least one). One per core, as a lone engine takes, two replicas on 2 cores
+        ran 4 threads that preempted each other at every barrier of a step."""
+        return self.engine_threads or max(1, int(self.replica_cpus))
+
+    @property
     def index_name(self) -> str:
         return f"radixserve-cache-index-{self.router}-{id(self) & 0xFFFF:x}-{int(time.time() * 1000)}"
 
@@ -93,7 +100,7 @@ def build_application(options: ScaleOptions, index_name: str | None = None) -> A
     replicas = engine_deployment(options, EngineReplica, index_name, count).bind(
         options.config,
         index_name,
-        options.engine_threads,
+        options.threads,
         options.chat_template,
         # by keyword: EngineReplica's next positional parameter is process_args (disaggregation's)
         warm_prefixes=options.warm_prefixes,
