@@ -257,8 +257,7 @@ class EngineLoop:
         if not limit:
             return
         for rid in self.role.overdue(limit):
-            if not self.role.abort(rid):
-                self.engine.abort(rid)
+            self._abort(rid)
             message = f"the request waited {limit:g} s without being scheduled (max_queue_wait_s)"
             self._refuse(rid, EngineError(kind="queue_timeout", message=message))
 
@@ -277,8 +276,7 @@ class EngineLoop:
             if self.stop.is_set() or not self.role.add_request(msg):
                 self.add(msg)
         elif isinstance(msg, Abort):
-            if not self.role.abort(msg.request_id):
-                self.engine.abort(msg.request_id)
+            self._abort(msg.request_id)
         elif isinstance(msg, Call):
             self._call(msg)
         elif isinstance(msg, Shutdown):
@@ -287,6 +285,11 @@ class EngineLoop:
             self.engine.reindex_tiers()
         else:
             self.role.handle(msg)
+
+    def _abort(self, request_id: str) -> None:
+        """Stop the request wherever it is: the role's (a reservation, a job), else the engine's."""
+        if not self.role.abort(request_id):
+            self.engine.abort(request_id)
 
     def _call(self, msg: Call) -> None:
         """Run the call's op now, between two steps, and answer it: its value, or its error typed."""
