@@ -14,7 +14,7 @@
 //   qkv = h [W_q; W_k; W_v]^T (+ bias); a thread's band is whole heads: q/k norm, RoPE, K/V into the
 //   pages
 //   attention over each row's pages (the vector path of the CPU attention, decode_kernel.cpp),
-//   units (row, kv head) over the threads
+//   units (row, a run of its kv heads) over the threads
 //   x += attn W_o^T
 //   h = rmsnorm(x); gate/up: a thread computes gate and up rows [j0, j1) and silu(gate) * up there
 //   x += act W_down^T
@@ -272,6 +272,15 @@ at::Tensor decode_step(const at::Tensor& x_in, const at::Tensor& cos, const at::
   const float feps = static_cast<float>(eps);
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t kv_elem = kv_type == KvType::kFloat ? 4 : 2;
+  // A row's kv heads are attended together where the rows alone share the threads out evenly;
+  // otherwise each row's heads are split into runs until they do. A unit per (row, head) made the
+  // threads read alternate heads' rows, side by side in the same pages: on the 1B shape (8 kv heads)
+  // on Zen 4, 8 x 1,100 tokens took 83.8-85.6 ms a step that way and 69.2-69.7 with whole rows.
+  int64_t head_runs = 1;
+  while (head_runs < Hkv && (M * head_runs) % threads != 0) head_runs *= 2;
+  head_runs = std::min(head_runs, Hkv);
+  const int64_t heads_per_unit = (Hkv + head_runs - 1) / head_runs;
+  head_runs = (Hkv + heads_per_unit - 1) / heads_per_unit;
 
 #pragma omp parallel num_threads(threads)
   {
@@ -326,10 +335,13 @@ at::Tensor decode_step(const at::Tensor& x_in, const at::Tensor& cos, const at::
         }
       }
 #pragma omp barrier
-      // -- attention: units (row, kv head)
+      // -- attention: units (row, a run of kv heads), heads_per_unit a step
       const Ctx c{q.data(), q_size, kc, vc, nullptr, nullptr, kv_type, P, S, Hkv, D, Hq / Hkv, Hq, table, W, W,
                   rows.data(), static_cast<float>(scale), attn.data(), lse.data(), nullptr, nullptr};
-      for (int64_t u = tid; u < M * Hkv; u += nth) attend(c, items.data() + (u / Hkv) * kItemCols, u % Hkv, u % Hkv + 1);
+      for (int64_t u = tid; u < M * head_runs; u += nth) {
+        const int64_t r = u / head_runs, run = u % head_runs;
+        attend(c, items.data() + r * kItemCols, run * heads_per_unit, std::min(Hkv, (run + 1) * heads_per_unit));
+      }
 #pragma omp barrier
       // -- o_proj + residual
       {

@@ -100,6 +100,21 @@ def test_native_step_matches_reference(tiny_models: dict[str, Path], kind: str, 
     assert _compare(reference, native, steps) == 4  # every decode-only step, not the mixed one
 
 
+@pytest.mark.parametrize("threads", [1, 3, 4])
+def test_native_step_matches_reference_at_other_thread_counts(tiny_llama: Path, threads: int) -> None:
+    """The step's attention units are a row's kv heads, split into runs until the rows share the
+    threads out evenly (8 rows on 1 or 4 threads: whole rows; 1 or 3 rows on 3 or 4: runs of heads);
+    every split gives the reference's logits."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        reference = _runner(tiny_llama, False)
+        native = _runner(tiny_llama, True)
+        assert _compare(reference, native, _steps(reference.model.config.vocab_size)) == 4
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_native_step_streams_fused_projections_whose_gguf_parts_differ_in_type(tmp_path: Path) -> None:
     """llama.cpp's k-quant mixes give attn_v more bits than attn_q/attn_k in some layers (and the
     576-wide rows of the default model fall back to Q5_0 and Q8_0): each part is streamed in its own
