@@ -24,8 +24,8 @@
 // (two groups a byte for the 4-bit types; each group's 4 bytes for 16 rows in one 64-byte register:
 // one vpdpbusd multiplies 16 rows by 4 x values broadcast, and each broadcast serves two registers),
 // with its d_w (and m_w) per block in [K/32][32] fp32; every x row of the step is then multiplied
-// against the tile, 6 rows at a time (12 int32 + 12 fp32 accumulators in registers; 4 rows for a split
-// type, which needs 8 more).
+// against the tile, 4 rows at a time (8 int32 + 8 fp32 accumulators in registers, 8 more for a split
+// type; int8_tiles.h says why not 6).
 // Threads take tiles (at::parallel_for). No fp32 copy of the weights is made.
 //
 // Dispatch: the VNNI kernel is compiled with a function-level target (the rest of the library keeps

@@ -29,10 +29,13 @@ using ints::weight_offset;
 
 constexpr int64_t kGroups = 8;   // 4-byte groups per chunk
 constexpr int64_t kTileRows = 32;  // weight rows per tile: two 512-bit registers of int32
-constexpr int kMaxRows = 6;      // x rows per micro-kernel pass: 4 accumulators each, in registers
-
-// x rows a pass of the VNNI kernel: a split type keeps a third set of accumulators in registers.
-constexpr int max_rows(int64_t q) { return split(q) ? 4 : kMaxRows; }
+// x rows per pass of the VNNI kernel, each with 2 int32 and 2 fp32 accumulators (a split type: a third
+// set). It was 6 for the other types, but g++ 12 then kept part of the pass's state on the stack
+// (objdump: zmm loads and stores to %rsp in its loop), and a 512-token int8 prefill on Zen 4 ran at
+// 227 tok/s against 249-252 with 4 on the 1B shape, 1,252-1,567 against 1,352-1,715 on the default
+// model (old and new build in turns). The output of a row does not depend on its pass.
+constexpr int kMaxRows = 4;
+constexpr int max_rows(int64_t) { return kMaxRows; }
 
 // x quantized per 32-block: q [M, K] int8, d [M, K/32] fp32, s [M, K/32] int32 (sum of q), ds = d * s
 // in fp32 (a minimum's term), and s2 [M, K/16] the halves' sums of q (a split type's offset).
