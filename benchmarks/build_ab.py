@@ -55,7 +55,7 @@ def child(model: str, mode_name: str, rows: int, context: int, steps: int) -> No
     from radixserve import Engine
 
     (mode,) = parse_modes(mode_name)
-    pages = rows * -(-(context + steps + 8) // 16) + 8
+    pages = max(rows, 1) * -(-(context + steps + 8) // 16) + 8
     engine = Engine(
         prefix_cache=False,
         page_size=16,
