@@ -35,7 +35,6 @@ constexpr int64_t kTileRows = 32;  // weight rows per tile: two 512-bit register
 // Zen 4 took 2,216 ms with 6 and 2,072 with 4 (benchmarks/build_ab.py, 3 rounds, medians); on the
 // default model (K = 576) no difference was measured. The output of a row does not depend on its pass.
 constexpr int kMaxRows = 4;
-constexpr int max_rows(int64_t) { return kMaxRows; }
 
 // x quantized per 32-block: q [M, K] int8, d [M, K/32] fp32, s [M, K/32] int32 (sum of q), ds = d * s
 // in fp32 (a minimum's term), and s2 [M, K/16] the halves' sums of q (a split type's offset).
@@ -326,7 +325,7 @@ VNNI_TARGET void tile_rows_vnni(const QuantX& x, const Tile& t, int64_t m0, int6
   }
 }
 
-template <int64_t Q, int R = max_rows(Q)>
+template <int64_t Q, int R = kMaxRows>
 void tile_rows_vnni_dispatch(int rows_x, const QuantX& x, const Tile& t, int64_t m0, int64_t n0, int64_t rows,
                              const Out& o) {
   if constexpr (R > 1) {
@@ -367,8 +366,8 @@ template <int64_t Q>
 void tile_product(const QuantX& x, const Tile& t, int64_t M, int64_t n0, int64_t rows, const Out& o, bool vnni) {
 #ifdef RADIXSERVE_HAVE_VNNI_KERNEL
   if (vnni) {
-    for (int64_t m0 = 0; m0 < M; m0 += max_rows(Q))
-      tile_rows_vnni_dispatch<Q>(static_cast<int>(std::min<int64_t>(max_rows(Q), M - m0)), x, t, m0, n0, rows, o);
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows)
+      tile_rows_vnni_dispatch<Q>(static_cast<int>(std::min<int64_t>(kMaxRows, M - m0)), x, t, m0, n0, rows, o);
     return;
   }
 #endif

@@ -275,7 +275,8 @@ at::Tensor decode_step(const at::Tensor& x_in, const at::Tensor& cos, const at::
   // A row's kv heads are attended together where the rows alone share the threads out evenly;
   // otherwise each row's heads are split into runs until they do. A unit per (row, head) made the
   // threads read alternate heads' rows, side by side in the same pages: on the 1B shape (8 kv heads)
-  // on Zen 4, 8 x 1,100 tokens took 83.8-85.6 ms a step that way and 69.2-69.7 with whole rows.
+  // on Zen 4, a step of 8 x 1,100 tokens took 85.7 ms that way and 62.5 with whole rows
+  // (benchmarks/results/native_step-rowunits-1b-zen4.md).
   int64_t head_runs = 1;
   while (head_runs < Hkv && (M * head_runs) % threads != 0) head_runs *= 2;
   head_runs = std::min(head_runs, Hkv);
