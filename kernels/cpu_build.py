@@ -46,6 +46,7 @@ SOURCES = (
     "attention.cpp",
     "decode_kernel.cpp",
     "gemm_kernel.cpp",
+    "gemm_bf16.cpp",
     "linear.cpp",
     "gemv.cpp",
     "gguf_linear.cpp",
@@ -230,6 +231,7 @@ def _register_fakes() -> None:
         scale: float,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        bf16_dot: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return q.new_empty(q.shape), q.new_empty(q.shape[:2])
 

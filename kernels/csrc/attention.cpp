@@ -80,7 +80,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q_in, const
                                                    const at::Tensor& merge_offsets,
                                                    const at::Tensor& merge_slots, double scale,
                                                    const std::optional<at::Tensor>& k_scale,
-                                                   const std::optional<at::Tensor>& v_scale) {
+                                                   const std::optional<at::Tensor>& v_scale, bool bf16_dot) {
   TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat,
               "radixserve_cpu: q must be [T, heads, dim] float32");
   const auto dtype = k_cache.scalar_type();
@@ -170,7 +170,9 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q_in, const
               out.data_ptr<float>(),
               lse.data_ptr<float>(),
               part_out.data_ptr<float>(),
-              part_lse.data_ptr<float>()};
+              part_lse.data_ptr<float>(),
+              // bf16 arithmetic only over bf16 pages (no rounding of K/V), where the CPU has it.
+              bf16_dot && kv_type == KvType::kBFloat16 && bf16_dot_available()};
 
   // Units of work: a vector-path item takes every kv head at once (its pages are read whole); a
   // GEMM item is one unit per kv head (each is plenty of work).

@@ -54,6 +54,7 @@ void gather_block(const Ctx& c, const int64_t* off, int64_t n, float* kb, float*
 // Kernel for kv head h of an item: any number of query rows, any head_dim. Per K/V block: gather
 // the rows, S = Q K^T, online softmax, O += P V.
 void attend_gemm(const Ctx& c, const int32_t* item, int64_t h) {
+  if (c.bf16_dot) return attend_gemm_bf16(c, item, h);
   const int64_t D = c.head_dim, G = c.group;
   const int64_t nrow = item[kRowEnd] - item[kRowBegin], M = nrow * G;
   float* qb = scratch(M * D * 2 + 2 * kGemmBlock * D + M * kGemmBlock + 3 * M);
@@ -96,14 +97,7 @@ void attend_gemm(const Ctx& c, const int32_t* item, int64_t h) {
 
     // S[M, n] = Q K^T (row-major S is column-major S^T [n, M], leading dimension kGemmBlock).
     gemm('T', 'N', n, M, D, kb, D, qb, D, 0.f, s, kGemmBlock);
-    for (int64_t m = 0; m < M; ++m) {
-      const float corr = softmax_step(s + m * kGemmBlock, n, static_cast<int64_t>(lim[m]) - t0, mx[m], l[m]);
-      if (corr != 1.f) {
-        float* o = ob + m * D;
-        const Vec vc(corr);
-        for (int64_t x = 0; x < D; x += kVS) (Vec::loadu(o + x) * vc).store(o + x);
-      }
-    }
+    softmax_rows(s, kGemmBlock, M, n, lim, t0, mx, l, ob, D);
     // O[M, D] += P V
     gemm('N', 'N', D, M, n, vb, D, s, kGemmBlock, 1.f, ob, D);
   }

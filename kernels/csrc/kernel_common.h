@@ -49,6 +49,7 @@ struct Ctx {
   float* lse;       // [T, q_heads]
   float* part_out;  // [P, q_heads, head_dim]
   float* part_lse;  // [P, q_heads]
+  bool bf16_dot = false;  // GEMM items over bf16 K/V in bf16 arithmetic (gemm_bf16.cpp)
 };
 
 // Element offsets of context tokens [t0, t0 + n) of segment seg, kv head h, inside a layer's cache:
@@ -229,6 +230,19 @@ inline float softmax_step(float* s, int64_t n, int64_t valid, float& mx, float& 
   return 1.f;
 }
 
+// softmax_step for M rows of block scores (row m at s + m * lds, its causal limit lim[m] as a float,
+// the block starting at context token t0), each row's accumulator (o + m * D) rescaled where needed.
+inline void softmax_rows(float* s, int64_t lds, int64_t M, int64_t n, const float* lim, int64_t t0, float* mx,
+                         float* l, float* o, int64_t D) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float corr = softmax_step(s + m * lds, n, static_cast<int64_t>(lim[m]) - t0, mx[m], l[m]);
+    if (corr != 1.f) {
+      const Vec vc(corr);
+      for (int64_t x = 0; x < D; x += kVS) (Vec::loadu(o + m * D + x) * vc).store(o + m * D + x);
+    }
+  }
+}
+
 // Thread-local scratch of at least n floats, grown on demand and kept between calls.
 float* scratch(int64_t n);
 
@@ -238,5 +252,8 @@ VecKernel vec_kernel(int64_t head_dim, KvType kv_type);
 
 // The GEMM path: kv head h of an item, any number of query rows.
 void attend_gemm(const Ctx& c, const int32_t* item, int64_t h);
+// The same in bf16 arithmetic (gemm_bf16.cpp): bf16 K/V, only where bf16_dot_available().
+void attend_gemm_bf16(const Ctx& c, const int32_t* item, int64_t h);
+bool bf16_dot_available();
 
 }  // namespace radixserve_cpu::detail

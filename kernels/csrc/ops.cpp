@@ -136,7 +136,7 @@ TORCH_LIBRARY(radixserve_cpu, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor items, "
       "Tensor rows, Tensor merge_rows, Tensor merge_offsets, Tensor merge_slots, float scale, "
-      "Tensor? k_scale=None, Tensor? v_scale=None) -> (Tensor out, Tensor lse)");
+      "Tensor? k_scale=None, Tensor? v_scale=None, bool bf16_dot=False) -> (Tensor out, Tensor lse)");
   m.def(
       "plan(Tensor page_table, Tensor cu_q_lens, Tensor kv_lens, int page_size, int num_threads, "
       "int cascade_min_tokens) -> (Tensor items, Tensor rows, Tensor merge_rows, Tensor merge_offsets, "

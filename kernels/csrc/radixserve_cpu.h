@@ -41,6 +41,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q, const at
                                                    const at::Tensor& merge_offsets,
                                                    const at::Tensor& merge_slots, double scale,
                                                    const std::optional<at::Tensor>& k_scale,
-                                                   const std::optional<at::Tensor>& v_scale);
+                                                   const std::optional<at::Tensor>& v_scale,
+                                                   bool bf16_dot);
 
 }  // namespace radixserve_cpu

@@ -9,6 +9,7 @@ one of these and steps over it; building touches no request.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -27,6 +28,8 @@ from radixserve.model.attention import check_dtypes, select_backend
 from radixserve.model.loader import load_model, load_tokenizer, resolve_device_dtype, resolve_model_path
 from radixserve.model.runner import ModelRunner
 from radixserve.parallel import spawn
+
+logger = logging.getLogger("radixserve.engine")
 
 
 class EngineParts:
@@ -68,6 +71,8 @@ class EngineParts:
         )
         shape = (mcfg.num_layers, num_pages, cfg.page_size, self.tp.kv_heads, mcfg.head_dim)
         self.pool = pool = KVPool(*shape, self.kv_dtype, self.device)
+        if (note := backend.arithmetic_note(self.kv_dtype)) is not None:
+            logger.info(note)
         tiers = None
         if cfg.prefix_cache:
             tiers = make_tiers(

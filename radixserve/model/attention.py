@@ -83,6 +83,11 @@ class AttentionBackend(Protocol):
         -> ``[T, q_heads, head_dim]`` in q's dtype, accumulated in fp32."""
         ...
 
+    def arithmetic_note(self, kv_dtype: str) -> str | None:
+        """A line for the log where ``attention`` over ``kv_dtype`` pages multiplies in other than fp32
+        (or where it could and does not), else None."""
+        ...
+
     def gather_pages(self, buffer: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
         """Copy ``pages`` of every layer out of a pool buffer ``[num_layers, num_pages, ...]`` (K, V or
         their int8 scales) into a new contiguous ``[num_layers, len(pages), ...]``: the tiers' page copies."""
@@ -131,6 +136,9 @@ class KernelsBackend:
         )
         return out
 
+    def arithmetic_note(self, kv_dtype: str) -> str | None:
+        return None
+
     def gather_pages(self, buffer: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.ops.gather_pages(buffer, pages)
         return out
@@ -158,6 +166,9 @@ class CpuBackend(KernelsBackend):
 
     def __init__(self) -> None:
         cpu.ensure_loaded()
+
+    def arithmetic_note(self, kv_dtype: str) -> str | None:
+        return cpu.bf16_attention_note() if kv_dtype == "bfloat16" else None
 
 
 class TritonBackend(KernelsBackend):
