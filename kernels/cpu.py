@@ -18,7 +18,6 @@ with the reference's own plan, made once per step and kept in the plan object.
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 
@@ -28,7 +27,6 @@ from . import cpu_build, reference
 from .parts import PartsPlan
 from .reference import gather_pages, scatter_pages
 
-logger = logging.getLogger("radixserve.kernels")
 _ops = torch.ops.radixserve_cpu  # a namespace: its ops resolve when called, after ensure_loaded()
 _vec_size: int | None = None  # floats per vector of the loaded build; None until loaded
 BF16_ENV = "RADIXSERVE_ATTENTION_BF16"  # "0": every attention item over bf16 pages in fp32
@@ -49,6 +47,7 @@ def ensure_loaded() -> int:
                 f"the C++ CPU kernels are unavailable: {state.reason if state else 'not loaded'}"
             )
         _vec_size = int(_ops.vec_size())
+        # gguf_bf16_dot: whether this CPU and build run vdpbf16ps (any bf16 dot, not only GGUF's)
         _bf16 = os.environ.get(BF16_ENV, "1") != "0" and bool(_ops.gguf_bf16_dot())
     return _vec_size
 
@@ -140,14 +139,6 @@ def use_bf16_attention(on: bool) -> None:
     global _bf16
     ensure_loaded()
     _bf16 = on and bool(_ops.gguf_bf16_dot())
-
-
-def bf16_attention_note() -> str:
-    """One line for the log of an engine with bfloat16 pages: which arithmetic, and why."""
-    if bf16_attention():
-        return "attention over bfloat16 K/V: prefill and extend in bf16 (vdpbf16ps), decode in fp32"
-    why = f"{BF16_ENV}=0" if os.environ.get(BF16_ENV, "1") == "0" else "this CPU has no AVX512_BF16"
-    return f"attention over bfloat16 K/V: in fp32 ({why})"
 
 
 def _attend(

@@ -76,6 +76,9 @@ def model_fingerprint(
         h.update(f"|arithmetic={arithmetic}".encode())
     if getattr(model, "decode_arithmetic", "exact") != "exact":  # int8 decode writes other K/V again
         h.update(f"|decode={model.decode_arithmetic}".encode())
+    attention = getattr(model, "attention_arithmetic", "fp32")  # bf16 attention writes other K/V too
+    if attention != "fp32":
+        h.update(f"|attention={attention}".encode())
     if getattr(model, "bf16_copy", False):  # a timed choice; it rounds outputs to bf16, the kernel does not
         h.update(b"|bf16-copy")
     if shards > 1:

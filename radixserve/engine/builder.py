@@ -71,8 +71,13 @@ class EngineParts:
         )
         shape = (mcfg.num_layers, num_pages, cfg.page_size, self.tp.kv_heads, mcfg.head_dim)
         self.pool = pool = KVPool(*shape, self.kv_dtype, self.device)
-        if (note := backend.arithmetic_note(self.kv_dtype)) is not None:
-            logger.info(note)
+        self.model.attention_arithmetic = attention = backend.attention_arithmetic(self.kv_dtype)
+        if self.kv_dtype == "bfloat16":  # bf16 where the CPU has AVX512_BF16 (kernels/cpu.py), said once
+            logger.info(
+                "attention over bfloat16 K/V (%s backend): prefill and extend in %s, decode in fp32",
+                backend.name,
+                attention,
+            )
         tiers = None
         if cfg.prefix_cache:
             tiers = make_tiers(

@@ -83,9 +83,10 @@ class AttentionBackend(Protocol):
         -> ``[T, q_heads, head_dim]`` in q's dtype, accumulated in fp32."""
         ...
 
-    def arithmetic_note(self, kv_dtype: str) -> str | None:
-        """A line for the log where ``attention`` over ``kv_dtype`` pages multiplies in other than fp32
-        (or where it could and does not), else None."""
+    def attention_arithmetic(self, kv_dtype: str) -> str:
+        """How ``attention``'s many-row (prefill, extend) work over ``kv_dtype`` pages multiplies:
+        "fp32", or "bf16" (q and the probabilities rounded to bf16: other outputs, so other K/V in
+        later layers, which the disk tier's key includes)."""
         ...
 
     def gather_pages(self, buffer: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
@@ -136,8 +137,8 @@ class KernelsBackend:
         )
         return out
 
-    def arithmetic_note(self, kv_dtype: str) -> str | None:
-        return None
+    def attention_arithmetic(self, kv_dtype: str) -> str:
+        return "fp32"
 
     def gather_pages(self, buffer: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.ops.gather_pages(buffer, pages)
@@ -167,8 +168,8 @@ class CpuBackend(KernelsBackend):
     def __init__(self) -> None:
         cpu.ensure_loaded()
 
-    def arithmetic_note(self, kv_dtype: str) -> str | None:
-        return cpu.bf16_attention_note() if kv_dtype == "bfloat16" else None
+    def attention_arithmetic(self, kv_dtype: str) -> str:
+        return "bf16" if kv_dtype == "bfloat16" and cpu.bf16_attention() else "fp32"
 
 
 class TritonBackend(KernelsBackend):

@@ -99,6 +99,8 @@ class LlamaForCausalLM(nn.Module):
     arithmetic: str = "exact"  # of products with many rows (model/arithmetic.py)
     decode_arithmetic: str = "exact"  # of decode steps too (model/arithmetic.py: int8 over GGUF blocks)
     bf16_copy: bool = False  # bfloat16 over GGUF blocks multiplies dense bf16 copies (model/arithmetic.py)
+    # of many-row attention over the K/V pages: the backend's ``attention_arithmetic`` (engine/builder.py)
+    attention_arithmetic: str = "fp32"
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

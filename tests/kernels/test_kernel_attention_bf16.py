@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from radixserve.kernels import cpu_build, reference
+from radixserve.model.attention import get_backend
 
 if not cpu_build.load() and shutil.which(os.environ.get("CXX", "c++")) is None:
     pytest.skip("no C++ compiler to build the CPU kernels", allow_module_level=True)
@@ -90,12 +91,24 @@ def test_the_switch_is_decided_when_the_ops_load_and_can_be_turned_off(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     assert cpu.bf16_attention() is has_bf16  # where the CPU has AVX512_BF16, unless turned off
-    assert ("in bf16" in cpu.bf16_attention_note()) is has_bf16
+    backend = get_backend("cpu")
+    assert backend.attention_arithmetic("bfloat16") == ("bf16" if has_bf16 else "fp32")
+    assert backend.attention_arithmetic("float32") == backend.attention_arithmetic("int8") == "fp32"
     monkeypatch.setattr(cpu, "_vec_size", None)  # as in a fresh process
     monkeypatch.setenv(cpu.BF16_ENV, "0")
     assert cpu.bf16_attention() is False
-    assert cpu.bf16_attention_note().endswith(f"in fp32 ({cpu.BF16_ENV}=0)")
+    assert backend.attention_arithmetic("bfloat16") == "fp32"
     monkeypatch.delenv(cpu.BF16_ENV)
     assert cpu.bf16_attention() is False  # decided once per process
     monkeypatch.setattr(cpu, "_vec_size", None)
     assert cpu.bf16_attention() is has_bf16
+
+
+def test_the_disk_tier_key_tells_bf16_attention_apart() -> None:
+    """Its outputs differ, so the K/V it writes in later layers do: a disk tier must not mix them."""
+    from radixserve.cache.tiers import model_fingerprint
+
+    model = torch.nn.Linear(4, 4)
+    fp32 = model_fingerprint(model, "config", torch.float32, 16, "bfloat16")
+    model.attention_arithmetic = "bf16"  # type: ignore[assignment]
+    assert model_fingerprint(model, "config", torch.float32, 16, "bfloat16") != fp32
