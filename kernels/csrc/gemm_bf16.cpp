@@ -178,9 +178,9 @@ void attend_gemm_bf16(const Ctx& c, const int32_t* item, int64_t h) {
     // columns at a time measured no faster: short tiles keep too few sums in flight), its P V at
     // that very pair, as P is zero past it.
     const auto tile_cols = [&](int64_t m, int R) {
-      int64_t c = 0;
-      for (int r = 0; r < R; ++r) c = std::max<int64_t>(c, static_cast<int64_t>(lim[m + r]) - t0);
-      return std::clamp<int64_t>(c, 0, n);
+      int64_t last = 0;
+      for (int r = 0; r < R; ++r) last = std::max<int64_t>(last, static_cast<int64_t>(lim[m + r]) - t0);
+      return std::clamp<int64_t>(last, 0, n);
     };
     over_rows(M, [&](auto R, int64_t m) {
       const int64_t cols = round_up(tile_cols(m, decltype(R)::value), kCols);
