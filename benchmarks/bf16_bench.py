@@ -51,7 +51,8 @@ def attention(repeats: int, rounds: int = 3) -> list[dict[str, Any]]:
         A.Case("extend 100 over 500 cached", [(100, 500)], []),
     ]
     # (K/V dtype, bf16 arithmetic in the many-row items: csrc/gemm_bf16.cpp), where this CPU has it
-    arms = [("float32", False), ("bfloat16", False)] + [("bfloat16", True)] * cpu.bf16_attention()
+    was = cpu.bf16_attention()  # restored after: RADIXSERVE_ATTENTION_BF16=0 stays off
+    arms = [("float32", False), ("bfloat16", False)] + [("bfloat16", True)] * was
     out = []
     try:
         for case in cases:
@@ -76,7 +77,7 @@ def attention(repeats: int, rounds: int = 3) -> list[dict[str, Any]]:
                 for arm in arms
             ]
     finally:
-        cpu.use_bf16_attention(True)
+        cpu.use_bf16_attention(was)
     return out
 
 
@@ -101,7 +102,8 @@ def prefill(rounds: int, tokens: int = 512) -> list[dict[str, Any]]:
     )
     rng = random.Random(0)
     ids = [rng.randrange(100, 40000) for _ in range(tokens)]
-    arms = [False] + [True] * cpu.bf16_attention()
+    was = cpu.bf16_attention()
+    arms = [False] + [True] * was
     times: dict[bool, list[float]] = {arm: [] for arm in arms}
     try:
         for arm in arms:  # warm-up: each arm's compiled step
@@ -112,7 +114,7 @@ def prefill(rounds: int, tokens: int = 512) -> list[dict[str, Any]]:
                 cpu.use_bf16_attention(arm)
                 times[arm].append(prefill_seconds(engine, ids))
     finally:
-        cpu.use_bf16_attention(True)
+        cpu.use_bf16_attention(was)
     base = statistics.median(times[False])
     return [
         {
