@@ -85,10 +85,10 @@ def prefill(rounds: int, tokens: int = 512) -> list[dict[str, Any]]:
     """Whole prefill steps of the served int8 config (the default model's Q4_1 file,
     ``--decode-arithmetic int8``, bf16 K/V, compiled step) with the bf16 attention items off and on,
     in turns; medians of ``rounds``."""
-    import random
     import statistics
+    import time
 
-    from benchmarks.gguf_int8_bench import prefill_seconds
+    from benchmarks.steps import Steps
     from radixserve import Engine
     from radixserve.kernels import cpu
     from radixserve.model.default_model import find_default_gguf
@@ -100,19 +100,24 @@ def prefill(rounds: int, tokens: int = 512) -> list[dict[str, Any]]:
         prefix_cache=False,
         kv_cache_gb=0.25,
     )
-    rng = random.Random(0)
-    ids = [rng.randrange(100, 40000) for _ in range(tokens)]
+    step, _ = Steps(engine).extend_step(tokens, 0)  # the same prefill into the same pages each call
+
+    def seconds() -> float:
+        start = time.perf_counter()
+        step()
+        return time.perf_counter() - start
+
     was = cpu.bf16_attention()
     arms = [False] + [True] * was
     times: dict[bool, list[float]] = {arm: [] for arm in arms}
     try:
         for arm in arms:  # warm-up: each arm's compiled step
             cpu.use_bf16_attention(arm)
-            prefill_seconds(engine, ids)
+            seconds()
         for _ in range(rounds):
             for arm in arms:
                 cpu.use_bf16_attention(arm)
-                times[arm].append(prefill_seconds(engine, ids))
+                times[arm].append(seconds())
     finally:
         cpu.use_bf16_attention(was)
     base = statistics.median(times[False])
