@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "dense_rows.h"
 #include "kernel_common.h"
 
 namespace radixserve_cpu {
@@ -172,7 +173,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q_in, const
               part_out.data_ptr<float>(),
               part_lse.data_ptr<float>(),
               // bf16 arithmetic only over bf16 pages (no rounding of K/V), where the CPU has it.
-              bf16_dot && kv_type == KvType::kBFloat16 && bf16_dot_available()};
+              bf16_dot && kv_type == KvType::kBFloat16 && dense::cpu_has_bf16_dot()};
 
   // Units of work: a vector-path item takes every kv head at once (its pages are read whole); a
   // GEMM item is one unit per kv head (each is plenty of work).

@@ -11,6 +11,7 @@
 //   a block of K is transposed to kw[p][token], and 16 tokens' words are one vector;
 // - P V sums over tokens: P's row rounded to bf16 is already the pairs (2j, 2j + 1); V is
 //   interleaved to vw[j][d] = (V[2j][d], V[2j + 1][d]), so 16 columns d are one vector.
+#include <array>
 #include <cstring>
 
 #include "dense_rows.h"
@@ -103,6 +104,18 @@ void over_rows(int64_t M, Tile tile) {
   }
 }
 
+// Word lanes interleaving two 32-value rows x (indices 0-31) and y (32-63): x[h + i], y[h + i] for
+// i in [0, 16), h = 0 (kPairLo) or 16 (kPairHi).
+constexpr std::array<int16_t, 32> pair_lanes(int16_t h) {
+  std::array<int16_t, 32> lanes{};
+  for (int16_t i = 0; i < 16; ++i) {
+    lanes[2 * i] = static_cast<int16_t>(h + i);
+    lanes[2 * i + 1] = static_cast<int16_t>(32 + h + i);
+  }
+  return lanes;
+}
+constexpr std::array<int16_t, 32> kPairLo = pair_lanes(0), kPairHi = pair_lanes(16);
+
 // The block's K transposed to kw[p * ldk + j] (zeros for j >= n) and V interleaved to vw[j * D + d].
 RADIXSERVE_BF16_DOT void pack_block(const Ctx& c, const int64_t* off, int64_t n, int64_t ldk, uint32_t* kw,
                                     uint32_t* vw) {
@@ -114,15 +127,8 @@ RADIXSERVE_BF16_DOT void pack_block(const Ctx& c, const int64_t* off, int64_t n,
     for (int64_t p = 0; p < pairs; ++p) kw[p * ldk + j] = row[p];
   }
   for (int64_t p = 0; p < pairs; ++p) std::fill(kw + p * ldk + n, kw + (p + 1) * ldk, 0u);
-  // (V[2j][d], V[2j + 1][d]) for d of a 32-column chunk: lanes 0-15 from idx_lo, 16-31 from idx_hi.
-  alignas(64) int16_t lo[32], hi[32];
-  for (int i = 0; i < 16; ++i) {
-    lo[2 * i] = static_cast<int16_t>(i);
-    lo[2 * i + 1] = static_cast<int16_t>(32 + i);
-    hi[2 * i] = static_cast<int16_t>(16 + i);
-    hi[2 * i + 1] = static_cast<int16_t>(48 + i);
-  }
-  const __m512i idx_lo = _mm512_load_si512(lo), idx_hi = _mm512_load_si512(hi);
+  // (V[2j][d], V[2j + 1][d]) for d of a 32-column chunk: lanes 0-15 from kPairLo, 16-31 from kPairHi.
+  const __m512i idx_lo = _mm512_loadu_si512(kPairLo.data()), idx_hi = _mm512_loadu_si512(kPairHi.data());
   for (int64_t j = 0; j < n; j += 2) {
     const uint16_t* a = v + off[j];
     const uint16_t* b = j + 1 < n ? v + off[j + 1] : nullptr;
@@ -197,13 +203,10 @@ void attend_gemm_bf16(const Ctx& c, const int32_t* item, int64_t h) {
   for (int64_t m = 0; m < M; ++m) finish_row(ob + m * D, mx[m], l[m], D, dest(c, item, m / G, h * G + m % G));
 }
 
-bool bf16_dot_available() { return dense::cpu_has_bf16_dot(); }
-
 #else
 void attend_gemm_bf16(const Ctx&, const int32_t*, int64_t) {
   TORCH_CHECK(false, "radixserve_cpu: bf16 attention needs an AVX-512 build");
 }
-bool bf16_dot_available() { return false; }
 #endif
 
 }  // namespace radixserve_cpu::detail

@@ -252,8 +252,7 @@ VecKernel vec_kernel(int64_t head_dim, KvType kv_type);
 
 // The GEMM path: kv head h of an item, any number of query rows.
 void attend_gemm(const Ctx& c, const int32_t* item, int64_t h);
-// The same in bf16 arithmetic (gemm_bf16.cpp): bf16 K/V, only where bf16_dot_available().
+// The same in bf16 arithmetic (gemm_bf16.cpp): bf16 K/V, only where dense::cpu_has_bf16_dot().
 void attend_gemm_bf16(const Ctx& c, const int32_t* item, int64_t h);
-bool bf16_dot_available();
 
 }  // namespace radixserve_cpu::detail
