@@ -29,7 +29,7 @@ from benchmarks.accuracy import agreement, offline_scores
 from benchmarks.common import machine, write_results
 from benchmarks.steps import Steps
 from radixserve import Engine, presets
-from radixserve.model.arithmetic import lists_bf16
+from radixserve.model.arithmetic import cpu_flags, lists_bf16
 
 
 def measure(
@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="comma list of candidate names (default: all)")
     parser.add_argument("--name", default="preset_tune")
     args = parser.parse_args()
-    cands = presets.candidates(args.model, lists_bf16())
+    cands = presets.candidates(args.model, lists_bf16(), "avx512_vnni" in cpu_flags())
     if args.only:
         cands = {n: k for n, k in cands.items() if n in args.only.split(",") or not k}
     ref_knobs = (

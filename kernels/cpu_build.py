@@ -62,8 +62,10 @@ HEADERS = (
     "block_decode.h",
     "block_ints.h",
     "block_rows.h",
+    "int8_quant.h",
     "int8_tiles.h",
     "step_products.h",
+    "step_weights.h",
 )
 DISABLE_ENV = "RADIXSERVE_CPU_KERNELS"
 COST = (

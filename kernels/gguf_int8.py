@@ -48,6 +48,8 @@ def _ops_loaded() -> bool:
             K: int,
             bias: torch.Tensor | None,
             portable: bool = False,
+            channels: torch.Tensor | None = None,
+            columns: torch.Tensor | None = None,
         ) -> torch.Tensor:
             return x.new_empty((x.shape[0], blocks.shape[0]))
 
@@ -60,6 +62,8 @@ def _ops_loaded() -> bool:
             N: int,
             bias: torch.Tensor | None,
             portable: bool = False,
+            channels: torch.Tensor | None = None,
+            columns: torch.Tensor | None = None,
         ) -> torch.Tensor:
             return x.new_empty((x.shape[0], N))
 
@@ -81,10 +85,23 @@ def available() -> bool:
     return why_unavailable() is None
 
 
-def linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None) -> torch.Tensor:
+Outliers = tuple[torch.Tensor, torch.Tensor]  # channels int64 [k], their weight columns fp32 [k, N]
+
+
+def linear(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    qtype: int,
+    bias: torch.Tensor | None,
+    outliers: Outliers | None = None,
+) -> torch.Tensor:
     """``x [M, K] @ W.T + bias`` in the block integer arithmetic (``available()`` first, which loads
-    the op and registers its fake)."""
-    out: torch.Tensor = torch.ops.radixserve_cpu.gguf_int8_linear(x, blocks, qtype, x.shape[-1], bias)
+    the op and registers its fake). ``outliers``: channels of x left out of its quantization, and
+    added in fp32 by their weight columns (model/outliers.py)."""
+    channels, columns = outliers if outliers is not None else (None, None)
+    out: torch.Tensor = torch.ops.radixserve_cpu.gguf_int8_linear(
+        x, blocks, qtype, x.shape[-1], bias, False, channels, columns
+    )
     return out
 
 
@@ -97,11 +114,19 @@ def pack(blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
 
 
 def tiles_linear(
-    x: torch.Tensor, tiles: torch.Tensor, qtype: int, n: int, bias: torch.Tensor | None
+    x: torch.Tensor,
+    tiles: torch.Tensor,
+    qtype: int,
+    n: int,
+    bias: torch.Tensor | None,
+    outliers: Outliers | None = None,
 ) -> torch.Tensor:
     """``x [M, K] @ W.T + bias`` over ``pack``'s tiles of an ``[n, K]`` weight: the same numbers as
     ``linear`` over its blocks, bit for bit, with no decoding per call."""
-    out: torch.Tensor = torch.ops.radixserve_cpu.gguf_int8_tiles_linear(x, tiles, qtype, x.shape[-1], n, bias)
+    channels, columns = outliers if outliers is not None else (None, None)
+    out: torch.Tensor = torch.ops.radixserve_cpu.gguf_int8_tiles_linear(
+        x, tiles, qtype, x.shape[-1], n, bias, False, channels, columns
+    )
     return out
 
 

@@ -22,7 +22,9 @@ What ``fast`` sets:
 - Without one, the rule measured on the default model (SmolLM2-135M) on the project's CPUs:
   ``quantization gguf`` for the embedded or a ``.gguf`` model (the embedded model's fp32 weights ARE its
   Q4_1 file's exact dequantization), bf16 prefill for an HF folder where the CPU lists bf16, and bf16
-  K/V. The log says that no accuracy was measured for this model on this CPU, and how to measure it.
+  K/V; for the embedded model, where the CPU lists AVX512-VNNI, also ``decode_arithmetic int8`` (top-1
+  97.9% with its outlier channels, model/outliers.py; not assumed for other models). The log says
+  that no accuracy was measured for this model on this CPU, and how to measure it.
 
 The choice is made and logged once: the config records that it is resolved (``preset_resolved``), so
 the copies the server hands its engine process (``dataclasses.replace``, ``asdict``) do not redo it.
@@ -55,14 +57,17 @@ _ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".json")
 
 
-def candidates(model: str | None, bf16: bool) -> dict[str, dict[str, Any]]:
+def candidates(model: str | None, bf16: bool, vnni: bool = False) -> dict[str, dict[str, Any]]:
     """The combinations ``fast`` may pick for ``model`` (name -> knobs), exact fp32 first (the
-    reference). ``bf16``: the CPU lists bf16 instructions (else bf16 products would be emulated)."""
+    reference). ``bf16``: the CPU lists bf16 instructions (else bf16 products would be emulated);
+    ``vnni``: it lists AVX512-VNNI (int8 products on GGUF blocks)."""
     gguf = model is None or str(model).endswith(".gguf")
     out: dict[str, dict[str, Any]] = {}
     if gguf:
         out["gguf"] = {"quantization": "gguf"}
         out["gguf+kv-bf16"] = {"quantization": "gguf", "kv_cache_dtype": "bfloat16"}
+        if vnni:
+            out["gguf+kv-bf16+int8"] = {**out["gguf+kv-bf16"], "decode_arithmetic": "int8"}
         if model is None:  # the embedded model also exists as fp32 weights
             out["fp32+kv-bf16"] = {"kv_cache_dtype": "bfloat16"}
             if bf16:
@@ -83,11 +88,15 @@ def candidates(model: str | None, bf16: bool) -> dict[str, dict[str, Any]]:
 def fallback_settings(fields: set[str], model: str | None) -> dict[str, Any]:
     """What ``fast`` sets where nothing was measured for this CPU and model (the rule measured on the
     default model; see the module's docstring)."""
-    from radixserve.model.arithmetic import lists_bf16
+    from radixserve.model.arithmetic import cpu_flags, lists_bf16
 
     settings: dict[str, Any] = {}
     if model is None or str(model).endswith(".gguf"):
         settings["quantization"] = "gguf"
+        # int8 on the blocks, with its outlier channels: top-1 97.9% on the embedded model
+        # (benchmarks/results/outliers-zen4.md), measured for that model only.
+        if model is None and "decode_arithmetic" in fields and "avx512_vnni" in cpu_flags():
+            settings["decode_arithmetic"] = "int8"
     elif lists_bf16():
         settings["prefill_arithmetic"] = "bfloat16"
     if "kv_cache_dtype" in fields:

@@ -15,6 +15,9 @@
 // - out[m, n] = sum_b  i * (d_w * d_x)  [+ m_w * (d_x * s) for a type with a minimum; Q2_K:
 //   + m_h * (d_x * s_h) for each half h, s_h that half's sum of q],
 //   summed over b in order with one fused multiply-add each, then + bias.
+// - outlier channels (optional, radixserve/model/outliers.py): zeroed in x before it is quantized and
+//   added after the blocks in fp32, x's value times the channel's weight column, one fused multiply-add
+//   each, in order (int8_tiles.h's Out).
 // So the only rounding besides the activation quantization is fp32 summation over K/32 terms (and a
 // split type's dot, which can pass 2^24, rounded to fp32 as the reference rounds it): the
 // torch reference (tests/kernels/test_kernel_gguf_int8.py) matches within (2 K/32 + 2) ulp-sized
@@ -43,6 +46,7 @@
 #include <vector>
 
 #include "int8_tiles.h"
+#include "radixserve_cpu.h"
 
 namespace radixserve_cpu {
 namespace {
@@ -86,16 +90,24 @@ void run_stored(const QuantX& x, const uint8_t* tiles, int64_t M, int64_t N, con
   });
 }
 
+// x's activation blocks; with outlier channels ch [k], those are left out and gathered into xo [M, k].
 void quantize(const at::Tensor& x, at::Tensor& q, at::Tensor& d, at::Tensor& s, float* ds, int32_t* s2,
-              bool vnni) {
+              bool vnni, const int64_t* ch = nullptr, int64_t k = 0, float* xo = nullptr) {
   const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock, ldx = x.stride(0);
   const float* xp = x.data_ptr<float>();
   int8_t* qp = q.data_ptr<int8_t>();
   float* dp = d.data_ptr<float>();
   int32_t* sp = s.data_ptr<int32_t>();
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
-      quantize_row(xp + m * ldx, nb, qp + m * K, dp + m * nb, sp + m * nb, ds + m * nb, s2 + m * 2 * nb, vnni);
+    std::vector<float> scratch(k > 0 ? K : 0);
+    for (int64_t m = m0; m < m1; ++m) {
+      if (k > 0) {
+        int8_tiles::quantize_row_apart(xp + m * ldx, nb, ch, k, scratch.data(), xo + m * k, qp + m * K, dp + m * nb,
+                                       sp + m * nb, ds + m * nb, s2 + m * 2 * nb, vnni);
+      } else {
+        quantize_row(xp + m * ldx, nb, qp + m * K, dp + m * nb, sp + m * nb, ds + m * nb, s2 + m * 2 * nb, vnni);
+      }
+    }
   });
 }
 
@@ -103,6 +115,14 @@ void check_x(const at::Tensor& x, int64_t K, const char* op) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == K, "radixserve_cpu::", op,
               ": x must be float32 [M, ", K, "], got ", x.sizes(), " ", x.scalar_type());
   TORCH_CHECK(K % kBlock == 0, "radixserve_cpu::", op, ": K (", K, ") must be a multiple of 32");
+}
+
+// Outlier channels and columns, both or neither (check_outliers in radixserve_cpu.h).
+void check_outlier_pair(const std::optional<at::Tensor>& channels, const std::optional<at::Tensor>& columns,
+                        int64_t K, int64_t N, const char* op) {
+  TORCH_CHECK(channels.has_value() == columns.has_value(), "radixserve_cpu::", op,
+              ": outlier channels and columns come together");
+  if (channels.has_value()) check_outliers(*channels, *columns, K, N, op);
 }
 
 // (q int8 [M, K], d fp32 [M, K/32], s int32 [M, K/32]): x's activation blocks, as the product uses them.
@@ -131,8 +151,10 @@ void check_bias(const std::optional<at::Tensor>& bias_in, int64_t N, at::Tensor&
 // at w) decoded tile by tile.
 at::Tensor int8_product(const at::Tensor& x_in, int64_t qtype, int64_t K, int64_t N,
                         const std::optional<at::Tensor>& bias_in, bool portable, const char* op, const uint8_t* w,
-                        int64_t rb, bool stored) {
+                        int64_t rb, bool stored, const std::optional<at::Tensor>& channels,
+                        const std::optional<at::Tensor>& columns) {
   check_x(x_in, K, op);
+  check_outlier_pair(channels, columns, K, N, op);
   TORCH_CHECK(takes(qtype), "radixserve_cpu::", op, ": unsupported block type ", qtype,
               " (supported: " RADIXSERVE_INT8_TYPES ")");
   at::Tensor bias;
@@ -147,9 +169,12 @@ at::Tensor int8_product(const at::Tensor& x_in, int64_t qtype, int64_t K, int64_
   at::Tensor s = at::empty({M, nb}, x.options().dtype(at::kInt));
   std::vector<float> ds(M * nb);
   std::vector<int32_t> s2(2 * M * nb);
-  quantize(x, q, d, s, ds.data(), s2.data(), vnni);
+  const int64_t k = channels.has_value() ? channels->numel() : 0;
+  std::vector<float> xo(M * k);
+  quantize(x, q, d, s, ds.data(), s2.data(), vnni, k > 0 ? channels->data_ptr<int64_t>() : nullptr, k, xo.data());
   const QuantX qx{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(), ds.data(), s2.data(), K, nb};
-  const Out o{out.data_ptr<float>(), N, bias.defined() ? bias.data_ptr<float>() : nullptr};
+  const Out o{out.data_ptr<float>(), N, bias.defined() ? bias.data_ptr<float>() : nullptr,
+              xo.data(), k > 0 ? columns->data_ptr<float>() : nullptr, k, N};
   blocks::with_type(qtype, [&](auto t) {  // takes(qtype) was checked above
     constexpr int64_t Q = decltype(t)::value;
     if constexpr (takes(Q)) {
@@ -172,7 +197,8 @@ const at::Tensor& check_blocks(const at::Tensor& blocks, int64_t qtype, int64_t 
 }
 
 at::Tensor gguf_int8_linear(const at::Tensor& x, const at::Tensor& blocks_in, int64_t qtype, int64_t K,
-                            const std::optional<at::Tensor>& bias, bool portable) {
+                            const std::optional<at::Tensor>& bias, bool portable,
+                            const std::optional<at::Tensor>& channels, const std::optional<at::Tensor>& columns) {
   check_x(x, K, "gguf_int8_linear");
   const at::Tensor blocks = blocks_in.contiguous();
   TORCH_CHECK(takes(qtype), "radixserve_cpu::gguf_int8_linear: unsupported block type ", qtype,
@@ -180,7 +206,7 @@ at::Tensor gguf_int8_linear(const at::Tensor& x, const at::Tensor& blocks_in, in
   check_blocks(blocks, qtype, K, "gguf_int8_linear");
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   const int64_t N = blocks.size(0), rb = blocks.size(1);
-  return int8_product(x, qtype, K, N, bias, portable, "gguf_int8_linear", w, rb, false);
+  return int8_product(x, qtype, K, N, bias, portable, "gguf_int8_linear", w, rb, false, channels, columns);
 }
 
 // A weight's tiles, decoded once: [ceil(N / 32), tile_bytes] uint8, what gguf_int8_tiles_linear and the
@@ -209,7 +235,8 @@ at::Tensor gguf_int8_pack(const at::Tensor& blocks_in, int64_t qtype, int64_t K)
 }
 
 at::Tensor gguf_int8_tiles_linear(const at::Tensor& x, const at::Tensor& tiles_in, int64_t qtype, int64_t K,
-                                  int64_t N, const std::optional<at::Tensor>& bias, bool portable) {
+                                  int64_t N, const std::optional<at::Tensor>& bias, bool portable,
+                                  const std::optional<at::Tensor>& channels, const std::optional<at::Tensor>& columns) {
   const at::Tensor tiles = tiles_in.contiguous();
   TORCH_CHECK(takes(qtype) && K % kBlock == 0, "radixserve_cpu::gguf_int8_tiles_linear: unsupported block type ",
               qtype, " or K ", K);
@@ -219,21 +246,35 @@ at::Tensor gguf_int8_tiles_linear(const at::Tensor& x, const at::Tensor& tiles_i
               "radixserve_cpu::gguf_int8_tiles_linear: tiles must be gguf_int8_pack's uint8 [",
               (N + kTileRows - 1) / kTileRows, ", ", tb, "], got ", tiles.sizes());
   const uint8_t* w = tiles.data_ptr<uint8_t>();
-  return int8_product(x, qtype, K, N, bias, portable, "gguf_int8_tiles_linear", w, tb, true);
+  return int8_product(x, qtype, K, N, bias, portable, "gguf_int8_tiles_linear", w, tb, true, channels, columns);
 }
 
 bool gguf_int8_vnni() { return cpu_has_vnni(); }
 
 }  // namespace
+
+void check_outliers(const at::Tensor& ch, const at::Tensor& columns, int64_t K, int64_t N, const char* op) {
+  TORCH_CHECK(ch.scalar_type() == at::kLong && ch.dim() == 1 && ch.is_contiguous() &&
+                  columns.scalar_type() == at::kFloat && columns.is_contiguous() &&
+                  columns.sizes() == at::IntArrayRef({ch.numel(), N}),
+              "radixserve_cpu::", op, ": outliers are int64 channels [k] and float32 columns [k, N]");
+  const int64_t* c = ch.data_ptr<int64_t>();
+  TORCH_CHECK(std::all_of(c, c + ch.numel(), [K](int64_t i) { return i >= 0 && i < K; }), "radixserve_cpu::", op,
+              ": an outlier channel leaves [0, ", K, ")");
+}
+
 }  // namespace radixserve_cpu
 
 TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
-  m.def("gguf_int8_linear(Tensor x, Tensor blocks, int qtype, int K, Tensor? bias, bool portable=False) -> Tensor");
+  // channels/columns: outlier channels left out of x's quantization and added in fp32 (model/outliers.py)
+  m.def(
+      "gguf_int8_linear(Tensor x, Tensor blocks, int qtype, int K, Tensor? bias, bool portable=False, "
+      "Tensor? channels=None, Tensor? columns=None) -> Tensor");
   m.def("quantize_q8_blocks(Tensor x, bool portable=False) -> (Tensor, Tensor, Tensor)");
   m.def("gguf_int8_pack(Tensor blocks, int qtype, int K) -> Tensor");
   m.def(
-      "gguf_int8_tiles_linear(Tensor x, Tensor tiles, int qtype, int K, int N, Tensor? bias, bool portable=False) "
-      "-> Tensor");
+      "gguf_int8_tiles_linear(Tensor x, Tensor tiles, int qtype, int K, int N, Tensor? bias, bool portable=False, "
+      "Tensor? channels=None, Tensor? columns=None) -> Tensor");
   m.def("gguf_int8_vnni() -> bool", &radixserve_cpu::gguf_int8_vnni);  // no tensor: a catch-all kernel
 }
 

@@ -1,7 +1,7 @@
-// The tiles of the int8 block product (gguf_int8.cpp's ops, native_step.cpp's int8 products): x
-// quantized per 32-block, weight rows decoded 32 at a time into their integer form (block_ints.h) laid
-// out for vpdpbusd, and the micro-kernels that multiply them. See gguf_int8.cpp for the math and the
-// exactness argument.
+// The tiles of the int8 block product (gguf_int8.cpp's ops, native_step.cpp's int8 products): weight
+// rows decoded 32 at a time into their integer form (block_ints.h) laid out for vpdpbusd, and the
+// micro-kernels that multiply them by x's int8 blocks (int8_quant.h). See gguf_int8.cpp for the math
+// and the exactness argument.
 #pragma once
 
 #include <algorithm>
@@ -10,12 +10,8 @@
 #include <cstring>
 
 #include "block_ints.h"
+#include "int8_quant.h"
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define RADIXSERVE_HAVE_VNNI_KERNEL 1
-#define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")))
-#endif
 
 namespace radixserve_cpu::int8_tiles {
 
@@ -35,33 +31,6 @@ constexpr int64_t kTileRows = 32;  // weight rows per tile: two 512-bit register
 // Zen 4 took 2,216 ms with 6 and 2,072 with 4 (benchmarks/build_ab.py, 3 rounds, medians); on the
 // default model (K = 576) no difference was measured. The output of a row does not depend on its pass.
 constexpr int kMaxRows = 4;
-
-// x quantized per 32-block: q [M, K] int8, d [M, K/32] fp32, s [M, K/32] int32 (sum of q), ds = d * s
-// in fp32 (a minimum's term), and s2 [M, K/16] the halves' sums of q (a split type's offset).
-struct QuantX {
-  const int8_t* q;
-  const float* d;
-  const int32_t* s;
-  const float* ds;
-  const int32_t* s2;
-  int64_t K, nb;
-};
-
-// One block of x: the scale and round-half-even as torch.round (the reference's) does it.
-inline void quantize_block_portable(const float* x, int8_t* q, float* d_out, int32_t* s_out, int32_t* s2) {
-  float amax = 0.f;
-  for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(x[j]));
-  const float d = amax / 127.f;
-  const float id = d != 0.f ? 1.f / d : 0.f;
-  s2[0] = s2[1] = 0;
-  for (int64_t j = 0; j < kBlock; ++j) {
-    const auto v = static_cast<int32_t>(std::nearbyint(x[j] * id));
-    q[j] = static_cast<int8_t>(v);
-    s2[j / 16] += v;
-  }
-  *d_out = d;
-  *s_out = s2[0] + s2[1];
-}
 
 // A tile of 32 weight rows, decoded: u [nb][8][32][4] bytes, dw and mw [nb][32] fp32 (a half_min type's
 // mw [nb][2][32]), and a split type's half scales k [nb][2][32] int32 (absent for the others), one after
@@ -150,6 +119,12 @@ struct Out {
   float* out;  // [M, N]
   int64_t N;
   const float* bias;  // [N] or nullptr
+  // Outlier channels (radixserve/model/outliers.py): x's values there, xo [M, k], were left out of its
+  // quantization; their weight columns wo [k, wo_ld] (transposed: 16 output rows a load) add them in
+  // fp32 after the blocks, one fused multiply-add a channel in order. k 0: none.
+  const float* xo = nullptr;
+  const float* wo = nullptr;
+  int64_t k = 0, wo_ld = 0;
 };
 
 // The portable path: the same integer sums and the same fp32 operations in the same order (one
@@ -187,32 +162,13 @@ void tile_rows_portable(const QuantX& x, const Tile& t, int64_t m0, int64_t m1, 
             acc = std::fma(t.mw[(2 * b + h) * kTileRows + r], dx * static_cast<float>(s2[h]), acc);
         }
       }
+      for (int64_t j = 0; j < o.k; ++j) acc = std::fma(o.xo[m * o.k + j], o.wo[j * o.wo_ld + n0 + r], acc);
       o.out[m * o.N + n0 + r] = o.bias != nullptr ? acc + o.bias[n0 + r] : acc;
     }
   }
 }
 
 #ifdef RADIXSERVE_HAVE_VNNI_KERNEL
-
-VNNI_TARGET inline void quantize_row_vnni(const float* x, int64_t nb, int8_t* q, float* d, int32_t* s, float* ds,
-                                   int32_t* s2) {
-  const __m512 sign = _mm512_set1_ps(-0.f);
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m512 v0 = _mm512_loadu_ps(x + b * kBlock), v1 = _mm512_loadu_ps(x + b * kBlock + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
-    const float db = amax / 127.f;
-    const __m512 id = _mm512_set1_ps(db != 0.f ? 1.f / db : 0.f);
-    // cvtps_epi32 rounds to nearest even (the default MXCSR mode), as std::nearbyint and torch.round.
-    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtepi32_epi8(q0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16), _mm512_cvtepi32_epi8(q1));
-    d[b] = db;
-    s2[2 * b] = _mm512_reduce_add_epi32(q0);
-    s2[2 * b + 1] = _mm512_reduce_add_epi32(q1);
-    s[b] = s2[2 * b] + s2[2 * b + 1];
-    ds[b] = db * static_cast<float>(s[b]);
-  }
-}
 
 // isum[r] += the integer dots of groups [g0, g1) of a decoded chunk (ub) with x row r's int8 values
 // (qb, rows ldq apart): one vpdpbusd per 16 weight rows and 4 x values broadcast.
@@ -312,10 +268,22 @@ VNNI_TARGET void tile_rows_vnni(const QuantX& x, const Tile& t, int64_t m0, int6
       }
     }
   }
-  for (int h = 0; h < 2; ++h) {
+  const auto live_mask = [rows](int h) {
     const int64_t live = std::clamp<int64_t>(rows - 16 * h, 0, 16);
-    if (live == 0) break;
-    const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1u);
+    return static_cast<__mmask16>((1u << live) - 1u);
+  };
+  for (int64_t j = 0; j < o.k; ++j) {  // the outlier channels: each x value broadcast once for 32 outputs
+    const float* wj = o.wo + j * o.wo_ld + n0;
+    const __m512 w0 = _mm512_maskz_loadu_ps(live_mask(0), wj), w1 = _mm512_maskz_loadu_ps(live_mask(1), wj + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xj = _mm512_set1_ps(o.xo[(m0 + r) * o.k + j]);
+      acc[r][0] = _mm512_fmadd_ps(xj, w0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(xj, w1, acc[r][1]);
+    }
+  }
+  for (int h = 0; h < 2; ++h) {
+    const __mmask16 mask = live_mask(h);
+    if (mask == 0) break;
     const float* bias_h = o.bias != nullptr ? o.bias + n0 + 16 * h : nullptr;
     const __m512 bias = bias_h != nullptr ? _mm512_maskz_loadu_ps(mask, bias_h) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) {
@@ -334,31 +302,7 @@ void tile_rows_vnni_dispatch(int rows_x, const QuantX& x, const Tile& t, int64_t
   tile_rows_vnni<Q, R>(x, t, m0, n0, rows, o);
 }
 
-inline bool cpu_has_vnni() {
-  static const bool has = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-           __builtin_cpu_supports("avx512vnni");
-  }();
-  return has;
-}
-
-#else
-inline bool cpu_has_vnni() { return false; }
 #endif
-
-// One row of x quantized (QuantX's arrays at that row: q [K], d, s, ds [nb], s2 [2 nb]).
-inline void quantize_row(const float* x, int64_t nb, int8_t* q, float* d, int32_t* s, float* ds, int32_t* s2,
-                         bool vnni) {
-#ifdef RADIXSERVE_HAVE_VNNI_KERNEL
-  if (vnni) return quantize_row_vnni(x, nb, q, d, s, ds, s2);
-#endif
-  for (int64_t b = 0; b < nb; ++b) {
-    quantize_block_portable(x + b * kBlock, q + b * kBlock, d + b, s + b, s2 + 2 * b);
-    ds[b] = d[b] * static_cast<float>(s[b]);
-  }
-}
 
 // x rows [0, M) against one tile (weight rows [n0, n0 + rows)): the VNNI kernel where it runs, else
 // the portable path (the same numbers).

@@ -22,7 +22,9 @@
 // read once for all M rows (step_products.h); nothing is copied per step but the input of a weight that
 // takes it in another order (GPTQ act-order on blocks: each thread gathers its own copy, M x K floats).
 // A fused projection comes as its parts (q, k, v; gate, up), each of its own kind: llama.cpp's k-quant
-// files mix types within one (attn_v gets more bits than attn_q and attn_k in some layers).
+// files mix types within one (attn_v gets more bits than attn_q and attn_k in some layers). `outliers`
+// gives each weight of int8 tiles its outlier channels and their fp32 columns [k, N] (two empty tensors
+// where none: radixserve/model/outliers.py), two tensors a weight in the order of `kinds`.
 //
 // Numbers: fp32 and GGUF weights: the same operations as the torch model in fp32, summed in another
 // order (the products' order is gemv.cpp's and gguf_linear.cpp's), so the step equals the reference
@@ -41,7 +43,9 @@
 #include <vector>
 
 #include "kernel_common.h"
+#include "radixserve_cpu.h"
 #include "step_products.h"
+#include "step_weights.h"
 
 namespace radixserve_cpu {
 namespace {
@@ -49,43 +53,11 @@ namespace {
 using detail::Ctx;
 using detail::KvType;
 using detail::VecKernel;
-using step::kBF16;
-using step::kF32;
 using step::kPad;
 using step::product;
 using step::Weight;
 
 constexpr int64_t kMaxRows = 8;
-// Bands of output rows start at multiples of this: an int8 tile's rows (step_products.h). QKV bands are
-// whole heads, so int8 tiles there need head_dim a multiple of it (model/native_step.py checks).
-constexpr int64_t kBandAlign = int8_tiles::kTileRows;
-// Tensors per layer in `weights`, in this order (an absent one is an empty tensor).
-enum LayerTensor : int {
-  kInNorm = 0,
-  kQ,
-  kK,
-  kV,
-  kQkvBias,
-  kQNorm,
-  kKNorm,
-  kO,
-  kPostNorm,
-  kGate,
-  kUp,
-  kDown,
-  // Input orders (GPTQ act-order on GGUF blocks): int64 [K], the weight's column j is input channel
-  // order[j]; empty where the weight takes its input as it is. q/k/v share one, gate/up another.
-  kQkvOrder,
-  kOOrder,
-  kGateUpOrder,
-  kDownOrder,
-  kTensorsPerLayer
-};
-// Weight kinds per layer in `kinds`, one per weight tensor above, in its order.
-enum LayerWeight : int { kWq = 0, kWk, kWv, kWo, kWgate, kWup, kWdown, kKindsPerLayer };
-
-const float* opt_ptr(const at::Tensor& t) { return t.numel() > 0 ? t.data_ptr<float>() : nullptr; }
-
 // This thread's share [begin, end) of `units` split into `parts` runs of whole `align`s.
 std::pair<int64_t, int64_t> band(int64_t units, int64_t align, int64_t part, int64_t parts) {
   const int64_t groups = (units + align - 1) / align;
@@ -138,7 +110,8 @@ struct Shape {
 
 at::Tensor decode_step(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
                        const std::vector<at::Tensor>& weights, const std::vector<int64_t>& kinds,
-                       const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
+                       const std::vector<at::Tensor>& outliers, const std::vector<at::Tensor>& k_caches,
+                       const std::vector<at::Tensor>& v_caches,
                        const at::Tensor& page_table, const at::Tensor& seq_lens, const at::Tensor& slots,
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size,
                        double eps, double scale) {
@@ -148,6 +121,8 @@ at::Tensor decode_step(const at::Tensor& x_in, const at::Tensor& cos, const at::
                   static_cast<int64_t>(kinds.size()) == L * kKindsPerLayer,
               "radixserve_cpu::decode_step: ", kTensorsPerLayer, " tensors and ", kKindsPerLayer,
               " kinds per layer");
+  TORCH_CHECK(static_cast<int64_t>(outliers.size()) == 2 * L * kKindsPerLayer,
+              "radixserve_cpu::decode_step: outlier channels and columns for each weight");
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(0) >= 1 &&
                   x_in.size(0) <= kMaxRows,
               "radixserve_cpu::decode_step: x must be float32 [1..8, hidden]");
@@ -192,61 +167,8 @@ at::Tensor decode_step(const at::Tensor& x_in, const at::Tensor& cos, const at::
     TORCH_CHECK(slot[m] >= 0 && slot[m] < P * S && slot[m] / S == table[m * W + (lens[m] - 1) / S],
                 "radixserve_cpu::decode_step: row ", m, "'s slot is not its last token's");
   }
-  std::vector<Weight> lin(L * kKindsPerLayer);
-  const int64_t I = intermediate_size;  // (int8 tiles' first dimension counts tiles, not rows)
-  const int64_t kv_rows = Hkv * D;
-  const int64_t shapes[kKindsPerLayer][2] = {{q_size, H}, {kv_rows, H}, {kv_rows, H}, {H, q_size},
-                                             {I, H},      {I, H},       {H, I}};
-  const int tensor_of[kKindsPerLayer] = {kQ, kK, kV, kO, kGate, kUp, kDown};
-  for (int64_t l = 0; l < L; ++l) {
-    for (int j = 0; j < kKindsPerLayer; ++j) {
-      const at::Tensor& t = weights[l * kTensorsPerLayer + tensor_of[j]];
-      const int64_t kind = kinds[l * kKindsPerLayer + j], N = shapes[j][0], K = shapes[j][1];
-      TORCH_CHECK(t.is_contiguous() && t.dim() == 2 && (t.size(0) == N || step::is_tiles(kind)),
-                  "radixserve_cpu::decode_step: weight ", j, " of layer ", l, " has shape ", t.sizes());
-      if (kind == kF32) {
-        TORCH_CHECK(t.scalar_type() == at::kFloat && t.size(1) == K, "radixserve_cpu::decode_step: fp32 weight");
-      } else if (kind == kBF16) {
-        TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.size(1) == K, "radixserve_cpu::decode_step: bf16 weight");
-        TORCH_CHECK(step::runs_here(kind), "radixserve_cpu::decode_step: bf16 weights need AVX512_BF16 ",
-                    "(vdpbf16ps), which this CPU or build lacks");
-      } else if (step::is_tiles(kind)) {
-        const int64_t q = kind - step::kTiles;
-        TORCH_CHECK(step::runs_here(kind), "radixserve_cpu::decode_step: int8 tiles of type ", q,
-                    " need AVX512-VNNI, which this CPU or build lacks");
-        TORCH_CHECK(K % int8_tiles::kBlock == 0 && t.scalar_type() == at::kByte &&
-                        t.size(0) == (N + int8_tiles::kTileRows - 1) / int8_tiles::kTileRows &&
-                        t.size(1) == int8_tiles::tile_bytes(q, K / int8_tiles::kBlock),
-                    "radixserve_cpu::decode_step: int8 tiles of type ", q, " must be gguf_int8_pack's [",
-                    (N + int8_tiles::kTileRows - 1) / int8_tiles::kTileRows, ", ",
-                    int8_tiles::tile_bytes(q, K / int8_tiles::kBlock), "] uint8, got ", t.sizes());
-        TORCH_CHECK(j > kWv || D % kBandAlign == 0, "radixserve_cpu::decode_step: int8 tiles in QKV need head_dim a "
-                    "multiple of ", kBandAlign, " (its bands are whole heads)");
-      } else {
-        TORCH_CHECK(t.scalar_type() == at::kByte && t.size(1) == blocks::block_row_bytes(kind, K),
-                    "radixserve_cpu::decode_step: GGUF block weight of type ", kind);
-      }
-      lin[l * kKindsPerLayer + j] = {kind, t.data_ptr(), N, K, t.size(1) * t.element_size(), nullptr};
-    }
-    lin[l * kKindsPerLayer + kWq].bias = opt_ptr(weights[l * kTensorsPerLayer + kQkvBias]);  // of all qkv rows
-    for (int j : {kQkvOrder, kOOrder, kGateUpOrder, kDownOrder}) {
-      const at::Tensor& t = weights[l * kTensorsPerLayer + j];
-      if (t.numel() == 0) continue;
-      const int64_t K = j == kOOrder ? q_size : (j == kDownOrder ? I : H);
-      TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous() && t.numel() == K,
-                  "radixserve_cpu::decode_step: input order ", j, " of layer ", l, " must be int64 [", K, "]");
-      const int64_t* o = t.data_ptr<int64_t>();
-      TORCH_CHECK(std::all_of(o, o + K, [K](int64_t c) { return c >= 0 && c < K; }),
-                  "radixserve_cpu::decode_step: input order ", j, " of layer ", l, " leaves [0, ", K, ")");
-    }
-    for (int j : {kInNorm, kPostNorm, kQkvBias, kQNorm, kKNorm}) {
-      const at::Tensor& t = weights[l * kTensorsPerLayer + j];
-      const int64_t want = j == kQkvBias ? qkv_size : (j == kQNorm || j == kKNorm ? D : H);
-      TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() &&
-                      (t.numel() == want || (t.numel() == 0 && j != kInNorm && j != kPostNorm)),
-                  "radixserve_cpu::decode_step: norm or bias ", j, " of layer ", l, " must be float32 [", want, "]");
-    }
-  }
+  const std::vector<Weight> lin = layer_weights(weights, kinds, outliers, L, H, Hq, Hkv, D, intermediate_size);
+  const int64_t I = intermediate_size;
 
   at::Tensor x = x_in.clone();
   const int64_t ldh = dense::round_up(std::max(H, std::max(q_size, I)), kPad);
@@ -389,7 +311,8 @@ bool decode_step_bf16() { return step::runs_here(step::kBF16); }
 TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
   m.def("decode_step_bf16() -> bool", &radixserve_cpu::decode_step_bf16);  // no tensor: a catch-all kernel
   m.def(
-      "decode_step(Tensor x, Tensor cos, Tensor sin, Tensor[] weights, int[] kinds, Tensor(a!)[] k_caches, "
+      "decode_step(Tensor x, Tensor cos, Tensor sin, Tensor[] weights, int[] kinds, Tensor[] outliers, "
+      "Tensor(a!)[] k_caches, "
       "Tensor(b!)[] v_caches, Tensor page_table, Tensor seq_lens, Tensor slots, int num_heads, "
       "int num_kv_heads, int head_dim, int intermediate_size, float eps, float scale) -> Tensor");
 }

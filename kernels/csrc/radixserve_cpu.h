@@ -44,4 +44,8 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q, const at
                                                    const std::optional<at::Tensor>& v_scale,
                                                    bool bf16_dot);
 
+// Outlier channels of an int8 product (radixserve/model/outliers.py), checked: int64 [k], each in
+// [0, K), and their weight columns float32 [k, N] (gguf_int8.cpp).
+void check_outliers(const at::Tensor& channels, const at::Tensor& columns, int64_t K, int64_t N, const char* op);
+
 }  // namespace radixserve_cpu

@@ -10,7 +10,8 @@
 // - GGUF blocks of any type block_decode.h reads [N, row bytes]: block_rows.h's few-row kernels, exact fp32;
 // - int8 tiles of a GGUF weight (kind kTiles + its type: gguf_int8_pack's [ceil(N / 32), tile bytes],
 //   the --decode-arithmetic int8 model's, an approximate mode): x rows quantized per 32-block by each
-//   thread, then int8_tiles.h's VNNI kernel over the band's tiles (bands start at multiples of 32).
+//   thread, then int8_tiles.h's VNNI kernel over the band's tiles (bands start at multiples of 32); a
+//   weight's outlier channels (if any) are left out of the quantization and added in fp32.
 #pragma once
 
 #include <algorithm>
@@ -35,6 +36,11 @@ struct Weight {
   const void* data;
   int64_t N, K, row_bytes;
   const float* bias;
+  // int8 tiles only: input channels left out of x's quantization and multiplied in fp32 by their
+  // columns out_w [n_out, N] (radixserve/model/outliers.py); n_out 0 where none.
+  const int64_t* out_ch = nullptr;
+  const float* out_w = nullptr;
+  int64_t n_out = 0;
 };
 
 // out [M, n1 - n0] for weight rows [n0, n1) (n0 a multiple of 32) of int8 tiles against M rows of x,
@@ -54,11 +60,22 @@ void tile_rows(const Weight& w, const float* x, int64_t ld, int64_t n0, int64_t 
     s2.resize(2 * M * nb);
   }
   const bool vnni = cpu_has_vnni();
-  for (int m = 0; m < M; ++m)
-    quantize_row(x + m * ld, nb, q.data() + m * w.K, d.data() + m * nb, s.data() + m * nb, ds.data() + m * nb,
-                 s2.data() + 2 * m * nb, vnni);
+  thread_local std::vector<float> scratch, xo;
+  if (w.n_out > 0 && static_cast<int64_t>(scratch.size()) < w.K) scratch.resize(w.K);
+  if (static_cast<int64_t>(xo.size()) < M * w.n_out) xo.resize(M * w.n_out);
+  for (int m = 0; m < M; ++m) {
+    int8_t* qm = q.data() + m * w.K;
+    if (w.n_out > 0) {  // the outlier channels leave the quantization (added in fp32 by the tile kernel)
+      quantize_row_apart(x + m * ld, nb, w.out_ch, w.n_out, scratch.data(), xo.data() + m * w.n_out, qm,
+                         d.data() + m * nb, s.data() + m * nb, ds.data() + m * nb, s2.data() + 2 * m * nb, vnni);
+    } else {
+      quantize_row(x + m * ld, nb, qm, d.data() + m * nb, s.data() + m * nb, ds.data() + m * nb,
+                   s2.data() + 2 * m * nb, vnni);
+    }
+  }
   const QuantX qx{q.data(), d.data(), s.data(), ds.data(), s2.data(), w.K, nb};
-  const Out o{out, n1 - n0, nullptr};
+  // wo: this band's columns of the outliers' [k, N] weight
+  const Out o{out, n1 - n0, nullptr, xo.data(), w.n_out > 0 ? w.out_w + n0 : nullptr, w.n_out, w.N};
   const auto* tiles = static_cast<const uint8_t*>(w.data);
   blocks::with_type(w.kind - kTiles, [&](auto t) {
     constexpr int64_t Q = decltype(t)::value;

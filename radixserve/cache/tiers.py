@@ -79,6 +79,8 @@ def model_fingerprint(
     attention = getattr(model, "attention_arithmetic", "fp32")  # bf16 attention writes other K/V too
     if attention != "fp32":
         h.update(f"|attention={attention}".encode())
+    if getattr(model, "outlier_channels", 0):  # int8 products with fp32 outlier channels: other K/V
+        h.update(f"|outliers={model.outlier_channels}".encode())
     if getattr(model, "bf16_copy", False):  # a timed choice; it rounds outputs to bf16, the kernel does not
         h.update(b"|bf16-copy")
     if shards > 1:

@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from radixserve.kernels import gguf_bf16, gguf_int8
+from radixserve.model import outliers
 from radixserve.model.gguf import GGUFLinear, Weight
 from radixserve.model.gguf_blocks import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, TYPE_NAMES
 from radixserve.model.layers import Linear
@@ -335,6 +336,7 @@ def apply_decode(model: LlamaForCausalLM, decode: str) -> bool:
             why,
         )
         return False
+    outliers.apply(model)  # calibrated in exact arithmetic: before any product turns int8
     exact: set[int] = set()
     # The LM head too: at a decode step it is as many bytes as a fifth of the decoder (135M), and as
     # llama.cpp runs its output layer.
@@ -363,6 +365,8 @@ def apply(model: LlamaForCausalLM, arithmetic: str, many_rows: int, decode: str 
     if chosen != "exact" and getattr(model, "quantization", None) == "gguf":
         linears = _decoder_gguf_linears(model)
         model.bf16_copy = chosen == "bfloat16" and _bf16_over_blocks(model)
+        if chosen == "int8":
+            outliers.apply(model)
         for g in linears:
             g.use_many_rows_arithmetic(chosen, many_rows, dense=model.bf16_copy)
         # Both block kernels take every block type, so no part stays exact.

@@ -64,6 +64,7 @@ def gguf_linear(
     tiles: torch.Tensor | None = None,
     arithmetic: str = "int8",
     dense: torch.Tensor | None = None,
+    outliers: gguf_int8.Outliers | None = None,
 ) -> torch.Tensor:
     """``x [..., K] @ W.T + bias`` with ``W`` the rows ``blocks`` of type ``qtype``: through the C++ op,
     or (``use_op`` False) the reference: dequantize, then ``F.linear``. Above ``many_rows`` rows (> 0,
@@ -71,17 +72,19 @@ def gguf_linear(
     or bfloat16 (kernels/gguf_bf16.py), each for every block type. With ``tiles`` (the blocks' int8
     tiles, ``gguf_int8.pack``: ``decode_arithmetic`` int8), int8 at every row count. With ``dense`` (a bf16
     copy of the weight, where the start-up timing chose it), bfloat16 above ``many_rows`` multiplies
-    that copy instead, in the dense Linear's op (oneDNN's bf16 product: AMX where it executes)."""
+    that copy instead, in the dense Linear's op (oneDNN's bf16 product: AMX where it executes). With
+    ``outliers`` (channels, their fp32 weight columns [channels, N]: model/outliers.py), an int8 product
+    leaves those channels out of x's quantization and adds them in fp32."""
     k = x.shape[-1]
     rows = x.reshape(-1, k)
     if use_op and tiles is not None:
-        out: torch.Tensor = gguf_int8.tiles_linear(rows, tiles, qtype, blocks.shape[0], bias)
+        out: torch.Tensor = gguf_int8.tiles_linear(rows, tiles, qtype, blocks.shape[0], bias, outliers)
     elif use_op and 0 < many_rows < rows.shape[0] and arithmetic == "bfloat16" and dense is not None:
         out = torch.ops.radixserve_cpu.linear(rows, dense, None, bias, None, None, dense, many_rows)
     elif use_op and 0 < many_rows < rows.shape[0] and arithmetic == "bfloat16":
         out = gguf_bf16.linear(rows, blocks, qtype, bias)
     elif use_op and 0 < many_rows < rows.shape[0] and qtype in gguf_int8.TYPES:
-        out = gguf_int8.linear(rows, blocks, qtype, bias)
+        out = gguf_int8.linear(rows, blocks, qtype, bias, outliers)
     elif use_op:
         out = torch.ops.radixserve_cpu.gguf_linear(rows, blocks, qtype, k, bias)
     else:
@@ -157,6 +160,8 @@ class GGUFLinear(nn.Module):
         self.tiles: list[torch.Tensor | None] = [None] * len(self.qtypes)
         # Each block group's dense bf16 copy, where bfloat16 multiplies one (use_many_rows_arithmetic).
         self.bf16_copies: list[torch.Tensor | None] = [None] * len(self.qtypes)
+        # Each block group's outlier channels and their fp32 columns (use_outliers), for int8 products.
+        self.outliers: list[gguf_int8.Outliers | None] = [None] * len(self.qtypes)
         self._choose()
 
     def native_rows(self, start: int, end: int) -> tuple[torch.Tensor, int] | None:
@@ -195,6 +200,18 @@ class GGUFLinear(nn.Module):
             if dense and is_blocks(qtype):
                 self.bf16_copies[i] = dequantize(self.part(i), qtype).to(torch.bfloat16)
 
+    def use_outliers(self, channels: torch.Tensor) -> None:
+        """Input ``channels`` (int64, of x as ``forward`` takes it) that int8 products of the block groups
+        multiply exactly, in fp32 (model/outliers.py): their columns decoded once (exact), in the
+        product's own column order (``input_order``), as [channels, N]."""
+        if self.input_order is not None:
+            channels = torch.argsort(self.input_order).index_select(0, channels)
+        channels = channels.to(torch.int64).contiguous()
+        for i, qtype in enumerate(self.qtypes):
+            if is_blocks(qtype):
+                columns = dequantize(self.part(i), qtype).index_select(1, channels).t().contiguous()
+                self.outliers[i] = (channels, columns)
+
     def use_int8_tiles(self) -> list[int]:
         """Every product in int8 (``decode_arithmetic`` int8, model/arithmetic.py): each part group of a
         type the int8 kernel takes gets its blocks' int8 tiles, made once here (kept beside the blocks:
@@ -227,6 +244,7 @@ class GGUFLinear(nn.Module):
         self.input_order = None
         self.tiles = [None] * len(self.qtypes)
         self.bf16_copies = [None] * len(self.qtypes)
+        self.outliers = [None] * len(self.qtypes)
         self._choose()
 
     def _choose(self) -> None:
@@ -252,6 +270,7 @@ class GGUFLinear(nn.Module):
             self.tiles[0],
             self.many_arithmetic,
             self.bf16_copies[0],
+            self.outliers[0],
         )
 
     def _parts(self, x: torch.Tensor) -> torch.Tensor:
@@ -268,6 +287,7 @@ class GGUFLinear(nn.Module):
                 self.tiles[i],
                 self.many_arithmetic,
                 self.bf16_copies[i],
+                self.outliers[i],
             )
             for i, qtype in enumerate(self.qtypes)
         ]

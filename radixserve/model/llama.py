@@ -101,6 +101,7 @@ class LlamaForCausalLM(nn.Module):
     bf16_copy: bool = False  # bfloat16 over GGUF blocks multiplies dense bf16 copies (model/arithmetic.py)
     # of many-row attention over the K/V pages: the backend's ``attention_arithmetic`` (engine/builder.py)
     attention_arithmetic: str = "fp32"
+    outlier_channels: int = 0  # of int8 products over GGUF blocks, multiplied in fp32 (model/outliers.py)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

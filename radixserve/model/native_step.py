@@ -98,6 +98,16 @@ def _native_rows(m: torch.nn.Module, start: int, end: int) -> tuple[torch.Tensor
     return None if rows is None else rows(start, end)  # type: ignore[no-any-return]
 
 
+def _outliers(m: torch.nn.Module, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The outlier channels of rows ``[start, end)`` of a linear and their fp32 columns
+    ``[channels, end - start]`` (model/outliers.py), or two empty tensors where it has none."""
+    for (first, last), pair in zip(getattr(m, "group_rows", []), getattr(m, "outliers", [])):
+        if pair is not None and first <= start and end <= last:
+            channels, columns = pair
+            return channels, columns[:, start - first : end - first].contiguous()
+    return EMPTY, EMPTY
+
+
 def bf16_dot_here() -> bool:
     """Whether the kernels take bf16 weights on this CPU: an AVX-512 build where the CPU reports
     AVX512_BF16 (the op asks the CPU itself; the kernels must be loaded)."""
@@ -152,6 +162,7 @@ class NativeStep:
         cfg = model.config
         weights: list[torch.Tensor] = []
         kinds: list[int] = []
+        outliers: list[torch.Tensor] = []
         for layer in _layers(model):
             attn = layer.self_attn
             stream = [_native_rows(m, start, end) for m, start, end in _streams(layer, cfg)]
@@ -177,7 +188,10 @@ class NativeStep:
                 ),
             ]
             kinds += layer_kinds
-        self.weights, self.kinds = weights, kinds
+            for (m, start, end), kind in zip(_streams(layer, cfg), layer_kinds):
+                pair = _outliers(m, start, end) if kind >= gguf_int8.TILES_KIND else (EMPTY, EMPTY)
+                outliers += pair
+        self.weights, self.kinds, self.outliers = weights, kinds, outliers
         self.k_caches = [c.k for c in pool.layers]
         self.v_caches = [c.v for c in pool.layers]
         self.shape = (
@@ -222,6 +236,7 @@ class NativeStep:
             sin.contiguous(),
             self.weights,
             self.kinds,
+            self.outliers,
             self.k_caches,
             self.v_caches,
             page_table,

@@ -131,7 +131,7 @@ def keep_rows(m: nn.Module, index: torch.Tensor, pad_to: int = 0) -> None:
         m.qweight = _pad(m.qweight.index_select(0, index), rows).contiguous()
         m.scale = _pad(m.scale.index_select(0, index), rows, 1.0).contiguous()
     elif isinstance(m, GGUFLinear):
-        kept, offset = [], 0
+        kept, outliers, offset = [], [], 0
         for i, qtype in enumerate(m.qtypes):
             w = m._parameters.pop(f"weight{i}")
             assert w is not None
@@ -140,10 +140,17 @@ def keep_rows(m: nn.Module, index: torch.Tensor, pad_to: int = 0) -> None:
             offset += n
             if len(sel):
                 kept.append((w.data.index_select(0, sel), qtype))
-        kept[-1] = (_pad(kept[-1][0], kept[-1][0].shape[0] + rows - len(index)), kept[-1][1])
+                pair = m.outliers[i]  # the outlier channels' weight columns [k, N]: the same rows kept
+                outliers.append(None if pair is None else (pair[0], pair[1].index_select(1, sel)))
+        pad = rows - len(index)
+        kept[-1] = (_pad(kept[-1][0], kept[-1][0].shape[0] + pad), kept[-1][1])
+        last = outliers[-1]
+        if last is not None and pad:
+            outliers[-1] = (last[0], _pad(last[1].t(), last[1].shape[1] + pad).t().contiguous())
         for j, (part, _) in enumerate(kept):
             m.register_parameter(f"weight{j}", _param(part))
         m.qtypes = [q for _, q in kept]
+        m.outliers = outliers
     else:
         raise TypeError(f"cannot shard a {type(m).__name__}")
     bias = getattr(m, "bias", None)
@@ -180,6 +187,14 @@ def keep_cols(m: nn.Module, start: int, end: int, keep_bias: bool) -> None:
             else:
                 w = w[:, start:end]
             m.register_parameter(f"weight{i}", _param(w))
+            pair = m.outliers[
+                i
+            ]  # outlier channels in [start, end) stay, renumbered; others are another rank's
+            if pair is not None:
+                inside = (pair[0] >= start) & (pair[0] < end)
+                m.outliers[i] = (
+                    (pair[0][inside] - start, pair[1][inside].contiguous()) if inside.any() else None
+                )
     else:
         raise TypeError(f"cannot shard a {type(m).__name__}")
     bias = getattr(m, "bias", None)

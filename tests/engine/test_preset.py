@@ -40,9 +40,15 @@ def _preset_logs(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 
 def test_fast_resolves_to_explicit_knobs() -> None:
-    # The embedded model: its own GGUF blocks (exact to its fp32 weights) and bf16 K/V.
+    # The embedded model: its own GGUF blocks (exact to its fp32 weights) and bf16 K/V; int8 products on
+    # the blocks where the CPU lists VNNI (measured on that model: top-1 97.9% with outlier channels).
     config = EngineConfig(preset="fast")
-    assert _changed(config) == {"quantization": "gguf", "kv_cache_dtype": "bfloat16"}
+    embedded: dict[str, object] = {"quantization": "gguf", "kv_cache_dtype": "bfloat16"}
+    if "avx512_vnni" in arithmetic.cpu_flags():
+        embedded["decode_arithmetic"] = "int8"
+    assert _changed(config) == embedded
+    # Another GGUF file keeps exact arithmetic: int8's accuracy was measured on the embedded model only.
+    assert "decode_arithmetic" not in _changed(EngineConfig(model="/models/x.gguf", preset="fast"))
     # An HF folder keeps fp32 weights; bf16 products for prefills where the CPU lists bf16.
     folder = EngineConfig(model="/models/hf-folder", preset="fast")
     expected: dict[str, object] = {"model": "/models/hf-folder", "kv_cache_dtype": "bfloat16"}
@@ -167,3 +173,6 @@ def test_candidates_cover_bf16_weights_where_the_cpu_runs_bf16() -> None:
     assert "bf16" not in presets.candidates("/models/folder", bf16=False)  # emulated bf16: never faster
     gguf = presets.candidates("/models/x.gguf", bf16=True)
     assert gguf and all(k.get("quantization") == "gguf" for k in gguf.values())  # its own blocks only
+    assert "gguf+kv-bf16+int8" not in gguf
+    int8 = presets.candidates("/models/x.gguf", bf16=True, vnni=True)["gguf+kv-bf16+int8"]
+    assert int8 == {"quantization": "gguf", "kv_cache_dtype": "bfloat16", "decode_arithmetic": "int8"}

@@ -137,6 +137,44 @@ def test_stored_tiles_give_the_blocks_product_bit_for_bit(qtype: Q, portable: bo
     assert torch.equal(gguf.gguf_linear(x, blocks, int(qtype), bias, True, tiles=tiles), want)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q6_K])
+def test_outlier_channels_equal_their_reference_and_the_portable_path(qtype: Q) -> None:
+    """Outlier channels (model/outliers.py): left out of x's quantization and added in fp32 after the
+    blocks, one fused multiply-add each in order, by both kernels alike (bit for bit), over blocks and
+    stored tiles alike; within fp32 rounding of the int8 product of x with those channels zeroed plus
+    their float64 product."""
+    blocks, k = _blocks(qtype, seed=7), _k(qtype)
+    tiles = gguf_int8.pack(blocks, int(qtype), k)
+    channels = torch.tensor([3, 33, 34, k - 1])
+    columns = torch.randn(4, N)
+    bias = torch.randn(N)
+    for rows in (1, 5, 40):
+        x = _x(rows, rows, k)
+        x[:, 33] *= 100.0
+        args = (bias, False, channels, columns)
+        got = torch.ops.radixserve_cpu.gguf_int8_linear(x, blocks, int(qtype), k, *args)
+        assert torch.equal(
+            got, torch.ops.radixserve_cpu.gguf_int8_tiles_linear(x, tiles, int(qtype), k, N, *args)
+        )
+        portable = torch.ops.radixserve_cpu.gguf_int8_linear(
+            x, blocks, int(qtype), k, bias, True, channels, columns
+        )
+        assert torch.equal(got, portable)
+        rest = torch.ops.radixserve_cpu.gguf_int8_linear(
+            x.index_fill(1, channels, 0.0), blocks, int(qtype), k, bias
+        )
+        want = rest.double() + x[:, channels].double() @ columns.double()
+        torch.testing.assert_close(got.double(), want, atol=1e-3, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="outlier channel leaves"):
+        torch.ops.radixserve_cpu.gguf_int8_linear(
+            x, blocks, int(qtype), k, None, False, channels + k, columns
+        )
+    with pytest.raises(RuntimeError, match="float32 columns"):
+        torch.ops.radixserve_cpu.gguf_int8_linear(
+            x, blocks, int(qtype), k, None, False, channels, columns.t()
+        )
+
+
 def test_stored_tiles_of_the_wrong_shape_are_a_clear_error() -> None:
     blocks = random_blocks(Q.Q4_0, N, K // 32)
     tiles = gguf_int8.pack(blocks, int(Q.Q4_0), K)

