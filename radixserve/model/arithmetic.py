@@ -24,7 +24,8 @@ Why: prefill is compute-bound (issue 21: 97% of the fp32 peak on an EPYC, 71% on
   agreement of int8 prefill with fp32 is asserted in ``tests/model/test_arithmetic.py`` (>= 95% top-1).
 - GGUF weights (``--quantization gguf``): ``int8`` (and ``auto``, which times it against the blocks'
   exact kernel) multiplies on the blocks themselves, no copy: x quantized per 32-block, VNNI integer
-  dot products with the blocks' values, the blocks' scales after each (``kernels/gguf_int8.py``).
+  dot products with the blocks' values, the blocks' scales after each (``kernels/gguf_int8.py``); a
+  norm-fed product's few massive input channels stay fp32 (``model/outliers.py``, for either int8 mode).
   Where that kernel cannot run (no AVX512-VNNI, or ``RADIXSERVE_GGUF_INT8=0``) the products stay
   exact, said in one log line. ``bfloat16`` (asked for by name; ``auto`` does not pick it) multiplies
   on the blocks too: each tile of weight rows decoded exactly and rounded to bf16, x rounded to bf16,
