@@ -47,6 +47,12 @@ MODES: dict[str, dict[str, Any]] = {
     "gguf int8 blocks": {"quantization": "gguf", "prefill_arithmetic": "int8"},
     # int8 at every step (decode_arithmetic int8): stored tiles, the LM head in int8 too
     "gguf int8 tiles": {"quantization": "gguf", "decode_arithmetic": "int8"},
+    # the served int8 config: bf16 K/V too, so its prefill attention multiplies in bf16 (kernels/cpu.py)
+    "gguf int8 tiles bf16 kv": {
+        "quantization": "gguf",
+        "decode_arithmetic": "int8",
+        "kv_cache_dtype": "bfloat16",
+    },
     "gguf bf16 blocks": {"quantization": "gguf", "prefill_arithmetic": "bfloat16"},
     "fp32 bf16 copy": {"prefill_arithmetic": "bfloat16"},
 }
