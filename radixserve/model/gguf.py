@@ -29,7 +29,15 @@ import torch
 from torch import nn
 
 from radixserve.kernels import gguf_bf16, gguf_int8
-from radixserve.model.gguf_blocks import F32, FORMATS, TYPE_NAMES, dequantize, is_blocks, row_bytes
+from radixserve.model.gguf_blocks import (
+    F32,
+    FORMATS,
+    TYPE_NAMES,
+    dequantize,
+    dequantize_columns,
+    is_blocks,
+    row_bytes,
+)
 
 SUPPORTED = ", ".join(TYPE_NAMES.values())
 
@@ -209,7 +217,7 @@ class GGUFLinear(nn.Module):
         channels = channels.to(torch.int64).contiguous()
         for i, qtype in enumerate(self.qtypes):
             if is_blocks(qtype):
-                columns = dequantize(self.part(i), qtype).index_select(1, channels).t().contiguous()
+                columns = dequantize_columns(self.part(i), qtype, channels).t().contiguous()
                 self.outliers[i] = (channels, columns)
 
     def use_int8_tiles(self) -> list[int]:

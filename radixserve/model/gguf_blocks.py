@@ -193,6 +193,18 @@ def dequantize(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     return f.decode(blocks.reshape(-1, f.bytes)).reshape(rows, -1)
 
 
+def dequantize_columns(blocks: torch.Tensor, qtype: int, columns: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[N, len(columns)]``: those columns of ``dequantize(blocks, qtype)``, decoding only the
+    blocks that hold them (a few columns of a large weight, such as an LM head's, at a fraction of the
+    memory and time of the whole)."""
+    f = FORMATS[qtype]
+    which = torch.div(columns, f.weights, rounding_mode="floor")
+    held = torch.unique(which)  # sorted
+    rows = blocks.reshape(blocks.shape[0], -1, f.bytes).index_select(1, held).reshape(blocks.shape[0], -1)
+    at = torch.searchsorted(held, which) * f.weights + columns % f.weights
+    return dequantize(rows, qtype).index_select(1, at)
+
+
 # The types whose every chunk of 32 weights is one fp32 scale times integers plus at most one fp32
 # minimum (Q2_K: one per 16 weights): every block type (Q2_K's, Q3_K's and Q6_K's integer scale per 16
 # weights goes into the integers). The int8 block kernel's too (kernels/gguf_int8.TYPES, held equal by

@@ -97,6 +97,8 @@ def apply(model: LlamaForCausalLM) -> int:
         logger.info("int8 activations: no outlier channels (%s=0)", ENV)
         return 0
     linears = [m for m in norm_fed(model) if m.in_features > CHANNELS]
+    if not linears:  # no norm-fed block products: nothing to calibrate, and the K/V stay as they were
+        return 0
     peaks = calibrate(model, linears)
     for m in linears:
         m.use_outliers(torch.topk(peaks[m], CHANNELS).indices.sort().values)

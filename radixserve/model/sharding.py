@@ -187,9 +187,8 @@ def keep_cols(m: nn.Module, start: int, end: int, keep_bias: bool) -> None:
             else:
                 w = w[:, start:end]
             m.register_parameter(f"weight{i}", _param(w))
-            pair = m.outliers[
-                i
-            ]  # outlier channels in [start, end) stay, renumbered; others are another rank's
+            # outlier channels in [start, end) stay, renumbered; the others are another rank's
+            pair = m.outliers[i]
             if pair is not None:
                 inside = (pair[0] >= start) & (pair[0] < end)
                 m.outliers[i] = (

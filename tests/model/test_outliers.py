@@ -18,7 +18,7 @@ from radixserve.kernels import cpu_build, gguf_int8
 from radixserve.model import arithmetic, native_step, outliers
 from radixserve.model.attention import get_backend
 from radixserve.model.gguf import GGUFLinear, Weight
-from radixserve.model.gguf_blocks import dequantize
+from radixserve.model.gguf_blocks import FORMATS, dequantize, dequantize_columns
 from radixserve.model.llama import DecoderLayer, LlamaForCausalLM
 from radixserve.model.loader import load_model
 from radixserve.model.runner import ModelRunner, SeqChunk
@@ -63,6 +63,15 @@ def test_outlier_channels_are_added_in_fp32_beside_the_int8_product(path: str) -
     torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
     # and the massive channel no longer costs its block's precision
     assert float((got - exact).abs().max()) < float((plain - exact).abs().max()) / 4
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q6_K])
+def test_the_columns_are_the_weights_own_decoded_only_where_held(qtype: Q) -> None:
+    k = 512  # two 256-weight super-blocks a row for Q6_K
+    blocks = random_blocks(qtype, N, k // FORMATS[int(qtype)].weights, seed=4)
+    channels = torch.tensor([3, 40, 41, 300, k - 1])
+    want = dequantize(blocks, int(qtype)).index_select(1, channels)
+    assert torch.equal(dequantize_columns(blocks, int(qtype), channels), want)
 
 
 def test_input_order_maps_the_channels_to_the_products_columns() -> None:
