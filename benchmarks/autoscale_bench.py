@@ -210,7 +210,7 @@ def warm_start_runs(
         assert new is not None, "the second replica never answered"
         firsts: list[dict[str, Any]] = []
         for d, doc in enumerate(prompts_by_doc):
-            # As the chat route tokenizes (server/chat.py): the rendered text, without special tokens.
+            # As the chat route tokenizes (server/openai/chat.py): the rendered text, without special tokens.
             text = tok.apply_chat_template(
                 [{"role": "user", "content": doc[-1]}], add_generation_prompt=True, tokenize=False
             )

@@ -2,7 +2,7 @@
 processes, and damage to its disk KV tier.
 
 Roles come from each process's command line, under the server's pid (psutil): ``engine``
-(radixserve.server.engine_process), ``prefill`` / ``decode`` (radixserve.disagg.process --role), a
+(radixserve.runtime.engine_process), ``prefill`` / ``decode`` (radixserve.disagg.process --role), a
 tensor-parallel ``tp-rank`` (a multiprocessing spawn child of an engine), a Ray Serve ``replica``
 (its worker's title names ServeReplica), the ``server`` itself, and ``other`` (Ray's own daemons,
 resource trackers). An engine-like process niced above the server is a warm ``standby``
@@ -41,7 +41,7 @@ STANDBY = "standby"
 
 def role_of(cmdline: list[str]) -> str:
     line = " ".join(cmdline)
-    if "radixserve.server.engine_process" in line:
+    if "radixserve.runtime.engine_process" in line:
         return "engine"
     if "radixserve.disagg.process" in line:
         i = cmdline.index("--role") if "--role" in cmdline else -2

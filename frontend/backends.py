@@ -235,7 +235,7 @@ class LocalEngine(Backend):
 
     def __init__(self, model: str | None = None, **options: Any) -> None:
         from radixserve.config import EngineConfig
-        from radixserve.server.async_engine import AsyncEngine
+        from radixserve.runtime.async_engine import AsyncEngine
 
         self.engine = AsyncEngine(EngineConfig.from_kwargs(model=model, **options))
         self._loop = asyncio.new_event_loop()
@@ -260,7 +260,7 @@ class LocalEngine(Backend):
     ) -> Completion:
         import msgspec
 
-        from radixserve.server.protocol import GenerateSamplingParams
+        from radixserve.server import GenerateSamplingParams
 
         try:
             params = msgspec.convert(sampling_params, GenerateSamplingParams).engine_params()

@@ -1,13 +1,13 @@
 """The one chat renderer: a conversation (HF message dicts, with tools, earlier tool calls and tool
 results) made prompt text by the model's chat template, transformers'
 ``apply_chat_template(messages, tools=..., **template_kwargs)``. The offline ``Engine.chat``
-(engine/prompt.py) and the API server's chat routes (server/chat_render.py, which turns OpenAI's
+(engine/prompt.py) and the API server's chat routes (server/chat/render.py, which turns OpenAI's
 message types into these dicts) both render through ``render_chat``, so a conversation is the same
 prompt on either path.
 
 - A template that does not mention ``tools`` cannot show the model its tools. Then, as llama.cpp
   does for such templates, the tools are described in the system message in the words of the
-  served tool-call format (``ToolWriter``: server/tools.py), earlier calls are written into the
+  served tool-call format (``ToolWriter``: server/chat/tools.py), earlier calls are written into the
   assistant's content in that format, and tool results become user messages wrapped in
   ``<tool_response>`` tags. Without a ``ToolWriter`` (offline) the messages go to the template as
   they are.
@@ -25,7 +25,7 @@ class ChatTemplateError(ValueError):
 
 
 class ToolWriter(Protocol):
-    """What rendering asks of a tool-call format (server/tools.py's ``ToolCallFormat``)."""
+    """What rendering asks of a tool-call format (server/chat/tools.py's ``ToolCallFormat``)."""
 
     def instructions(self, tools: list[dict[str, Any]]) -> str: ...
 

@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve the OpenAI-compatible and native HTTP API")
 
     from radixserve.scale.launch import add_scale_arguments
-    from radixserve.server.launch import add_serve_arguments
+    from radixserve.server import add_serve_arguments
     from radixserve.topology import add_disaggregation_arguments
 
     for add in (add_serve_arguments, add_disaggregation_arguments, add_scale_arguments):

@@ -85,7 +85,7 @@ class EngineConfig:
     )
     max_model_len: int | None = knob(None, "context length (default: the model's)", ge=1, integer=True)
     max_waiting_requests: int = knob(1024, "beyond this, new requests get 429", ge=1, integer=True)
-    # A server's bound on a request's wait for its first step (server/engine_loop.py): past it the
+    # A server's bound on a request's wait for its first step (runtime/engine_loop.py): past it the
     # request gets a 429, as a full queue's would, instead of a client's timeout with no answer. Off by
     # default, as in vLLM and SGLang: a batch job may rightly wait long. Set it below the clients'
     # timeout (the soak, benchmarks/soak.py, runs 60 s under its 90 s bound); docs/server.md.
@@ -142,7 +142,7 @@ class EngineConfig:
     # Ranks (processes) the model is split over, each with its share of the cores
     # (engine/tensor_parallel.py); it must divide the query heads (SmolLM2-135M: 1, 3 or 9).
     tensor_parallel_size: int = knob(1, "tensor-parallel ranks the model is split over", ge=1, integer=True)
-    # The API server's watchdog (server/watchdog.py): an engine process that sends nothing for this long
+    # The API server's watchdog (runtime/watchdog.py): an engine process that sends nothing for this long
     # while it has open requests or calls is hung (a SIGSTOP, a deadlock, a rank stuck in a collective):
     # its requests fail with 503 and it is killed and restarted. Its loop sends a message at least every
     # half second except inside one step (or call), so the deadline only has to outlast the longest
@@ -155,7 +155,7 @@ class EngineConfig:
         "kill and restart an engine process that makes no progress this long while it has work (0: off)",
         ge=0,
     )
-    # server/supervisor.py: a second engine process, loaded and compiled, takes over the moment the
+    # runtime/supervisor.py: a second engine process, loaded and compiled, takes over the moment the
     # serving one dies or hangs, so a restart costs no start-up (load + compile warm-up: ~13 s for the
     # default model on 2 cores). It doubles the engine's memory, and replacing a used standby takes a
     # start-up's CPU beside serving; hence off by default.

@@ -5,7 +5,7 @@
 - validation (``problems``): the dataclass checks itself against its specs;
 - the command line (``add_arguments``, ``values``): ``radixserve serve`` and ``generate`` flags, their
   help, their choices, and a parse-time check that names the flag;
-- the HTTP types (``server/protocol.py`` builds its ``msgspec.Meta`` constraints with ``range_meta``),
+- the HTTP types (``server/http/protocol.py`` builds its ``msgspec.Meta`` constraints with ``range_meta``),
   so the 400 a client gets and the engine's own refusal are the same rule.
 """
 

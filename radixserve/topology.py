@@ -21,9 +21,9 @@ from prometheus_client.registry import Collector
 
 from radixserve.disagg.coordinator import DisaggregatedEngine, parse_split
 from radixserve.disagg.transport import TRANSPORTS
+from radixserve.runtime.backend import ServingBackend
 from radixserve.scale.launch import AUTO, autoscale_settings, run_scaled
-from radixserve.server.engine_api import ServingBackend
-from radixserve.server.launch import (
+from radixserve.server import (
     chat_template_from_args,
     engine_config_from_args,
     engine_from_args,

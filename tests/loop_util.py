@@ -14,9 +14,9 @@ import msgspec
 import zmq
 
 from radixserve.engine.engine import Engine
-from radixserve.server.calls import Calls
-from radixserve.server.engine_loop import EngineLoop, EngineRole, RoleFactory
-from radixserve.server.messages import CallOp, CallResult, FromEngine, Shutdown, ToEngine
+from radixserve.runtime.calls import Calls
+from radixserve.runtime.engine_loop import EngineLoop, EngineRole, RoleFactory
+from radixserve.runtime.messages import CallOp, CallResult, FromEngine, Shutdown, ToEngine
 
 R = TypeVar("R")
 

@@ -27,8 +27,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from tiny_models import HERMES_TEMPLATE
 
 from radixserve.config import EngineConfig
+from radixserve.runtime.async_engine import AsyncEngine
 from radixserve.server.app import build_app
-from radixserve.server.async_engine import AsyncEngine
 
 MODEL_NAME = "tiny"
 INSTALL = "pip install -e '.[dev]' (make install does)"

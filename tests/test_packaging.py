@@ -10,7 +10,7 @@ import zipfile
 from pathlib import Path
 
 from radixserve.kernels import cpu_build
-from radixserve.server.dashboard import ASSETS, PAGES
+from radixserve.server.pages.dashboard import ASSETS, PAGES
 
 ROOT = Path(__file__).resolve().parent.parent
 IMPORTS = (
@@ -54,8 +54,8 @@ def test_built_wheel_layout_and_imports(tmp_path: Path) -> None:
     package = ROOT / "radixserve"
     inits = {f"radixserve/{p.relative_to(package).as_posix()}" for p in package.glob("*/**/__init__.py")}
     assert inits <= set(names), sorted(inits - set(names))
-    # The browser pages ship as plain files beside the routes that serve them (server/dashboard.py).
-    ui = {f"radixserve/server/ui/{name}" for name in (*ASSETS, *PAGES.values())}
+    # The browser pages ship as plain files beside the routes that serve them (server/pages/dashboard.py).
+    ui = {f"radixserve/server/pages/ui/{name}" for name in (*ASSETS, *PAGES.values())}
     assert ui <= set(names), ui - set(names)
     target = tmp_path / "site"
     subprocess.run(

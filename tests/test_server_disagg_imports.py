@@ -1,5 +1,5 @@
-"""``server`` never imports ``disagg``: the disaggregated roles plug into the engine loop from above
-(``disagg/process.py`` hands ``engine_process.main`` its role), and ``launch.py``, which builds either
+"""``server`` and ``runtime`` never import ``disagg``: the disaggregated roles plug into the engine loop
+from above (``disagg/process.py`` hands ``runtime/engine_process.main`` its role), and ``launch.py``, which builds either
 backend, sits above both. Every import counts: at the top, inside a function, or for type checking
 only. (The import-graph test of the whole project can fold this one in.)"""
 
@@ -48,14 +48,15 @@ def into(graph: dict[str, set[str]], package: str) -> dict[str, list[str]]:
 
 def test_server_never_imports_disagg() -> None:
     assert into(imports_of("server"), "radixserve.disagg") == {}
+    assert into(imports_of("runtime"), "radixserve.disagg") == {}
 
 
 def test_the_scan_sees_the_edges_that_go_the_allowed_way() -> None:
-    # disagg stands on server (the roles on the loop's hooks, the coordinator on AsyncEngine): if the
-    # scan found none of those edges, it would be looking in the wrong place.
-    edges = into(imports_of("disagg"), "radixserve.server")
+    # disagg stands on the runtime (the roles on the loop's hooks, the coordinator on AsyncEngine): if
+    # the scan found none of those edges, it would be looking in the wrong place.
+    edges = into(imports_of("disagg"), "radixserve.runtime")
     assert {"radixserve/disagg/decode.py", "radixserve/disagg/process.py"} <= set(edges)
-    assert "radixserve.server.engine_loop" in edges["radixserve/disagg/process.py"]
+    assert "radixserve.runtime.engine_loop" in edges["radixserve/disagg/process.py"]
 
 
 def test_the_scan_finds_an_import_inside_a_function_and_a_relative_one(tmp_path: Path) -> None:

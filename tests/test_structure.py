@@ -8,7 +8,7 @@ TYPE_CHECKING-only imports count: a module that names another's types depends on
 that calls it (a cycle through types is still a cycle a reader must hold in their head, and it becomes a
 runtime one the day the annotation is needed at run time). ``importlib.import_module("radixserve.x")``
 with a literal name counts too. What this does not see: a module started as a process
-(``python -m radixserve.server.engine_process``), which is a boundary, not an import.
+(``python -m radixserve.runtime.engine_process``), which is a boundary, not an import.
 """
 
 from __future__ import annotations
@@ -285,6 +285,40 @@ def test_imports_go_down_the_documented_layers() -> None:
     assert not new, f"imports up the layers: {new}"
     gone = [KNOWN_UPWARD[k] for k in KNOWN_UPWARD if k not in upward]
     assert not gone, f"known upward imports no longer present, remove them from this test: {gone}"
+
+
+# The packages that build on the engine link and on the server: they reach the server only through its
+# face (``radixserve/server/__init__.py``), and the engine process only through ``radixserve.runtime``.
+ABOVE_THE_SERVER = (
+    "radixserve.scale",
+    "radixserve.disagg",
+    "radixserve.frontend",
+    "radixserve.topology",
+    "radixserve.cli",
+)
+
+
+def test_nothing_above_the_server_imports_its_internals() -> None:
+    inside = [
+        f"{i.source} -> {i.target} (line {i.line}, {i.kind})"
+        for i in imports()
+        if unit(i.source) in ABOVE_THE_SERVER and i.target.startswith("radixserve.server.")
+    ]
+    assert not inside, "imports of server/ internals (import from radixserve.server instead):\n" + "\n".join(
+        inside
+    )
+    # The scan sees the face itself, so the test above can fail: topology serves through it.
+    assert any(i.source == "radixserve.topology" and i.target == "radixserve.server" for i in imports())
+
+
+def test_the_runtime_sits_between_the_engine_and_the_server() -> None:
+    rank = layers()
+    assert rank["radixserve.engine"] < rank["radixserve.runtime"] < rank["radixserve.server"]
+    assert not [
+        i
+        for i in imports()
+        if unit(i.source) == "radixserve.runtime" and unit(i.target) == "radixserve.server"
+    ]
 
 
 def _repo_path(name: str) -> Path:

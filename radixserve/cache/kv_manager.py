@@ -29,8 +29,8 @@ from collections.abc import Iterable
 from radixserve.cache.listener import CachedChunk, CacheListener, PrefixScope
 from radixserve.cache.page_pool import PageAllocator
 from radixserve.cache.pins.types import PrefixEviction
-from radixserve.cache.radix import RadixCache
-from radixserve.cache.radix_node import EvictResult, TreeNode
+from radixserve.cache.radix.node import EvictResult, TreeNode
+from radixserve.cache.radix.tree import RadixCache
 from radixserve.cache.request_pages import TIERS, CachedRequest
 from radixserve.cache.scores import ScoreTable
 from radixserve.cache.tier_controller import NoTiers, TierController

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
-from radixserve.cache.radix_node import EvictResult, TreeNode
+from radixserve.cache.radix.node import EvictResult, TreeNode
 from radixserve.cache.request_pages import CachedRequest
 
 

@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from radixserve.cache.pins.types import Pin
-from radixserve.cache.radix_node import TreeNode
+from radixserve.cache.radix.node import TreeNode
 
 TIERS = ("device", "host", "disk")  # the keys of ``cached_tokens_by_tier``, fastest first
 

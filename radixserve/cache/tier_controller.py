@@ -32,8 +32,8 @@ import torch
 from radixserve.cache.disk_store import DiskStore
 from radixserve.cache.listener import CachedChunk, CacheListener
 from radixserve.cache.page_pool import PageCopier, PagedPool
-from radixserve.cache.radix import RadixCache
-from radixserve.cache.radix_node import EvictResult, MatchResult, TreeNode
+from radixserve.cache.radix.node import EvictResult, MatchResult, TreeNode
+from radixserve.cache.radix.tree import RadixCache
 from radixserve.cache.request_pages import Load
 from radixserve.cache.tiers import KVStore
 

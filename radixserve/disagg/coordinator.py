@@ -1,4 +1,4 @@
-"""DisaggregatedEngine: the routes' engine interface (server/engine_api.py) over prefill and decode
+"""DisaggregatedEngine: the routes' engine interface (runtime/backend.py) over prefill and decode
 engine processes on one host (``radixserve serve --disaggregate P:D``).
 
 A request goes to a decode engine, picked cache-aware as the scale-out router picks a replica (the
@@ -41,12 +41,8 @@ from radixserve.disagg.metrics import TransferMetrics
 from radixserve.disagg.process import role_command
 from radixserve.engine.prompt import Prompt
 from radixserve.outputs import RequestOutput
-from radixserve.sampling.params import SamplingParams
-from radixserve.scale.cache_index import CacheIndex
-from radixserve.scale.fanout import FanOut, LocalEngines
-from radixserve.scale.policy import Load, RouterSettings, Sessions, decide, kv_use
-from radixserve.server.async_engine import AsyncEngine
-from radixserve.server.engine_api import (
+from radixserve.runtime.async_engine import AsyncEngine
+from radixserve.runtime.backend import (
     SESSION_ID,
     EngineHealth,
     EngineUnavailableError,
@@ -55,7 +51,11 @@ from radixserve.server.engine_api import (
     RequestRecord,
     RequestStream,
 )
-from radixserve.server.messages import CancelTransfer, FromEngine, KVReceived, KVReserved, PrefillKV
+from radixserve.runtime.messages import CancelTransfer, FromEngine, KVReceived, KVReserved, PrefillKV
+from radixserve.sampling.params import SamplingParams
+from radixserve.scale.cache_index import CacheIndex
+from radixserve.scale.fanout import FanOut, LocalEngines
+from radixserve.scale.policy import Load, RouterSettings, Sessions, decide, kv_use
 
 logger = logging.getLogger("radixserve.disagg")
 

@@ -40,16 +40,15 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from radixserve.cache.radix_node import TreeNode
+from radixserve.cache.radix.node import TreeNode
 from radixserve.cache.request_pages import RequestPages
 from radixserve.disagg.transfer import KVTransferError, TransferHeader, layout_fingerprint, verify
 from radixserve.disagg.transport import KVReceiver
 from radixserve.engine.checks import priority_value
 from radixserve.engine.deltas import StepOutput
 from radixserve.errors import InvalidRequestError
-from radixserve.sampling.params import SamplingParams
-from radixserve.server.engine_loop import EngineRole, RoleMessage
-from radixserve.server.messages import (
+from radixserve.runtime.engine_loop import EngineRole, RoleMessage
+from radixserve.runtime.messages import (
     AddRequest,
     CancelTransfer,
     EngineError,
@@ -58,6 +57,7 @@ from radixserve.server.messages import (
     KVReserved,
     RequestError,
 )
+from radixserve.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     import torch

@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from radixserve.disagg.metrics import TransferMetrics
-from radixserve.server.engine_client import describe_exit
-from radixserve.server.messages import Abort, FromEngine, KVReserved, PrefillDone, PrefillKV
+from radixserve.runtime.engine_client import describe_exit
+from radixserve.runtime.messages import Abort, FromEngine, KVReserved, PrefillDone, PrefillKV
 
 logger = logging.getLogger("radixserve.disagg")
 
@@ -131,7 +131,7 @@ class LocalPrefill:
             self._running.pop(job.request_id, None)
 
     def busy(self, engine: int) -> bool:
-        """Engine ``engine`` has a job running (its watchdog's work: server/watchdog.py)."""
+        """Engine ``engine`` has a job running (its watchdog's work: runtime/watchdog.py)."""
         return any(i == engine for i, _ in self._running.values())
 
     def on_message(self, msg: FromEngine) -> None:

@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING
 from radixserve.disagg.transfer import KVTransferError, TransferHeader, checksum, layout_fingerprint
 from radixserve.disagg.transport import KVSender
 from radixserve.engine.deltas import StepOutput
+from radixserve.runtime.engine_loop import EngineRole, RoleMessage
+from radixserve.runtime.messages import FromEngine, PrefillDone, PrefillKV
 from radixserve.sampling.params import SamplingParams
-from radixserve.server.engine_loop import EngineRole, RoleMessage
-from radixserve.server.messages import FromEngine, PrefillDone, PrefillKV
 
 if TYPE_CHECKING:
     from radixserve.engine.engine import Engine

@@ -1,4 +1,4 @@
-"""A disaggregated engine process: the engine process (server/engine_process.py) with a prefill or a
+"""A disaggregated engine process: the engine process (runtime/engine_process.py) with a prefill or a
 decode role on its loop.
 
 Its command is ``python -m radixserve.disagg.process --role decode --kv-transport shm ...`` followed by
@@ -16,8 +16,8 @@ import dataclasses
 from radixserve.disagg.decode import DEFAULT_TIMEOUT_S, DecodeRole
 from radixserve.disagg.prefill import PrefillRole
 from radixserve.disagg.transport import TRANSPORTS, KVReceiver, KVSender
-from radixserve.server import engine_process
-from radixserve.server.engine_loop import EngineLoop, EngineRole
+from radixserve.runtime import engine_process
+from radixserve.runtime.engine_loop import EngineLoop, EngineRole
 
 ROLES = ("prefill", "decode")
 MODULE = "radixserve.disagg.process"  # this module (``__name__`` is "__main__" when it runs)

@@ -28,12 +28,9 @@ from radixserve.config import EngineConfig
 from radixserve.disagg.dispatch import prefill_job, run_prefill
 from radixserve.disagg.metrics import TransferMetrics
 from radixserve.disagg.process import role_command
-from radixserve.scale.app import ScaleOptions, engine_deployment, ingress_deployment
-from radixserve.scale.launch import run_scaled
-from radixserve.scale.replica import EngineReplica, GenerateCall, StreamItem
-from radixserve.server.async_engine import AsyncEngine
-from radixserve.server.engine_client import describe_exit
-from radixserve.server.messages import (
+from radixserve.runtime.async_engine import AsyncEngine
+from radixserve.runtime.engine_client import describe_exit
+from radixserve.runtime.messages import (
     Abort,
     CancelTransfer,
     FromEngine,
@@ -42,6 +39,9 @@ from radixserve.server.messages import (
     PrefillDone,
     PrefillKV,
 )
+from radixserve.scale.app import ScaleOptions, engine_deployment, ingress_deployment
+from radixserve.scale.launch import run_scaled
+from radixserve.scale.replica import EngineReplica, GenerateCall, StreamItem
 
 logger = logging.getLogger("radixserve.disagg")
 

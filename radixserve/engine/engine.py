@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from radixserve.cache.pins.types import PinSpec
-from radixserve.cache.tree_view import CacheTree, snapshot
+from radixserve.cache.radix.view import CacheTree, snapshot
 from radixserve.engine import postprocess
 from radixserve.engine.builder import EngineParts
 from radixserve.engine.cache_control import ending_output
@@ -131,7 +131,7 @@ class Engine(EngineParts, OfflineAPI):
     def cache_tree(
         self, namespace_prefix: str | None = None, depth: int = 8, min_tokens: int = 0
     ) -> CacheTree:
-        """A read-only snapshot of the prefix cache (cache/tree_view.py): the namespaces whose salt is
+        """A read-only snapshot of the prefix cache (cache/radix/view.py): the namespaces whose salt is
         ``namespace_prefix`` or starts with it and a "/" (None: all), ``depth`` levels deep."""
         kv = self.kv_manager
         return snapshot(kv.tree, kv.tiers.stores, namespace_prefix, depth, min_tokens)

@@ -4,7 +4,7 @@ Each call queues its prompts with ``add_request`` and steps the engine in the ca
 they finish, folding the steps' deltas with ``OutputAssembler`` (``engine/deltas.py``), the fold the
 server uses too. ``Engine`` (``engine/engine.py``) inherits these three; the step loop they drive is
 the four methods named below, and nothing here touches the scheduler, the cache or the model.
-For concurrent use, ``radixserve.server.async_engine.AsyncEngine`` runs an engine in a process of its
+For concurrent use, ``radixserve.runtime.async_engine.AsyncEngine`` runs an engine in a process of its
 own; its ``generate`` is the async iterator of deltas.
 """
 

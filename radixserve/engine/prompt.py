@@ -1,6 +1,6 @@
 """Prompts to token ids for the offline ``Engine``: text is encoded as the tokenizer does by default, and
 a conversation is rendered by the one chat renderer (radixserve/chat_template.py), the API server's too.
-In the server the API-server process tokenizes (server/chat.py, completions.py, generate.py) and the
+In the server the API-server process tokenizes (server/openai/chat.py, completions.py, generate.py) and the
 engine takes ids; ``tokenize`` lets them pass through."""
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from radixserve.cache.continuation import continuation
+from radixserve.cache.radix.continuation import continuation
 from radixserve.engine.speculation import FIRST_PAUSE, MAX_PAUSE, MIN_GAIN, NgramIndex, Speculation
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ class SamplingParams:
     """What to sample and when to stop. Field names follow vLLM and the OpenAI API.
 
     Each field's range is declared here once (``knob``): ``validate`` checks it, the HTTP types of
-    server/protocol.py take their constraints from it, and ``radixserve generate`` its flags.
+    server/http/protocol.py take their constraints from it, and ``radixserve generate`` its flags.
     """
 
     max_tokens: int = knob(16, "tokens to generate at most", ge=1, integer=True)

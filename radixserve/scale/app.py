@@ -75,7 +75,7 @@ class Ingress:
     def __init__(self, replicas: Any, options: ScaleOptions, index_name: str) -> None:
         from radixserve.scale.remote_engine import ReplicaCount, ReplicaSetEngine
         from radixserve.scale.router_metrics import router_metrics
-        from radixserve.server.app import build_app
+        from radixserve.server import build_app
 
         self.engine = ReplicaSetEngine(
             replicas, index_actor(index_name), options.config.model, options.chat_template

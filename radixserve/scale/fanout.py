@@ -4,7 +4,7 @@ Two transports carry the calls: ``LocalEngines`` (AsyncEngines of this process: 
 and ``RayReplicas`` (engine replicas behind a Serve DeploymentHandle: ``--replicas``; transport in
 scale/ray_transport.py). ``ReplicaSetEngine`` (scale/remote_engine.py) and ``DisaggregatedEngine``
 (disagg/coordinator.py) stand on ``FanOut`` and add only what is theirs: how a request is placed and
-streamed. A transport speaks ``ServingBackend``'s methods and arguments (server/engine_api.py).
+streamed. A transport speaks ``ServingBackend``'s methods and arguments (runtime/backend.py).
 
 Invariants:
 - A broadcast asks each member once; a call that landed on another member than the one it named (Ray,
@@ -29,9 +29,9 @@ from typing import Any, Protocol
 import msgspec
 
 from radixserve.cache.pins.types import PinInfo, PinSpec, PrefixEviction, WarmResult
-from radixserve.cache.tree_view import CacheTree
+from radixserve.cache.radix.view import CacheTree
 from radixserve.engine.stats import EngineStats, sum_stats
-from radixserve.server.engine_api import EngineUnavailableError
+from radixserve.runtime.backend import EngineUnavailableError
 
 MAX_ATTEMPTS = 3
 CALL_TIMEOUT_S = 30.0
@@ -158,7 +158,7 @@ class FanOut:
         return complete and all(raised(a) for a in answers.values())
 
     async def cache_tree(self, namespace_prefix: str | None, depth: int, min_tokens: int) -> CacheTree:
-        """Each engine's snapshot (server/engine_api.py), its namespaces labelled with its name, in name
+        """Each engine's snapshot (runtime/backend.py), its namespaces labelled with its name, in name
         order; a single engine's page size (every engine has the same)."""
         answers, _ = await self.broadcast("cache_tree", namespace_prefix, depth, min_tokens, every=True)
         trees = {m: raised(t) for m, t in answers.items()}

@@ -13,7 +13,7 @@ from types import FrameType
 from typing import Any
 
 from radixserve.scale.autoscale import AutoscaleSettings
-from radixserve.server.launch import api_keys_from_args, chat_template_from_args, engine_config_from_args
+from radixserve.server import api_keys_from_args, chat_template_from_args, engine_config_from_args
 
 ROUTER_CHOICES = ("cache_aware", "round_robin", "power_of_two")
 AUTO = "auto"

@@ -19,10 +19,10 @@ import msgspec
 
 from radixserve.cache.pins.ids import split_pin_id
 from radixserve.engine.stats import EngineStats
+from radixserve.runtime.backend import SESSION_ID
 from radixserve.scale.fanout import CALL_TIMEOUT_S
 from radixserve.scale.replica import ReplicaError, RouteKey, WarmCall
 from radixserve.scale.router_metrics import router_metrics
-from radixserve.server.engine_api import SESSION_ID
 
 logger = logging.getLogger("radixserve.scale")
 

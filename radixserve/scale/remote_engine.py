@@ -1,4 +1,4 @@
-"""ReplicaSetEngine: the routes' engine interface (server/engine_api.py) over the engine replicas.
+"""ReplicaSetEngine: the routes' engine interface (runtime/backend.py) over the engine replicas.
 
 The ingress runs the same Starlette app as ``radixserve serve`` over this instead of an AsyncEngine,
 so routes, errors, auth and metrics are the same. The routes tokenize (once, in this process); the
@@ -42,12 +42,7 @@ from radixserve.engine.prompt import Prompt, tokenize
 from radixserve.engine.stats import EngineStats
 from radixserve.model.loader import load_tokenizer, resolve_model_path
 from radixserve.outputs import RequestOutput
-from radixserve.sampling.params import SamplingParams
-from radixserve.scale.fanout import CALL_TIMEOUT_S, MAX_ATTEMPTS, FanOut
-from radixserve.scale.ray_transport import STATS_PERIOD_S, RayReplicas
-from radixserve.scale.replica import Finished, GenerateCall, ReplicaError, RouteKey
-from radixserve.scale.router_metrics import router_metrics
-from radixserve.server.engine_api import (
+from radixserve.runtime.backend import (
     SESSION_ID,
     EngineHealth,
     EngineUnavailableError,
@@ -57,6 +52,11 @@ from radixserve.server.engine_api import (
     RequestStream,
     ServedModel,
 )
+from radixserve.sampling.params import SamplingParams
+from radixserve.scale.fanout import CALL_TIMEOUT_S, MAX_ATTEMPTS, FanOut
+from radixserve.scale.ray_transport import STATS_PERIOD_S, RayReplicas
+from radixserve.scale.replica import Finished, GenerateCall, ReplicaError, RouteKey
+from radixserve.scale.router_metrics import router_metrics
 
 logger = logging.getLogger("radixserve.scale")
 

@@ -33,18 +33,13 @@ import msgspec
 from radixserve.cache.events import KVEvents
 from radixserve.cache.pins.ids import scoped
 from radixserve.cache.pins.types import PinInfo, PinRef, PinSpec, PrefixEviction, WarmResult
-from radixserve.cache.tree_view import CacheTree
+from radixserve.cache.radix.view import CacheTree
 from radixserve.config import EngineConfig
 from radixserve.engine.stats import EngineStats
 from radixserve.errors import InvalidRequestError, PinBudgetError
 from radixserve.outputs import RequestOutput
-from radixserve.sampling.params import SamplingParams
-from radixserve.scale import autoscale
-from radixserve.scale.policy import kv_use
-from radixserve.scale.warm_start import WarmReport, warm_up
-from radixserve.server.async_engine import AsyncEngine
-from radixserve.server.calls import exception
-from radixserve.server.engine_api import (
+from radixserve.runtime.async_engine import AsyncEngine
+from radixserve.runtime.backend import (
     EngineFailedError,
     EngineUnavailableError,
     Limits,
@@ -52,7 +47,12 @@ from radixserve.server.engine_api import (
     QueueTimeoutError,
     RequestRecord,
 )
-from radixserve.server.messages import EngineError, ErrorKind
+from radixserve.runtime.calls import exception
+from radixserve.runtime.messages import EngineError, ErrorKind
+from radixserve.sampling.params import SamplingParams
+from radixserve.scale import autoscale
+from radixserve.scale.policy import kv_use
+from radixserve.scale.warm_start import WarmReport, warm_up
 
 logger = logging.getLogger("radixserve.scale")
 

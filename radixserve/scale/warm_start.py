@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from radixserve.server.async_engine import AsyncEngine
+    from radixserve.runtime.async_engine import AsyncEngine
 
 logger = logging.getLogger("radixserve.scale")
 

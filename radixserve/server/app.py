@@ -15,7 +15,7 @@ Invariants:
   ``error`` event.
 - A client that disconnects stops its consumer, which aborts the request (see AsyncEngine.generate),
   for streaming and non-streaming requests alike.
-- With an API key set, every route but ``/health`` and the static browser pages (server/dashboard.py)
+- With an API key set, every route but ``/health`` and the static browser pages (server/pages/dashboard.py)
   needs ``Authorization: Bearer <key>`` or ``x-api-key: <key>``; with
   ``salt_per_key`` the key's hash prefixes the cache salt, so tenants never share prefix pages.
 - With ``allowed_origins``, CORS wraps everything (auth included), so browsers get their preflight
@@ -46,16 +46,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixserve.errors import InvalidRequestError
-from radixserve.server import anthropic_messages, cache_routes
-from radixserve.server import protocol as p
-from radixserve.server import protocol_cache as pc
-from radixserve.server import protocol_chat as c
-from radixserve.server.api import ApiContext
-from radixserve.server.chat import chat
-from radixserve.server.chat_render import render_chat
-from radixserve.server.completions import completions
-from radixserve.server.dashboard import PUBLIC_PATHS, Dashboard
-from radixserve.server.engine_api import (
+from radixserve.runtime.backend import (
     SESSION_ID,
     EngineFailedError,
     EngineUnavailableError,
@@ -63,10 +54,20 @@ from radixserve.server.engine_api import (
     RequestRecord,
     ServingBackend,
 )
+from radixserve.server.anthropic import messages as anthropic_messages
+from radixserve.server.cache_api import protocol as pc
+from radixserve.server.cache_api import routes as cache_routes
+from radixserve.server.chat.render import render_chat
 from radixserve.server.generate import generate
-from radixserve.server.http_util import ApiError, app_path, error_response, json_response
-from radixserve.server.metrics import ServerMetrics
-from radixserve.server.openapi import openapi_schema
+from radixserve.server.http import protocol as p
+from radixserve.server.http.api import ApiContext
+from radixserve.server.http.metrics import ServerMetrics
+from radixserve.server.http.openapi import openapi_schema
+from radixserve.server.http.responses import ApiError, app_path, error_response, json_response
+from radixserve.server.openai import protocol as c
+from radixserve.server.openai.chat import chat
+from radixserve.server.openai.completions import completions
+from radixserve.server.pages.dashboard import PUBLIC_PATHS, Dashboard
 
 logger = logging.getLogger("radixserve.server")
 
@@ -253,7 +254,7 @@ def build_app(
 ) -> Starlette:
     """The ASGI app. Starting it (lifespan) starts the engine process and waits until it is ready;
     stopping it drains the requests and stops the process. ``dashboard``: serve the browser pages and
-    their JSON (server/dashboard.py). ``collectors`` add metrics to /metrics (the scale-out router's)."""
+    their JSON (pages/dashboard.py). ``collectors`` add metrics to /metrics (the scale-out router's)."""
     ctx = ApiContext(engine, model_name, salt_per_key, max_body_bytes, tool_call_parser, reasoning_parser)
     small = _SmallRoutes(ctx)
     metrics = ServerMetrics(engine)

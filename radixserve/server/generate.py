@@ -9,10 +9,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from radixserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from radixserve.server import protocol as p
-from radixserve.server.api import ApiContext
-from radixserve.server.cache_pins import pin_spec
-from radixserve.server.http_util import DONE, ApiError, event_stream, json_response, sse, usage
+from radixserve.server.cache_api.pins import pin_spec
+from radixserve.server.http import protocol as p
+from radixserve.server.http.api import ApiContext
+from radixserve.server.http.responses import DONE, ApiError, event_stream, json_response, sse, usage
 
 
 async def generate(ctx: ApiContext, request: Request) -> Response:

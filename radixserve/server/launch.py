@@ -14,12 +14,12 @@ from prometheus_client.registry import Collector
 from radixserve.config import EngineConfig
 from radixserve.knobs import add_arguments, values
 from radixserve.model.default_model import DEFAULT_MODEL_NAME
+from radixserve.runtime.async_engine import AsyncEngine
+from radixserve.runtime.backend import ServingBackend
+from radixserve.runtime.engine_process import parse_cpus
 from radixserve.server.app import DEFAULT_MAX_BODY_BYTES, serve
-from radixserve.server.async_engine import AsyncEngine
-from radixserve.server.engine_api import ServingBackend
-from radixserve.server.engine_process import parse_cpus
-from radixserve.server.reasoning import REASONING_PARSERS
-from radixserve.server.tools import TOOL_CALL_PARSERS
+from radixserve.server.chat.reasoning import REASONING_PARSERS
+from radixserve.server.chat.tools import TOOL_CALL_PARSERS
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:

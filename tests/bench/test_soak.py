@@ -233,8 +233,8 @@ def _parent_of(nice: int, own: str, child: str) -> subprocess.Popen[bytes]:
 def test_an_engine_is_a_standby_only_niced_above_its_supervisor() -> None:
     # Ray runs a replica's worker, and so its engine, at nice 15: that engine serves. A standby waits
     # niced above its supervisor (the server or the replica); its tensor-parallel rank is a standby too.
-    replica = _parent_of(15, "ServeReplica", "radixserve.server.engine_process")
-    standby = _parent_of(19, "radixserve.server.engine_process", "spawn_main")
+    replica = _parent_of(15, "ServeReplica", "radixserve.runtime.engine_process")
+    standby = _parent_of(19, "radixserve.runtime.engine_process", "spawn_main")
     try:
         deadline = time.monotonic() + 30
         while len(tree := process_tree(os.getpid())) < 5 and time.monotonic() < deadline:

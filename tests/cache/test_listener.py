@@ -11,7 +11,7 @@ import pytest
 
 from radixserve.cache.kv_manager import KVCacheManager
 from radixserve.cache.listener import CachedChunk, CacheListener, PrefixScope
-from radixserve.cache.radix_node import EvictResult, TreeNode
+from radixserve.cache.radix.node import EvictResult, TreeNode
 from radixserve.cache.request_pages import CachedRequest
 from radixserve.engine.request import Request
 from radixserve.sampling.params import SamplingParams

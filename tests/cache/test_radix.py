@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from radixserve.cache.page_pool import PageAllocator
-from radixserve.cache.radix import RadixCache
-from radixserve.cache.radix_node import TreeNode
+from radixserve.cache.radix.node import TreeNode
+from radixserve.cache.radix.tree import RadixCache
 
 
 class Freed:

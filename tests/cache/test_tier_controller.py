@@ -14,7 +14,7 @@ from radixserve.cache import tier_controller, tier_setup
 from radixserve.cache.disk_store import DiskStore
 from radixserve.cache.listener import CachedChunk
 from radixserve.cache.page_pool import KVPool
-from radixserve.cache.radix import RadixCache
+from radixserve.cache.radix.tree import RadixCache
 from radixserve.cache.tier_controller import TierController, WritePolicy
 from radixserve.cache.tier_setup import DISK_DEFAULT_MAX_BYTES, default_disk_bytes
 from radixserve.cache.tiers import HostStore

@@ -20,8 +20,8 @@ from tiny_models import make_tiny_model
 
 from radixserve import Engine, SamplingParams
 from radixserve.cache.disk_store import DiskStore
-from radixserve.cache.radix import RadixCache
-from radixserve.cache.radix_node import EvictResult
+from radixserve.cache.radix.node import EvictResult
+from radixserve.cache.radix.tree import RadixCache
 from radixserve.cache.scores import ScoreTable
 from radixserve.cache.tiers import HostStore, chain_keys, namespace_key, page_key
 

@@ -1,11 +1,11 @@
-"""cache/tree_view.py: the dashboard's snapshot of the radix tree, on a tree built by hand."""
+"""cache/radix/view.py: the dashboard's snapshot of the radix tree, on a tree built by hand."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from radixserve.cache.radix import RadixCache
-from radixserve.cache.tree_view import MAX_CHILDREN, CacheNode, in_scope, snapshot
+from radixserve.cache.radix.tree import RadixCache
+from radixserve.cache.radix.view import MAX_CHILDREN, CacheNode, in_scope, snapshot
 
 
 class _Store:
@@ -110,7 +110,7 @@ def test_node_texts_are_whole_characters_for_multi_byte_text() -> None:
     decoded text (the dashboard's "is tiny?\ufffd" bug)."""
     from tokenizer_util import make_tokenizer
 
-    from radixserve.server.dashboard import node_text
+    from radixserve.server.pages.dashboard import node_text
 
     tok = make_tokenizer()
     ids = tok.encode("你好 🙂 東京 🚀🙂 naïve café")

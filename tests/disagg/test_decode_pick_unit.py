@@ -9,7 +9,7 @@ from radixserve.cache.events import KVEvent, KVEvents
 from radixserve.cache.tiers import namespace_key, page_key
 from radixserve.config import EngineConfig
 from radixserve.disagg.coordinator import DisaggregatedEngine
-from radixserve.server.engine_api import SESSION_ID
+from radixserve.runtime.backend import SESSION_ID
 
 PS = 4
 SEED = b"seed"

@@ -1,4 +1,4 @@
-"""``--disaggregate 1:1 --warm-standby``: each role keeps a warm standby (server/supervisor.py), so a
+"""``--disaggregate 1:1 --warm-standby``: each role keeps a warm standby (runtime/supervisor.py), so a
 killed decode or prefill engine is replaced by a process already loaded, /health reports the standbys
 of all of them, the answers after each takeover equal those before, and a prefill job on the killed
 prefill engine is sent again to the process that took over."""
@@ -17,7 +17,7 @@ from server_util import MODEL_NAME, serving_backend
 
 from radixserve.config import EngineConfig
 from radixserve.disagg.coordinator import DisaggregatedEngine
-from radixserve.server.async_engine import AsyncEngine
+from radixserve.runtime.async_engine import AsyncEngine
 
 DOC = "the quick brown fox jumps over the lazy dog while the cat sleeps " * 4
 

@@ -20,9 +20,8 @@ from radixserve.disagg.prefill import PrefillRole
 from radixserve.disagg.transfer import KVTransferError, TransferHeader, checksum, verify
 from radixserve.disagg.transport import KVReceiver, KVSender
 from radixserve.engine.engine import Engine
-from radixserve.sampling.params import SamplingParams
-from radixserve.server.engine_loop import EngineLoop
-from radixserve.server.messages import (
+from radixserve.runtime.engine_loop import EngineLoop
+from radixserve.runtime.messages import (
     AddRequest,
     CheckIntegrity,
     FromEngine,
@@ -33,6 +32,7 @@ from radixserve.server.messages import (
     RequestError,
     StepOutputs,
 )
+from radixserve.sampling.params import SamplingParams
 
 PS = 4
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -316,7 +316,7 @@ def test_a_cancelled_prefill_job_is_aborted_on_its_engine() -> None:
     import asyncio
 
     from radixserve.disagg.dispatch import LocalPrefill
-    from radixserve.server.messages import Abort
+    from radixserve.runtime.messages import Abort
 
     class Engine_:
         healthy = True

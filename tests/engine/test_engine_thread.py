@@ -13,7 +13,7 @@ import pytest
 
 from radixserve import Engine, SamplingParams
 from radixserve.config import EngineConfig
-from radixserve.server.async_engine import AsyncEngine
+from radixserve.runtime.async_engine import AsyncEngine
 
 WARNING = "the model runs on a thread other than the one that built the engine"
 PARAMS = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)

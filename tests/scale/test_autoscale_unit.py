@@ -12,12 +12,12 @@ import pytest
 from radixserve.cache.events import KVEvent, KVEvents
 from radixserve.cache.tiers import namespace_key, page_key
 from radixserve.cli import main
+from radixserve.runtime.backend import RequestRecord
 from radixserve.scale import autoscale
 from radixserve.scale.autoscale import AutoscaleSettings, QueueWaitPolicy, QueueWaits, ReplicaLoad
 from radixserve.scale.cache_index import CacheIndex
 from radixserve.scale.remote_engine import rebased
 from radixserve.scale.warm_start import HotPrefixes
-from radixserve.server.engine_api import RequestRecord
 
 WAIT, DEPTH = 2.0, 8.0
 

@@ -12,14 +12,14 @@ from typing import Any
 import pytest
 
 from radixserve.cache.pins.types import PinInfo, PinSpec, PrefixEviction, WarmResult
-from radixserve.cache.tree_view import CacheNamespace, CacheNode, CacheTree
+from radixserve.cache.radix.view import CacheNamespace, CacheNode, CacheTree
 from radixserve.disagg.dispatch import MAX_ATTEMPTS, NO_PREFILL, prefill_job, run_prefill
 from radixserve.disagg.metrics import TransferMetrics
 from radixserve.engine.stats import EngineStats
 from radixserve.errors import InvalidRequestError
+from radixserve.runtime.backend import EngineUnavailableError
+from radixserve.runtime.messages import KVReserved, PrefillKV
 from radixserve.scale.fanout import FanOut, LocalEngines
-from radixserve.server.engine_api import EngineUnavailableError
-from radixserve.server.messages import KVReserved, PrefillKV
 
 
 def _node(tokens: int) -> CacheNode:

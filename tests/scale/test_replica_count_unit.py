@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from radixserve.engine.stats import EngineStats
+from radixserve.runtime.backend import EngineHealth, EngineUnavailableError
 from radixserve.scale import ray_transport
 from radixserve.scale.ray_transport import RayReplicas
 from radixserve.scale.replica import EngineReplica, ReplicaError
-from radixserve.server.engine_api import EngineHealth, EngineUnavailableError
 
 SERVING = EngineHealth("serving", "the engine process is serving", 0, None)
 RESTARTING = EngineHealth("restarting", "the engine process is restarting (died: SIGKILL)", 1, "died")

@@ -15,9 +15,9 @@ import pytest
 from ray_util import require_ray
 
 from radixserve.outputs import CompletionOutput, RequestOutput
+from radixserve.runtime.backend import EngineUnavailableError
 from radixserve.sampling.params import SamplingParams
 from radixserve.scale.replica import Finished, GenerateCall, ReplicaError, RouteKey
-from radixserve.server.engine_api import EngineUnavailableError
 
 require_ray()
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from radixserve.cache.events import KVEventLog, KVEvents
-from radixserve.cache.radix import RadixCache
+from radixserve.cache.radix.tree import RadixCache
 from radixserve.scale.cache_index import CacheIndex
 from radixserve.scale.policy import Load, RouterSettings, decide
 

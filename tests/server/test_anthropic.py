@@ -17,8 +17,8 @@ import jsonschema
 import pytest
 from server_util import MODEL_NAME, WEATHER, client_package, documented_fields, tool_server
 
-from radixserve.server.openai_fields import MESSAGES_IGNORED, MESSAGES_REFUSED
-from radixserve.server.protocol_anthropic import MessagesRequest
+from radixserve.server.anthropic.protocol import MessagesRequest
+from radixserve.server.openai.fields import MESSAGES_IGNORED, MESSAGES_REFUSED
 
 KEY = "anthropic-key"
 PAGE = 4  # tokens per KV page of tool_server

@@ -1,5 +1,5 @@
-"""Anthropic's request made the OpenAI chat request (server/anthropic_render.py), and the stream's blocks
-(server/anthropic_messages.py), without a server: which message each block becomes, where each
+"""Anthropic's request made the OpenAI chat request (server/anthropic/render.py), and the stream's blocks
+(server/anthropic/messages.py), without a server: which message each block becomes, where each
 ``cache_control`` lands, the tool choice, prefill, and the 400s that name a block."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from typing import Any
 import msgspec
 import pytest
 
-from radixserve.server import protocol_anthropic as pa
-from radixserve.server import protocol_chat as c
-from radixserve.server.anthropic_messages import _Blocks
-from radixserve.server.anthropic_render import chat_request
-from radixserve.server.chat import Piece
-from radixserve.server.http_util import ApiError
-from radixserve.server.tools import ParsedCall
+from radixserve.server.anthropic import protocol as pa
+from radixserve.server.anthropic.messages import _Blocks
+from radixserve.server.anthropic.render import chat_request
+from radixserve.server.chat.tools import ParsedCall
+from radixserve.server.http.responses import ApiError
+from radixserve.server.openai import protocol as c
+from radixserve.server.openai.chat import Piece
 
 EPHEMERAL = {"type": "ephemeral"}
 TOOL = {"name": "f", "input_schema": {"type": "object"}}

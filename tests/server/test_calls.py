@@ -12,13 +12,12 @@ import pytest
 from loop_util import harness
 
 from radixserve.cache.pins.types import PinInfo, PrefixEviction
-from radixserve.cache.tree_view import CacheTree
+from radixserve.cache.radix.view import CacheTree
 from radixserve.engine.engine import Engine
 from radixserve.errors import InvalidRequestError, PinBudgetError
-from radixserve.sampling.params import SamplingParams
-from radixserve.server.calls import EngineCallError
-from radixserve.server.engine_loop import EngineRole, RoleMessage
-from radixserve.server.messages import (
+from radixserve.runtime.calls import EngineCallError
+from radixserve.runtime.engine_loop import EngineRole, RoleMessage
+from radixserve.runtime.messages import (
     AddRequest,
     AdvancePinClock,
     CallOp,
@@ -33,6 +32,7 @@ from radixserve.server.messages import (
     TreeQuery,
     Unpin,
 )
+from radixserve.sampling.params import SamplingParams
 
 
 @pytest.fixture(scope="module")

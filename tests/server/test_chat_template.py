@@ -1,5 +1,5 @@
 """One chat renderer (radixserve/chat_template.py): the offline ``Engine.chat`` path (engine/prompt.py)
-and the API server's chat route (server/chat_render.py) make the same prompt of the same conversation."""
+and the API server's chat route (server/chat/render.py) make the same prompt of the same conversation."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest
 from radixserve.chat_template import ChatTemplateError, render_chat
 from radixserve.engine.prompt import apply_chat_template
 from radixserve.model.loader import load_tokenizer
-from radixserve.server import chat_render
-from radixserve.server import protocol_chat as c
-from radixserve.server.tools import choose_format
+from radixserve.server.chat.tools import choose_format
+from radixserve.server.openai import protocol as c
+from radixserve.server.openai.chat import render as chat_render
 
 CONVERSATION: list[dict[str, Any]] = [
     {"role": "system", "content": "You are terse."},

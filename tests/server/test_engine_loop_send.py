@@ -1,4 +1,4 @@
-"""The engine loop's send to the API server (server/engine_loop.py ``send_while_alive``): it waits for
+"""The engine loop's send to the API server (runtime/engine_loop.py ``send_while_alive``): it waits for
 room while the server's queue is full, and gives up once the server is dead, so an engine process whose
 API server died with a full queue exits instead of blocking in a send forever."""
 
@@ -10,7 +10,7 @@ import time
 import pytest
 import zmq
 
-from radixserve.server.engine_loop import APIServerGone, send_while_alive
+from radixserve.runtime.engine_loop import APIServerGone, send_while_alive
 
 
 def _pair(ctx: zmq.Context[zmq.Socket[bytes]], addr: str) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:

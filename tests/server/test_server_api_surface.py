@@ -17,9 +17,9 @@ from server_util import MODEL_NAME, documented_fields, running_server
 
 from radixserve.config import EngineConfig
 from radixserve.model.loader import load_tokenizer
-from radixserve.server.async_engine import AsyncEngine
-from radixserve.server.engine_client import EngineStartError
-from radixserve.server.openai_fields import CHAT_REFUSED, COMPLETION_REFUSED, IGNORED
+from radixserve.runtime.async_engine import AsyncEngine
+from radixserve.runtime.engine_client import EngineStartError
+from radixserve.server.openai.fields import CHAT_REFUSED, COMPLETION_REFUSED, IGNORED
 
 ORIGIN = "https://app.example"
 TEXTS = ["Once upon a time", "The quick brown fox", "héllo wörld"]
@@ -196,8 +196,8 @@ def test_docs_table_lists_every_field_as_the_policy_does() -> None:
     documented = documented_fields("OpenAI fields")
     assert documented["ignored"] == set(IGNORED)
     assert documented["refused"] == set(CHAT_REFUSED) | set(COMPLETION_REFUSED)
-    from radixserve.server.protocol import CompletionRequest
-    from radixserve.server.protocol_chat import ChatCompletionRequest
+    from radixserve.server.http.protocol import CompletionRequest
+    from radixserve.server.openai.protocol import ChatCompletionRequest
 
     served = set(ChatCompletionRequest.__struct_fields__) | set(CompletionRequest.__struct_fields__)
     assert documented["served"] == served

@@ -18,9 +18,9 @@ from radixserve.config import EngineConfig
 from radixserve.errors import InvalidRequestError
 from radixserve.model.loader import load_tokenizer
 from radixserve.outputs import RequestOutput
-from radixserve.server.async_engine import AsyncEngine, EngineUnavailableError, RequestRecord
-from radixserve.server.engine_client import EngineClient
-from radixserve.server.messages import AddRequest, FromEngine, StepOutputs, ToEngine
+from radixserve.runtime.async_engine import AsyncEngine, EngineUnavailableError, RequestRecord
+from radixserve.runtime.engine_client import EngineClient
+from radixserve.runtime.messages import AddRequest, FromEngine, StepOutputs, ToEngine
 
 LONG = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
 T = TypeVar("T")

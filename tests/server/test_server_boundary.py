@@ -1,5 +1,5 @@
 """The server's side of the engine boundary: the routes use only AsyncEngine's documented interface
-(server/engine_api.py), refusals keep their parameter and code whatever their wording, and two paths
+(runtime/backend.py), refusals keep their parameter and code whatever their wording, and two paths
 end to end over HTTP: ``response_format`` and a non-streaming client that goes away."""
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from tiny_models import make_tiny_model
 
 import radixserve.server
 from radixserve.config import EngineConfig
-from radixserve.server.async_engine import AsyncEngine
-from radixserve.server.engine_api import QueueFullError
-from radixserve.server.http_util import ApiError
-from radixserve.server.messages import FromEngine, RequestError
+from radixserve.runtime.async_engine import AsyncEngine
+from radixserve.runtime.backend import QueueFullError
+from radixserve.runtime.messages import FromEngine, RequestError
+from radixserve.server.http.responses import ApiError
 
 # What a route may use of an AsyncEngine: the interface engine_api.py documents.
 INTERFACE = {
@@ -82,8 +82,8 @@ def test_the_documented_interface_is_serving_backend_and_every_backend_has_it() 
     """``INTERFACE`` is ``ServingBackend``'s members (``cache_tree`` included), and each backend, one
     engine or many, has every one of them: the dashboard needs no check of which backend it got."""
     from radixserve.disagg.coordinator import DisaggregatedEngine
+    from radixserve.runtime.backend import ServingBackend
     from radixserve.scale.remote_engine import ReplicaSetEngine
-    from radixserve.server.engine_api import ServingBackend
 
     declared = {n for n in vars(ServingBackend) if not n.startswith("_")}
     declared |= set(ServingBackend.__annotations__)
@@ -301,7 +301,7 @@ def test_request_stream_first_waits_for_the_first_delta_then_iterates_whole() ->
     import asyncio
 
     from radixserve.outputs import RequestOutput
-    from radixserve.server.engine_api import RequestStream
+    from radixserve.runtime.backend import RequestStream
 
     deltas = [RequestOutput(f"r{i}", None, [1], []) for i in range(3)]
 

@@ -180,7 +180,7 @@ def test_an_engine_process_whose_api_server_dies_while_it_loads_exits(
     config = msgspec.json.encode(EngineConfig(model=str(tiny_llama), num_pages=64)).decode()
     launcher = (
         "import os, subprocess, sys\n"
-        "p = subprocess.Popen([sys.executable, '-m', 'radixserve.server.engine_process',"
+        "p = subprocess.Popen([sys.executable, '-m', 'radixserve.runtime.engine_process',"
         " '--config', sys.argv[1],"
         " '--input', sys.argv[2], '--output', sys.argv[3], '--log-level', 'warning',"
         " '--parent-pid', str(os.getpid())],"

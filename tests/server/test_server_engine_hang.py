@@ -157,8 +157,8 @@ def test_a_busy_engine_under_hang_detection_answers_every_request(tiny_llama: Pa
     watchdog once read the output socket's ZMQ ``EVENTS`` to see whether a message was waiting, which
     consumed the socket's edge-triggered wake-up: the receiver slept on a full socket, the engine idled
     and every request waited forever (here within ~3,000 requests; in the soak within a minute)."""
+    from radixserve.runtime.async_engine import AsyncEngine
     from radixserve.sampling.params import SamplingParams
-    from radixserve.server.async_engine import AsyncEngine
 
     total, at_once = 4000, 32
     config = EngineConfig(

@@ -16,8 +16,8 @@ from server_util import MODEL_NAME, running_server
 
 from radixserve.config import EngineConfig
 from radixserve.errors import InvalidRequestError
-from radixserve.server.http_util import ApiError
-from radixserve.server.streams import Streams
+from radixserve.runtime.streams import Streams
+from radixserve.server.http.responses import ApiError
 
 CHAT: dict[str, Any] = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 COMPLETION: dict[str, Any] = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 1}

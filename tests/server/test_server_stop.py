@@ -13,8 +13,8 @@ from server_util import MODEL_NAME, serving
 
 from radixserve import Engine, SamplingParams
 from radixserve.config import EngineConfig
-from radixserve.server.engine_client import EngineClient
-from radixserve.server.messages import Abort, ToEngine
+from radixserve.runtime.engine_client import EngineClient
+from radixserve.runtime.messages import Abort, ToEngine
 
 PROMPT = "Count the tokens of a stopped request"
 MAX_TOKENS = 96

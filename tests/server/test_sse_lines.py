@@ -10,9 +10,9 @@ from collections.abc import Callable
 import pytest
 from httpx._decoders import LineDecoder
 
-from radixserve.server import protocol_anthropic as pa
-from radixserve.server.anthropic_messages import _event
-from radixserve.server.http_util import sse
+from radixserve.server.anthropic import protocol as pa
+from radixserve.server.anthropic.messages import _event
+from radixserve.server.http.responses import sse
 
 TEXT = "a\u2028b\x85c\u2029d\ne"  # the three, and a newline (JSON escapes that one itself)
 

@@ -1,4 +1,4 @@
-"""server/timeseries.py: the dashboard's samples, from EngineStats snapshots and finished requests."""
+"""server/pages/timeseries.py: the dashboard's samples, from EngineStats snapshots and finished requests."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import time
 import pytest
 
 from radixserve.engine.stats import EngineStats
-from radixserve.server.engine_api import RequestRecord
-from radixserve.server.timeseries import TimeSeries, percentile
+from radixserve.runtime.backend import RequestRecord
+from radixserve.server.pages.timeseries import TimeSeries, percentile
 
 
 def _record(ttft: float, gaps: list[float]) -> RequestRecord:

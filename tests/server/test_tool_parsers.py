@@ -13,8 +13,8 @@ import llguidance.hf
 import pytest
 from tokenizer_util import make_tokenizer
 
-from radixserve.server.reasoning import ReasoningStream, starts_in_reasoning
-from radixserve.server.tools import (
+from radixserve.server.chat.reasoning import ReasoningStream, starts_in_reasoning
+from radixserve.server.chat.tools import (
     FORMATS,
     HermesFormat,
     Llama3JsonFormat,

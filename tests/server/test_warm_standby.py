@@ -1,4 +1,4 @@
-"""``--warm-standby`` (server/supervisor.py): a second engine process waits loaded and compiled, at nice
+"""``--warm-standby`` (runtime/supervisor.py): a second engine process waits loaded and compiled, at nice
 19; when the serving one is killed it takes over (no start-up) at nice 0, reads again the disk-tier
 pages its predecessor wrote after it started, and another standby replaces it."""
 
@@ -16,7 +16,7 @@ import pytest
 from server_util import MODEL_NAME, Served, serving, wait_until_healthy
 
 from radixserve.config import EngineConfig
-from radixserve.server import supervisor
+from radixserve.runtime import supervisor
 
 
 def wait_for_standby(c: httpx.Client, served: Served, timeout_s: float = 120.0) -> int:

@@ -1,4 +1,4 @@
-"""The watchdog's rule, without a process (server/watchdog.py): hung means no progress for the deadline
+"""The watchdog's rule, without a process (runtime/watchdog.py): hung means no progress for the deadline
 while there is work, counted from the later of the last message and the start of the work; a message
 handed on while the watchdog yields, after its own loop was busy, is progress; and nothing reads a ZMQ
 socket's EVENTS behind zmq.asyncio's back. The real process: test_server_engine_hang.py."""
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import radixserve
 from radixserve.disagg.dispatch import LocalPrefill
-from radixserve.server.messages import PrefillKV
-from radixserve.server.watchdog import Watchdog
+from radixserve.runtime.messages import PrefillKV
+from radixserve.runtime.watchdog import Watchdog
 
 DEADLINE_S = 0.4
 

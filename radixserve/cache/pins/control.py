@@ -25,7 +25,7 @@ from radixserve.cache.listener import CachedChunk, CacheListener, PrefixScope
 from radixserve.cache.pins.store import keep_pins_below
 from radixserve.cache.pins.table import PinTable
 from radixserve.cache.pins.types import Pin, PinInfo, PinSpec
-from radixserve.cache.radix_node import TreeNode
+from radixserve.cache.radix.node import TreeNode
 from radixserve.cache.request_pages import CachedRequest
 from radixserve.cache.tier_controller import TierController
 from radixserve.errors import InvalidRequestError

@@ -27,7 +27,7 @@ from typing import Any
 from radixserve.cache.page_pool import PageAllocator
 from radixserve.cache.pins.table import PinTable
 from radixserve.cache.pins.types import Pin, PinSpec
-from radixserve.cache.radix import RadixCache
+from radixserve.cache.radix.tree import RadixCache
 from radixserve.cache.tier_controller import TierController
 from radixserve.errors import InvalidRequestError
 

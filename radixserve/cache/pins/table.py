@@ -33,8 +33,8 @@ from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 
 from radixserve.cache.pins.types import MAX_PIN_TTL_S, Pin, PinInfo, PinSpec
-from radixserve.cache.radix import RadixCache
-from radixserve.cache.radix_node import TreeNode
+from radixserve.cache.radix.node import TreeNode
+from radixserve.cache.radix.tree import RadixCache
 from radixserve.errors import InvalidRequestError, PinBudgetError
 
 

@@ -3,7 +3,7 @@ what a caller learns of a pin (``PinRef``, ``PinInfo``), what a warm or an evict
 (``WarmResult``, ``PrefixEviction``), and a pin as the pin table keeps it (``Pin``).
 
 The msgspec Structs are array-like and keyword-only, because they cross the engine process's boundary
-as they are (server/messages.py). The rules a pin keeps are in ``cache/pins/table.py``.
+as they are (runtime/messages.py). The rules a pin keeps are in ``cache/pins/table.py``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from radixserve.cache.radix_node import TreeNode
+from radixserve.cache.radix.node import TreeNode
 
 # The longest TTL a pin may ask for: a day. A pin is a promise to keep pages out of the shared pool;
 # longer than a day it stops being a cache hint and becomes storage, which the disk tier (and the
@@ -23,7 +23,7 @@ MAX_PIN_TTL_S = 24 * 3600.0
 
 
 class CacheOp(enum.Enum):
-    """The operations of a ``CacheCall`` (server/messages.py)."""
+    """The operations of a ``CacheCall`` (runtime/messages.py)."""
 
     PINS = "pins"
     UNPIN = "unpin"

@@ -1,0 +1,1 @@
+"""The cache routes (/v1/cache/*): warm, pins, evict, and their wire types."""

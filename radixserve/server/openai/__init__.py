@@ -1,0 +1,1 @@
+"""The OpenAI-compatible API: chat completions, completions, the field policy and the chat wire types."""

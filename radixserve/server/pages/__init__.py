@@ -1,0 +1,1 @@
+"""The browser pages (playground, dashboard) and the time series they read."""
