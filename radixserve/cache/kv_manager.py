@@ -19,6 +19,12 @@ Everything else that cares what happens to the tree hears it through a ``CacheLi
 (``cache/listener.py``; ``listen``): the tiers' write policy, the pins (``cache/pins/``), the prompt
 scores. This class knows none of their rules.
 
+One walk per admission: the tree is walked once per waiting request and scheduling pass (``peek``),
+and that match is handed on, kept in ``req.pages.peek``: the policy's ordering (``match``), the tier
+prefetch, the admission's decision (``match_device``) and the admission itself (``admit``: the tree's
+``take``) all read it. It is walked again only when the tree changed shape in between (an eviction, a
+split, an insert), and a prefetch that starts a load walks once more to split and lock.
+
 Accounting invariant: free + cached (tree) + in-use (private, and pages being loaded) == total pages.
 """
 
@@ -29,7 +35,7 @@ from collections.abc import Iterable
 from radixserve.cache.listener import CachedChunk, CacheListener, PrefixScope
 from radixserve.cache.page_pool import PageAllocator
 from radixserve.cache.pins.types import PrefixEviction
-from radixserve.cache.radix.node import EvictResult, TreeNode
+from radixserve.cache.radix.node import EvictResult, Peek, TreeNode
 from radixserve.cache.radix.tree import RadixCache
 from radixserve.cache.request_pages import TIERS, CachedRequest
 from radixserve.cache.scores import ScoreTable
@@ -66,6 +72,7 @@ class KVCacheManager:
         self.hit_tokens = 0
         self.evicted_pages = 0
         self.device_hit_pages = 0
+        self._pass = 0  # scheduling passes (``poll_loads``): a request's peek is kept for one
 
     def listen(self, listener: CacheListener) -> None:
         """Tell ``listener`` from now on what happens to the tree (``cache/listener.py``)."""
@@ -99,23 +106,37 @@ class KVCacheManager:
     # -- admission ------------------------------------------------------------------------------
     def match(self, req: CachedRequest) -> int:
         """Tokens of ``req`` whose KV is cached in any tier (page-aligned), without taking anything."""
-        usable = self._usable(req)
-        return self.tree.prefix_len(req.token_ids[:usable], req.cache_salt, lower=True) if usable else 0
+        peek = self._peek(req)
+        return peek.num_tokens + peek.lower_pages * self.page_size if peek is not None else 0
 
     def match_device(self, req: CachedRequest) -> int:
         """Tokens of ``req`` whose KV the device pool holds (page-aligned), without taking anything."""
-        usable = self._usable(req)
-        cached = self.tree.prefix_len(req.token_ids[:usable], req.cache_salt) if usable else 0
-        return self._scored(req, cached)
+        return self._scored(req, self._peek(req))
 
-    def _scored(self, req: CachedRequest, cached: int) -> int:
-        """``cached`` cut to what a request that wants prompt logprobs can take: the prefix whose needed
-        logprobs (from ``prompt_logprobs_start`` or the first not yet scored) the pages' scores hold."""
+    def _peek(self, req: CachedRequest) -> Peek | None:
+        """This pass's match of ``req`` (None: nothing of it can be cached), walked once and kept."""
+        usable = self._usable(req)
+        if not usable:
+            return None
+        pages = req.pages
+        peek = pages.peek
+        if peek is None or peek.version != self.tree.version or pages.peek_at != (self._pass, usable):
+            lower = self.tree.tiers is not None
+            peek = pages.peek = self.tree.peek(req.token_ids[:usable], req.cache_salt, lower)
+            pages.peek_at = (self._pass, usable)
+        return peek
+
+    def _scored(self, req: CachedRequest, peek: Peek | None) -> int:
+        """The device match cut to what a request that wants prompt logprobs can take: the prefix whose
+        needed logprobs (from ``prompt_logprobs_start`` or the first not yet scored) the pages' scores
+        hold."""
+        cached = peek.num_tokens if peek is not None else 0
         k = req.params.prompt_logprobs
         if k is None or not cached:
             return cached
+        assert peek is not None
         need_from = max(req.params.prompt_logprobs_start, len(req.prompt_logprobs or ()))
-        pages = self.tree.peek_pages(req.token_ids[:cached], req.cache_salt)
+        pages = self.tree.peek_pages(peek)
         return self.scores.known_prefix(pages, req.token_ids, cached, need_from, k)
 
     def _usable(self, req: CachedRequest) -> int:
@@ -127,11 +148,18 @@ class KVCacheManager:
 
         Returns False, holding nothing, when the pages cannot be had even after eviction.
         """
-        cached = self.match_device(req)
+        peek = self._peek(req)
+        cached = self._scored(req, peek)
         pages: list[int] = []
         node = None
         if cached:
-            result = self.tree.match_prefix(req.token_ids[:cached], req.cache_salt)
+            assert peek is not None
+            whole = cached == peek.num_tokens  # else the scores cut it short: match that much
+            result = (
+                self.tree.take(peek)
+                if whole
+                else self.tree.match_prefix(req.token_ids[:cached], req.cache_salt)
+            )
             node, pages = result.node, list(result.pages)
             self.tree.lock(node)
             self._hit(node)
@@ -185,9 +213,10 @@ class KVCacheManager:
     def hit(self, tokens: list[int], namespace: str | None) -> bool:
         """If the device holds all of ``tokens`` (whole pages), count it as a hit (LRU order, hit
         counts, and what the listeners do with hits) and return True; else change nothing."""
-        if self.tree.prefix_len(tokens, namespace) < len(tokens):
+        peek = self.tree.peek(tokens, namespace)
+        if peek.num_tokens < len(tokens):
             return False
-        self._hit(self.tree.match_prefix(tokens, namespace).node)
+        self._hit(self.tree.take(peek).node)
         return True
 
     def _hit(self, node: TreeNode) -> None:
@@ -221,17 +250,14 @@ class KVCacheManager:
         """
         if req.pages.load is not None:
             return not req.pages.load.ready
+        peek = self._peek(req)
+        if peek is None or not peek.lower_pages:
+            return False
         usable = self._usable(req)
-        if not usable:
-            return False
-        tokens = req.token_ids[:usable]
-        if self.tree.prefix_len(tokens, req.cache_salt, lower=True) == self.tree.prefix_len(
-            tokens, req.cache_salt
-        ):
-            return False
         if self._loading and self._loading + (usable // self.page_size) > self.num_pages // 2:
             return True  # enough in flight already; this one starts when they land
-        m = self.tree.match_prefix(tokens, req.cache_salt)
+        tokens = req.token_ids[:usable]
+        m = self.tree.match_prefix(tokens, req.cache_salt)  # the load's own walk: split, lower keys
         n = len(m.lower_keys)
         if n == 0:
             return False
@@ -244,7 +270,9 @@ class KVCacheManager:
         return True
 
     def poll_loads(self) -> None:
-        """Put the pages of finished loads into the tree (or free them, if a load failed)."""
+        """Put the pages of finished loads into the tree (or free them, if a load failed). Called once
+        a scheduling pass, before any match: the requests' peeks of the last pass are stale from here."""
+        self._pass += 1
         for load in self.tiers.finished_loads():
             self.tiers.land(load, self.tree, self.allocator.free)
 

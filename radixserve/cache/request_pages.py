@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from radixserve.cache.pins.types import Pin
-from radixserve.cache.radix.node import TreeNode
+from radixserve.cache.radix.node import Peek, TreeNode
 
 TIERS = ("device", "host", "disk")  # the keys of ``cached_tokens_by_tier``, fastest first
 
@@ -54,6 +54,9 @@ class RequestPages:
     cached_by_tier: dict[str, int] = field(default_factory=dict)
     write_tokens: int = 0  # prompt tokens this request newly put into the tree
     pin: Pin | None = None  # granted at add_request; held once the prefix is in the tree
+    # While waiting: this scheduling pass's match (``KVCacheManager._peek``), and (pass, tokens) it is for.
+    peek: Peek | None = None
+    peek_at: tuple[int, int] = (-1, 0)
 
 
 class _Params(Protocol):

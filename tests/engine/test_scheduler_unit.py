@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
+from typing import Any
+
+import pytest
 
 from radixserve.cache.kv_manager import KVCacheManager
+from radixserve.cache.radix.tree import RadixCache
 from radixserve.engine.request import Constraint, Request, Status
 from radixserve.engine.scheduler import MIN_SHARED_TOKENS, ScheduledBatch, Scheduler
 from radixserve.sampling.grammar import Matcher
@@ -145,3 +149,32 @@ def test_a_prefix_in_flight_is_waited_for_instead_of_computed_twice() -> None:
     batch = _step(s)
     second = next(r for r in batch.requests if r.request_id == "second")
     assert second.pages.num_cached_tokens == len(doc)  # and then reads it from the tree
+
+
+def test_one_radix_walk_per_admission_under_every_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The match is computed once and handed on: the policy's ordering (lpm matches every waiting
+    # request), the prefetch check, the admission's decision and the admission itself share it.
+    walks = 0
+    walk = RadixCache._walk
+
+    def counted(self: RadixCache, *args: Any, **kwargs: Any) -> Any:
+        nonlocal walks
+        walks += 1
+        return walk(self, *args, **kwargs)
+
+    monkeypatch.setattr(RadixCache, "_walk", counted)
+    for policy in ("fcfs", "lpm", "dfs-weight"):
+        s = _scheduler(num_pages=64, budget=64, max_running=8, policy=policy)
+        doc = list(range(1000, 1016))  # four pages, cached by the first request
+        s.add(_req("first", doc + [1]))
+        while s.running or s.waiting:
+            _step(s)
+        for i in range(4):
+            s.add(_req(f"r{i}", doc + [2 + i, 3, 4, 5, 6]))
+        walks = 0
+        batch = s.schedule()
+        assert len(batch.requests) == 4
+        assert all(r.pages.num_cached_tokens == 16 for r in batch.requests), policy
+        assert walks <= 4, f"{policy}: {walks} walks for 4 admissions"
+        # Without the handing on, each admission walked the tree 3 times (4 under lpm).
+        assert walks >= 1

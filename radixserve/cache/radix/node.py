@@ -89,6 +89,19 @@ class MatchResult(NamedTuple):
     lower_tiers: tuple[int, ...] = ()  # the fastest lower tier holding each of them
 
 
+class Peek(NamedTuple):
+    """A match that changed nothing (``RadixCache.peek``): one walk, handed on to ``take`` so that an
+    admission walks the tree once. Valid while the tree's ``version`` is ``version``: any change to its
+    shape (insert, split, eviction, reset) may move the nodes it names."""
+
+    node: TreeNode  # deepest node wholly matched (a root, possibly detached, if none)
+    child: TreeNode | None  # the child of ``node`` matched in part, split by ``take``
+    into: int  # tokens of ``child`` matched (page-aligned; 0 without a child)
+    num_tokens: int  # tokens the device holds (page-aligned)
+    lower_pages: int  # pages right after those that the lower tiers hold (0 unless asked for)
+    version: int
+
+
 class InsertResult(NamedTuple):
     num_existing: int  # tokens of the inserted prefix already cached (page-aligned)
     node: TreeNode  # node that ends the inserted key

@@ -46,6 +46,7 @@ from radixserve.cache.radix.node import (
     LowerTiers,
     MatchResult,
     PageListener,
+    Peek,
     TreeNode,
     common_prefix,
 )
@@ -75,6 +76,7 @@ class RadixCache:
         # Counts inserts that added tokens: a lookup that found nothing finds nothing more until it moves
         # (``cache/radix/continuation.py``'s callers skip the walk meanwhile).
         self.num_growths = 0
+        self.version = 0  # moves on every change of shape: a ``Peek`` of another version is stale
         self._evictable = 0
         self._protected = 0
         self._roots: dict[Hashable, TreeNode] = {}
@@ -111,7 +113,38 @@ class RadixCache:
 
         Lock ``result.node`` before anything can evict, or ``result.pages`` may be freed.
         """
-        node, num_tokens, key = self._walk(tokens, namespace)
+        node, num_tokens, key, _, _ = self._walk(tokens, namespace)
+        keys, tiers = self._lower_match(key, tokens, num_tokens)
+        return MatchResult(node, self._touch(node), num_tokens, tuple(keys), tuple(tiers))
+
+    def peek(self, tokens: Sequence[int], namespace: Hashable = None, lower: bool = False) -> Peek:
+        """Where ``match_prefix`` would end, changing nothing (no split, no access, no hit): one walk,
+        for ordering and admission decisions that must not count as hits. With ``lower``, the pages the
+        lower tiers hold right after the device match are counted too."""
+        node, num_tokens, key, child, into = self._walk(tokens, namespace, split=False)
+        below = len(self._lower_match(key, tokens, num_tokens)[1]) if lower else 0
+        return Peek(node, child, into, num_tokens, below, self.version)
+
+    def take(self, peek: Peek) -> MatchResult:
+        """``match_prefix`` from a fresh ``peek`` without walking again: the child matched in part is
+        split, and the path counts as accessed and hit. Its ``lower_keys`` are not looked up."""
+        if peek.version != self.version:
+            raise RuntimeError("take() of a stale peek: the tree changed shape since")
+        node = self._split(peek.child, peek.into) if peek.child is not None else peek.node
+        return MatchResult(node, self._touch(node), peek.num_tokens)
+
+    def prefix_len(self, tokens: Sequence[int], namespace: Hashable = None, lower: bool = False) -> int:
+        """How many tokens ``match_prefix`` would match (with ``lower``, and the lower tiers after it)."""
+        peek = self.peek(tokens, namespace, lower)
+        return peek.num_tokens + peek.lower_pages * self.page_size
+
+    def peek_pages(self, peek: Peek) -> list[int]:
+        """The device pages ``take(peek)`` would return, changing nothing."""
+        pages = [p for n in reversed(list(self.path(peek.node))) for p in n.pages]
+        return pages + (peek.child.pages[: peek.into // self.page_size] if peek.child is not None else [])
+
+    def _touch(self, node: TreeNode) -> list[int]:
+        """A match ending at ``node``: its path counts as accessed and hit; returns the path's pages."""
         runs: list[list[int]] = []
         time = self._tick()
         now = _time.monotonic()
@@ -122,30 +155,7 @@ class RadixCache:
             path.hit_count += 1
             runs.append(path.pages)
             path = self._parent(path)
-        pages = [p for run in reversed(runs) for p in run]
-        keys, tiers = self._lower_match(key, tokens, num_tokens)
-        return MatchResult(node, pages, num_tokens, tuple(keys), tuple(tiers))
-
-    def prefix_len(self, tokens: Sequence[int], namespace: Hashable = None, lower: bool = False) -> int:
-        """How many tokens ``match_prefix`` would match, changing nothing (no split, no access, no hit).
-
-        For ordering and admission decisions that must not count as cache hits. With ``lower``, the
-        tokens the lower tiers hold right after the device match count too.
-        """
-        _, num_tokens, key = self._walk(tokens, namespace, split=False)
-        if lower:
-            num_tokens += len(self._lower_match(key, tokens, num_tokens)[1]) * self.page_size
-        return num_tokens
-
-    def peek_pages(self, tokens: Sequence[int], namespace: Hashable = None) -> list[int]:
-        """The device pages ``match_prefix`` would return, changing nothing (as ``prefix_len``)."""
-        node, num_tokens, _ = self._walk(tokens, namespace, split=False)
-        pages = [p for n in reversed(list(self.path(node))) for p in n.pages]
-        rest = num_tokens // self.page_size - len(pages)
-        if rest:  # the match ends inside a child of ``node``
-            start = len(pages) * self.page_size
-            pages += node.children[self.child_key(tokens[start : start + self.page_size])].pages[:rest]
-        return pages
+        return [p for run in reversed(runs) for p in run]
 
     def root(self, namespace: Hashable) -> TreeNode | None:
         """The root of ``namespace``, if it has one, read-only (``continuation.py`` walks from it)."""
@@ -172,7 +182,7 @@ class RadixCache:
         num_pages = len(tokens) // ps
         if len(pages) != num_pages:
             raise ValueError(f"{len(tokens)} tokens fill {num_pages} pages of {ps}, got {len(pages)} pages")
-        node, num_existing, key = self._walk(tokens, namespace)
+        node, num_existing, key, _, _ = self._walk(tokens, namespace)
         time = self._tick()
         if num_existing < num_pages * ps:
             leaf = TreeNode(
@@ -187,6 +197,7 @@ class RadixCache:
                 self.listener.stored(leaf.hashes)
             node.children[self.child_key(leaf.key)] = leaf
             self.num_growths += 1
+            self.version += 1
             self._evictable += len(leaf.pages)
             leaf.priority = priority
             node = leaf
@@ -225,13 +236,13 @@ class RadixCache:
     def node_at(self, tokens: Sequence[int], namespace: Hashable = None) -> tuple[TreeNode, int]:
         """The node ending the cached page-aligned prefix of ``tokens`` (split there if need be), and
         that prefix's length; no access or hit is recorded."""
-        node, num_tokens, _ = self._walk(tokens, namespace)
+        node, num_tokens, _, _, _ = self._walk(tokens, namespace)
         return node, num_tokens
 
     def lower_keys(self, tokens: Sequence[int], namespace: Hashable = None) -> list[bytes]:
         """The chain keys of the pages of ``tokens`` past the device match that the lower tiers hold,
         in a row (what a match would load); changes nothing."""
-        _, num_tokens, key = self._walk(tokens, namespace, split=False)
+        _, num_tokens, key, _, _ = self._walk(tokens, namespace, split=False)
         return self._lower_match(key, tokens, num_tokens)[0]
 
     # ---- eviction ----
@@ -261,6 +272,7 @@ class RadixCache:
             if parent.is_root and not parent.children and parent.namespace is not None:
                 del self._roots[parent.namespace]  # salts come and go; don't keep their empty roots
         self._evictable -= len(freed)
+        self.version += 1
         return freed
 
     def reset(self) -> None:
@@ -269,6 +281,7 @@ class RadixCache:
             raise RuntimeError(f"cannot reset the radix cache: {self._protected} pages are locked")
         pages = self.all_pages()
         self._roots.clear()
+        self.version += 1
         self._evictable = 0
         if self.listener is not None:
             self.listener.cleared()
@@ -300,11 +313,12 @@ class RadixCache:
     # ---- internals ----
     def _walk(
         self, tokens: Sequence[int], namespace: Hashable, split: bool = True
-    ) -> tuple[TreeNode, int, bytes]:
-        """Deepest node matching ``tokens``, the matched token count and the chain key after them.
+    ) -> tuple[TreeNode, int, bytes, TreeNode | None, int]:
+        """Deepest node matching ``tokens``, the matched token count, the chain key after them, and the
+        child matched in part with its matched token count (None, 0 if none).
 
-        A node matched in part is split (unless ``split`` is False: then its parent is returned). The key is
-        ``b""`` without lower tiers.
+        A node matched in part is split (unless ``split`` is False: then its parent is returned, and the
+        child beside it). The key is ``b""`` without lower tiers.
         """
         ps = self.page_size
         end = len(tokens) // ps * ps
@@ -321,10 +335,11 @@ class RadixCache:
             if child.hashes:
                 key = child.hashes[n // ps - 1]
             if n < len(child.key):
-                node = self._split(child, n) if split else node
-                break
+                if split:
+                    return self._split(child, n), i, key, None, 0
+                return node, i, key, (child if n else None), n
             node = child
-        return node, i, key
+        return node, i, key, None, 0
 
     def _last_key(self, node: TreeNode) -> bytes:
         if self._seed is None:
@@ -352,6 +367,7 @@ class RadixCache:
         inherits its lock count, which leaves the sizes unchanged.
         """
         parent = self._parent(node)
+        self.version += 1
         upper = TreeNode(node.key[:n], node.pages[: n // self.page_size], parent, node.namespace)
         upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access
