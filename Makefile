@@ -44,7 +44,7 @@ unit: model
 test: lint typecheck unit
 
 bench: model
-	$(BIN)/python -m benchmarks.engine_bench
+	$(BIN)/python -m benchmarks.step.engine_bench
 
 clean:
 	rm -rf build dist *.egg-info

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks, as one run on a machine with a CUDA GPU: the Triton kernel tests natively (not in the
-# interpreter CI uses), the kernel benchmark (benchmarks/kernels_gpu.py) and the engine beside HF
-# generate (benchmarks/gpu_engine.py, bf16 with a profile, and float32). Everything lands in $OUT
+# interpreter CI uses), the kernel benchmark (benchmarks/kernels/kernels_gpu.py) and the engine beside HF
+# generate (benchmarks/step/gpu_engine.py, bf16 with a profile, and float32). Everything lands in $OUT
 # (default /tmp/gpu-check): one log, and the benchmarks' JSON and Markdown.
 #
 # Needs python3 with torch (CUDA) and triton; msgspec and llguidance as wheels in .whl/ where that
@@ -34,10 +34,10 @@ step kernel-tests 120 python3 -m pytest -q -rs -p no:cacheprovider "${parallel[@
   tests/kernels/test_kernel_gpu.py tests/kernels/test_kernel_decode.py tests/kernels/test_kernel_extend.py \
   tests/kernels/test_kernel_kv_ops.py tests/kernels/test_kernel_triton_int8.py \
   tests/kernels/test_kernel_engine.py tests/kernels/test_kernel_aot.py
-step kernels-bench 60 python3 -m benchmarks.kernels_gpu
+step kernels-bench 60 python3 -m benchmarks.kernels.kernels_gpu
 cp benchmarks/results/kernels_gpu.json benchmarks/results/kernels_gpu.md "$out/" 2>>"$log"
-step engine-bench 200 python3 -m benchmarks.gpu_engine --tokenizer-dir .gpu/tokenizer --out-dir "$out" --profile
+step engine-bench 200 python3 -m benchmarks.step.gpu_engine --tokenizer-dir .gpu/tokenizer --out-dir "$out" --profile
 # float32, the exact mode: does the Triton backend pick the reference's greedy tokens at real shapes?
-step engine-fp32 160 python3 -m benchmarks.gpu_engine --tokenizer-dir .gpu/tokenizer --out-dir "$out" \
+step engine-fp32 160 python3 -m benchmarks.step.gpu_engine --tokenizer-dir .gpu/tokenizer --out-dir "$out" \
   --dtype float32 --batches 1 32 --new-tokens 64 --name gpu_engine_fp32
 tail -n 5 "$log"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The C++ CPU kernels on a lent machine's host CPU (an Intel Xeon, where this project's own machine may
 # be a Zen 4): the block products' tests (exact, bf16 and int8 on GGUF blocks, the dense few-row
-# products), and the block products' speed (benchmarks/block_products.py) at 2 threads, as CI runs, and
-# at every thread. Everything lands in $OUT (default /tmp/host-cpu-check).
+# products), and the block products' speed (benchmarks/kernels/block_products.py) at 2 threads, as CI
+# runs, and at every thread. Everything lands in $OUT (default /tmp/host-cpu-check).
 #
 # Needs python3 with torch and a C++ compiler; the gguf wheel in .whl/ where that python lacks it.
 # Left out: the tests that an op's argument check raises a clear error. On the GPU machine (torch
@@ -38,7 +38,7 @@ step kernel-tests 180 python3 -m pytest -q -p no:cacheprovider "${parallel[@]}" 
   -k "not bad_ and not refuse and not clear_error and not malformed" \
   tests/kernels/test_kernel_gguf_bf16.py tests/kernels/test_kernel_gguf.py tests/kernels/test_kernel_gguf_int8.py \
   tests/kernels/test_kernel_gemv.py
-step products-2-threads 90 python3 -m benchmarks.block_products --threads 2 --out-dir "$out" \
+step products-2-threads 90 python3 -m benchmarks.kernels.block_products --threads 2 --out-dir "$out" \
   --name block_products-xeon-host-2threads
-step products-all-threads 90 python3 -m benchmarks.block_products --out-dir "$out" --name block_products-xeon-host
+step products-all-threads 90 python3 -m benchmarks.kernels.block_products --out-dir "$out" --name block_products-xeon-host
 tail -n 12 "$log"

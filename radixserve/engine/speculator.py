@@ -21,7 +21,7 @@ Only this class writes a request's ``spec`` (``Speculation``); the rest of the e
 Per request, the draft length ``k`` adapts to what was accepted, and a request whose drafts keep
 failing (unique text) stops drafting for a while, longer each time, so speculation costs nearly nothing
 where it does not pay. Measured on this CPU, a verification of a few drafts costs 1.1-1.5 plain decode
-steps (``benchmarks/spec_bench.py``), so it pays when about half a draft token or more passes per
+steps (``benchmarks/serving/spec_bench.py``), so it pays when about half a draft token or more passes per
 verification.
 """
 

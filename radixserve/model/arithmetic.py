@@ -20,7 +20,7 @@ Why: prefill is compute-bound (issue 21: 97% of the fp32 peak on an EPYC, 71% on
   start-up probe runs every candidate product in a subprocess first: a CPU that lists AMX but traps
   kills the subprocess, not the server, and the candidate is dropped (``bfloat16`` asked for explicitly
   then gets a clear error).
-- Accuracy: approximate; ``benchmarks/step_bench.py`` times prefill at each arithmetic, and the
+- Accuracy: approximate; ``benchmarks/step/step_bench.py`` times prefill at each arithmetic, and the
   agreement of int8 prefill with fp32 is asserted in ``tests/model/test_arithmetic.py`` (>= 95% top-1).
 - GGUF weights (``--quantization gguf``): ``int8`` (and ``auto``, which times it against the blocks'
   exact kernel) multiplies on the blocks themselves, no copy: x quantized per 32-block, VNNI integer

@@ -27,7 +27,7 @@ class Linear(nn.Linear):
         stream the weight once for all rows at near the memory bandwidth; no BLAS, whose small-row
         speed depends on the CPU's vendor (MKL reads at a third of the bandwidth on AMD);
       - more rows: a oneDNN-blocked copy of the fp32 weight (``packed``; 1.3x MKL's plain sgemm at 8-32
-        rows, ``benchmarks/engine_bench.py``), one more weight's worth of memory;
+        rows, ``benchmarks/step/engine_bench.py``), one more weight's worth of memory;
       - more than ``many_rows`` rows, with a cheaper copy made by ``use_many_rows_arithmetic``
         (``model/arithmetic.py``: int8 or bf16 for prefill): that copy. This is the one place the
         many-rows arithmetic of a dense weight plugs in.

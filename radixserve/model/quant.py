@@ -8,7 +8,7 @@ Why: on CPU a decode step is bound by reading the weights; int8 reads a quarter 
   ``torch._int_mm`` (oneDNN's int8 matmul, VNNI where the CPU has it); the int32 sums are exact, so the
   only error is the two roundings. Per-row activation scales keep a token's result independent of the
   other tokens in its step (``quantized::linear_dynamic``, the torch.ao kernel, takes one scale for the
-  whole step, so a request's output would shift with its batchmates). ``benchmarks/mode_bench.py``
+  whole step, so a request's output would shift with its batchmates). ``benchmarks/step/mode_bench.py``
   (``--kernels``) times both kernels on the machine at hand; torchao was not installed or tried.
 - What is quantized: every Linear inside the decoder layers (q/k/v, o, gate/up, down), and the LM
   head: in SmolLM2-135M it is a sixth of the weights a decode step reads (113 of 538 MB). The

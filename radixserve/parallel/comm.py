@@ -9,7 +9,7 @@ NCCL on CUDA), and the time spent in them.
   shards to and from rank 0.
 - Every collective has the group's timeout (``COLLECTIVE_TIMEOUT_S``): a rank that hangs or dies makes
   the others raise instead of waiting forever.
-- ``STATS`` counts the calls and seconds inside the collectives (for ``benchmarks/tp_bench.py``); the
+- ``STATS`` counts the calls and seconds inside the collectives (for ``benchmarks/scale/tp_bench.py``); the
   seconds include waiting for the slowest rank to arrive, not only moving bytes.
 """
 

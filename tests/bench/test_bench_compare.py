@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from benchmarks import compare, compare_report, servers
+from benchmarks.lib import servers
+from benchmarks.serving import compare, compare_report
 
 
 def _run(tok_s: float, ttft_ms: float | None) -> dict[str, Any]:

@@ -12,10 +12,10 @@ import pytest
 from server_util import running_server
 
 # benchmarks/ is a top-level folder of the repository, not part of the installed package.
-from benchmarks.common import write_results
-from benchmarks.loadgen import RunConfig, run_benchmark, runs_markdown
-from benchmarks.metrics import LATENCIES, PERCENTILES
-from benchmarks.workloads import Corpus, WorkloadSpec, build_workload, load_tokenizer
+from benchmarks.lib.common import write_results
+from benchmarks.lib.loadgen import RunConfig, run_benchmark, runs_markdown
+from benchmarks.lib.metrics import LATENCIES, PERCENTILES
+from benchmarks.lib.workloads import Corpus, WorkloadSpec, build_workload, load_tokenizer
 from radixserve.config import EngineConfig
 
 SUMMARY_KEYS = {
@@ -149,7 +149,7 @@ def test_open_loop_rag_reports_prefix_hits_and_respects_bounds(
 
 
 def test_hf_quant_bench_draws_its_speed_plot(tmp_path: Path) -> None:
-    from benchmarks import hf_quant_bench
+    from benchmarks.serving import hf_quant_bench
 
     speed = {
         "radix-awq": {"1 stream": 63.4, "8 streams": 141.0},

@@ -1,6 +1,8 @@
-"""benchmarks/ by job: scripts import libraries and never other scripts, libraries import only
-libraries (without cycles), and every server command and result file comes from the one launcher
-(servers.radixserve_command, servers.peer_command) and the one writer (common.write_results)."""
+"""benchmarks/ by job: one folder per job (step, serving, scale, soak, kernels) over the shared
+libraries of lib/; scripts import libraries (and their own folder's parts) and never other scripts,
+libraries import only libraries (without cycles), and every server command and result file comes from
+the one launcher (servers.radixserve_command, servers.peer_command) and the one writer
+(common.write_results)."""
 
 from __future__ import annotations
 
@@ -12,53 +14,57 @@ from typing import Any
 
 import pytest
 
-from benchmarks import common, mode_bench, servers
+from benchmarks.lib import common, servers
+from benchmarks.step import mode_bench
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-# The library modules: shared code, no command line of their own. Every other module is a script.
-LIBRARIES = {
-    "__init__",
-    "accuracy",
-    "attention_steps",
-    "bench_models",
-    "common",
-    "compare_report",
-    "hf_baseline",
-    "loadgen",
-    "metrics",
-    "modes",
-    "plots",
-    "servers",
-    "soak_capacity",
-    "soak_faults",
-    "soak_outcomes",
-    "soak_records",
-    "soak_report",
-    "soak_server",
-    "soak_traffic",
-    "step_modes",
-    "step_targets",
-    "steps",
-    "token_rate",
-    "workloads",
+# The scripts' folders, one per job; lib/ holds the libraries they share (no command line of their own).
+JOBS = ("step", "serving", "scale", "soak", "kernels")
+# A job folder's own parts: library modules that only that folder's scripts import. Every other module
+# of a job folder is a script (it has a ``__main__`` block).
+PARTS = {
+    "serving.compare_report",
+    "serving.hf_baseline",
+    "soak.soak_capacity",
+    "soak.soak_faults",
+    "soak.soak_outcomes",
+    "soak.soak_records",
+    "soak.soak_report",
+    "soak.soak_server",
+    "soak.soak_traffic",
+    "step.step_modes",
+    "step.step_targets",
 }
 
 
 def _modules() -> dict[str, ast.Module]:
-    return {p.stem: ast.parse(p.read_text(), str(p)) for p in sorted(BENCHMARKS.glob("*.py"))}
+    """Every module of lib/ and the job folders by its name under ``benchmarks`` (``lib.common``),
+    the packages' ``__init__`` left out."""
+    return {
+        f"{folder}.{p.stem}": ast.parse(p.read_text(), str(p))
+        for folder in ("lib", *JOBS)
+        for p in sorted((BENCHMARKS / folder).glob("*.py"))
+        if p.name != "__init__.py"
+    }
+
+
+def _libraries(modules: dict[str, ast.Module]) -> set[str]:
+    return {name for name in modules if name.startswith("lib.")} | PARTS
 
 
 def _imported(tree: ast.Module) -> set[str]:
-    """The benchmarks modules ``tree`` imports anywhere, inside functions too."""
+    """The benchmarks modules ``tree`` imports anywhere, inside functions too (``lib.common``)."""
     out: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            out |= {a.name.split(".")[1] for a in node.names if a.name.startswith("benchmarks.")}
+            names = [a.name for a in node.names]
+            out |= {n.removeprefix("benchmarks.") for n in names if n.startswith("benchmarks.")}
         elif isinstance(node, ast.ImportFrom) and node.module is not None:
-            if node.module == "benchmarks":
-                out |= {a.name for a in node.names}
+            if node.module in {"benchmarks", *(f"benchmarks.{f}" for f in ("lib", *JOBS))}:
+                package = node.module.removeprefix("benchmarks").lstrip(".")
+                out |= {".".join(filter(None, (package, a.name))) for a in node.names}
             elif node.module.startswith("benchmarks."):
-                out.add(node.module.split(".")[1])
+                out.add(node.module.removeprefix("benchmarks."))
     return out
 
 
@@ -66,18 +72,39 @@ def _has_main(tree: ast.Module) -> bool:
     return any(isinstance(node, ast.If) and "__main__" in ast.unparse(node.test) for node in tree.body)
 
 
+def _path(name: str) -> str:
+    return f"benchmarks/{name.replace('.', '/')}.py"
+
+
+def test_every_module_sits_in_lib_or_a_job_folder() -> None:
+    top = sorted(p.name for p in BENCHMARKS.glob("*.py"))
+    assert top == ["__init__.py"], f"modules at the top of benchmarks/ (put them in a folder): {top}"
+    packages = {p.parent.name for p in BENCHMARKS.glob("*/__init__.py")}
+    assert packages == {"lib", *JOBS}, packages
+
+
 def test_scripts_import_only_libraries_and_libraries_have_no_command_line() -> None:
     modules = _modules()
-    assert set(modules) >= LIBRARIES, LIBRARIES - set(modules)
+    libraries = _libraries(modules)
+    assert set(modules) >= PARTS, PARTS - set(modules)
     for name, tree in modules.items():
-        wrong = _imported(tree) - LIBRARIES
-        assert not wrong, f"benchmarks/{name}.py imports the script(s) {sorted(wrong)}"
-        assert _has_main(tree) == (name not in LIBRARIES), f"benchmarks/{name}.py: script or library?"
+        imported = _imported(tree)
+        wrong = imported - libraries
+        assert not wrong, f"{_path(name)} imports the script(s) or unknown module(s) {sorted(wrong)}"
+        assert _has_main(tree) == (name not in libraries), f"{_path(name)}: script or library?"
+        if name.startswith("lib."):
+            parts = sorted(imported & PARTS)
+            assert not parts, f"{_path(name)} (a shared library) imports a job folder's part(s) {parts}"
+    for name, tree in modules.items():
+        folder = name.split(".")[0]
+        foreign = sorted(d for d in _imported(tree) & PARTS if d.split(".")[0] != folder)
+        assert not foreign, f"{_path(name)} imports another folder's part(s) {foreign} (share them in lib/)"
 
 
 def test_the_libraries_import_each_other_without_a_cycle() -> None:
     modules = _modules()
-    graph = {name: _imported(modules[name]) - {name} for name in LIBRARIES}
+    libraries = _libraries(modules)
+    graph = {name: _imported(modules[name]) - {name} for name in libraries}
     done: set[str] = set()
 
     def visit(name: str, path: tuple[str, ...]) -> None:
@@ -97,7 +124,7 @@ def test_the_one_writer_is_the_only_writer() -> None:
     appear only in common.py (the writer) and plots.py (the plots); bench_models.py writes model
     folders (weights and configs), not results."""
     for name, tree in _modules().items():
-        if name in ("common", "plots", "bench_models"):
+        if name in ("lib.common", "lib.plots", "lib.bench_models"):
             continue
         calls = {
             node.func.attr

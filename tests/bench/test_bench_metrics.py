@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 # benchmarks/ is a top-level folder of the repository, not part of the installed package.
-from benchmarks.loadgen import check_loopback, poisson_arrivals
-from benchmarks.metrics import RequestResult, parse_prometheus, percentile, prefix_delta, summarize
-from benchmarks.soak_server import server_tracebacks
+from benchmarks.lib.loadgen import check_loopback, poisson_arrivals
+from benchmarks.lib.metrics import RequestResult, parse_prometheus, percentile, prefix_delta, summarize
+from benchmarks.soak.soak_server import server_tracebacks
 
 
 def test_percentile_interpolates_linearly() -> None:
@@ -138,7 +138,7 @@ def test_loopback_targets_are_accepted() -> None:
 def test_rss_growth_is_judged_per_process_past_its_own_second_minute() -> None:
     """An engine killed at 100 s and replaced: the totals compare the young process with the old one
     (+56%), each process on its own grew 0% and 4%; a process too young to judge is left out."""
-    from benchmarks.soak_outcomes import process_rss_growth, rss_growth
+    from benchmarks.soak.soak_outcomes import process_rss_growth, rss_growth
 
     def sample(t: float, procs: dict[str, tuple[str, float]]) -> dict[str, object]:
         mb: dict[str, float] = {}

@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks import modes, servers, step_modes, step_targets
-from benchmarks.accuracy import Scored, agreement, compare_scores, parse_choice
-from benchmarks.common import cpu_flags
-from benchmarks.modes import Formats, Limits, Shapes, StepModel, kv_token_bytes, matrix_bytes
+from benchmarks.lib import modes, servers
+from benchmarks.lib.accuracy import Scored, agreement, compare_scores, parse_choice
+from benchmarks.lib.common import cpu_flags
+from benchmarks.lib.modes import Formats, Limits, Shapes, StepModel, kv_token_bytes, matrix_bytes
+from benchmarks.step import step_modes, step_targets
 
 # SmolLM2-135M's shapes
 SMOL = Shapes(hidden=576, intermediate=1536, layers=30, heads=9, kv_heads=3, head_dim=64, vocab=49152)

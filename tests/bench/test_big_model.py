@@ -1,4 +1,4 @@
-"""The 1B benchmark model's builder (benchmarks/big_model.py), run on a SMALL shape through the same
+"""The 1B benchmark model's builder (benchmarks/step/big_model.py), run on a SMALL shape through the same
 code: the folder it writes is an HF Llama folder the engine serves, its GGUF form holds the same
 weights (q/k rows in llama.cpp's order and back), and a second build reuses the cached folder."""
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from benchmarks import bench_models as big_model
-from benchmarks.bench_models import LLAMA_1B, Shape
+from benchmarks.lib import bench_models as big_model
+from benchmarks.lib.bench_models import LLAMA_1B, Shape
 from radixserve import Engine, SamplingParams
 
 SMALL = Shape("small-test", layers=2, hidden=128, intermediate=256, heads=4, kv_heads=2)

@@ -1,5 +1,6 @@
-"""``benchmarks/block_products.py --gguf``: one layer of a real file's weights, as stored, timed kernel by
-kernel and totalled by type (llama-quantize's k-quants, Q2_K included, which gguf's writer cannot make)."""
+"""``benchmarks/kernels/block_products.py --gguf``: one layer of a real file's weights, as stored, timed
+kernel by kernel and totalled by type (llama-quantize's k-quants, Q2_K included, which gguf's writer
+cannot make)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import block_products
+from benchmarks.kernels import block_products
 from radixserve.kernels import cpu_build, gguf_int8
 
 FIXTURE = Path(__file__).resolve().parents[1] / "data" / "kquant_tiny.gguf"

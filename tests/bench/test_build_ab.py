@@ -1,4 +1,4 @@
-"""benchmarks/build_ab.py: a commit's decode steps timed in a worktree of its own, in a fresh process."""
+"""benchmarks/step/build_ab.py: a commit's decode steps timed in a worktree of its own, in a fresh process."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from benchmarks import build_ab
+from benchmarks.step import build_ab
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,6 +1,6 @@
-"""benchmarks/pin_bench.py's logic against the real server on loopback, on the tiny random model: the pool
-its sizing rule gives really evicts the unpinned system prompt under the fillers, and a pin keeps it; the
-summary and the plot come from what was measured."""
+"""benchmarks/serving/pin_bench.py's logic against the real server on loopback, on the tiny random model:
+the pool its sizing rule gives really evicts the unpinned system prompt under the fillers, and a pin
+keeps it; the summary and the plot come from what was measured."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from server_util import running_server
 
-from benchmarks import pin_bench
-from benchmarks.pin_bench import Sample, build_workload, fillers_for, pool_pages, run_phase, summarize
-from benchmarks.servers import SERVED_NAME
-from benchmarks.workloads import load_tokenizer
+from benchmarks.lib.servers import SERVED_NAME
+from benchmarks.lib.workloads import load_tokenizer
+from benchmarks.serving import pin_bench
+from benchmarks.serving.pin_bench import Sample, build_workload, fillers_for, pool_pages, run_phase, summarize
 from radixserve.config import EngineConfig
 
 PAGE = 4

@@ -1,4 +1,4 @@
-"""A short chaos soak (benchmarks/soak.py) of ``radixserve serve`` (single topology, the tiny model, a
+"""A short chaos soak (benchmarks/soak/soak.py) of ``radixserve serve`` (single topology, the tiny model, a
 real server process on loopback) at twice its measured capacity, with one SIGKILL of the engine
 process, one corrupted disk-tier page and one SIGSTOP of the engine process: nothing may be lost or
 wrong, no 5xx but the 503s of a restart, and no page leaked. One soak serves every test here."""
@@ -19,8 +19,8 @@ import psutil
 import pytest
 from tiny_models import make_tiny_model
 
-from benchmarks.soak import parse_args, run_soak
-from benchmarks.soak_faults import (
+from benchmarks.soak.soak import parse_args, run_soak
+from benchmarks.soak.soak_faults import (
     FAULTS,
     PROCESS_FAULTS,
     TOPOLOGY_FAULTS,
@@ -28,10 +28,10 @@ from benchmarks.soak_faults import (
     fault_schedule,
     process_tree,
 )
-from benchmarks.soak_outcomes import back, classify, fault_windows
-from benchmarks.soak_records import Record, Reply
-from benchmarks.soak_report import verdict
-from benchmarks.soak_server import METRICS_KEY, replicas_serving
+from benchmarks.soak.soak_outcomes import back, classify, fault_windows
+from benchmarks.soak.soak_records import Record, Reply
+from benchmarks.soak.soak_report import verdict
+from benchmarks.soak.soak_server import METRICS_KEY, replicas_serving
 
 DURATION_S = 75
 STOP_HOLD_S = 20

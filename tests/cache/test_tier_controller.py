@@ -175,7 +175,7 @@ def test_unknown_write_policy_is_refused() -> None:
 def test_a_full_disk_drops_the_write_and_leaves_no_partial_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """ENOSPC while a page is written (found by benchmarks/soak.py's disk-full fault): the page is not
+    """ENOSPC while a page is written (found by benchmarks/soak/soak.py's disk-full fault): the page is not
     stored, the write counts as dropped, its temporary file goes at once (it used to stay until the
     next start, holding the space), and the disk takes pages again once it has room."""
     import errno

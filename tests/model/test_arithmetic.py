@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks.accuracy import TEXTS
+from benchmarks.lib.accuracy import TEXTS
 from radixserve import Engine, SamplingParams
 from radixserve.cache.page_pool import KVPool
 from radixserve.kernels import cpu_build

@@ -14,7 +14,7 @@ import pytest
 import torch
 from gguf_files import write_tiny_gguf
 
-from benchmarks.accuracy import TEXTS
+from benchmarks.lib.accuracy import TEXTS
 from radixserve import Engine, SamplingParams
 from radixserve.cache.page_pool import KVPool
 from radixserve.cache.tiers import model_fingerprint

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from server_util import running_server
 
-from benchmarks.accuracy import TEXTS, agreement, score
+from benchmarks.lib.accuracy import TEXTS, agreement, score
 from radixserve import Engine, SamplingParams
 from radixserve.cache.tiers import model_fingerprint
 from radixserve.config import EngineConfig

@@ -1,5 +1,6 @@
 """Quantize an fp32 HF folder with llm-compressor (the real tool), into the compressed-tensors folders
-the tests load (tests/model/test_hf_quant.py) and the vLLM cross-check uses (benchmarks/hf_quant_bench.py).
+the tests load (tests/model/test_hf_quant.py) and the vLLM cross-check uses
+(benchmarks/serving/hf_quant_bench.py).
 
 Run with a venv holding llmcompressor (not a radixserve dependency), e.g.:
     python3 -m venv /tmp/lc && /tmp/lc/bin/pip install torch llmcompressor

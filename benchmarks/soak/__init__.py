@@ -1,0 +1,1 @@
+"""The chaos soak (``soak``) and its parts: traffic, faults, capacity, outcomes, report, server."""
