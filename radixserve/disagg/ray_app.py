@@ -129,16 +129,6 @@ class DecodeReplica(EngineReplica):
         finally:
             self._calls.pop(call.request_id, None)
 
-    async def transfer_stats(self) -> dict[str, float]:
-        m = self.metrics
-        return {
-            "requests": m.transfers,
-            "pages": m.pages,
-            "bytes": m.bytes,
-            "failed": m.failed,
-            "retries": m.retries,
-        }
-
     def _on_role_message(self, msg: FromEngine) -> None:
         if isinstance(msg, KVReserved):
             call = self._calls.get(msg.request_id)

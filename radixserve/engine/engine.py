@@ -18,22 +18,20 @@ import torch
 
 from radixserve.cache.pins.types import PinSpec
 from radixserve.cache.radix.view import CacheTree, snapshot
-from radixserve.engine import postprocess
 from radixserve.engine.builder import EngineParts
 from radixserve.engine.cache_control import ending_output
 from radixserve.engine.deltas import StepOutput
 from radixserve.engine.next_tokens import pick_tokens, sampled_logits
 from radixserve.engine.offline import OfflineAPI
+from radixserve.engine.postprocess import advance
 from radixserve.engine.prompt import Prompt, apply_chat_template, tokenize
 from radixserve.engine.prompt_logprobs import prepare_scoring, score_step
 from radixserve.engine.request import Request, Status
 from radixserve.engine.scheduler import ScheduledBatch
-from radixserve.engine.stats import EngineStats
+from radixserve.engine.stats import EngineStats, tier_stats
 from radixserve.model.runner import SeqChunk
-from radixserve.sampling.grammar import Matcher
 from radixserve.sampling.params import SamplingParams
 from radixserve.sampling.sampler import Sampler
-from radixserve.sampling.stop import GRAMMAR_COMPLETE
 
 
 class Engine(EngineParts, OfflineAPI):
@@ -75,10 +73,10 @@ class Engine(EngineParts, OfflineAPI):
         self._inbox.put(("add", reqs))
         return reqs[0].group_id
 
-    def abort(self, request_id: str, index: int | None = None) -> None:
-        """Stop a request (all its samples, or only sample ``index``) and free its pages at the next
-        step; thread-safe. Each sample it stops ends with an "abort" output."""
-        self._inbox.put(("abort", (request_id, index)))
+    def abort(self, request_id: str) -> None:
+        """Stop a request (all its samples) and free its pages at the next step; thread-safe. Each
+        sample it stops ends with an "abort" output."""
+        self._inbox.put(("abort", request_id))
 
     def overdue(self, max_wait_s: float) -> list[str]:
         """The requests (group ids) that arrived over ``max_wait_s`` ago and were never scheduled (a
@@ -108,7 +106,7 @@ class Engine(EngineParts, OfflineAPI):
             num_steps=self.num_steps,
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
-            tiers=kv.tier_stats(),
+            tiers=tier_stats(kv),
             **self.cache_control.stats(),
             spec_drafted=dict(spec.drafted) if spec else {},
             spec_accepted=dict(spec.accepted) if spec else {},
@@ -144,33 +142,41 @@ class Engine(EngineParts, OfflineAPI):
     # -- the step loop ----------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """One engine iteration: admit and abort, schedule, one forward, sample, postprocess."""
-        outputs = self._drain_inbox()
-        if self.speculator is not None:
-            self.speculator.before_schedule(self.scheduler.running)
+        outputs = self._drain_inbox() if not self._inbox.empty() else []
+        spec = self.speculator
+        if spec is not None:
+            spec.before_schedule(self.scheduler.running)
         batch = self.scheduler.schedule()
-        if self.speculator is not None:
-            self.speculator.after_schedule(batch)
-        self.newly_scheduled = [
-            g for g in dict.fromkeys(r.group_id for r in batch.requests) if g in self._unscheduled
-        ]
-        self._unscheduled.difference_update(self.newly_scheduled)
-        if not batch:
+        if spec is not None:
+            spec.after_schedule(batch)
+        self.newly_scheduled = []
+        if self._unscheduled:
+            groups = dict.fromkeys([r.group_id for r in batch.requests])
+            self.newly_scheduled = [g for g in groups if g in self._unscheduled]
+            self._unscheduled.difference_update(self.newly_scheduled)
+        if not batch.requests:
             if self.config.debug_checks and not self.scheduler.has_work():
                 self.check_integrity()
             return outputs
         self.num_steps += 1
-        firsts = prepare_scoring(batch, self.pool.scores)  # where each request's prompt logprobs start
-        chunks = [
-            SeqChunk(
-                r.token_ids + r.drafts if r.drafts else r.token_ids,
-                r.num_computed_tokens,
-                n,
-                r.pages.table,
-                first is not None or bool(r.drafts),  # drafts: a row per position
-                r.num_computed_tokens if first is None else first,
-            )
-            for r, n, first in zip(batch.requests, batch.num_new_tokens, firsts)
-        ]
+        firsts = prepare_scoring(batch, self.pool.scores)  # where prompt logprobs start (None: nowhere)
+        if firsts is None and spec is None:  # the common step: each request's new tokens, no more
+            chunks = [
+                SeqChunk(r.token_ids, r.num_computed_tokens, n, r.pages.table, False, r.num_computed_tokens)
+                for r, n in zip(batch.requests, batch.num_new_tokens)
+            ]
+        else:
+            chunks = [
+                SeqChunk(
+                    r.token_ids + r.drafts if r.drafts else r.token_ids,
+                    r.num_computed_tokens,
+                    n,
+                    r.pages.table,
+                    first is not None or bool(r.drafts),  # drafts: a row per position
+                    r.num_computed_tokens if first is None else first,
+                )
+                for r, n, first in zip(batch.requests, batch.num_new_tokens, firsts or [None] * len(batch))
+            ]
         result = self.runner.run(chunks)
         score_step(self.pool.scores, batch, firsts, result.all_logits)
         outputs += self._postprocess(batch, result.logits, result.all_logits)
@@ -181,37 +187,37 @@ class Engine(EngineParts, OfflineAPI):
     ) -> list[StepOutput]:
         """What a forward's logits do to the batch (its prompts were scored: ``score_step``), in order:
         count (and cache) what was computed, sample the rows that end at a new token, then each such
-        request's tokens, stops, output, text, drafts and finish."""
+        request's tokens, stops, text, output, drafts and finish (``postprocess.advance``)."""
         rows = [  # the requests whose step ends at a new token (not inside a prefill)
             i
             for i, (r, n) in enumerate(zip(batch.requests, batch.num_new_tokens))
-            if r.num_computed_tokens + n == r.num_tokens + len(r.drafts)
+            if r.num_computed_tokens + n == len(r.token_ids) + len(r.drafts)
         ]
         self._count_computed(batch)
-        outputs, reqs = self.cache_control.finish_warms([batch.requests[i] for i in rows], self._finish)
-        rows = [i for i in rows if not batch.requests[i].warm]
+        reqs = [batch.requests[i] for i in rows]
+        outputs: list[StepOutput] = []
+        if [r for r in reqs if r.warm]:  # warms end here, unsampled
+            outputs, reqs = self.cache_control.finish_warms(reqs, self._finish)
+            rows = [i for i in rows if not batch.requests[i].warm]
         if not rows:
             return outputs
-        matchers = [_matcher(r) for r in reqs]
-        rows_logits = sampled_logits(batch.requests, rows, logits, all_logits)
+        # A request's grammar matcher, once compiled (the scheduler ran it only when ready).
+        matchers = [r.grammar.take() if r.grammar is not None else None for r in reqs]
+        spec = self.speculator
+        rows_logits = (
+            logits[rows] if spec is None else sampled_logits(batch.requests, rows, logits, all_logits)
+        )
         picks = pick_tokens(self.sampler, reqs, matchers, rows_logits, self.eos)
         now = time.monotonic()
+        eos, jump_forward = self.eos, self.config.jump_forward
         for r, matcher, pick in zip(reqs, matchers, picks):
-            first = r.num_output_tokens == 0
             if r.first_token_time is None:
                 r.first_token_time = now
-            tokens = postprocess.constrain(matcher, pick.tokens, self.config.jump_forward)
-            appended, stop = postprocess.append_tokens(r, tokens, self.eos)
-            self.generation_tokens += len(appended)
-            if stop is None and matcher is not None and matcher.is_terminated():
-                stop = GRAMMAR_COMPLETE
-            out = postprocess.sample_output(r, appended, stop, pick, now, first)
-            if r.text is not None:
-                out, cut = postprocess.with_text(r, out)
-                self.generation_tokens -= cut
+            out, appended = advance(r, pick, matcher, eos, jump_forward, now)
+            self.generation_tokens += len(out.token_ids)
             if r.drafts:
-                assert self.speculator is not None
-                self.speculator.settle(r, len(pick.tokens), len(appended))
+                assert spec is not None
+                spec.settle(r, len(pick.tokens), appended)
             outputs.append(out)
             if out.finish_reason is not None:
                 self._finish(r, out.finish_reason)
@@ -240,11 +246,10 @@ class Engine(EngineParts, OfflineAPI):
                 for req in item:
                     self.scheduler.add(req)
                 outputs += self.cache_control.on_added(item, self._finish)
-            elif item[0] in self._groups:
+            elif item in self._groups:
                 now = time.monotonic()
-                group_id, index = item
-                for req in self._groups[group_id]:
-                    if req.status != Status.FINISHED and index in (None, req.index):
+                for req in self._groups[item]:
+                    if req.status != Status.FINISHED:
                         outputs.append(ending_output(req, "abort", now))
                         self._finish(req, "abort")
         return outputs
@@ -256,8 +261,3 @@ class Engine(EngineParts, OfflineAPI):
         if group is not None and all(r.status == Status.FINISHED for r in group):
             del self._groups[req.group_id]
             self._unscheduled.discard(req.group_id)
-
-
-def _matcher(req: Request) -> Matcher | None:
-    """The request's grammar matcher, once compiled (the scheduler ran it only when ready)."""
-    return req.grammar.take() if req.grammar is not None else None

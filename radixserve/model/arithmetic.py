@@ -65,7 +65,6 @@ logger = logging.getLogger("radixserve.model")
 
 ARITHMETICS = ("exact", "int8", "bfloat16", "auto")
 DECODE_ARITHMETICS = ("exact", "int8")
-CHEAPER = ("int8", "bfloat16")
 PROBE_ROWS = 256  # rows of the timed products: a prefill chunk's order of size
 PROBE_TIMEOUT_S = 120.0
 PROBE_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)  # block types gguf.quants.quantize writes

@@ -9,7 +9,7 @@ sharding of block rows (``sharding.py``) and the tests; the kernels that multipl
   super-blocks of 256 weights with one or two fp16 scales and 8 or 16 sub-block scales of 6, 8 or 4
   bits. A row of a weight matrix is a whole number of blocks of its type (``BlockFormat.weights``).
 - Bit for bit: every decoder does what ``gguf.quants.dequantize`` does, in the same fp32 operations
-  and order (tests/model/test_gguf_blocks.py). Each weight is one product of an fp16 scale and small
+  and order (tests/model/test_gguf.py). Each weight is one product of an fp16 scale and small
   integers (exact in fp32: at most 23 significant bits) minus or plus at most one fp32 value, so it is
   rounded once, and a kernel that fuses the multiply-add gets the same bits.
 """

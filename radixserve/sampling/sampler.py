@@ -18,8 +18,8 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+import functools
+from collections.abc import Callable, Collection, Sequence
 from typing import NamedTuple
 
 import torch
@@ -31,36 +31,73 @@ from radixserve.sampling.params import SamplingParams
 _PAD = -1  # padding id in the token id tensors; mapped to a dummy column V when scattering
 
 
-@dataclass
+History = Callable[[], tuple[Sequence[Sequence[int]], Sequence[Sequence[int]]]]
+"""Each row's prompt and output token ids; asked for only when a row's penalties or ``min_tokens``
+read them, so a batch without those copies no token history."""
+
+
 class SamplingBatch:
     """Per-row sampling state for one step, as tensors on the logits' device.
 
-    ``top_ks`` holds 0 where top-k is disabled. ``generators`` holds None for unseeded rows and for
-    greedy rows (they draw nothing). ``seen_ids`` (prompt + output, for the repetition penalty) and
-    ``output_ids`` (for presence/frequency) are right-padded with -1 and exist only when some row
-    uses the matching penalty. ``bias`` (rows, columns, values) is added to the logits first: each
-    row's ``logit_bias``, and -inf for the tokens that would end a row still short of its ``min_tokens``
-    (EOS unless ``ignore_eos``, and its stop token ids); None when no row has either.
+    Built in one pass over the rows' params; a tensor is made only when a step reads it: the
+    temperature, top-k/p and min-p tensors only for a batch with a sampled row, the penalties' only for
+    one with penalties, and the token history (``History``) only then. ``top_ks`` holds 0 where top-k
+    is disabled. ``generators`` holds None for unseeded rows and for greedy rows (they draw nothing).
+    ``seen_ids`` (prompt + output, for the repetition penalty) and ``output_ids`` (for
+    presence/frequency) are right-padded with -1 and exist only when some row uses the matching
+    penalty. ``bias`` (rows, columns, values) is added to the logits first: each row's ``logit_bias``,
+    and -inf for the tokens that would end a row still short of its ``min_tokens`` (EOS unless
+    ``ignore_eos``, and its stop token ids); None when no row has either.
     """
 
-    temperatures: Tensor
-    top_ps: Tensor
-    top_ks: Tensor
-    min_ps: Tensor
-    repetition_penalties: Tensor
-    presence_penalties: Tensor
-    frequency_penalties: Tensor
-    generators: list[torch.Generator | None]
-    output_token_ids: list[list[int]]
-    prompt_token_ids: list[list[int]]
-    logprobs: list[int | None]
-    all_greedy: bool
-    needs_penalties: bool
-    needs_top: bool  # some sampled row uses top-k or top-p (needs a sort)
-    needs_min_p: bool
-    seen_ids: Tensor | None = None
-    output_ids: Tensor | None = None
-    bias: tuple[Tensor, Tensor, Tensor] | None = None
+    def __init__(
+        self,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        device: torch.device | str,
+        eos_token_ids: Collection[int] = (),
+        history: History | None = None,
+    ) -> None:
+        if len(params) != len(generators):
+            raise ValueError(f"{len(params)} params but {len(generators)} generators")
+        self.params = params
+        self.device = device
+        self.logprobs: list[int | None] = []
+        sampled = repetition = counts = top = min_p = biased = False
+        for p in params:
+            self.logprobs.append(p.logprobs)
+            if p.temperature != 0.0:
+                sampled = True
+                top = top or p.top_k > 0 or p.top_p < 1.0
+                min_p = min_p or p.min_p > 0.0
+            repetition = repetition or p.repetition_penalty != 1.0
+            counts = counts or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+            biased = biased or bool(p.logit_bias) or p.min_tokens > 0
+        self.all_greedy = not sampled
+        self.needs_penalties = repetition or counts
+        self.needs_top = top  # some sampled row uses top-k or top-p (needs a sort)
+        self.needs_min_p = min_p
+        self.generators = (
+            [None] * len(params)
+            if not sampled
+            else [g if not p.greedy else None for g, p in zip(generators, params, strict=True)]
+        )
+        self.seen_ids: Tensor | None = None
+        self.output_ids: Tensor | None = None
+        self.bias: tuple[Tensor, Tensor, Tensor] | None = None
+        if not (repetition or counts or biased):
+            return
+        if history is None:
+            raise ValueError("penalties, logit_bias and min_tokens read the rows' history: pass history")
+        prompts, outputs = history()
+        if not len(params) == len(prompts) == len(outputs):
+            raise ValueError("params, prompt_token_ids and output_token_ids differ in length")
+        if repetition:
+            self.seen_ids = _pad([[*p, *o] for p, o in zip(prompts, outputs, strict=True)], device)
+        if counts:
+            self.output_ids = _pad([list(o) for o in outputs], device)
+        if biased:
+            self.bias = _bias(params, outputs, eos_token_ids, device)
 
     @classmethod
     def build(
@@ -72,44 +109,46 @@ class SamplingBatch:
         device: torch.device | str,
         eos_token_ids: Collection[int] = (),
     ) -> SamplingBatch:
+        """A batch whose histories are at hand, checked against the params at once."""
         if not len(params) == len(prompt_token_ids) == len(output_token_ids) == len(generators):
             raise ValueError("params, prompt_token_ids, output_token_ids and generators differ in length")
-        prompts = [list(ids) for ids in prompt_token_ids]
-        outputs = [list(ids) for ids in output_token_ids]
-        sampled = [not p.greedy for p in params]
-        needs_repetition = any(p.repetition_penalty != 1.0 for p in params)
-        needs_counts = any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)
+        return cls(params, generators, device, eos_token_ids, lambda: (prompt_token_ids, output_token_ids))
 
-        def floats(values: list[float]) -> Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
+    def _floats(self, name: str) -> Tensor:
+        return torch.tensor([getattr(p, name) for p in self.params], dtype=torch.float32, device=self.device)
 
-        return cls(
-            temperatures=floats([p.temperature for p in params]),
-            top_ps=floats([p.top_p for p in params]),
-            top_ks=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int64, device=device),
-            min_ps=floats([p.min_p for p in params]),
-            repetition_penalties=floats([p.repetition_penalty for p in params]),
-            presence_penalties=floats([p.presence_penalty for p in params]),
-            frequency_penalties=floats([p.frequency_penalty for p in params]),
-            generators=[g if s else None for g, s in zip(generators, sampled, strict=True)],
-            output_token_ids=outputs,
-            prompt_token_ids=prompts,
-            logprobs=[p.logprobs for p in params],
-            all_greedy=not any(sampled),
-            needs_penalties=needs_repetition or needs_counts,
-            needs_top=any(s and (p.top_k > 0 or p.top_p < 1.0) for p, s in zip(params, sampled, strict=True)),
-            needs_min_p=any(s and p.min_p > 0.0 for p, s in zip(params, sampled, strict=True)),
-            seen_ids=_pad([p + o for p, o in zip(prompts, outputs, strict=True)], device)
-            if needs_repetition
-            else None,
-            output_ids=_pad(outputs, device) if needs_counts else None,
-            bias=_bias(params, outputs, eos_token_ids, device),
-        )
+    @functools.cached_property
+    def temperatures(self) -> Tensor:
+        return self._floats("temperature")
+
+    @functools.cached_property
+    def top_ps(self) -> Tensor:
+        return self._floats("top_p")
+
+    @functools.cached_property
+    def top_ks(self) -> Tensor:
+        return torch.tensor([max(p.top_k, 0) for p in self.params], dtype=torch.int64, device=self.device)
+
+    @functools.cached_property
+    def min_ps(self) -> Tensor:
+        return self._floats("min_p")
+
+    @functools.cached_property
+    def repetition_penalties(self) -> Tensor:
+        return self._floats("repetition_penalty")
+
+    @functools.cached_property
+    def presence_penalties(self) -> Tensor:
+        return self._floats("presence_penalty")
+
+    @functools.cached_property
+    def frequency_penalties(self) -> Tensor:
+        return self._floats("frequency_penalty")
 
 
 def _bias(
     params: Sequence[SamplingParams],
-    outputs: list[list[int]],
+    outputs: Sequence[Sequence[int]],
     eos_token_ids: Collection[int],
     device: torch.device | str,
 ) -> tuple[Tensor, Tensor, Tensor] | None:
@@ -175,7 +214,8 @@ class Sampler:
     """Stateless: all per-request state (including RNG streams) lives in the SamplingBatch.
 
     ``__call__`` is ``process`` (bias, mask, penalties), ``choose`` (argmax or a draw) and ``logprobs``;
-    speculative verification (``sampling/rejection.py``) uses ``process`` and ``target_probs``.
+    speculative verification (``engine/next_tokens.py``, then ``sampling/rejection.py``) uses ``process``
+    and ``filtered_probs``.
     """
 
     def __call__(self, logits: Tensor, batch: SamplingBatch, mask: Tensor | None = None) -> SamplerOutput:
@@ -208,21 +248,11 @@ class Sampler:
         return _filtered_probs(processed, batch)
 
     @staticmethod
-    def target_probs(processed: Tensor, batch: SamplingBatch) -> Tensor:
-        """The distribution ``choose`` draws each row from: after temperature, top-k, top-p and min-p,
-        normalised; one-hot on the argmax for greedy rows."""
-        greedy = batch.temperatures == 0
-        probs = _filtered_probs(processed, batch)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-        one_hot = torch.zeros_like(probs).scatter_(1, processed.argmax(dim=-1, keepdim=True), 1.0)
-        return torch.where(greedy[:, None], one_hot, probs)
-
-    @staticmethod
     def logprobs(processed: Tensor, tokens: Tensor, batch: SamplingBatch) -> SamplerOutput:
         """``tokens`` with the logprobs their rows asked for, from ``process``-ed logits."""
-        requested = [k for k in batch.logprobs if k is not None]
-        if not requested:
+        if batch.logprobs.count(None) == len(batch.logprobs):
             return SamplerOutput(tokens, None, None, None)
+        requested = [k for k in batch.logprobs if k is not None]
         logprobs = torch.log_softmax(processed, dim=-1)
         chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
         k = max(requested)

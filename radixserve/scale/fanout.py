@@ -195,7 +195,7 @@ class LocalEngines:
         return member, await getattr(engine, method)(*args)
 
     def owner(self, pin_id: str) -> tuple[str, str] | None:
-        return None  # each engine's own ids (random: cache/pins.py), so no two engines share one
+        return None  # each engine's own ids (random: cache/pins/table.py), so no two engines share one
 
     def latest_stats(self) -> Mapping[str, EngineStats]:
         return {name: e.stats() for name, e in {**self.serving, **self.computing}.items()}

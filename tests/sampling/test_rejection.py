@@ -33,7 +33,8 @@ def _target_probs(tiny_llama: Path) -> tuple[torch.Tensor, list[int]]:
         with torch.no_grad():
             logits = model(torch.tensor([tokens + draft])).logits[0, -1:]
         batch = SamplingBatch.build([params], [tokens], [draft], [None], "cpu")
-        p = Sampler.target_probs(Sampler.process(logits, batch), batch)[0]
+        q = Sampler.filtered_probs(Sampler.process(logits, batch), batch)[0]
+        p = q / q.sum()  # the distribution a sampled row is drawn from, normalised
         rows.append(p)
         draft.append(int(p.topk(2).indices[1]))
     return torch.stack(rows), draft[:2]

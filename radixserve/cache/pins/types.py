@@ -8,7 +8,6 @@ as they are (runtime/messages.py). The rules a pin keeps are in ``cache/pins/tab
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -20,15 +19,6 @@ from radixserve.cache.radix.node import TreeNode
 # longer than a day it stops being a cache hint and becomes storage, which the disk tier (and the
 # client re-warming on start) does better. Anthropic's longest cache TTL is an hour.
 MAX_PIN_TTL_S = 24 * 3600.0
-
-
-class CacheOp(enum.Enum):
-    """The operations of a ``CacheCall`` (runtime/messages.py)."""
-
-    PINS = "pins"
-    UNPIN = "unpin"
-    EVICT = "evict"
-    ADVANCE_CLOCK = "advance_clock"
 
 
 class PinSpec(msgspec.Struct, array_like=True, kw_only=True):
