@@ -3,7 +3,7 @@
 A core record (identity, tokens, progress, timing) plus typed sub-records, each written by one owner:
 ``pages`` (``cache/request_pages.py``'s ``RequestPages``: the page table, the tree lock, a load from the
 lower tiers), ``grammar`` (``Constraint``: the compile, then the matcher), ``spec``
-(``engine/speculation.py``'s ``Speculation``, written by the ``Speculator``: drafts and the adaptive
+(``engine/draft_state.py``'s ``DraftState``, written by the ``Speculator``: drafts and the adaptive
 state) and ``text`` (``TextStream``: detokenization and stop strings). Only ``RequestPages`` is
 needed at run time; the rest are types, so this module imports nothing it does not build.
 """
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from radixserve.engine.speculation import Speculation
+    from radixserve.engine.draft_state import DraftState
     from radixserve.outputs import TokenLogprob
     from radixserve.sampling.detokenizer import TextStream
     from radixserve.sampling.grammar import Matcher
@@ -38,7 +38,7 @@ class Status(enum.Enum):
 @dataclass(slots=True, eq=False)
 class Constraint:
     """A constrained request's grammar: ``compiling`` on a worker thread until the request is first
-    sampled (``_matcher`` in ``engine/engine.py``), then ``matcher``. The scheduler waits for ``ready``."""
+    sampled (``Engine._postprocess`` takes it), then ``matcher``. The scheduler waits for ``ready``."""
 
     compiling: Future[Matcher] | None
     matcher: Matcher | None = None
@@ -83,7 +83,8 @@ class Request:
     grammar: Constraint | None = None
     # Written by the Speculator alone. Drafts are never part of ``token_ids``: they are verified in the
     # step that computes them and only the accepted ones are appended.
-    spec: Speculation | None = None
+    spec: DraftState | None = None
+    drafts: list[int] = field(default_factory=list)  # the tokens drafted for this step (the Speculator's)
     text: TextStream | None = None  # where the engine makes the text: detokenizes, checks stop strings
     warm: bool = False  # prefill only (engine/cache_control.py): the prompt is cached, nothing sampled
 
@@ -111,11 +112,6 @@ class Request:
     @property
     def matcher(self) -> Matcher | None:
         return self.grammar.matcher if self.grammar is not None else None
-
-    @property
-    def drafts(self) -> list[int]:
-        """The tokens drafted for this step (read-only here: the Speculator writes them)."""
-        return self.spec.drafts if self.spec is not None else []
 
     @property
     def num_pending_tokens(self) -> int:

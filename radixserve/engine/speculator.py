@@ -15,7 +15,7 @@ The engine calls three hooks, in step order:
   (``engine/next_tokens.py``, ``sampling/rejection.py``): the KV of the pending token and of the
   accepted drafts counts as computed, the request's draft length and pausing adapt, and the pages of
   rejected drafts are freed.
-Only this class writes a request's ``spec`` (``Speculation``); the rest of the engine reads
+Only this class writes a request's ``spec`` (``DraftState``); the rest of the engine reads
 ``Request.drafts``.
 
 Per request, the draft length ``k`` adapts to what was accepted, and a request whose drafts keep
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from radixserve.cache.radix.continuation import continuation
-from radixserve.engine.speculation import FIRST_PAUSE, MAX_PAUSE, MIN_GAIN, NgramIndex, Speculation
+from radixserve.engine.draft_state import FIRST_PAUSE, MAX_PAUSE, MIN_GAIN, DraftState, NgramIndex
 
 if TYPE_CHECKING:
     from radixserve.cache.kv_manager import KVCacheManager
@@ -66,13 +66,13 @@ class Speculator:
     def before_schedule(self, requests: Iterable[Request]) -> None:
         """Draft for each decoding request that speculates; every other request has no drafts."""
         for req in requests:
-            if req.spec is not None:
-                req.spec.drafts = []
+            if req.drafts:
+                req.drafts = []
             if req.num_pending_tokens != 1 or not self._speculates(req):
                 continue
             spec = req.spec
             if spec is None:
-                spec = req.spec = Speculation(NgramIndex(self.max_n), self.k_max)
+                spec = req.spec = DraftState(NgramIndex(self.max_n), self.k_max)
             if spec.paused:
                 spec.paused -= 1
                 continue
@@ -90,14 +90,14 @@ class Speculator:
                 draft, source = spec.index.lookup(req.token_ids, k, self.min_n), "prompt"
             if req.matcher is not None:  # a constrained request drafts only what its grammar allows
                 draft = draft[: req.matcher.valid_prefix(draft)]
-            spec.drafts, spec.source = draft, source
+            req.drafts, spec.source = draft, source
 
     def after_schedule(self, batch: ScheduledBatch) -> None:
         """Keep the drafts the budget allowed: a request scheduled for ``n`` tokens verifies ``n`` minus
         its pending ones (none for one admitted or resumed this step, which computes its prompt)."""
         for req, n in zip(batch.requests, batch.num_new_tokens):
-            if req.spec is not None:
-                del req.spec.drafts[max(0, n - req.num_pending_tokens) :]
+            if req.drafts:
+                del req.drafts[max(0, n - req.num_pending_tokens) :]
 
     def settle(self, req: Request, num_verified: int, num_appended: int) -> None:
         """After a step verified ``req``'s drafts: the KV of the pending token and of the accepted drafts
@@ -105,8 +105,7 @@ class Speculator:
         valid = min(num_verified, num_appended)
         req.num_computed_tokens = min(req.num_computed_tokens + valid, req.num_tokens)
         self._record(req, num_verified - 1)
-        assert req.spec is not None
-        req.spec.drafts = []
+        req.drafts = []
         self.kv_manager.shrink(req)
 
     # -- adaptation ----------------------------------------------------------------------------------
@@ -114,7 +113,7 @@ class Speculator:
         """After verification: count, and adapt the request's draft length and pausing."""
         spec, stats = req.spec, self.stats
         assert spec is not None
-        drafted = len(spec.drafts)
+        drafted = len(req.drafts)
         stats.drafted[spec.source] += drafted
         stats.accepted[spec.source] += num_accepted
         stats.verify_steps += 1

@@ -27,7 +27,6 @@ import torch
 from filelock import FileLock
 from torch import nn
 
-from radixserve.model.config import ModelConfig
 from radixserve.model.default_model import (
     _llama_config,
     _save_tokenizer,
@@ -38,6 +37,7 @@ from radixserve.model.default_model import (
 from radixserve.model.gguf import GGUFEmbedding, GGUFFile, GGUFLinear, Weight, read_gguf
 from radixserve.model.layers import RotaryEmbedding
 from radixserve.model.llama import DecoderLayer, LlamaForCausalLM
+from radixserve.model.model_config import ModelConfig
 
 QUANTIZATION = "gguf"
 TOKENIZER_MARKER = "TOKENIZER_COMPLETE"

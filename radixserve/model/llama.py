@@ -16,8 +16,8 @@ from torch import nn
 from radixserve.cache.page_pool import KVPool
 from radixserve.kernels.kv_dtype import LayerCache
 from radixserve.model.attention import AttentionBackend, AttentionMetadata, paged_attention
-from radixserve.model.config import ModelConfig
 from radixserve.model.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+from radixserve.model.model_config import ModelConfig
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos and sin [T, head_dim / 2] of the step's positions
 # HF's separate projections and the fused matrix (and part) each one fills.

@@ -12,10 +12,10 @@ from safetensors import safe_open
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from radixserve.model import arithmetic, quant
-from radixserve.model.config import ModelConfig
 from radixserve.model.hf_quant_load import load_quantized, quantization_config
 from radixserve.model.layers import RotaryEmbedding
 from radixserve.model.llama import LlamaForCausalLM
+from radixserve.model.model_config import ModelConfig
 
 logger = logging.getLogger("radixserve.engine")
 

@@ -40,15 +40,16 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from radixserve.cache.page_pool import KVPool
 from radixserve.kernels import gguf_int8
-from radixserve.model.config import ModelConfig
 from radixserve.model.gguf_blocks import TYPE_NAMES
 from radixserve.model.layers import NATIVE_BF16
 from radixserve.model.llama import DecoderLayer, LlamaForCausalLM
+from radixserve.model.model_config import ModelConfig
 
 logger = logging.getLogger("radixserve.model")
 
@@ -254,7 +255,21 @@ class NativeStep:
         return hidden
 
 
-def covers(num_new: Sequence[int], want_all: Sequence[bool]) -> bool:
-    """Whether a step of sequences with ``num_new`` new tokens each (``want_all``: prompt logprobs asked)
-    is one the native step runs: 1 to MAX_ROWS sequences decoding one token each, no logprobs of all."""
-    return 1 <= len(num_new) <= MAX_ROWS and all(n == 1 for n in num_new) and not any(want_all)
+class StepChunk(Protocol):
+    """What ``covers`` reads of a step's sequence (the runner's ``SeqChunk``)."""
+
+    @property
+    def num_new(self) -> int: ...
+    @property
+    def want_all_logits(self) -> bool: ...
+
+
+def covers(chunks: Sequence[StepChunk]) -> bool:
+    """Whether a step of ``chunks`` is one the native step runs: 1 to MAX_ROWS sequences decoding one
+    token each, none asking for the logits of all its positions (prompt logprobs, drafts)."""
+    if not 1 <= len(chunks) <= MAX_ROWS:
+        return False
+    for c in chunks:  # noqa: SIM110 (a loop: a generator in all() is a call per row, every step)
+        if c.num_new != 1 or c.want_all_logits:
+            return False
+    return True

@@ -20,11 +20,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from radixserve.model.config import ModelConfig
 from radixserve.model.gguf import GGUFEmbedding, GGUFLinear
 from radixserve.model.gguf_blocks import CHUNK, FORMATS, is_blocks
 from radixserve.model.layers import Linear
 from radixserve.model.llama import DecoderLayer, LlamaForCausalLM
+from radixserve.model.model_config import ModelConfig
 from radixserve.model.quant import Int8Linear
 from radixserve.parallel import comm
 

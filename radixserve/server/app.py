@@ -57,7 +57,7 @@ from radixserve.runtime.backend import (
 from radixserve.server.anthropic import messages as anthropic_messages
 from radixserve.server.cache_api import protocol as pc
 from radixserve.server.cache_api import routes as cache_routes
-from radixserve.server.chat.render import render_chat
+from radixserve.server.chat.render import render_openai_chat
 from radixserve.server.generate import generate
 from radixserve.server.http import protocol as p
 from radixserve.server.http.api import ApiContext
@@ -113,7 +113,7 @@ class _SmallRoutes:
         self.ctx.check_model(req.model)
         tok = self.ctx.tokenizer
         if req.messages is not None and req.prompt is None:
-            text = render_chat(
+            text = render_openai_chat(
                 tok,
                 req.messages,
                 req.tools,

@@ -24,9 +24,9 @@ from hf_quant_files import write_quantized
 from radixserve import Engine, SamplingParams
 from radixserve.config import EngineConfig
 from radixserve.engine.tensor_parallel import STOP_WAIT_S, TensorParallel, TensorParallelError
-from radixserve.model.config import ModelConfig
 from radixserve.model.gguf import GGUFLinear
 from radixserve.model.llama import DecoderLayer
+from radixserve.model.model_config import ModelConfig
 from radixserve.model.runner import SeqChunk
 from radixserve.model.sharding import check_tensor_parallel
 from radixserve.outputs import RequestOutput
@@ -185,7 +185,7 @@ def test_prefix_hits_and_tier_round_trip_under_tp(
         device_hit = eng.generate([prompt], GREEDY)[0]
         assert (fresh.cached_tokens, device_hit.cached_tokens) == (0, 40)
         seed = 100
-        while eng.kv_manager.tree is not None and eng.kv_manager.tree.prefix_len(doc):
+        while eng.kv_manager.tree is not None and eng.kv_manager.tree.peek(doc).num_tokens:
             eng.generate([tokens(40, seed)], GREEDY)
             seed += 1
         assert eng.kv_manager.tiers is not None

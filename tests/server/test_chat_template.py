@@ -12,9 +12,9 @@ import pytest
 from radixserve.chat_template import ChatTemplateError, render_chat
 from radixserve.engine.prompt import apply_chat_template
 from radixserve.model.loader import load_tokenizer
+from radixserve.server.chat import render as chat_render
 from radixserve.server.chat.tools import choose_format
 from radixserve.server.openai import protocol as c
-from radixserve.server.openai.chat import render as chat_render
 
 CONVERSATION: list[dict[str, Any]] = [
     {"role": "system", "content": "You are terse."},
@@ -28,7 +28,7 @@ def test_offline_and_server_chat_render_the_same_prompt(tiny_llama: Path) -> Non
     tokenizer = load_tokenizer(tiny_llama)
     fmt = choose_format("auto", tokenizer.chat_template or "")
     messages = [msgspec.convert(m, c.ChatMessage) for m in CONVERSATION]
-    served = chat_render.render_chat(tokenizer, messages, None, fmt)
+    served = chat_render.render_openai_chat(tokenizer, messages, None, fmt)
     offline = apply_chat_template(tokenizer, CONVERSATION)
     assert "héllo 你好" in served and "You are terse." in served
     assert offline == tokenizer.encode(served, add_special_tokens=False)

@@ -54,7 +54,7 @@ from radixserve.server.openai.fields import MESSAGES_IGNORED, MESSAGES_REFUSED
 
 
 async def messages(ctx: ApiContext, request: Request) -> Response:
-    req = await ctx.decode_openai(request, pa.MessagesRequest, MESSAGES_REFUSED, MESSAGES_IGNORED)
+    req = await ctx.decode_checked(request, pa.MessagesRequest, MESSAGES_REFUSED, MESSAGES_IGNORED)
     ctx.check_model(req.model)
     rid = f"msg_{uuid.uuid4().hex[:24]}"
     chat = chat_request(req)
@@ -110,7 +110,7 @@ async def _warm(ctx: ApiContext, request: Request, chat: c.ChatCompletionRequest
 
 async def count_tokens(ctx: ApiContext, request: Request) -> Response:
     """The prompt's tokens as ``/v1/messages`` would render them (system, tools and messages)."""
-    req = await ctx.decode_openai(request, pa.CountTokensRequest, MESSAGES_REFUSED, MESSAGES_IGNORED)
+    req = await ctx.decode_checked(request, pa.CountTokensRequest, MESSAGES_REFUSED, MESSAGES_IGNORED)
     ctx.check_model(req.model)
     _, token_ids = chat_prompt(ctx, chat_request(req))
     return json_response(pa.CountTokensResponse(len(token_ids)))

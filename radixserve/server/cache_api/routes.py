@@ -20,7 +20,7 @@ from starlette.responses import Response
 from radixserve.cache.pins.types import WarmResult
 from radixserve.server.cache_api import protocol as pc
 from radixserve.server.cache_api.pins import pin_spec
-from radixserve.server.chat.render import render_chat
+from radixserve.server.chat.render import render_openai_chat
 from radixserve.server.http.api import ApiContext
 from radixserve.server.http.responses import ApiError, json_response
 
@@ -42,7 +42,9 @@ def prompt_ids(ctx: ApiContext, req: pc.CachePrompt) -> list[int]:
     if len(given) != 1:
         raise ApiError(400, "give exactly one of messages, prompt and prompt_token_ids", "messages")
     if req.messages is not None:
-        text = render_chat(ctx.tokenizer, req.messages, None, ctx.tool_format, req.add_generation_prompt)
+        text = render_openai_chat(
+            ctx.tokenizer, req.messages, None, ctx.tool_format, req.add_generation_prompt
+        )
         ids = list(ctx.tokenizer.encode(text, add_special_tokens=False))
     elif req.prompt is not None:
         ids = ctx.engine.tokenize(req.prompt)

@@ -1,5 +1,6 @@
-"""OpenAI's chat messages and tools (protocol_chat.py) made the dicts HF templates read, and rendered by
-the one chat renderer (radixserve/chat_template.py, which the offline ``Engine.chat`` uses too).
+"""OpenAI's chat messages and tools (server/openai/protocol.py) made the dicts HF templates read, and
+rendered by the one chat renderer (``render_openai_chat``: radixserve/chat_template.py's ``render_chat``,
+which the offline ``Engine.chat`` uses too).
 
 - A message becomes ``role``, ``content`` (text parts joined; "" for none), and where given ``name``,
   ``tool_calls`` (arguments decoded from their JSON text, as templates write them with ``tojson``),
@@ -68,7 +69,7 @@ def tool_dict(tool: c.Tool) -> dict[str, Any]:
     return {"type": "function", "function": function}
 
 
-def render_chat(
+def render_openai_chat(
     tokenizer: Any,
     messages: Sequence[c.ChatMessage],
     tools: Sequence[c.Tool] | None,

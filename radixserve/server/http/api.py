@@ -129,7 +129,7 @@ class ApiContext:
             return type_()
         return _decode(body, type_)
 
-    async def decode_openai(
+    async def decode_checked(
         self,
         request: Request,
         type_: type[S],
@@ -137,7 +137,7 @@ class ApiContext:
         ignored: Mapping[str, str] = IGNORED,
     ) -> S:
         """``decode``, after checking the body's top-level fields against the field policy (the
-        OpenAI routes', or with ``refused`` and ``ignored`` another API's: openai_fields.py)."""
+        OpenAI routes', or with ``refused`` and ``ignored`` another API's: server/openai/fields.py)."""
         body = await self.body(request)
         try:
             fields = msgspec.json.decode(body, type=dict[str, msgspec.Raw])

@@ -29,7 +29,7 @@ from radixserve.outputs import CompletionOutput, RequestOutput
 from radixserve.runtime.backend import RequestStream
 from radixserve.server.cache_api.pins import chat_pin
 from radixserve.server.chat.reasoning import ReasoningStream, starts_in_reasoning
-from radixserve.server.chat.render import render_chat, tool_dict
+from radixserve.server.chat.render import render_openai_chat, tool_dict
 from radixserve.server.chat.tools import ParsedCall, ToolCallFormat, ToolCallStream
 from radixserve.server.http import protocol as p
 from radixserve.server.http.api import ApiContext
@@ -41,7 +41,7 @@ from radixserve.server.openai.fields import CHAT_REFUSED
 def _render_ids(ctx: ApiContext, req: c.ChatCompletionRequest, messages: list[c.ChatMessage]) -> list[int]:
     """``messages`` rendered as the request's prompt is, but without a generation prompt, as token ids:
     where a ``cache_control`` block's prefix ends (cache_pins.py)."""
-    text = render_chat(
+    text = render_openai_chat(
         ctx.tokenizer, messages, req.tools, ctx.tool_format, False, False, req.chat_template_kwargs
     )
     return list(ctx.tokenizer.encode(text, add_special_tokens=False))
@@ -136,7 +136,7 @@ def _tool_call(call: ParsedCall) -> c.ToolCall:
 
 def chat_prompt(ctx: ApiContext, req: c.ChatCompletionRequest) -> tuple[str, list[int]]:
     """The request's prompt, rendered once by the chat template, and its token ids."""
-    prompt = render_chat(
+    prompt = render_openai_chat(
         ctx.tokenizer,
         req.messages,
         req.tools,
@@ -200,7 +200,7 @@ async def start_chat(
 
 
 async def chat(ctx: ApiContext, request: Request) -> Response:
-    req = await ctx.decode_openai(request, c.ChatCompletionRequest, CHAT_REFUSED)
+    req = await ctx.decode_checked(request, c.ChatCompletionRequest, CHAT_REFUSED)
     ctx.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")

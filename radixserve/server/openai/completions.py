@@ -58,7 +58,7 @@ def _token_ids(ids: list[Any], param: str) -> list[int]:
 
 
 async def completions(ctx: ApiContext, request: Request) -> Response:
-    req = await ctx.decode_openai(request, p.CompletionRequest, COMPLETION_REFUSED)
+    req = await ctx.decode_checked(request, p.CompletionRequest, COMPLETION_REFUSED)
     ctx.check_model(req.model)
     if req.best_of is not None and req.best_of != req.n:
         raise ApiError(

@@ -1,4 +1,4 @@
-"""Speculation: one request's speculative-decoding record (``Request.spec``) and its n-gram index.
+"""DraftState: one request's speculative-decoding record (``Request.spec``) and its n-gram index.
 
 The record is the request's; the ``Speculator`` (``engine/speculator.py``) alone writes it. It lives
 apart from the Speculator so that ``engine/request.py`` can name its type without importing the
@@ -7,7 +7,7 @@ scheduler's world: this module imports nothing of the engine.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # Below this running mean of accepted drafts per verification a request pauses drafting.
 MIN_GAIN = 0.5
@@ -45,13 +45,12 @@ class NgramIndex:
 
 
 @dataclass(slots=True)
-class Speculation:
-    """One request's speculation: this step's drafts and where they came from; its n-gram index, draft
-    length and running mean of accepted drafts."""
+class DraftState:
+    """One request's drafting: where this step's drafts (``Request.drafts``) came from; its n-gram
+    index, draft length and running mean of accepted drafts."""
 
     index: NgramIndex
     k: int
-    drafts: list[int] = field(default_factory=list)
     source: str = "prompt"
     gain: float = 3 * MIN_GAIN
     paused: int = 0  # steps left without drafting
