@@ -1,7 +1,7 @@
-"""``server`` and ``runtime`` never import ``disagg``: the disaggregated roles plug into the engine loop
-from above (``disagg/process.py`` hands ``runtime/engine_process.main`` its role), and ``launch.py``, which builds either
-backend, sits above both. Every import counts: at the top, inside a function, or for type checking
-only. (The import-graph test of the whole project can fold this one in.)"""
+"""``server`` and ``runtime`` never import ``disagg``: the disaggregated roles plug into the engine
+loop from above (``disagg/process.py`` hands ``runtime/engine_process.main`` its role), and
+``launch.py``, which builds either backend, sits above both. Every import counts: at the top, inside a
+function, or for type checking only. (The import-graph test of the whole project can fold this one in.)"""
 
 from __future__ import annotations
 

@@ -54,7 +54,7 @@ class KVCacheManager:
         scores: ScoreTable | None = None,
     ) -> None:
         self.page_size = page_size
-        self.page_bytes = page_bytes  # bytes of one device page (K and V, all layers), for tier_stats
+        self.page_bytes = page_bytes  # bytes of one device page (K and V, all layers), for the stats
         self.prefix_cache = prefix_cache
         self.allocator = PageAllocator(num_pages)
         lower = tiers if prefix_cache else None
@@ -93,10 +93,10 @@ class KVCacheManager:
 
     @property
     def num_in_use(self) -> int:
-        return self._private + self._loading
+        return self._private + self.loading_pages
 
     @property
-    def _loading(self) -> int:
+    def loading_pages(self) -> int:
         return self.tiers.loading_pages
 
     @property
@@ -254,7 +254,7 @@ class KVCacheManager:
         if peek is None or not peek.lower_pages:
             return False
         usable = self._usable(req)
-        if self._loading and self._loading + (usable // self.page_size) > self.num_pages // 2:
+        if self.loading_pages and self.loading_pages + (usable // self.page_size) > self.num_pages // 2:
             return True  # enough in flight already; this one starts when they land
         tokens = req.token_ids[:usable]
         m = self.tree.match_prefix(tokens, req.cache_salt)  # the load's own walk: split, lower keys
@@ -373,20 +373,6 @@ class KVCacheManager:
             listener.on_flush()
         self.tree.reset()
         return True
-
-    def tier_stats(self) -> dict[str, dict[str, float]]:
-        """Per tier: hits, pages and bytes moved, load/backup seconds, occupancy (see TierStats)."""
-        tiers = self.tiers
-        device = {
-            "hits": float(self.device_hit_pages),
-            "evicted": float(self.evicted_pages),
-            "used_bytes": float((self.num_cached + self.num_in_use) * self.page_bytes),
-            "capacity_bytes": float(self.num_pages * self.page_bytes),
-            "loads": float(tiers.num_loads),
-            "failed_loads": float(tiers.failed_loads),
-            "loading_pages": float(self._loading),
-        }
-        return {"device": device, **tiers.stats()}
 
     def close(self) -> None:
         """Finish queued disk writes and stop the copy threads."""

@@ -119,7 +119,7 @@ class PrefillRole(EngineRole):
         msg = job.msg
         tree = self.engine.kv_manager.tree
         tokens = msg.prompt_token_ids[: msg.end]
-        have = tree.prefix_len(tokens, msg.cache_salt)
+        have = tree.peek(tokens, msg.cache_salt).num_tokens
         if have <= job.sent:
             return
         ps = self.engine.config.page_size

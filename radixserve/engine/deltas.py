@@ -1,5 +1,6 @@
-"""Step deltas: what one engine step made for one sample (``StepOutput``), its text (``add_text``), and
-the one fold of deltas into a request's result (``OutputAssembler``), for whole results and streams.
+"""Step deltas: what one engine step made for one sample (``StepOutput``, built once with its text by
+``engine/postprocess.py::advance``), and the one fold of deltas into a request's result
+(``OutputAssembler``), for whole results and streams.
 
 The result types themselves (``RequestOutput``, ``CompletionOutput``, ``TokenLogprob``) are the public
 ones of radixserve/outputs.py; this module is how the engine and the server's front-end make them.
@@ -13,17 +14,15 @@ import msgspec
 
 from radixserve.cache.pins.types import PinRef
 from radixserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from radixserve.sampling.detokenizer import TextStream
-from radixserve.sampling.stop import TokenStop
 
 
 class StepOutput(msgspec.Struct, array_like=True, kw_only=True):
     """What one engine step produced for one sample: the new tokens (and text), and whether it ended.
 
     A msgspec Struct because the server's engine process sends these as they are (array-like: no
-    field names on the wire). ``text`` is None where the engine does not detokenize; ``add_text``
-    fills it in. ``finish_reason`` is "stop", "length" or "abort"; ``hides_last_token`` marks an
-    ending by an EOS or stop token, whose text is not part of the output.
+    field names on the wire). ``text`` is None where the engine does not detokenize.
+    ``finish_reason`` is "stop", "length" or "abort"; ``hides_last_token`` marks an ending by an EOS or
+    stop token, whose text is not part of the output.
     """
 
     group_id: str
@@ -43,33 +42,6 @@ class StepOutput(msgspec.Struct, array_like=True, kw_only=True):
     cache_write_tokens: int = 0
     cache_pin: PinRef | None = None  # the pin the request asked for, once it is held
     kv_transfer_tokens: int = 0  # disaggregated serving: prompt tokens whose KV a prefill engine sent
-
-
-def add_text(stream: TextStream, step: StepOutput) -> StepOutput:
-    """``step`` with the text of its tokens, from its sample's ``stream``.
-
-    A stop string ends the sample at the token that completes it: the result then holds only the
-    tokens up to that one, and finishes with "stop" even where the engine would have gone on. The
-    offline engine and the server's front-end both make their text here, so they agree exactly.
-    """
-    text = ""
-    last = len(step.token_ids) - 1
-    for i, token_id in enumerate(step.token_ids):
-        stop = None
-        if i == last and step.finish_reason is not None:
-            stop_token = step.stop_reason if isinstance(step.stop_reason, int) else None
-            stop = TokenStop(step.finish_reason, stop_token, step.hides_last_token)
-        delta, reason, stop_reason = stream.append(token_id, stop)
-        text += delta
-        if reason is not None:
-            return msgspec.structs.replace(
-                step,
-                token_ids=step.token_ids[: i + 1],
-                text=text,
-                finish_reason=reason,
-                stop_reason=stop_reason,
-            )
-    return msgspec.structs.replace(step, text=text)
 
 
 @dataclass

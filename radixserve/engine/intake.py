@@ -55,7 +55,7 @@ class Intake:
         input."""
         params = params or SamplingParams()
         params.validate(self.vocab_size)
-        token_ids = tokenize(self.tokenizer, prompt)
+        token_ids = tokenize(self.tokenizer, prompt)  # the engine's own copy: samples append to it
         check_prompt(token_ids, params, self.vocab_size, self.max_model_len, self.page_size, self.num_pages)
         if params.constrained:
             self.grammar_compiler.validate(params)
@@ -63,7 +63,10 @@ class Intake:
         group_id = request_id or uuid.uuid4().hex
         now = time.monotonic() if arrival_time is None else arrival_time
         return [
-            self.new_request(group_id, i, token_ids, params, level, cache_salt, now) for i in range(params.n)
+            self.new_request(
+                group_id, i, token_ids if i == 0 else list(token_ids), params, level, cache_salt, now
+            )
+            for i in range(params.n)
         ]
 
     def new_request(
@@ -76,7 +79,8 @@ class Intake:
         cache_salt: str | None,
         now: float,
     ) -> Request:
-        """Sample ``index`` of a group, unchecked (``make`` checks first)."""
+        """Sample ``index`` of a group, unchecked (``make`` checks first). It takes ``token_ids`` as its
+        own: its tokens are appended to that list."""
         gen = None
         if params.seed is not None and not params.greedy:
             gen = torch.Generator(self.device).manual_seed(params.seed + index)
@@ -84,7 +88,7 @@ class Intake:
             f"{group_id}#{index}",
             group_id,
             index,
-            list(token_ids),
+            token_ids,
             len(token_ids),
             params,
             priority,

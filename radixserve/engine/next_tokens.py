@@ -42,6 +42,24 @@ def pick_tokens(
 ) -> list[Picked]:
     """``logits`` holds each request's rows in order: ``len(req.drafts) + 1`` of them."""
     drafts = [r.drafts for r in reqs]
+    if not any(drafts):  # plain decoding: one row each, sampled as one batch
+        batch = SamplingBatch(
+            [r.params for r in reqs],
+            [r.generator for r in reqs],
+            logits.device,
+            eos_token_ids,
+            lambda: ([r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs]),
+        )
+        mask = batch_mask(matchers, logits.shape[-1], logits.device)
+        processed = sampler.process(logits, batch, mask)
+        out = sampler.logprobs(processed, sampler.choose(processed, batch), batch)
+        tokens = out.tokens.tolist()
+        if out.logprobs is None:
+            return [Picked([t], [None]) for t in tokens]
+        return [Picked([t], [lp]) for t, lp in zip(tokens, out.token_logprobs(batch.logprobs))]
+
+    # With drafts, a row per drafted position: each sampled under the rules its position would have
+    # seen in plain decoding (the history holds the drafts before it).
     counts = [len(d) + 1 for d in drafts]
     outputs = [r.output_token_ids + d[:j] for r, d in zip(reqs, drafts) for j in range(len(d) + 1)]
     batch = SamplingBatch.build(
@@ -52,13 +70,8 @@ def pick_tokens(
         logits.device,
         eos_token_ids,
     )
-    mask = batch_mask(matchers, logits.shape[-1], logits.device, drafts if any(drafts) else None)
+    mask = batch_mask(matchers, logits.shape[-1], logits.device, drafts)
     processed = sampler.process(logits, batch, mask)
-    if not any(drafts):  # plain decoding: one row each, sampled as one batch
-        out = sampler.logprobs(processed, sampler.choose(processed, batch), batch)
-        lps = out.token_logprobs([r.params.logprobs for r in reqs])
-        return [Picked([t], [lp]) for t, lp in zip(out.tokens.tolist(), lps)]
-
     argmax = processed.argmax(dim=-1)
     targets = argmax.tolist()
     # Unnormalised, as plain sampling draws from them, so a row without drafts gets the very token it would
@@ -95,6 +108,6 @@ def sampled_logits(
 ) -> Tensor:
     """The logits to sample: one row per request of ``rows`` (indices into ``reqs``, the step's batch),
     or for one with drafts a row per drafted position and one after them."""
-    if not any(reqs[i].drafts for i in rows):
+    if not [i for i in rows if reqs[i].drafts]:
         return logits[rows]
     return torch.cat([all_logits[i] if reqs[i].drafts else logits[i : i + 1] for i in rows])

@@ -43,13 +43,20 @@ def logits_from(req: Request, num_new: int) -> int | None:
     return first if first < min(end, req.num_prompt_tokens - 1) else None
 
 
-def prepare_scoring(batch: ScheduledBatch, scores: ScoreTable) -> list[int | None]:
+def prepare_scoring(batch: ScheduledBatch, scores: ScoreTable) -> list[int | None] | None:
     """Before a step: the cached entries of each request that wants prompt logprobs (``fill_cached``),
-    then the first position of each chunk whose logits are wanted (``logits_from``)."""
-    for r in batch.requests:
+    then the first position of each chunk whose logits are wanted (``logits_from``); None when no
+    request of the batch asked for prompt logprobs (most steps: one pass over the batch, nothing more)."""
+    asking = [i for i, r in enumerate(batch.requests) if r.params.prompt_logprobs is not None]
+    if not asking:
+        return None
+    firsts: list[int | None] = [None] * len(batch.requests)
+    for i in asking:
+        r = batch.requests[i]
         if wants_prompt_logprobs(r):
             fill_cached(r, scores)
-    return [logits_from(r, n) for r, n in zip(batch.requests, batch.num_new_tokens)]
+        firsts[i] = logits_from(r, batch.num_new_tokens[i])
+    return firsts
 
 
 def fill_cached(req: Request, scores: ScoreTable) -> None:
@@ -90,7 +97,10 @@ def add_prompt_logprobs(req: Request, first: int, logits: torch.Tensor) -> None:
 
 
 def score_step(
-    scores: ScoreTable, batch: ScheduledBatch, firsts: list[int | None], all_logits: dict[int, torch.Tensor]
+    scores: ScoreTable,
+    batch: ScheduledBatch,
+    firsts: list[int | None] | None,
+    all_logits: dict[int, torch.Tensor],
 ) -> None:
     """After a step, before the computed counts advance: score the prompt positions each request
     computed (``add_prompt_logprobs``), keep what the logits predicted at each position they cover
@@ -99,10 +109,13 @@ def score_step(
     forget: list[int] = []
     for i, (r, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
         start = r.num_computed_tokens
-        first = firsts[i] if i in all_logits else None
+        first = firsts[i] if firsts is not None and i in all_logits else None
         stop = start + n if first is None else first
         table = r.pages.table
-        forget += [table[p // ps] * ps + p % ps for p in range(start, stop)]
+        if stop == start + 1:  # a decode step's one position
+            forget.append(table[start // ps] * ps + start % ps)
+        else:
+            forget += [table[p // ps] * ps + p % ps for p in range(start, stop)]
         if first is None:
             continue
         positions = range(first, start + n)

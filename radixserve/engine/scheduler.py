@@ -9,7 +9,9 @@ in the tree and resumes from it.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
+from operator import attrgetter
 
 from radixserve.cache.kv_manager import KVCacheManager
 from radixserve.engine.policy import order_waiting
@@ -18,6 +20,7 @@ from radixserve.engine.request import Request, Status
 # A waiting request whose uncached part shares this many tokens with a prefill in flight waits for
 # that prefill to land in the tree instead of computing the same prefix alongside it.
 MIN_SHARED_TOKENS = 32
+_URGENCY = attrgetter("priority", "arrival_time")  # the running order: most urgent, then oldest, first
 
 
 @dataclass(slots=True)
@@ -59,12 +62,13 @@ class Scheduler:
         batch = ScheduledBatch([], [])
         self.kv_manager.poll_loads()
         # Most urgent first, so preemption victims come from the tail.
-        self.running.sort(key=lambda r: (r.priority, r.arrival_time))
-        queue = list(self.running)
+        self.running.sort(key=_URGENCY)
+        queue = deque(self.running)
         while queue and budget > 0:
-            req = queue.pop(0)
-            # Its drafts count against the budget; the Speculator keeps those it allowed (after_schedule).
-            n = min(req.num_pending_tokens + len(req.drafts), budget)
+            req = queue.popleft()
+            # Its pending tokens (one while decoding) and its drafts count against the budget; the
+            # Speculator keeps the drafts it allowed (after_schedule).
+            n = min(len(req.token_ids) - req.num_computed_tokens + len(req.drafts), budget)
             while not self.kv_manager.grow(req, req.num_computed_tokens + n):
                 victim = queue.pop() if queue else req
                 self._preempt(victim)
@@ -74,8 +78,9 @@ class Scheduler:
                 batch.requests.append(req)
                 batch.num_new_tokens.append(n)
                 budget -= n
-        self._admit(batch, budget)
-        if not batch:
+        if self.waiting:
+            self._admit(batch, budget)
+        if not batch.requests:
             self.kv_manager.wait_for_loads(timeout=0.05)  # nothing to run but loads in flight: don't spin
         return batch
 

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import msgspec
+
+if TYPE_CHECKING:  # the API server reads EngineStats without the cache's modules
+    from radixserve.cache.kv_manager import KVCacheManager
 
 
 class EngineStats(msgspec.Struct, array_like=True, kw_only=True):
@@ -58,3 +62,19 @@ def sum_stats(snapshots: Iterable[EngineStats]) -> EngineStats:
             else:
                 setattr(total, f, mine + theirs)
     return total
+
+
+def tier_stats(kv: KVCacheManager) -> dict[str, dict[str, float]]:
+    """Per tier: hits, pages and bytes moved, load/backup seconds, occupancy (see TierStats); the
+    device's from the manager's counters, the lower tiers' from their controller."""
+    tiers = kv.tiers
+    device = {
+        "hits": float(kv.device_hit_pages),
+        "evicted": float(kv.evicted_pages),
+        "used_bytes": float((kv.num_cached + kv.num_in_use) * kv.page_bytes),
+        "capacity_bytes": float(kv.num_pages * kv.page_bytes),
+        "loads": float(tiers.num_loads),
+        "failed_loads": float(tiers.failed_loads),
+        "loading_pages": float(kv.loading_pages),
+    }
+    return {"device": device, **tiers.stats()}

@@ -127,9 +127,7 @@ class ModelRunner:
                 "the model runs on a thread other than the one that built the engine: on CPU "
                 "every step is slower (two OpenMP teams); build and step it on one thread"
             )
-        if self.native is not None and covers(
-            [c.num_new for c in chunks], [c.want_all_logits for c in chunks]
-        ):
+        if self.native is not None and covers(chunks):
             return self.run_native(chunks)
         order = sorted(range(len(chunks)), key=lambda i: chunks[i].num_new == 1)
         ordered = [chunks[i] for i in order]
@@ -153,10 +151,9 @@ class ModelRunner:
         ps = self.page_size
         positions = torch.tensor([c.num_computed for c in chunks], dtype=torch.int64)
         ids = torch.tensor([c.token_ids[c.num_computed] for c in chunks], dtype=torch.int64)
-        width = max(len(c.page_table) for c in chunks)
-        table = torch.zeros(len(chunks), width, dtype=torch.int32)
-        for i, c in enumerate(chunks):
-            table[i, : len(c.page_table)] = torch.tensor(c.page_table, dtype=torch.int32)
+        tables = [c.page_table for c in chunks]
+        width = max(map(len, tables))
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
         pages = table.gather(1, (positions // ps).unsqueeze(1)).squeeze(1).to(torch.int64)
         slots = pages * ps + positions % ps
         with torch.no_grad():

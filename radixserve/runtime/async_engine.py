@@ -244,7 +244,8 @@ class AsyncEngine:
         if not self.healthy:
             raise EngineUnavailableError(self.health().detail)
         rid = request_id or uuid.uuid4().hex
-        token_ids = self.tokenize(prompt)
+        # Ids go to the other process as they are (the engine makes its own copy there); text is encoded.
+        token_ids = prompt if isinstance(prompt, list) else self.tokenize(prompt)
         req = self._streams.open(rid)
         try:
             sent = self.send(

@@ -281,7 +281,7 @@ def batch_mask(
     packed masks are unpacked on ``device``: on a GPU with torch bit ops (the packed transfer is 32x
     smaller), on the CPU with numpy (torch's bit ops measured ~60x slower there, on 2 busy cores).
     """
-    if all(m is None for m in matchers):
+    if matchers.count(None) == len(matchers):
         return None
     counts = [1] * len(matchers) if drafts is None else [len(d) + 1 for d in drafts]
     starts = [0, *itertools.accumulate(counts)]

@@ -86,7 +86,7 @@ def test_a_listener_sees_every_hit_and_eviction_exactly_once(seed: int) -> None:
             kv.release(running.pop(rng.randrange(len(running))))
         elif op < 0.8:  # a warm: a hit only when the device holds the whole prompt
             tokens = rng.choice(prefixes)
-            whole = kv.tree.prefix_len(tokens) == len(tokens)
+            whole = kv.tree.peek(tokens).num_tokens == len(tokens)
             if whole:
                 path = [id(n) for n in kv.tree.path(kv.tree.node_at(tokens)[0])]
             assert kv.hit(tokens, None) == whole

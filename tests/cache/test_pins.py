@@ -61,12 +61,12 @@ def test_a_pin_keeps_its_prefix_through_pressure_until_its_ttl_then_it_is_evicta
     assert pins.hold(pin) and pins.pages(everyone=True) == 4
     check(kv)
     pressure(kv, 1)
-    assert tree.prefix_len(system) == 16, "the pinned prefix was evicted"
-    assert tree.prefix_len(other) == 0, "the pressure did not evict the unpinned prefix"
+    assert tree.peek(system).num_tokens == 16, "the pinned prefix was evicted"
+    assert tree.peek(other).num_tokens == 0, "the pressure did not evict the unpinned prefix"
     check(kv)
     clock.t += 61
     pressure(kv, 2)
-    assert tree.prefix_len(system) == 0 and pins.pages(everyone=True) == 0 and len(pins) == 0
+    assert tree.peek(system).num_tokens == 0 and pins.pages(everyone=True) == 0 and len(pins) == 0
     check(kv)
 
 
@@ -178,7 +178,7 @@ def test_evict_by_prefix_frees_the_prefix_and_its_continuations_but_no_shared_pa
     result = kv.evict_prefix(doc_a, None)
     assert (result.freed_pages, result.freed_tokens) == (3, 12)  # doc_a's own 2 pages and the continuation's
     assert len(pins) == 0, "the caller's pin on the evicted prefix was not dropped"
-    assert tree.prefix_len(doc_b) == 20 and tree.prefix_len(doc_a) == 8
+    assert tree.peek(doc_b).num_tokens == 20 and tree.peek(doc_a).num_tokens == 8
     check(kv)
     assert kv.evict_prefix(list(range(900, 908)), None).freed_pages == 0  # nothing cached: nothing freed
 

@@ -128,7 +128,7 @@ def test_tier_page_copies_go_through_the_selected_backend(
     tree = eng.kv_manager.tree
     assert tree is not None
     seed = 0
-    while tree.prefix_len(prompt):  # push the prefix off the device
+    while tree.peek(prompt).num_tokens:  # push the prefix off the device
         eng.generate([[100 + (seed * 7 + i) % 180 for i in range(60)]], GREEDY)
         seed += 1
     again = eng.generate([prompt], GREEDY)[0]

@@ -52,7 +52,7 @@ def reference(model: Path, prompts: list[list[int]], **options: Any) -> list[lis
 def evict_from_device(eng: Engine, doc: list[int]) -> None:
     """Fill the device pool with other prompts until no page of ``doc`` is left on it."""
     seed = 1000
-    while eng.kv_manager.tree is not None and eng.kv_manager.tree.prefix_len(doc):
+    while eng.kv_manager.tree is not None and eng.kv_manager.tree.peek(doc).num_tokens:
         eng.generate([tokens(100, seed)], GREEDY)
         seed += 1
     if eng.kv_manager.tiers is not None:
@@ -465,7 +465,8 @@ def test_tree_keys_unbacked_eviction_and_lower_match() -> None:
     lower.held.update({keys[1]: 0, keys[2]: 1})
     m = tree.match_prefix([1, 2, 3, 4, 5, 6, 7])
     assert (m.pages, m.lower_keys, m.lower_tiers) == ([10], (keys[1], keys[2]), (0, 1))
-    assert tree.prefix_len([1, 2, 3, 4, 5, 6, 7], lower=True) == 6 and tree.prefix_len([1, 2, 3, 4]) == 2
+    peek = tree.peek([1, 2, 3, 4, 5, 6, 7], lower=True)
+    assert (peek.num_tokens, peek.lower_pages) == (2, 2) and tree.peek([1, 2, 3, 4]).num_tokens == 2
     assert tree.lower_keys([1, 2, 3, 4, 5, 6, 7]) == [keys[1], keys[2]]  # past the device match
     tree.match_prefix([1, 2]).node.backed_up = True
     # A backed-up page just leaves the device; its key is still reported (an eviction by prefix drops

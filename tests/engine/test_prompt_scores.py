@@ -133,7 +133,7 @@ def test_scores_follow_pages_through_host_and_disk_and_a_restart(
     for i in range(4):  # push the prefix out of the device pool (and the small host tier)
         engine.generate([_tokens(900, 100 + i)], SamplingParams(max_tokens=1))
     assert engine.kv_manager.tree is not None
-    assert engine.kv_manager.tree.prefix_len(PREFIX, None) < len(PREFIX) // PAGE * PAGE
+    assert engine.kv_manager.tree.peek(PREFIX, None).num_tokens < len(PREFIX) // PAGE * PAGE
     engine.kv_manager.tiers.drain()  # type: ignore[union-attr]
     prompt = PREFIX + SUFFIXES[1]
     want = _score(reference, prompt, 2)

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizer_util import make_tokenizer
+from tokenizer_util import CORPUS, make_tokenizer
 
-from radixserve.sampling.detokenizer import IncrementalDetokenizer, TextStream
+from radixserve.sampling.detokenizer import IncrementalDetokenizer, TextStream, _decoder
 from radixserve.sampling.params import SamplingParams
 from radixserve.sampling.stop import token_stop
 
@@ -210,3 +211,19 @@ def test_stop_strings_do_not_count_before_min_tokens() -> None:
     early, _ = stream("STOP here, then STOP again", stop=["STOP"], min_tokens=3)
     assert early.text == "STOP here, then "  # the first STOP ended within the first 3 tokens
     assert stream("STOP here", stop=["STOP"])[0].text == ""
+
+
+def test_the_backend_decode_is_taken_only_where_it_is_the_same_text() -> None:
+    tok = make_tokenizer()
+    ids = encode(" ".join(CORPUS)) + [tok.convert_tokens_to_ids("<|im_end|>")]
+    # Every window the detokenizer decodes, with and without special tokens: the same text as HF's decode.
+    decode = _decoder(tok)
+    assert decode is not tok.decode and tok.clean_up_tokenization_spaces is False
+    for skip in (True, False):
+        for start in range(0, len(ids), 3):
+            window = ids[start : start + 7]
+            assert decode(window, skip_special_tokens=skip) == tok.decode(window, skip_special_tokens=skip)
+    # A tokenizer that cleans up spaces keeps HF's decode (its text differs from the backend's).
+    cleaning = copy.copy(tok)
+    cleaning.clean_up_tokenization_spaces = True
+    assert _decoder(cleaning) == cleaning.decode

@@ -8,8 +8,10 @@ keep are stated there, and checked by ``RadixCache.check_integrity``.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import NamedTuple, Protocol
+
+from radixserve.cache.tiers import chain_keys
 
 
 class LowerTiers(Protocol):
@@ -20,6 +22,24 @@ class LowerTiers(Protocol):
     def lookup(self, keys: Iterable[bytes]) -> list[int]:
         """For the leading keys held below, the index of the fastest tier holding each."""
         ...
+
+
+def lower_match(
+    tiers: LowerTiers | None, key: bytes, tokens: Sequence[int], start: int, page_size: int
+) -> tuple[list[bytes], list[int]]:
+    """Keys and tiers of the pages of ``tokens`` from ``start`` on that the lower tiers hold, in a row;
+    ``key`` is the chain key of the page before them."""
+    if tiers is None:
+        return [], []
+    keys: list[bytes] = []
+
+    def chain() -> Iterator[bytes]:  # lazily: the lookup stops at the first miss
+        for k in chain_keys(key, tokens, start, len(tokens), page_size):
+            keys.append(k)
+            yield k
+
+    found = tiers.lookup(chain())
+    return keys[: len(found)], found
 
 
 class PageListener(Protocol):

@@ -49,6 +49,7 @@ from radixserve.cache.radix.node import (
     Peek,
     TreeNode,
     common_prefix,
+    lower_match,
 )
 from radixserve.cache.tiers import chain_keys, namespace_key
 
@@ -114,7 +115,7 @@ class RadixCache:
         Lock ``result.node`` before anything can evict, or ``result.pages`` may be freed.
         """
         node, num_tokens, key, _, _ = self._walk(tokens, namespace)
-        keys, tiers = self._lower_match(key, tokens, num_tokens)
+        keys, tiers = lower_match(self.tiers, key, tokens, num_tokens, self.page_size)
         return MatchResult(node, self._touch(node), num_tokens, tuple(keys), tuple(tiers))
 
     def peek(self, tokens: Sequence[int], namespace: Hashable = None, lower: bool = False) -> Peek:
@@ -122,7 +123,7 @@ class RadixCache:
         for ordering and admission decisions that must not count as hits. With ``lower``, the pages the
         lower tiers hold right after the device match are counted too."""
         node, num_tokens, key, child, into = self._walk(tokens, namespace, split=False)
-        below = len(self._lower_match(key, tokens, num_tokens)[1]) if lower else 0
+        below = len(lower_match(self.tiers, key, tokens, num_tokens, self.page_size)[1]) if lower else 0
         return Peek(node, child, into, num_tokens, below, self.version)
 
     def take(self, peek: Peek) -> MatchResult:
@@ -132,11 +133,6 @@ class RadixCache:
             raise RuntimeError("take() of a stale peek: the tree changed shape since")
         node = self._split(peek.child, peek.into) if peek.child is not None else peek.node
         return MatchResult(node, self._touch(node), peek.num_tokens)
-
-    def prefix_len(self, tokens: Sequence[int], namespace: Hashable = None, lower: bool = False) -> int:
-        """How many tokens ``match_prefix`` would match (with ``lower``, and the lower tiers after it)."""
-        peek = self.peek(tokens, namespace, lower)
-        return peek.num_tokens + peek.lower_pages * self.page_size
 
     def peek_pages(self, peek: Peek) -> list[int]:
         """The device pages ``take(peek)`` would return, changing nothing."""
@@ -243,7 +239,7 @@ class RadixCache:
         """The chain keys of the pages of ``tokens`` past the device match that the lower tiers hold,
         in a row (what a match would load); changes nothing."""
         _, num_tokens, key, _, _ = self._walk(tokens, namespace, split=False)
-        return self._lower_match(key, tokens, num_tokens)[0]
+        return lower_match(self.tiers, key, tokens, num_tokens, self.page_size)[0]
 
     # ---- eviction ----
     def evict(self, num_pages: int, within: Callable[[TreeNode], bool] | None = None) -> EvictResult:
@@ -345,20 +341,6 @@ class RadixCache:
         if self._seed is None:
             return b""
         return namespace_key(self._seed, node.namespace) if node.is_root else node.hashes[-1]
-
-    def _lower_match(self, key: bytes, tokens: Sequence[int], start: int) -> tuple[list[bytes], list[int]]:
-        """Keys and tiers of the pages of ``tokens`` from ``start`` on that the lower tiers hold, in a row."""
-        if self.tiers is None:
-            return [], []
-        keys: list[bytes] = []
-
-        def chain() -> Iterator[bytes]:  # lazily: the lookup stops at the first miss
-            for k in chain_keys(key, tokens, start, len(tokens), self.page_size):
-                keys.append(k)
-                yield k
-
-        found = self.tiers.lookup(chain())
-        return keys[: len(found)], found
 
     def _split(self, node: TreeNode, n: int) -> TreeNode:
         """Cut ``node`` after ``n`` tokens; the new upper node is returned, ``node`` keeps the tail.

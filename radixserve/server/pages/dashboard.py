@@ -88,7 +88,7 @@ def node_text(decode: Callable[[list[int]], str], node: CacheNode) -> str:
 
 
 def _read(name: str) -> bytes:
-    return resources.files("radixserve.server").joinpath("ui", name).read_bytes()
+    return resources.files("radixserve.server.pages").joinpath("ui", name).read_bytes()
 
 
 def _query_int(request: Request, name: str, default: int, low: int, high: int) -> int:
