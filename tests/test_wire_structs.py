@@ -67,7 +67,7 @@ def test_the_wire_structs_are_found() -> None:
         "StepOutput",
         "EngineStats",
         "Ready",
-        "StepOutputs",
+        "StepReport",
         "AddRequest",
         "KVEvents",
         "CacheNode",

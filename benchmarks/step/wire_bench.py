@@ -1,4 +1,4 @@
-"""The cost of keyed wire structs: a typical ``StepOutputs`` message, array-like (as sent) vs keyed.
+"""The cost of keyed wire structs: a typical ``StepReport`` message, array-like (as sent) vs keyed.
 
 Issue 22 asked to either build every array-like struct by keyword (what was done: ``kw_only`` plus
 ``tests/test_wire_structs.py``) or make the wire format keyed (field names on the wire, so order no
@@ -39,8 +39,8 @@ def keyed(cls: type[msgspec.Struct], **replace: Any) -> type[msgspec.Struct]:
     return msgspec.defstruct(cls.__name__, fields, kw_only=True, tag=cls.__struct_config__.tag)
 
 
-class _Outputs(msgspec.Struct, tag="StepOutputs", array_like=True, kw_only=True):
-    """``server.messages.StepOutputs``' fields (that module imports the server; this stays light)."""
+class _Outputs(msgspec.Struct, tag="StepReport", array_like=True, kw_only=True):
+    """``server.messages.StepReport``' fields (that module imports the server; this stays light)."""
 
     time: float
     outputs: list[StepOutput]
@@ -102,7 +102,7 @@ def measure(batch: int, repeats: int) -> list[dict[str, Any]]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description="array-like vs keyed StepOutputs: msgpack encode/decode time")
+    p = argparse.ArgumentParser(description="array-like vs keyed StepReport: msgpack encode/decode time")
     p.add_argument("--batch", default="1,8,32", help="requests per step, comma-separated")
     p.add_argument("--repeats", type=int, default=2000)
     args = p.parse_args()
@@ -113,7 +113,7 @@ def main() -> None:
     ]
     for line in [header, *table]:
         print(" | ".join(str(x) for x in line))
-    write_results("wire_bench", {"rows": rows}, table, header, "StepOutputs on the wire: array-like vs keyed")
+    write_results("wire_bench", {"rows": rows}, table, header, "StepReport on the wire: array-like vs keyed")
 
 
 if __name__ == "__main__":

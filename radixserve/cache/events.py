@@ -3,7 +3,7 @@
 A router that knows each replica's page keys can score a request exactly: the number of leading
 pages of its prompt that a replica holds. This is the feed that makes that possible, as vLLM's KV
 events feed llm-d's router. ``KVEventLog`` listens to a ``RadixCache`` (``RadixCache.listen``) on the
-stepping thread and buffers; the engine process drains it after each step into its ``StepOutputs``.
+stepping thread and buffers; the engine process drains it after each step into its ``StepReport``.
 
 Invariants:
 - Events keep the tree's order: a key stored, removed and stored again within one step ends stored.

@@ -216,7 +216,7 @@ class DisaggregatedEngine(FanOut):
     # -- requests ---------------------------------------------------------------------------------
     def generate(
         self,
-        prompt_token_ids: list[int],
+        prompt: list[int],
         params: SamplingParams,
         request_id: str | None = None,
         cache_salt: str | None = None,
@@ -225,7 +225,7 @@ class DisaggregatedEngine(FanOut):
     ) -> RequestStream:
         stream = RelayedStream()
         rid = request_id or uuid.uuid4().hex
-        return stream.bind(self._generate(prompt_token_ids, params, rid, cache_salt, priority, pin, stream))
+        return stream.bind(self._generate(prompt, params, rid, cache_salt, priority, pin, stream))
 
     async def _generate(
         self,

@@ -46,7 +46,7 @@ class StepOutput(msgspec.Struct, array_like=True, kw_only=True):
 
 @dataclass
 class OutputAssembler:
-    """Collects the StepOutputs of one request (all its samples) into a RequestOutput."""
+    """Collects the StepReport of one request (all its samples) into a RequestOutput."""
 
     request_id: str
     prompt: str | None

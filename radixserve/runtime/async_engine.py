@@ -65,7 +65,7 @@ from radixserve.runtime.messages import (
     ListPins,
     Ready,
     RequestError,
-    StepOutputs,
+    StepReport,
     ToEngine,
     TreeQuery,
     Unpin,
@@ -188,7 +188,7 @@ class AsyncEngine:
         """The latest engine process's start-up, by phase ("load", "compile")."""
         return self._process.startup_s
 
-    # -- what the API server knows (engine_api.py) -------------------------------------------------
+    # -- what the API server knows (backend.py) -------------------------------------------------
     def limits(self) -> Limits:
         """What the engine process reported in its Ready message (the model's context length, or the
         configured one, lowered to what the pool holds); EngineUnavailableError before the first."""
@@ -352,7 +352,7 @@ class AsyncEngine:
             self.on_engine_exit(code)
 
     def _on_message(self, msg: FromEngine) -> None:
-        if isinstance(msg, StepOutputs):
+        if isinstance(msg, StepReport):
             self._stats = msg.stats
             if msg.kv_events is not None and self.on_kv_events is not None:
                 self.on_kv_events(msg.kv_events)

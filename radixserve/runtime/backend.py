@@ -213,14 +213,15 @@ class ServingBackend(Protocol):
 
     def generate(
         self,
-        prompt_token_ids: list[int],
+        prompt: list[int],
         params: SamplingParams,
         request_id: str | None = None,
         cache_salt: str | None = None,
         priority: int | str = 0,
         pin: PinSpec | None = None,
     ) -> RequestStream:
-        """``pin``: keep the prompt's prefix cached (the pin is reported in the result's ``cache_pin``);
+        """Start a request of ``prompt`` (token ids: the routes tokenize, once). ``pin``: keep the
+        prompt's prefix cached (the pin is reported in the result's ``cache_pin``);
         a pin over the budget raises PinBudgetError (429) from ``first()``, and the request does not run."""
         ...
 

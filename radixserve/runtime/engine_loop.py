@@ -48,7 +48,7 @@ from radixserve.runtime.messages import (
     Ready,
     RequestError,
     Shutdown,
-    StepOutputs,
+    StepReport,
     TakeOver,
     ToEngine,
     TreeQuery,
@@ -238,7 +238,7 @@ class EngineLoop:
         stats = engine.stats()
         self._waiting_at_step, self._added_since_step = stats.num_waiting, 0
         if progressed or engine.newly_scheduled or events is not None:
-            msg = StepOutputs(
+            msg = StepReport(
                 time=time.monotonic(),
                 outputs=outputs,
                 scheduled=engine.newly_scheduled,
@@ -324,7 +324,7 @@ class EngineLoop:
         events = None if self.kv_log is None else self.kv_log.drain()
         if events is not None:
             self.send(
-                StepOutputs(
+                StepReport(
                     time=time.monotonic(),
                     outputs=[],
                     scheduled=[],

@@ -3,7 +3,7 @@
 One PUSH/PULL socket each way. API server -> engine: ``AddRequest``, ``Abort``, ``Call`` (one of the
 ops below, run between two steps), ``Shutdown``; in disaggregated serving (radixserve/disagg) also
 ``PrefillKV`` and ``CancelTransfer``. Engine -> API server: ``Ready`` (once, first; or ``StartFailed``
-instead), ``StepOutputs`` (after every step that did something), ``RequestError``, ``CallResult`` (one
+instead), ``StepReport`` (after every step that did something), ``RequestError``, ``CallResult`` (one
 per ``Call``, matched by its ``call_id``), ``Heartbeat`` (when nothing else was sent for a while),
 ``EngineFailed``; for a role also ``KVReserved``,
 ``KVReceived`` and ``PrefillDone``. A message is one frame; the tag (the class name) says its type.
@@ -185,7 +185,7 @@ class StartFailed(_Message, kw_only=True):
     message: str
 
 
-class StepOutputs(_Message, kw_only=True):
+class StepReport(_Message, kw_only=True):
     """What one engine step did: per-sample outputs, which waiting requests it scheduled, its counters."""
 
     time: float  # time.monotonic() in the engine process (CLOCK_MONOTONIC: the API server's clock too)
@@ -279,7 +279,7 @@ class EngineFailed(_Message, kw_only=True):
 FromEngine = (
     Ready
     | StartFailed
-    | StepOutputs
+    | StepReport
     | RequestError
     | CallResult
     | KVReserved

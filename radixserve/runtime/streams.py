@@ -1,5 +1,5 @@
 """The open requests of one engine process, as the API server holds them: a queue per request id that
-the process's ``StepOutputs`` and ``RequestError``s fill, and the timings of each request's record.
+the process's ``StepReport`` and ``RequestError``s fill, and the timings of each request's record.
 
 ``AsyncEngine`` owns one ``Streams``; each request's consumer (``AsyncEngine._generate``) opens its
 entry before its ``AddRequest`` is sent and closes it when it stops. Outputs for a request without an
@@ -19,7 +19,7 @@ from radixserve.errors import InvalidRequestError
 from radixserve.outputs import RequestOutput
 from radixserve.runtime.backend import RequestRecord
 from radixserve.runtime.calls import exception
-from radixserve.runtime.messages import RequestError, StepOutputs
+from radixserve.runtime.messages import RequestError, StepReport
 
 
 @dataclass
@@ -72,7 +72,7 @@ class Streams:
     def close(self, request_id: str) -> None:
         self._open.pop(request_id, None)
 
-    def on_step(self, msg: StepOutputs) -> None:
+    def on_step(self, msg: StepReport) -> None:
         """Hand each open request its outputs of the step, in order, and note when it was scheduled."""
         for rid in msg.scheduled:
             req = self._open.get(rid)

@@ -146,7 +146,7 @@ class ReplicaSetEngine(FanOut):
     # -- requests ---------------------------------------------------------------------------------
     def generate(
         self,
-        prompt_token_ids: list[int],
+        prompt: list[int],
         params: SamplingParams,
         request_id: str | None = None,
         cache_salt: str | None = None,
@@ -155,7 +155,7 @@ class ReplicaSetEngine(FanOut):
     ) -> RequestStream:
         stream = RelayedStream()
         rid = request_id or uuid.uuid4().hex
-        route = RouteKey(list(prompt_token_ids), cache_salt, SESSION_ID.get())
+        route = RouteKey(list(prompt), cache_salt, SESSION_ID.get())
         call = GenerateCall(route, params, rid, priority, pin)
         return stream.bind(self._generate(call, stream))
 

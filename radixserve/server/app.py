@@ -1,7 +1,7 @@
 """The HTTP server: a Starlette app over an AsyncEngine, and uvicorn to run it (flags: launch.py).
 
-The routes live in chat.py, completions.py, generate.py and anthropic_messages.py (over api.py's
-ApiContext); the small ones are here.
+The routes live in openai/chat.py, openai/completions.py, generate.py and anthropic/messages.py (over
+http/api.py's ApiContext); the small ones are here.
 
 Invariants:
 - A request is submitted to the engine only after its body decoded and validated against the
@@ -168,7 +168,7 @@ class _SmallRoutes:
 
 # -- middleware and app ------------------------------------------------------------------------------
 class _SessionHeader:
-    """ASGI middleware: the X-Session-ID header becomes ``engine_api.SESSION_ID`` for the request."""
+    """ASGI middleware: the X-Session-ID header becomes ``runtime/backend.SESSION_ID`` for the request."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -189,7 +189,7 @@ class _BearerAuth:
     """Pure ASGI (streaming responses pass through untouched); records the key for per-key salts.
 
     The key comes as ``Authorization: Bearer <key>`` (OpenAI's clients) or ``x-api-key: <key>``
-    (Anthropic's), on any route; a 401 has the body of the route's API (http_util.error_response)."""
+    (Anthropic's), on any route; a 401 has the body of the route's API (http/responses.error_response)."""
 
     def __init__(self, app: ASGIApp, keys: Sequence[str], public: frozenset[str] = frozenset()) -> None:
         self.app = app

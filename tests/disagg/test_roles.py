@@ -30,7 +30,7 @@ from radixserve.runtime.messages import (
     PrefillDone,
     PrefillKV,
     RequestError,
-    StepOutputs,
+    StepReport,
 )
 from radixserve.sampling.params import SamplingParams
 
@@ -457,7 +457,7 @@ def test_a_reservation_past_max_queue_wait_s_gets_the_queue_timeout_and_frees_it
         assert d.kv_manager.num_in_use == 0
 
 
-def _finished(msg: StepOutputs, rid: str) -> bool:
+def _finished(msg: StepReport, rid: str) -> bool:
     return any(o.group_id == rid and o.finish_reason is not None for o in msg.outputs)
 
 
@@ -475,7 +475,7 @@ def test_max_queue_wait_s_never_drops_a_prefill_job(tiny_llama: Path) -> None:
         with harness(p, role) as h:
             hold = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
             h.send(AddRequest(request_id="hold", prompt_token_ids=[5, 6, 7], params=hold))
-            _messages_until(h, lambda m: isinstance(m, StepOutputs) and "hold" in m.scheduled)
+            _messages_until(h, lambda m: isinstance(m, StepReport) and "hold" in m.scheduled)
             prompt = [(7 * i + 3) % 200 + 1 for i in range(37)]
             h.send(_job("j", prompt, 0, 36, receiver.address))
             sent = time.monotonic()
@@ -486,7 +486,7 @@ def test_max_queue_wait_s_never_drops_a_prefill_job(tiny_llama: Path) -> None:
             assert not [m for m in got if isinstance(m, RequestError)]
             assert done.error is None and done.pages == 9
             # It waited past the limit behind the running request: the case this is about.
-            assert waited > 0.05 and any(isinstance(m, StepOutputs) and _finished(m, "hold") for m in got)
+            assert waited > 0.05 and any(isinstance(m, StepReport) and _finished(m, "hold") for m in got)
     finally:
         receiver.close()
         ctx.destroy(linger=0)

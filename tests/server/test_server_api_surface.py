@@ -192,7 +192,7 @@ def test_values_that_ask_for_nothing_and_fields_without_effect_are_accepted(clie
 
 
 def test_docs_table_lists_every_field_as_the_policy_does() -> None:
-    """docs/server.md has one row per field: served, refused (400) or ignored, matching openai_fields.py."""
+    """docs/server.md has one row per field: served, refused (400) or ignored, matching openai/fields.py."""
     documented = documented_fields("OpenAI fields")
     assert documented["ignored"] == set(IGNORED)
     assert documented["refused"] == set(CHAT_REFUSED) | set(COMPLETION_REFUSED)

@@ -20,7 +20,7 @@ from radixserve.model.loader import load_tokenizer
 from radixserve.outputs import RequestOutput
 from radixserve.runtime.async_engine import AsyncEngine, EngineUnavailableError, RequestRecord
 from radixserve.runtime.engine_client import EngineClient
-from radixserve.runtime.messages import AddRequest, FromEngine, StepOutputs, ToEngine
+from radixserve.runtime.messages import AddRequest, FromEngine, StepReport, ToEngine
 
 LONG = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
 T = TypeVar("T")
@@ -290,7 +290,7 @@ def test_front_end_tokenizes_and_the_engine_process_makes_the_text(
     assert run(config, body) == expected.text
     (add,) = [m for m in sent if isinstance(m, AddRequest)]
     assert add.prompt_token_ids == load_tokenizer(tiny_llama).encode(prompt) == expected.prompt_token_ids
-    outputs = [o for m in received if isinstance(m, StepOutputs) for o in m.outputs]
+    outputs = [o for m in received if isinstance(m, StepReport) for o in m.outputs]
     assert [t for o in outputs for t in o.token_ids] == expected.token_ids
     assert all(o.text is not None for o in outputs)
     assert "".join(o.text or "" for o in outputs) == expected.text

@@ -25,7 +25,7 @@ from radixserve.runtime.backend import QueueFullError
 from radixserve.runtime.messages import FromEngine, RequestError
 from radixserve.server.http.responses import ApiError
 
-# What a route may use of an AsyncEngine: the interface engine_api.py documents.
+# What a route may use of an AsyncEngine: the interface runtime/backend.py documents.
 INTERFACE = {
     "model",
     "warm",
@@ -47,14 +47,14 @@ INTERFACE = {
 }
 ROUTE_MODULES = (
     "app.py",
-    "api.py",
-    "chat.py",
-    "completions.py",
-    "anthropic_messages.py",
+    "http/api.py",
+    "openai/chat.py",
+    "openai/completions.py",
+    "anthropic/messages.py",
     "generate.py",
-    "metrics.py",
-    "dashboard.py",
-    "cache_routes.py",
+    "http/metrics.py",
+    "pages/dashboard.py",
+    "cache_api/routes.py",
 )
 REWORDED = "a message worded in a way no parser has seen"
 

@@ -1,9 +1,9 @@
 """``POST /v1/messages`` and ``POST /v1/messages/count_tokens``: Anthropic's Messages API over the engine
 and cache the OpenAI routes use.
 
-- The body is checked against the field policy (openai_fields.py: ``MESSAGES_REFUSED``,
-  ``MESSAGES_IGNORED``), decoded (protocol_anthropic.py), and made the chat request the OpenAI route
-  runs (anthropic_render.py); chat.py's ``start_chat`` renders it once, tokenizes it, plans the tools,
+- The body is checked against the field policy (openai/fields.py: ``MESSAGES_REFUSED``,
+  ``MESSAGES_IGNORED``), decoded (protocol.py), and made the chat request the OpenAI route
+  runs (render.py); openai/chat.py's ``start_chat`` renders it once, tokenizes it, plans the tools,
   picks the ``cache_control`` pin and submits it. So both APIs share the prompt, the pins and the cache.
 - The reply is one message: a ``thinking`` block (with a reasoning parser), a ``text`` block (unless the
   reply is only calls), then one ``tool_use`` block per parsed call (``toolu_`` ids, ``input`` parsed).
@@ -20,7 +20,7 @@ and cache the OpenAI routes use.
 - ``max_tokens: 0`` (Anthropic's pre-warming) computes the prompt's KV into the cache without
   generating (the engine's ``warm``, as ``/v1/cache/warm``), its pin included: an empty reply whose
   usage says what was read and written.
-- Every error before the headers has Anthropic's body (http_util.error_response picks it by path).
+- Every error before the headers has Anthropic's body (http/responses.error_response picks it by path).
 """
 
 from __future__ import annotations

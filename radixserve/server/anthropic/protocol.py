@@ -3,14 +3,14 @@ Structs): requests, content blocks, the reply, stream events, the error body.
 
 - Content blocks are tagged by ``type``. The kinds served are ``text``, ``tool_use``, ``tool_result``
   and ``thinking``; the kinds Anthropic has that radixserve cannot render (images, documents, server
-  tools' blocks, ...) decode into ``RefusedBlock`` subclasses, so anthropic_render.py answers each with
+  tools' blocks, ...) decode into ``RefusedBlock`` subclasses, so render.py answers each with
   a 400 naming it instead of msgspec's bare "invalid tag".
 - ``max_tokens`` is required, as Anthropic requires it; 0 warms the cache with the prompt and
   generates nothing. The sampling ranges are SamplingParams' own (protocol.py's aliases), as on the
   OpenAI routes.
 - Nested objects ignore keys they do not know (``citations`` on a text block, ``allowed_callers`` on a
   tool), as the OpenAI routes' do; the top-level keys are checked by the field policy
-  (openai_fields.py, ``MESSAGES_REFUSED``).
+  (openai/fields.py, ``MESSAGES_REFUSED``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The wire types of cache control (docs/cache.md, "Cache control"; the routes: cache_routes.py).
+"""The wire types of cache control (docs/cache.md, "Cache control"; the routes: routes.py).
 
 A TTL is given as ``ttl_s`` (seconds) or ``ttl`` (``"5m"``, ``"1h"``, ``"90s"`` or seconds, Anthropic's
 shape); pins.py turns either into seconds and checks the range.

@@ -8,7 +8,7 @@ A ``ToolCallFormat`` knows one family's way of writing calls:
   (after ``<|python_tag|>`` where the model writes it), calls separated by ``;``;
 - ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (the marker is a special token).
 ``choose_format("auto", template)`` picks the family whose markers the chat template mentions, and
-Hermes for a template that knows no tools (chat_render.py then describes the tools in a system message
+Hermes for a template that knows no tools (chat/render.py then describes the tools in a system message
 in Hermes's words, so any model can be asked for calls).
 
 ``ToolCallStream`` parses one sample's text as it streams: text before the first call is content;

@@ -2,7 +2,7 @@
 
 Invariants:
 - A request is submitted to the engine only after its body decoded and validated against the
-  protocol types (and, on the OpenAI routes, the field policy of openai_fields.py); the engine
+  protocol types (and, on the OpenAI routes, the field policy of openai/fields.py); the engine
   checks the rest and refuses with InvalidRequestError, answered as a 400 with its param (the route's
   name for it, where the two differ: ``submit``'s ``names``) and code.
 - Every 400 names its ``param``: a body that fails decoding names the field's path as msgspec's error

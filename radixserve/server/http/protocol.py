@@ -1,13 +1,13 @@
 """Wire types of the HTTP API (msgspec Structs): shared fields, completions, /generate, tokenize, admin.
 
-The chat types are in protocol_chat.py, the OpenAPI document generated from both in openapi.py.
+The chat types are in openai/protocol.py, the OpenAPI document generated from both in http/openapi.py.
 
 Invariants:
 - Every request body is decoded with ``msgspec.json.decode(body, type=...)`` into one of the request
   Structs below; range constraints live in the types (``Meta``), so the OpenAPI schema and the
   validation that answers 400 are the same rules. The sampling fields' ranges are SamplingParams'
   own (``_sampling``), so the server and the engine cannot disagree on them.
-- The OpenAI routes check a body's top-level keys against openai_fields.py before decoding it: a
+- The OpenAI routes check a body's top-level keys against openai/fields.py before decoding it: a
   field that is neither a Struct field here nor known to have no effect on the output is a 400.
   Nested objects (messages, tools, stream options) ignore keys they do not know.
   ``GenerateSamplingParams`` forbids unknown keys, where one is almost always a typo.

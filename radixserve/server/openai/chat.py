@@ -1,6 +1,6 @@
 """``POST /v1/chat/completions``: the chat template, tools, reasoning, and the reply as OpenAI sends it.
 
-- The messages (and tools) are rendered by chat_render.py; ``chat_template_kwargs`` reach the template.
+- The messages (and tools) are rendered by chat/render.py; ``chat_template_kwargs`` reach the template.
 - ``tools`` + ``tool_choice``: ``auto`` (the default with tools) parses the reply for calls in the served
   format (tools.py); ``none`` leaves the reply as text; ``required`` and a named function add a grammar
   that admits only calls (``parallel_tool_calls: false`` or a named function: exactly one), so even a

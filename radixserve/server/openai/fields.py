@@ -2,7 +2,7 @@
 output is dropped.
 
 A top-level field of a ``/v1/chat/completions`` or ``/v1/completions`` body is one of:
-- **served**: a field of the request Struct (protocol.py, protocol_chat.py);
+- **served**: a field of the request Struct (http/protocol.py, openai/protocol.py);
 - **ignored**: ``IGNORED``, fields known to have no effect on the output (ids, tags, billing);
 - **refused**: ``CHAT_REFUSED`` / ``COMPLETION_REFUSED``, OpenAI and vLLM fields that radixserve does not
   implement. A value that asks for nothing (``null``, or the field's default, e.g. ``echo: false``) is
@@ -10,7 +10,7 @@ A top-level field of a ``/v1/chat/completions`` or ``/v1/completions`` body is o
 - **unknown**: anything else, a 400 naming it (``code: unknown_parameter``), as OpenAI answers: a
   misspelt field would otherwise change the output silently.
 
-``/v1/messages`` (Anthropic's API, protocol_anthropic.py) has the same four kinds, with its own lists:
+``/v1/messages`` (Anthropic's API, anthropic/protocol.py) has the same four kinds, with its own lists:
 ``MESSAGES_IGNORED`` and ``MESSAGES_REFUSED`` (Anthropic answers an unknown field with a 400 too).
 
 docs/server.md has the tables of every field; tests/server/test_server_api_surface.py and
