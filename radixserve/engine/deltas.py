@@ -54,6 +54,7 @@ class OutputAssembler:
     n: int
     arrival_time: float
     result: RequestOutput = field(init=False)
+    finished: bool = field(init=False, default=False)  # every sample has ended (an attribute: read a token)
     _open: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -62,10 +63,6 @@ class OutputAssembler:
             self.request_id, self.prompt, self.prompt_token_ids, outs, arrival_time=self.arrival_time
         )
         self._open = self.n
-
-    @property
-    def finished(self) -> bool:
-        return self._open == 0
 
     def add(self, step: StepOutput) -> RequestOutput:
         """Fold ``step`` into the accumulated result; returns the delta it represents."""
@@ -77,6 +74,7 @@ class OutputAssembler:
         if step.finish_reason is not None:
             out.finish_reason, out.stop_reason = step.finish_reason, step.stop_reason
             self._open -= 1
+            self.finished = self._open == 0
         res = self.result
         if step.index == 0:  # the prompt's own hit; later samples reuse what sample 0 computed
             res.cached_tokens = step.cached_tokens

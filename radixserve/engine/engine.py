@@ -204,9 +204,10 @@ class Engine(EngineParts, OfflineAPI):
         # A request's grammar matcher, once compiled (the scheduler ran it only when ready).
         matchers = [r.grammar.take() if r.grammar is not None else None for r in reqs]
         spec = self.speculator
-        rows_logits = (
-            logits[rows] if spec is None else sampled_logits(batch.requests, rows, logits, all_logits)
-        )
+        if spec is not None:
+            rows_logits = sampled_logits(batch.requests, rows, logits, all_logits)
+        else:  # a decode step samples every row: the logits as they are, not a copy of them
+            rows_logits = logits if len(rows) == logits.shape[0] else logits[rows]
         picks = pick_tokens(self.sampler, reqs, matchers, rows_logits, self.eos)
         now = time.monotonic()
         eos, jump_forward = self.eos, self.config.jump_forward

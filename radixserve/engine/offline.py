@@ -62,10 +62,13 @@ class OfflineAPI(ABC):
             rid = self.add_request(ids, sp, cache_salt=cache_salt)
             text = p if isinstance(p, str) else None
             assemblers[rid] = OutputAssembler(rid, text, ids, sp.n, time.monotonic())
-        while not all(a.finished for a in assemblers.values()):
+        open_ = len(assemblers)
+        while open_:
             for out in self.step():
-                if out.group_id in assemblers:
-                    assemblers[out.group_id].add(out)
+                assembler = assemblers.get(out.group_id)
+                if assembler is not None:
+                    assembler.add(out)
+                    open_ -= out.finish_reason is not None and assembler.finished
         return [a.result for a in assemblers.values()]
 
     def stream(

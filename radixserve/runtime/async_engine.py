@@ -353,7 +353,8 @@ class AsyncEngine:
 
     def _on_message(self, msg: FromEngine) -> None:
         if isinstance(msg, StepReport):
-            self._stats = msg.stats
+            if msg.stats is not None:
+                self._stats = msg.stats
             if msg.kv_events is not None and self.on_kv_events is not None:
                 self.on_kv_events(msg.kv_events)
             self._streams.on_step(msg)

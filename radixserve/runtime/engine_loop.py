@@ -64,6 +64,10 @@ logger = logging.getLogger("radixserve.engine_process")
 # (runtime/watchdog.py) sees a live loop as progress even while no step has output (idle, a grammar
 # still compiling, a decode role waiting for pages). Its deadline is far longer (seconds to a minute).
 HEARTBEAT_S = 0.5
+# A StepReport carries the engine's counters at least this often (in steps and seconds), and always after
+# a step that scheduled or finished a request or left the engine idle (messages.py, StepReport.stats).
+STATS_EVERY_STEPS = 16
+STATS_EVERY_S = 0.5
 IDLE_POLL_MS = int(HEARTBEAT_S * 1000)  # while idle, wake this often: a heartbeat, the parent's check
 STALLED_POLL_MS = 1  # work is queued but the last step could do none (a grammar still compiling)
 
@@ -181,6 +185,7 @@ class EngineLoop:
         # its inbox until the next step). The one count of waiting requests; the API server has none.
         self._waiting_at_step = 0
         self._added_since_step = 0
+        self._stats_step, self._stats_at = 0, 0.0  # when the last StepReport carried the counters
         self._sent_at = time.monotonic()  # of the latest message: a Heartbeat follows HEARTBEAT_S after
         self.role = EngineRole(engine) if role is None else role(self)
         self.heap = HeapTrim(engine.config.heap_trim_s)
@@ -235,11 +240,22 @@ class EngineLoop:
         progressed = bool(outputs) or engine.num_steps != steps
         outputs = self.role.after_step(outputs)
         events = None if self.kv_log is None else self.kv_log.drain()
-        stats = engine.stats()
-        self._waiting_at_step, self._added_since_step = stats.num_waiting, 0
+        self._waiting_at_step, self._added_since_step = len(engine.scheduler.waiting), 0
         if progressed or engine.newly_scheduled or events is not None:
+            now = time.monotonic()
+            stats = None
+            finished = [o for o in outputs if o.finish_reason is not None]
+            if (
+                finished
+                or engine.newly_scheduled
+                or not engine.has_unfinished()
+                or engine.num_steps - self._stats_step >= STATS_EVERY_STEPS
+                or now - self._stats_at >= STATS_EVERY_S
+            ):
+                stats = engine.stats()
+                self._stats_step, self._stats_at = engine.num_steps, now
             msg = StepReport(
-                time=time.monotonic(),
+                time=now,
                 outputs=outputs,
                 scheduled=engine.newly_scheduled,
                 stats=stats,
