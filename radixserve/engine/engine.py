@@ -188,15 +188,17 @@ class Engine(EngineParts, OfflineAPI):
         """What a forward's logits do to the batch (its prompts were scored: ``score_step``), in order:
         count (and cache) what was computed, sample the rows that end at a new token, then each such
         request's tokens, stops, text, output, drafts and finish (``postprocess.advance``)."""
-        rows = [  # the requests whose step ends at a new token (not inside a prefill)
-            i
-            for i, (r, n) in enumerate(zip(batch.requests, batch.num_new_tokens))
-            if r.num_computed_tokens + n == len(r.token_ids) + len(r.drafts)
-        ]
+        rows: list[int] = []  # the requests whose step ends at a new token (not inside a prefill)
+        reqs: list[Request] = []
+        warms = False
+        for i, (r, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):  # a loop: no frame a step
+            if r.num_computed_tokens + n == len(r.token_ids) + len(r.drafts):
+                rows.append(i)
+                reqs.append(r)
+                warms = warms or r.warm
         self._count_computed(batch)
-        reqs = [batch.requests[i] for i in rows]
         outputs: list[StepOutput] = []
-        if [r for r in reqs if r.warm]:  # warms end here, unsampled
+        if warms:  # warms end here, unsampled
             outputs, reqs = self.cache_control.finish_warms(reqs, self._finish)
             rows = [i for i in rows if not batch.requests[i].warm]
         if not rows:

@@ -12,8 +12,9 @@ if TYPE_CHECKING:  # the API server reads EngineStats without the cache's module
 
 
 class EngineStats(msgspec.Struct, array_like=True, kw_only=True):
-    """A snapshot of the engine's counters (a Struct: the engine process sends one after each step).
-    All zero: nothing reported yet."""
+    """A snapshot of the engine's counters (a Struct: the engine process sends one with each step that
+    scheduled or finished a request or left the engine idle, and at least every 16 steps or second:
+    runtime/messages.py, ``StepReport.stats``). All zero: nothing reported yet."""
 
     num_waiting: int = 0
     num_running: int = 0

@@ -149,8 +149,8 @@ class ModelRunner:
         reordering (every chunk is one row)."""
         assert self.native is not None
         ps = self.page_size
-        positions = torch.tensor([c.num_computed for c in chunks], dtype=torch.int64)
-        ids = torch.tensor([c.token_ids[c.num_computed] for c in chunks], dtype=torch.int64)
+        rows = torch.tensor([(c.num_computed, c.token_ids[c.num_computed]) for c in chunks])  # position, id
+        positions, ids = rows[:, 0].contiguous(), rows[:, 1].contiguous()
         tables = [c.page_table for c in chunks]
         width = max(map(len, tables))
         table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)

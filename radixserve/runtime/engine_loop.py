@@ -67,7 +67,7 @@ HEARTBEAT_S = 0.5
 # A StepReport carries the engine's counters at least this often (in steps and seconds), and always after
 # a step that scheduled or finished a request or left the engine idle (messages.py, StepReport.stats).
 STATS_EVERY_STEPS = 16
-STATS_EVERY_S = 0.5
+STATS_EVERY_S = 1.0
 IDLE_POLL_MS = int(HEARTBEAT_S * 1000)  # while idle, wake this often: a heartbeat, the parent's check
 STALLED_POLL_MS = 1  # work is queued but the last step could do none (a grammar still compiling)
 

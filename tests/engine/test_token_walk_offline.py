@@ -17,10 +17,10 @@ from benchmarks.lib import calltrace, token_walk
 
 pytestmark = pytest.mark.real_model
 
-# At most: measured at 001d5e9 + ~15% (50.9 calls a token at batch 1, 113.1 a step at batch 8). At
-# 3c9dc4f, before the host-path work: 139.9 and 482; the targets are 47 and 160.
-BATCH1_CALLS_PER_TOKEN = 58
-BATCH8_CALLS_PER_STEP = 130
+# At most: the targets (a third of 3c9dc4f's 139.9 calls a token at batch 1 and 482 a step at
+# batch 8). Measured after the host-path work: about 45 and 101 (benchmarks/results/walk_counts-after.md).
+BATCH1_CALLS_PER_TOKEN = 47
+BATCH8_CALLS_PER_STEP = 160
 
 
 @pytest.fixture(scope="module")
