@@ -215,7 +215,9 @@ def test_stop_strings_do_not_count_before_min_tokens() -> None:
 
 def test_the_backend_decode_is_taken_only_where_it_is_the_same_text() -> None:
     tok = make_tokenizer()
-    ids = encode(" ".join(CORPUS)) + [tok.convert_tokens_to_ids("<|im_end|>")]
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert isinstance(end, int)
+    ids = encode(" ".join(CORPUS)) + [end]
     # Every window the detokenizer decodes, with and without special tokens: the same text as HF's decode.
     decode = _decoder(tok)
     assert decode is not tok.decode and tok.clean_up_tokenization_spaces is False

@@ -28,8 +28,8 @@ pytestmark = pytest.mark.real_model
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "architecture.md"
-# Calls per streamed token, and functions in the walk, at most: measured at 50b32f8, the host-path work
-# done (API server 15 calls in 15 functions, engine process 58 in 47), plus room for the engine's
+# Calls per streamed token, and functions in the walk, at most: measured at e0d3732, the host-path work
+# done (API server 15 calls in 15 functions, engine process 56 in 47), plus room for the engine's
 # counters, which a StepReport carries every 16 steps or second (about 25 calls each: more often a token
 # on a loaded machine, whose steps are slower). At 3c9dc4f, before that work: API server 17.0 in 16,
 # engine process 172 in 107; the target is a third of those.
