@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import queue
 import time
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -160,23 +161,17 @@ class Engine(EngineParts, OfflineAPI):
             return outputs
         self.num_steps += 1
         firsts = prepare_scoring(batch, self.pool.scores)  # where prompt logprobs start (None: nowhere)
-        if firsts is None and spec is None:  # the common step: each request's new tokens, no more
-            chunks = [
-                SeqChunk(r.token_ids, r.num_computed_tokens, n, r.pages.table, False, r.num_computed_tokens)
-                for r, n in zip(batch.requests, batch.num_new_tokens)
-            ]
-        else:
-            chunks = [
-                SeqChunk(
-                    r.token_ids + r.drafts if r.drafts else r.token_ids,
-                    r.num_computed_tokens,
-                    n,
-                    r.pages.table,
-                    first is not None or bool(r.drafts),  # drafts: a row per position
-                    r.num_computed_tokens if first is None else first,
-                )
-                for r, n, first in zip(batch.requests, batch.num_new_tokens, firsts or [None] * len(batch))
-            ]
+        chunks = [
+            SeqChunk(
+                r.token_ids + r.drafts if r.drafts else r.token_ids,
+                r.num_computed_tokens,
+                n,
+                r.pages.table,
+                first is not None or bool(r.drafts),  # drafts: a row per position
+                r.num_computed_tokens if first is None else first,
+            )
+            for r, n, first in zip(batch.requests, batch.num_new_tokens, firsts or repeat(None))
+        ]
         result = self.runner.run(chunks)
         score_step(self.pool.scores, batch, firsts, result.all_logits)
         outputs += self._postprocess(batch, result.logits, result.all_logits)

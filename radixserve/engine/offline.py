@@ -68,7 +68,8 @@ class OfflineAPI(ABC):
                 assembler = assemblers.get(out.group_id)
                 if assembler is not None:
                     assembler.add(out)
-                    open_ -= out.finish_reason is not None and assembler.finished
+                    if out.finish_reason is not None and assembler.finished:  # its last sample ended
+                        open_ -= 1
         return [a.result for a in assemblers.values()]
 
     def stream(
