@@ -39,7 +39,8 @@ typecheck: install
 	MYPYPATH=tests $(BIN)/mypy tests/ui
 
 unit: model
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	# The slowest tests are printed so that CI's 45 minutes can be watched.
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=40
 
 test: lint typecheck unit
 
