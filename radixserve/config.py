@@ -99,6 +99,9 @@ class EngineConfig:
     # Run the model step eagerly instead of as a compiled graph (model/compiled.py), which is used
     # where the attention backend allows it (the C++ CPU kernels) and a C++ compiler is found.
     enforce_eager: bool = knob(False, "run the model step eagerly, not as a compiled graph")
+    # CUDA graphs of decode-only steps at batch buckets 1, 2, 4, ..., 256 below max_running_requests and
+    # that number itself, captured at start-up (model/cuda_graphs.py); on CUDA with the Triton backend.
+    cuda_graphs: bool = knob(True, "capture no CUDA graphs: every decode step runs eagerly")
     aging_s: float = knob(30.0, "seconds of waiting worth one priority level", gt=0)
     # May change outputs: the forced tokens are appended without the model seeing each one first.
     jump_forward: bool = knob(False, "append grammar-forced tokens without a decode step each")

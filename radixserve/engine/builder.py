@@ -105,7 +105,18 @@ class EngineParts:
             cfg.aging_s,
         )
         compile_step = not cfg.enforce_eager and backend.compilable
-        self.runner = self.tp.lead(ModelRunner(self.model, self.pool, backend, self.device, compile_step))
+        # CUDA graphs with one rank only: a captured step would replay without its ranks' collectives.
+        graphs = cfg.cuda_graphs and cfg.tensor_parallel_size == 1
+        runner = ModelRunner(
+            self.model,
+            self.pool,
+            backend,
+            self.device,
+            compile_step,
+            cuda_graphs=graphs,
+            max_batch=cfg.max_running_requests,
+        )
+        self.runner = self.tp.lead(runner)
         self.speculator: Speculator | None = None
         if cfg.speculative == "ngram":
             self.speculator = Speculator(cfg.num_speculative_tokens, self.kv_manager)

@@ -4,8 +4,10 @@ The batch is flattened with the extend sequences (prefill chunks of two or more 
 single-token sequences last. The backend plans the step's attention once (``plan_step``); every layer
 reuses the plan. Where the step can be captured (``model/compiled.py``), the decoder layers run as
 compiled code. A decode-only step of 1-8 rows runs instead as one native call (``model/native_step.py``)
-where the model's formats allow it, chosen once here; every other step (prefill, extend, mixed) runs
-the torch model.
+where the model's formats allow it, chosen once here; on CUDA with the Triton backend, a decode-only
+step runs as the graph-safe step (``model/graph_step.py``), replaying its CUDA graph
+(``model/cuda_graphs.py``) unless ``cuda_graphs`` is off; every other step (prefill, extend, mixed)
+runs the torch model.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from radixserve.cache.page_pool import KVPool
 from radixserve.model.attention import AttentionBackend, AttentionMetadata
 from radixserve.model.compiled import CompiledLayers
+from radixserve.model.graph_step import GraphStep
 from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.native_step import NativeStep, covers
 
@@ -66,6 +69,8 @@ class ModelRunner:
         device: torch.device,
         compile_step: bool = False,
         native_step: bool = True,
+        cuda_graphs: bool = False,
+        max_batch: int = 64,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -75,6 +80,12 @@ class ModelRunner:
         self.compiled = CompiledLayers.create(model.layers) if compile_step else None
         # The native decode step, chosen once (None: every step runs the torch model; logged why).
         self.native = NativeStep.create(model, pool) if native_step and device.type == "cpu" else None
+        # The graph-safe decode step, on CUDA with Triton's kernels (which never read back to the host);
+        # its graphs are captured in warmup().
+        self.graph_step: GraphStep | None = None
+        if cuda_graphs and device.type == "cuda" and backend.name == "triton":
+            context = model.config.max_position_embeddings
+            self.graph_step = GraphStep(model, pool, backend, max_batch, context)
         self.warmup_s = 0.0  # how long warmup() took
         # The thread that built the runner. On CPU, model code run from any other thread starts a
         # second OpenMP team; with more libgomp threads than cores, libgomp cuts every team's
@@ -118,6 +129,10 @@ class ModelRunner:
                 self.run([SeqChunk([0, 0], 1, 1, [0, 0])])
             finally:
                 self.native = native
+        if self.graph_step is not None:
+            from radixserve.model.cuda_graphs import capture
+
+            capture(self.graph_step)
         self.warmup_s = time.perf_counter() - start  # start-up's "compile" phase (logged by replicas)
 
     def run(self, chunks: list[SeqChunk]) -> RunnerOutput:
@@ -129,6 +144,8 @@ class ModelRunner:
             )
         if self.native is not None and covers(chunks):
             return self.run_native(chunks)
+        if self.graph_step is not None and self.graph_step.covers(chunks):
+            return RunnerOutput(self.graph_step.run(chunks), {})
         order = sorted(range(len(chunks)), key=lambda i: chunks[i].num_new == 1)
         ordered = [chunks[i] for i in order]
         inputs = self.prepare(ordered)
