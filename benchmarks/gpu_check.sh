@@ -34,6 +34,10 @@ step kernel-tests 120 python3 -m pytest -q -rs -p no:cacheprovider "${parallel[@
   tests/kernels/test_kernel_gpu.py tests/kernels/test_kernel_decode.py tests/kernels/test_kernel_extend.py \
   tests/kernels/test_kernel_kv_ops.py tests/kernels/test_kernel_triton_int8.py \
   tests/kernels/test_kernel_engine.py tests/kernels/test_kernel_aot.py
+# the graph-safe decode step and its CUDA graphs: capture, replay == eager, no sync (its log line has
+# the capture's time and memory pool)
+step graph-tests 120 python3 -m pytest -q -rs -p no:cacheprovider -o log_cli=true --log-cli-level=INFO \
+  tests/model/test_graph_step.py tests/kernels/test_kernel_graph_step.py
 step kernels-bench 60 python3 -m benchmarks.kernels.kernels_gpu
 cp benchmarks/results/kernels_gpu.json benchmarks/results/kernels_gpu.md "$out/" 2>>"$log"
 step engine-bench 200 python3 -m benchmarks.step.gpu_engine --tokenizer-dir .gpu/tokenizer --out-dir "$out" --profile
