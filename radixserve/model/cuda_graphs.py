@@ -56,8 +56,15 @@ def capture(step: GraphStep) -> CaptureCost:
                 step.forward(rows)
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            step.forward(rows)
+        try:
+            with torch.cuda.graph(graph, pool=pool):
+                step.forward(rows)
+        except RuntimeError as e:  # named, with the way out, rather than a bare capture error
+            step.replay.clear()
+            raise RuntimeError(
+                f"capturing the decode step's CUDA graph at batch {rows} failed ({e}); "
+                "--no-cuda-graphs runs every step eagerly"
+            ) from e
         pool = graph.pool()
         step.replay[rows] = graph
     torch.cuda.synchronize(device)

@@ -27,6 +27,7 @@ import bisect
 from collections.abc import Sequence
 from typing import ClassVar, Protocol
 
+import numpy as np
 import torch
 
 from radixserve.cache.page_pool import KVPool
@@ -93,16 +94,16 @@ class DecodeBuffers:
         ps, width = self.page_size, self.width
         index = torch.empty(4, rows, dtype=torch.int64)
         index[:, len(chunks) :] = torch.tensor([0, 0, -1, 1])[:, None]
-        table = torch.zeros(rows, width, dtype=torch.int32)
+        table = np.zeros((rows, width), dtype=np.int32)  # numpy: a row from a list is one C loop
         cols: list[int] = []
         for i, c in enumerate(chunks):
             pos = c.num_computed
             pages = c.page_table[:width]
-            table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+            table[i, : len(pages)] = pages
             cols += (c.token_ids[pos], pos, pages[pos // ps] * ps + pos % ps, pos + 1)
         index[:, : len(chunks)] = torch.tensor(cols, dtype=torch.int64).view(-1, 4).T
         self.index[:, :rows].copy_(index, non_blocking=True)
-        self.page_table[:rows].copy_(table, non_blocking=True)
+        self.page_table[:rows].copy_(torch.from_numpy(table), non_blocking=True)
 
 
 class GraphSafeTorchBackend(TorchBackend):

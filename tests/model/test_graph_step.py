@@ -104,14 +104,14 @@ def test_padded_bucket_equals_unpadded_step(
     _, seqs, tables = _prefilled(model, pool, 13, shared)
     step = GraphStep(model, pool, select_backend("auto", CPU), 16, 64)
     assert step.buckets == (1, 2, 4, 8, 16)
-    for n in (1, 3, 5, 8, 13):
+    for n, bucket in ((1, 1), (3, 4), (5, 8), (8, 8), (13, 16)):
+        assert bucket_for(n, step.buckets) == bucket
         chunks = _decode(seqs[:n], tables[:n])
         step.buffers.fill(chunks, n)
         step.forward(n)
         unpadded = step.buffers.logits[:n].clone()
         pool_after = [b.clone() for b in pool.buffers()]
         padded = step.run(chunks)
-        assert bucket_for(n, step.buckets) >= n
         torch.testing.assert_close(padded, unpadded, rtol=1e-5, atol=1e-5)
         assert torch.equal(padded.argmax(-1), unpadded.argmax(-1))
         for before, after in zip(pool_after, pool.buffers()):
@@ -277,12 +277,34 @@ def test_cuda_graphs_replay_the_eager_step(tiny_llama: Path) -> None:
     assert sorted(step.replay) == [1, 2, 4, 8] and cost.seconds > 0
     for n in (1, 3, 6):
         chunks = _decode(seqs[:n], tables[:n])
-        step.buffers.fill(chunks, bucket_for(n, step.buckets))
-        torch.cuda.set_sync_debug_mode("error")
+        rows = bucket_for(n, step.buckets)
+        step.buffers.fill(chunks, rows)
+        torch.cuda.set_sync_debug_mode("error")  # any synchronisation inside the step raises
         try:
-            step.forward(bucket_for(n, step.buckets))
+            step.forward(rows)
             eager = step.buffers.logits[:n].clone()
-            replayed = step.run(chunks)
+            step.buffers.logits.zero_()
+            step.replay[rows].replay()
+            replayed = step.buffers.logits[:n].clone()
         finally:
             torch.cuda.set_sync_debug_mode("default")
         torch.testing.assert_close(replayed, eager, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(step.run(chunks), eager, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_sampling_does_not_sync_on_cuda() -> None:
+    cuda = torch.device("cuda")
+    params = _params()
+    buffers = SamplingBuffers(8, 64, cuda)
+    generators = [None if p.seed is None else torch.Generator(cuda).manual_seed(p.seed) for p in params]
+    history = [[1, 2, 3]] * len(params)
+    sampled = buffers.fill(params, generators, history, history, 8, (2,))
+    logits = torch.randn(8, 64, device=cuda)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tokens = sample(logits, buffers, 8, sampled)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert tokens.shape == (8,) and tokens.device.type == "cuda"
