@@ -4,7 +4,7 @@ products, the native decode step).
 
 The sources in ``csrc/`` are compiled on first use with ``torch.utils.cpp_extension.load`` (ninja)
 into ``${XDG_CACHE_HOME:-~/.cache}/radixserve/cpu_kernels/<torch>-<isa>-<hash>/``. The directory is
-keyed by the torch version, the instruction set and a hash of the sources and compiler flags, so a
+keyed by the torch version, the instruction set and a hash of the sources, compile and link flags, so a
 later process finds the library there and loads it in milliseconds, and an edited source or a new
 torch gets a fresh directory.
 
@@ -18,8 +18,21 @@ builds, the others wait and then load its library. cpp_extension's own lock file
 it is left behind when a builder is killed and then blocks every later process forever; an flock
 dies with its holder. A ``ready`` file, written last, marks a finished build.
 
-When no compiler is found, or the build or the load fails, ``load()`` returns False and logs one
-WARNING line saying why and what it costs; callers then use the torch reference kernels. Setting
+The library links the C++ runtime (``libstdc++``, ``libgcc_s``) ahead of torch's libraries
+(``LINK_FLAGS``). torch's wheels carry private copies of some libstdc++ functions and export them
+(``libc10.so`` the ``std::ostringstream`` constructor and ``stringbuf::str()``, ``libtorch_cpu.so``
+``std::exception_ptr``'s reference counting); linked after them, the library's own calls bound there,
+so a failed check's message was formatted and a worker thread's error carried partly by torch's copies
+and partly by the system's. Linked first, every C++ runtime call binds to the runtime itself.
+
+A new library is not loaded before ``raise_probe.py``, in a child process, has seen each kind of failed
+argument check (``TORCH_CHECK``) raise ``RuntimeError`` in Python: on a torch build or compiler where
+an error would kill the process instead (seen once, with torch 2.11.0+cu130 and g++ 13.3), ``load()``
+fails with the probe's reason and the torch reference runs. The outcome is kept beside the library
+(``errors_raise``, or ``errors_crash`` with the reason), so the probe runs once per build.
+
+When no compiler is found, or the build, the probe or the load fails, ``load()`` returns False and logs
+one WARNING line saying why and what it costs; callers then use the torch reference kernels. Setting
 ``RADIXSERVE_CPU_KERNELS=0`` forces that fallback (logged at INFO).
 """
 
@@ -29,7 +42,11 @@ import hashlib
 import logging
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,6 +89,12 @@ COST = (
     "CPU attention and linear products fall back to the torch reference kernels, and decode steps to "
     "the torch model (slower)"
 )
+# The C++ runtime first, so that its symbols bind to it and not to the copies torch's libraries export
+# (module docstring); push/pop-state keeps the rest of the link's --as-needed choice as it was.
+LINK_FLAGS = ["-fopenmp", "-Wl,--push-state,--no-as-needed", "-lstdc++", "-lgcc_s", "-Wl,--pop-state"]
+PROBE = Path(__file__).resolve().parent / "raise_probe.py"
+PROBE_TIMEOUT_S = 300  # a child that imports torch; slow on a loaded 2-core machine
+Probe = Callable[[Path], str]  # a library -> "" where its errors raise in Python, else why not
 ISA_FLAGS: dict[str, list[str]] = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
@@ -117,20 +140,47 @@ def build_key(target: str, sources: list[Path], flags: list[str]) -> str:
     digest = hashlib.sha256()
     for path in sources:
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    digest.update(" ".join(flags).encode())
+    digest.update(" ".join([*flags, *LINK_FLAGS]).encode())
     return f"{torch.__version__}-{target}-{digest.hexdigest()[:16]}"
 
 
 def build_and_load(
-    name: str, target: str, sources: list[Path], headers: list[Path], flags: list[str], root: Path
+    name: str,
+    target: str,
+    sources: list[Path],
+    headers: list[Path],
+    flags: list[str],
+    root: Path,
+    probe: Probe | None = None,
 ) -> LoadState:
-    """Load library ``name`` from its cache directory under ``root``, building it there first if needed."""
+    """Load library ``name`` from its cache directory under ``root``, building it there first if needed.
+    With ``probe``, a library is loaded only once the probe found its errors raise in Python (kept in
+    the directory: ``errors_raise``, or ``errors_crash`` holding the reason)."""
     directory = root / build_key(target, [*sources, *headers], flags)
     library = directory / f"{name}.so"
     ready = directory / "ready"
-    if ready.exists() and library.exists():
+    raises, crashes = directory / "errors_raise", directory / "errors_crash"
+
+    def checked(how: str) -> LoadState:  # a built library: probed (once), then loaded
+        if probe is not None and not raises.exists():
+            if crashes.exists():
+                return LoadState(False, "failed", crashes.read_text().strip())
+            why = probe(library)
+            if why:
+                if not why.startswith(_UNSETTLED):  # a timeout may be a busy machine: ask again later
+                    crashes.write_text(why + f" (delete {crashes} to probe again)\n")
+                return LoadState(False, "failed", why)
+            raises.write_text("ok\n")
         torch.ops.load_library(str(library))
-        return LoadState(True, "cached", path=library)
+        return LoadState(True, how, path=library)
+
+    from filelock import FileLock
+
+    if ready.exists() and library.exists():
+        if probe is None or raises.exists() or crashes.exists():
+            return checked("cached")
+        with FileLock(str(directory / "build.lock")):  # built, not probed yet: one process probes
+            return checked("cached")
     cxx = os.environ.get("CXX", "c++")
     if shutil.which(cxx) is None:
         return LoadState(False, "failed", f"no C++ compiler ({cxx}) found")
@@ -138,23 +188,23 @@ def build_and_load(
 
     if not cpp_extension.is_ninja_available():
         return LoadState(False, "failed", "ninja (needed to build the C++ kernels) not found")
-    from filelock import FileLock
 
     directory.mkdir(parents=True, exist_ok=True)
     with FileLock(str(directory / "build.lock")):
         if ready.exists() and library.exists():  # another process built it while we waited
-            torch.ops.load_library(str(library))
-            return LoadState(True, "cached", path=library)
+            return checked("cached")
         logger.info("radixserve: building the CPU kernels in %s (once, a minute or more)", directory)
         # Holding the flock, nobody else builds here: a lock file of cpp_extension's own is one a
         # killed builder left, and cpp_extension would wait on it forever.
         (directory / "lock").unlink(missing_ok=True)
         try:
+            # cpp_extension loads what it builds into this process; with a probe, the ops of a library
+            # that fails it are loaded here but never called (load() returns False).
             cpp_extension.load(
                 name=name,
                 sources=[str(s) for s in sources],
                 extra_cflags=flags,
-                extra_ldflags=["-fopenmp"],
+                extra_ldflags=LINK_FLAGS,
                 build_directory=str(directory),
                 is_python_module=False,
                 verbose=False,
@@ -169,7 +219,41 @@ def build_and_load(
         tmp = directory / "ready.tmp"
         tmp.write_text(name + "\n")
         tmp.replace(ready)
-    return LoadState(True, "built", path=library)
+        return checked("built")
+
+
+_UNSETTLED = "the probe of the C++ kernels' errors did not finish"
+_STOPPED = (signal.SIGKILL, signal.SIGTERM, signal.SIGINT)  # killed from outside (OOM, a stop): not a verdict
+
+
+def probe_errors(library: Path, cases: list[str] | None = None) -> str:
+    """Nothing where every failed argument check of ``library``'s ops raises RuntimeError in Python
+    (``raise_probe.py``, in a child process), else why not: the case and how the child ended. A reason
+    starting with ``_UNSETTLED`` (no case ran, a timeout, a kill from outside) is no verdict."""
+    try:
+        out = subprocess.run(
+            [sys.executable, str(PROBE), str(library), *(cases or [])],
+            capture_output=True,
+            text=True,
+            timeout=PROBE_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        return f"{_UNSETTLED} in {PROBE_TIMEOUT_S} s"
+    if out.returncode == 0:
+        return ""
+    lines = out.stdout.splitlines()
+    case = next((line.split()[1] for line in reversed(lines) if line.startswith("start ")), None)
+    if out.returncode < 0:
+        ended = f"died with {signal.Signals(-out.returncode).name}"
+    else:
+        tail = (lines or out.stderr.strip().splitlines() or ["no output"])[-1]
+        ended = f"exited {out.returncode}: {tail[:200]}"
+    if case is None or -out.returncode in _STOPPED:
+        return f"{_UNSETTLED}: it {ended}"
+    return (
+        f"a failed argument check of the C++ kernels does not raise in Python here: the probe "
+        f"({PROBE.name}, case {case!r}) {ended}"
+    )
 
 
 def _first_error(log: str) -> str:
@@ -211,6 +295,7 @@ def _load() -> LoadState:
             [CSRC / h for h in HEADERS],
             compile_flags(target),
             cache_root(),
+            probe_errors,
         )
     except Exception as exc:  # e.g. an unwritable cache directory, or a library that will not load
         return LoadState(False, "failed", f"loading the C++ kernels failed ({type(exc).__name__}: {exc})")
