@@ -72,6 +72,7 @@ class KVCacheManager:
         self.hit_tokens = 0
         self.evicted_pages = 0
         self.device_hit_pages = 0
+        self.recomputed_pages = 0  # pages the lower tiers held past a request's match that it computed
         self._pass = 0  # scheduling passes (``poll_loads``): a request's peek is kept for one
 
     def listen(self, listener: CacheListener) -> None:
@@ -184,6 +185,7 @@ class KVCacheManager:
             self.query_tokens += req.num_tokens
             self.hit_tokens += cached
             self.device_hit_pages += cached // self.page_size - loaded
+            self.recomputed_pages += peek.lower_pages if peek is not None else 0
             req.pages.num_cached_tokens = cached
             req.pages.cached_by_tier = by_tier
         req.num_computed_tokens = cached
@@ -245,8 +247,9 @@ class KVCacheManager:
     def prefetch(self, req: CachedRequest) -> bool:
         """True while ``req`` must wait for its prefix to come back from the lower tiers.
 
-        Starts the load when the lower tiers hold pages right after the device match. A load that
-        cannot get device pages is not started: the request then computes those tokens instead.
+        Starts the load when the lower tiers hold pages right after the device match, of those of them
+        that load faster than they compute (all, until measured). A load that cannot get device pages is
+        not started: the request then computes those tokens instead.
         """
         if req.pages.load is not None:
             return not req.pages.load.ready
@@ -258,7 +261,9 @@ class KVCacheManager:
             return True  # enough in flight already; this one starts when they land
         tokens = req.token_ids[:usable]
         m = self.tree.match_prefix(tokens, req.cache_salt)  # the load's own walk: split, lower keys
-        n = len(m.lower_keys)
+        # Only the pages that loading brings back sooner than the prefill computes them; the request
+        # computes the rest (cache/load_cost.py).
+        n = self.tiers.cost.pages_to_load(m.lower_tiers, self.page_size)
         if n == 0:
             return False
         self.tree.lock(m.node)

@@ -31,6 +31,7 @@ import torch
 
 from radixserve.cache.disk_store import DiskStore
 from radixserve.cache.listener import CachedChunk, CacheListener
+from radixserve.cache.load_cost import LoadCost
 from radixserve.cache.page_pool import PageCopier, PagedPool
 from radixserve.cache.radix.node import EvictResult, MatchResult, TreeNode
 from radixserve.cache.radix.tree import RadixCache
@@ -87,6 +88,9 @@ class TierController(CacheListener):
         self.loading_pages = 0  # device pages held by loads in flight
         self.num_loads = 0
         self.failed_loads = 0
+        # Measured load time per page of each store and prefill time per token: a load takes only the
+        # pages that loading brings back sooner than recomputing them (cache/load_cost.py).
+        self.cost = LoadCost(len(self.stores))
         self._pending = 0
         self._pending_lock = threading.Lock()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-write")
@@ -173,12 +177,14 @@ class TierController(CacheListener):
     def start_load(
         self, match: MatchResult, tokens: list[int], namespace: Hashable, pages: list[int]
     ) -> Load:
-        """Fill device ``pages`` with ``match.lower_keys`` on the loader thread. The caller has locked
-        ``match.node`` and allocated ``pages``; ``tokens`` ends with the loaded pages."""
+        """Fill device ``pages`` with the first ``len(pages)`` of ``match.lower_keys`` (those worth
+        loading: ``cost.pages_to_load``) on the loader thread. The caller has locked ``match.node`` and
+        allocated ``pages``; ``tokens`` ends with the loaded pages."""
+        keys, where = list(match.lower_keys[: len(pages)]), list(match.lower_tiers[: len(pages)])
         held: list[torch.Tensor] | None = [] if self.scatter_on_land else None
         sink = held.append if held is not None else partial(self._scatter, pages)
-        future = self._loader.submit(self._load, list(match.lower_keys), list(match.lower_tiers), sink)
-        tiers = [self.stores[t].name for t in match.lower_tiers]
+        future = self._loader.submit(self._load, keys, where, sink)
+        tiers = [self.stores[t].name for t in where]
         load = Load(tokens, namespace, match.node, list(match.pages), pages, future, tiers, held)
         self.loads.append(load)
         self.loading_pages += len(pages)
@@ -269,7 +275,7 @@ class TierController(CacheListener):
             store.clear()
 
     def stats(self) -> dict[str, dict[str, float]]:
-        out = {s.name: s.stats.as_dict() for s in self.stores}
+        out = {s.name: s.stats.as_dict() | self.cost.stats(i) for i, s in enumerate(self.stores)}
         out[self.stores[-1].name]["dropped_writes"] = float(self.dropped_writes)
         return out
 
@@ -280,21 +286,32 @@ class TierController(CacheListener):
             store.check_integrity()
 
     def _load(self, keys: list[bytes], tiers: list[int], sink: Callable[[torch.Tensor], None]) -> bool:
-        """Loader thread: read every page and hand them, stacked, to ``sink``; all or nothing."""
+        """Loader thread: read every page and hand them, stacked, to ``sink``; all or nothing. A load
+        that succeeds is measured: per store, its reads plus its share (by pages) of the write into the
+        pool, what ``cost`` weighs against recomputing."""
         pages = []
+        spent, served = [0.0] * len(self.stores), [0] * len(self.stores)
         for key, tier in zip(keys, tiers):
-            for store in self.stores[tier:]:  # evicted meanwhile or found corrupt: a slower tier may have it
+            for i in range(tier, len(self.stores)):  # evicted meanwhile or corrupt: a slower tier may have it
+                store = self.stores[i]
                 start = time.perf_counter()
                 page = store.get(key)
-                store.stats.load_s += time.perf_counter() - start
+                took = time.perf_counter() - start
+                store.stats.load_s += took
+                spent[i] += took
                 if page is not None:
                     break
             if page is None:
                 return False
             store.stats.hits += 1
             store.stats.bytes_out += page.numel() * page.element_size()
+            served[i] += 1
             pages.append(page)
+        start = time.perf_counter()
         sink(torch.stack(pages))
+        share = (time.perf_counter() - start) / len(pages)
+        page_bytes = pages[0].numel() * pages[0].element_size()
+        self.cost.note_load([s + share * n for s, n in zip(spent, served)], served, page_bytes)
         return True
 
     def _store(self, tier: int, key: bytes, page: torch.Tensor, cascade: bool = True) -> None:
@@ -352,6 +369,7 @@ class NoTiers(CacheListener):
         self.loading_pages = 0
         self.num_loads = 0
         self.failed_loads = 0
+        self.cost = LoadCost(0)  # measures the prefill all the same; there is nothing to load
 
     def start_load(
         self, match: MatchResult, tokens: list[int], namespace: Hashable, pages: list[int]

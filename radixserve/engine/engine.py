@@ -172,9 +172,13 @@ class Engine(EngineParts, OfflineAPI):
             )
             for r, n, first in zip(batch.requests, batch.num_new_tokens, firsts or repeat(None))
         ]
+        start = time.perf_counter()
         result = self.runner.run(chunks)
         score_step(self.pool.scores, batch, firsts, result.all_logits)
         outputs += self._postprocess(batch, result.logits, result.all_logits)
+        tokens = sum(batch.num_new_tokens)
+        if tokens > len(chunks):  # a prefill's speed: a tier's hit loads only if that is faster
+            self.kv_manager.tiers.cost.note_prefill(tokens, time.perf_counter() - start)
         return outputs
 
     def _postprocess(

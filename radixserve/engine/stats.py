@@ -77,5 +77,8 @@ def tier_stats(kv: KVCacheManager) -> dict[str, dict[str, float]]:
         "loads": float(tiers.num_loads),
         "failed_loads": float(tiers.failed_loads),
         "loading_pages": float(kv.loading_pages),
+        # Pages a lower tier held that requests computed: loading them was slower (or found no room).
+        "recomputed_pages": float(kv.recomputed_pages),
+        "prefill_tokens_per_s": tiers.cost.prefill_tokens_per_s(),
     }
     return {"device": device, **tiers.stats()}
