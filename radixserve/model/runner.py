@@ -23,6 +23,7 @@ import torch
 from radixserve.cache.page_pool import KVPool
 from radixserve.model.attention import AttentionBackend, AttentionMetadata
 from radixserve.model.compiled import CompiledLayers
+from radixserve.model.cuda_graphs import capture
 from radixserve.model.graph_step import GraphStep
 from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.native_step import NativeStep, covers
@@ -130,8 +131,6 @@ class ModelRunner:
             finally:
                 self.native = native
         if self.graph_step is not None:
-            from radixserve.model.cuda_graphs import capture
-
             capture(self.graph_step)
         self.warmup_s = time.perf_counter() - start  # start-up's "compile" phase (logged by replicas)
 
