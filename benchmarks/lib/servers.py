@@ -101,15 +101,21 @@ def free_port() -> int:
 class Server:
     """One engine's server process (in its own process group) on 127.0.0.1:port."""
 
-    def __init__(self, engine: str, cmd: list[str], port: int, log_dir: Path) -> None:
+    def __init__(
+        self, engine: str, cmd: list[str], port: int, log_dir: Path, tree: Path | None = None
+    ) -> None:
+        """``tree``: a checkout of radixserve to serve from (its folder the process's cwd and first on its
+        ``PYTHONPATH``, ahead of the installed one), to compare two commits' servers."""
         log_dir.mkdir(parents=True, exist_ok=True)
         self.engine = engine
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_dir / f"{engine}.log"
         self._log = self.log_path.open("w")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if tree is not None:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH")]))
         self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env, cwd=tree
         )
 
     def wait_ready(self, timeout_s: float, path: str = "/v1/models") -> None:

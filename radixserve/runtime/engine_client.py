@@ -5,9 +5,12 @@ Invariants:
   directory) for each restart, so nothing an old process sent can reach its successor's requests.
 - The API server binds both sockets; the process connects. ``send`` never blocks: a message that
   cannot be queued (no process on the other end) is refused, and the caller treats the engine as gone.
-- Messages are handed to ``on_message`` in the order the process sent them, on the event loop. When
-  the process exits, what it sent before exiting is handed on first, then ``on_exit`` gets the
-  exit status, once, unless ``stop`` asked for the exit.
+- Messages are handed to ``on_message`` in the order the process sent them, on the event loop, once
+  the Supervisor sets it (the serving process's handler; an idle standby's are dropped). Every message
+  is progress (``last_message``, which the watchdog reads); a ``Heartbeat`` is nothing else, and an
+  ``EngineFailed`` is kept as ``failure``, for the errors of the requests its death fails. When the
+  process exits, what it sent before exiting is handed on first, then ``on_exit`` gets the exit
+  status, once, unless ``stop`` asked for the exit.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import msgspec
@@ -29,7 +33,15 @@ import zmq
 import zmq.asyncio
 
 from radixserve.config import EngineConfig
-from radixserve.runtime.messages import FromEngine, Ready, Shutdown, StartFailed, ToEngine
+from radixserve.runtime.messages import (
+    EngineFailed,
+    FromEngine,
+    Heartbeat,
+    Ready,
+    Shutdown,
+    StartFailed,
+    ToEngine,
+)
 
 logger = logging.getLogger("radixserve.server")
 
@@ -81,6 +93,9 @@ class EngineClient:
         self._exited: asyncio.Future[int] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
+        self.on_message: Callable[[FromEngine], None] | None = None  # set for the serving process
+        self.last_message = time.monotonic()  # when the process last said anything (heartbeats too)
+        self.failure = ""  # what the process said as it failed (its EngineFailed), if it did
 
     @property
     def pid(self) -> int | None:
@@ -91,7 +106,7 @@ class EngineClient:
         """Whether the process has exited (``on_exit`` may still be on its way)."""
         return self._exited is not None and self._exited.done()
 
-    async def start(self, on_message: Callable[[FromEngine], None], on_exit: Callable[[int], None]) -> Ready:
+    async def start(self, on_exit: Callable[[int], None]) -> Ready:
         """Start the process and wait until it is ready (EngineStartError if it exits first)."""
         loop = asyncio.get_running_loop()
         self._exited = exited = loop.create_future()
@@ -149,7 +164,8 @@ class EngineClient:
             raise EngineStartError(f"the engine could not start: {ready.message}")
         if not isinstance(ready, Ready):
             raise EngineStartError(f"the engine process sent {type(ready).__name__} before Ready")
-        receiver = asyncio.create_task(self._receive(on_message))
+        self.last_message = time.monotonic()
+        receiver = asyncio.create_task(self._receive())
         self._tasks = [receiver, asyncio.create_task(self._watch(receiver, on_exit))]
         return ready
 
@@ -215,11 +231,21 @@ class EngineClient:
         self._ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
 
-    async def _receive(self, on_message: Callable[[FromEngine], None]) -> None:
+    async def _receive(self) -> None:
+        # Inline, not a handler per kind: this runs for every step's report, on the token's path.
         while True:
             msg = self._decoder.decode(await self._pull.recv())
+            self.last_message = time.monotonic()
+            if isinstance(msg, Heartbeat):
+                continue
+            if isinstance(msg, EngineFailed):
+                self.failure = msg.message
+                continue
+            handler = self.on_message
+            if handler is None:
+                continue
             try:
-                on_message(msg)
+                handler(msg)
             except Exception:  # a bug in one handler must not stop the stream of outputs
                 logger.exception("handling %s failed", type(msg).__name__)
 

@@ -1,9 +1,13 @@
 """The open requests of one engine process, as the API server holds them: a queue per request id that
-the process's ``StepReport`` and ``RequestError``s fill, and the timings of each request's record.
+the process's ``StepReport`` and ``RequestError``s fill, the timings of each request's record, and the
+stream that reads one request's queue (``EngineStream``).
 
-``AsyncEngine`` owns one ``Streams``; each request's consumer (``AsyncEngine._generate``) opens its
-entry before its ``AddRequest`` is sent and closes it when it stops. Outputs for a request without an
-entry are dropped. The calls beside the requests have their own table (runtime/calls.py).
+``AsyncEngine`` owns one ``Streams``; each request's stream opens its entry before its ``AddRequest``
+is sent and closes it when it ends. Outputs for a request without an entry are dropped. The calls
+beside the requests have their own table (runtime/calls.py).
+
+A token's way through here is two calls: ``Streams.on_step`` puts each of a step's outputs on its
+request's queue, and ``EngineStream.__anext__`` takes it off and folds it (``OutputAssembler.add``).
 """
 
 from __future__ import annotations
@@ -11,20 +15,20 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from radixserve.engine.deltas import StepOutput
+from radixserve.engine.deltas import OutputAssembler, StepOutput
 from radixserve.errors import InvalidRequestError
 from radixserve.outputs import RequestOutput
-from radixserve.runtime.backend import RequestRecord
+from radixserve.runtime.backend import RequestRecord, RequestStream
 from radixserve.runtime.calls import exception
 from radixserve.runtime.messages import RequestError, StepReport
 
 
 @dataclass
 class OpenRequest:
-    queue: asyncio.Queue[list[StepOutput] | BaseException]
+    queue: asyncio.Queue[StepOutput | BaseException]
     arrival_time: float
     scheduled_time: float | None = None
     token_times: list[float] = field(default_factory=list)
@@ -78,12 +82,11 @@ class Streams:
             req = self._open.get(rid)
             if req is not None and req.scheduled_time is None:
                 req.scheduled_time = msg.time
-        batches: dict[str, list[StepOutput]] = {}
+        opened = self._open
         for out in msg.outputs:  # with their text: the engine process made it (and checked stop strings)
-            if out.group_id in self._open:
-                batches.setdefault(out.group_id, []).append(out)
-        for rid, steps in batches.items():
-            self._open[rid].queue.put_nowait(steps)
+            req = opened.get(out.group_id)
+            if req is not None:
+                req.queue.put_nowait(out)
 
     def on_error(self, msg: RequestError) -> None:
         """The engine refused the request (or its role failed it): its consumer raises the typed error."""
@@ -95,3 +98,58 @@ class Streams:
     def fail_all(self, error: BaseException) -> None:
         for req in self._open.values():
             req.queue.put_nowait(error)
+
+
+# What EngineStream calls on the engine: submit the request (once, at the first read), and end it.
+Submit = Callable[[], tuple[OpenRequest, OutputAssembler]]
+End = Callable[[OpenRequest, OutputAssembler], None]
+
+
+class EngineStream(RequestStream):
+    """One request's deltas as its ``OpenRequest``'s queue receives them, each folded by its assembler.
+
+    The request is submitted at the first read (``first()`` or iteration), so what refuses it raises
+    there. ``end`` runs once, whichever way the stream ends: its last delta read, an error raised out of
+    a read (a refusal, the engine's death, a cancelled read), or ``aclose``; AsyncEngine's aborts the
+    request in the engine when it is unfinished.
+    """
+
+    def __init__(self, submit: Submit, end: End) -> None:
+        super().__init__()
+        self._submit, self._end = submit, end
+        self._req: OpenRequest | None = None
+        self._ended = False
+
+    async def __anext__(self) -> RequestOutput:
+        # One frame a delta, where an async generator behind the stream would add its own.
+        req, assembler = self._req, self.assembler
+        if req is None or assembler is None:
+            if self._ended:
+                raise StopAsyncIteration
+            req, assembler = self._req, self.assembler = self._submit()
+        if assembler.finished:
+            self._close()
+            raise StopAsyncIteration
+        try:
+            item = await req.queue.get()
+        except BaseException:
+            self._close()
+            raise
+        if isinstance(item, BaseException):
+            self._close()
+            # One error object fails every open stream: each raise starts a fresh traceback, or each
+            # would append its frames to the last one's (a log line per stream).
+            raise item.with_traceback(None)
+        if item.index == 0 and item.token_ids:
+            req.token_times.append(item.time)
+        return assembler.add(item)
+
+    async def aclose(self) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        if self._req is not None and self.assembler is not None:
+            self._end(self._req, self.assembler)

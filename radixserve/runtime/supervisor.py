@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from radixserve.config import EngineConfig
 from radixserve.runtime.backend import EngineFailedError, EngineUnavailableError
 from radixserve.runtime.engine_client import EngineClient, describe_exit
-from radixserve.runtime.messages import EngineFailed, FromEngine, Heartbeat, Ready, TakeOver, ToEngine
+from radixserve.runtime.messages import FromEngine, Ready, TakeOver, ToEngine
 from radixserve.runtime.watchdog import Watchdog
 
 logger = logging.getLogger("radixserve.server")
@@ -82,7 +82,6 @@ class Supervisor:
         self.ready: Ready | None = None  # the latest process's, kept across its death
         self.accepting = False
         self.startup_s: dict[str, float] = {}  # the latest engine process's start-up, by phase
-        self._failure = ""  # what the engine process said as it failed (EngineFailed), for its requests
         self._restarter: asyncio.Task[None] | None = None
         self._started_at = 0.0
         self._quick_deaths = 0  # consecutive deaths of processes that did not serve for STABLE_S
@@ -138,9 +137,7 @@ class Supervisor:
     async def _start_process(self, client: EngineClient) -> Started:
         launched = time.monotonic()
         try:
-            ready = await client.start(
-                functools.partial(self._receive, client), functools.partial(self._on_exit, client)
-            )
+            ready = await client.start(functools.partial(self._on_exit, client))
         except BaseException:
             client.kill()
             client.close()
@@ -151,10 +148,11 @@ class Supervisor:
         """Make ``client``'s process the serving one (``took``: its start-up, from launch to Ready)."""
         self.client, self.ready = client, ready
         self._on_message(ready)
+        client.on_message = self._on_message  # from now on its messages reach the requests
         timeout = self._config.engine_hang_timeout_s
         if timeout > 0:  # watched from Ready on: the start-up (load, compile warm-up) never counts
             on_hang = functools.partial(self._on_hang, client)
-            self._watchdog = Watchdog(timeout, self._busy, on_hang)
+            self._watchdog = Watchdog(timeout, client, self._busy, on_hang)
             self._watching = asyncio.create_task(self._watchdog.run())
         self._started_at = time.monotonic()
         # Start-up by phase: starting the process and loading the model, then the compile warm-up.
@@ -260,16 +258,6 @@ class Supervisor:
             task.cancel()  # _start_process kills the process it started
         return ready
 
-    def _receive(self, client: EngineClient, msg: FromEngine) -> None:
-        if client is not self.client:
-            return  # an idle standby's heartbeats
-        if self._watchdog is not None:
-            self._watchdog.progress()
-        if isinstance(msg, EngineFailed):
-            self._failure = msg.message
-        elif not isinstance(msg, Heartbeat):  # progress only
-            self._on_message(msg)
-
     def _on_hang(self, client: EngineClient, stalled_s: float) -> None:
         if client is not self.client:
             return
@@ -310,7 +298,7 @@ class Supervisor:
         if hung:
             how = f"hung ({hung}) and was killed"
         logger.error("engine process %s %s; failing its open requests and restarting it", pid, how)
-        said, self._failure = self._failure, ""
+        said = client.failure
         message = f"the engine process {how}{': ' + said if said else ''}; it is being restarted"
         self.restarts += 1
         self.last_restart_reason = f"hung: {hung}" if hung else how

@@ -27,31 +27,37 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 MAX_TICK_S = 1.0  # how often the clock is read, at most; a quarter of a short deadline
 CONFIRM_YIELDS = 3  # loop turns given to the receivers before a stall is called a hang
 
 
+class Messages(Protocol):
+    """What the watchdog reads of a process: when it last said anything (``EngineClient``: its Ready,
+    then each message, heartbeats too). Read once a tick, so a message costs the receiver no call."""
+
+    last_message: float
+
+
 class Watchdog:
-    """Watches one engine process: ``progress()`` on each of its messages, ``run()`` as a task."""
+    """Watches one engine process (``process``), ``run()`` as a task."""
 
     def __init__(
         self,
         timeout_s: float,
+        process: Messages,
         busy: Callable[[], bool],
         on_hang: Callable[[float], None],
     ) -> None:
         self.timeout_s = timeout_s
+        self._process = process
         self._busy = busy
         self._on_hang = on_hang
-        self._last = time.monotonic()  # the latest progress (the process's Ready, then each message)
-
-    def progress(self) -> None:
-        self._last = time.monotonic()
 
     def stalled_s(self, busy_since: float) -> float:
         """Seconds without progress while busy since ``busy_since``."""
-        return time.monotonic() - max(self._last, busy_since)
+        return time.monotonic() - max(self._process.last_message, busy_since)
 
     async def run(self) -> None:
         tick = min(MAX_TICK_S, self.timeout_s / 4)

@@ -12,7 +12,7 @@ from radixserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from radixserve.server.cache_api.pins import pin_spec
 from radixserve.server.http import protocol as p
 from radixserve.server.http.api import ApiContext
-from radixserve.server.http.responses import DONE, ApiError, event_stream, json_response, sse, usage
+from radixserve.server.http.responses import DONE, ApiError, EventStream, json_response, usage
 
 
 async def generate(ctx: ApiContext, request: Request) -> Response:
@@ -30,7 +30,7 @@ async def generate(ctx: ApiContext, request: Request) -> Response:
     salt, pin = ctx.salt(request, req.cache_salt), pin_spec(req.cache_pin, "cache_pin")
     first, stream = await ctx.submit(token_ids, params, rid, salt, req.priority, pin, _names(req))
     if req.stream:
-        return event_stream(_events(req, rid, first, stream), [stream])
+        return EventStream(_events(req, rid, first, stream), [stream])
     [res] = await ctx.collect(request, [(first, stream)])
     outs = [_response(req, rid, o, res, res.prompt_logprobs) for o in res.outputs]
     return json_response(outs[0] if sp.n == 1 else outs)
@@ -88,12 +88,14 @@ def _response(
 
 async def _events(
     req: p.GenerateRequest, rid: str, first: RequestOutput, stream: AsyncGenerator[RequestOutput, None]
-) -> AsyncGenerator[bytes, None]:
+) -> AsyncGenerator[p.GenerateResponse | bytes, None]:
     counts: dict[int, int] = {}
-    async for d in stream:
+    d: RequestOutput | None = first  # the stream goes on after it
+    while d is not None:
         c = d.outputs[0]
         counts[c.index] = counts.get(c.index, 0) + len(c.token_ids)
         piece = _response(req, rid, c, d, d.prompt_logprobs)
         piece.meta_info.completion_tokens = counts[c.index]
-        yield sse(piece)
+        yield piece
+        d = await anext(stream, None)
     yield DONE

@@ -265,21 +265,18 @@ def test_front_end_tokenizes_and_the_engine_process_makes_the_text(
     client sees is the engine process's, joined, and equals the offline engine's."""
     sent: list[ToEngine] = []
     received: list[FromEngine] = []
-    send, start = EngineClient.send, EngineClient.start
+    send, on_message = EngineClient.send, AsyncEngine._on_message
 
     def recording_send(self: EngineClient, msg: ToEngine) -> bool:
         sent.append(msg)
         return send(self, msg)
 
-    async def recording_start(self: EngineClient, on_message: Any, on_exit: Any) -> Any:
-        def record(msg: FromEngine) -> None:
-            received.append(msg)
-            on_message(msg)
-
-        return await start(self, record, on_exit)
+    def recording_on_message(self: AsyncEngine, msg: FromEngine) -> None:
+        received.append(msg)
+        on_message(self, msg)
 
     monkeypatch.setattr(EngineClient, "send", recording_send)
-    monkeypatch.setattr(EngineClient, "start", recording_start)
+    monkeypatch.setattr(AsyncEngine, "_on_message", recording_on_message)
     prompt = "héllo wörld, tokenized in the front-end 🙂"
     params = SamplingParams(max_tokens=12, temperature=0, stop=["xyz"])
     expected = engine.generate([prompt], params)[0]

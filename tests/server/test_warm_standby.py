@@ -66,8 +66,11 @@ def test_a_warm_standby_takes_over_a_killed_engine_with_the_disk_pages_written_a
         standby = wait_for_standby(c, s)
         serving_pid = s.engine.engine_pid
         assert serving_pid not in (None, standby)
-        # It waits at the lowest priority, so its start-up only takes CPU the serving one leaves.
-        assert nice_values(standby) == {19} and nice_values(serving_pid) == {0}
+        # It waits at the lowest priority, so its start-up only takes CPU the serving one leaves; on a
+        # machine so loaded that it was still starting after the ladder's first step, at that step's.
+        said = [rec.getMessage() for rec in caplog.records if rec.name == "radixserve.server"]
+        raised = [int(m.rsplit("nice ", 1)[1]) for m in said if m.startswith("warm standby still starting")]
+        assert nice_values(standby) == {raised[-1] if raised else 19} and nice_values(serving_pid) == {0}
         # Written through to disk by the serving process after the standby indexed the directory.
         assert complete(c, doc) == {"device": 0, "host": 0, "disk": 0}
         deadline = time.monotonic() + 30

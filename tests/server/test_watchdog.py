@@ -20,38 +20,49 @@ from radixserve.runtime.watchdog import Watchdog
 DEADLINE_S = 0.4
 
 
-def _watch(busy: Callable[[], bool]) -> tuple[Watchdog, list[float]]:
+class Progress:
+    """A process as the watchdog reads it (EngineClient's ``last_message``); called: a message arrived."""
+
+    def __init__(self) -> None:
+        self.last_message = time.monotonic()
+
+    def __call__(self) -> None:
+        self.last_message = time.monotonic()
+
+
+def _watch(busy: Callable[[], bool]) -> tuple[Watchdog, list[float], Progress]:
     hangs: list[float] = []
-    return Watchdog(DEADLINE_S, busy, hangs.append), hangs
+    progress = Progress()  # called: a message arrived
+    return Watchdog(DEADLINE_S, progress, busy, hangs.append), hangs, progress
 
 
-async def _run_for(dog: Watchdog, seconds: float, beat_s: float | None = None) -> None:
-    """Run ``dog`` for ``seconds`` (less if it fires), calling ``progress`` every ``beat_s``."""
+async def _run_for(dog: Watchdog, progress: Progress, seconds: float, beat_s: float | None = None) -> None:
+    """Run ``dog`` for ``seconds`` (less if it fires), a message every ``beat_s``."""
     task = asyncio.create_task(dog.run())
     loop = asyncio.get_running_loop()
     end = loop.time() + seconds
     while loop.time() < end and not task.done():
         await asyncio.sleep(beat_s or 0.05)
         if beat_s is not None:
-            dog.progress()
+            progress()
     task.cancel()
 
 
 def test_no_progress_with_work_is_a_hang_after_the_deadline() -> None:
-    dog, hangs = _watch(lambda: True)
-    asyncio.run(_run_for(dog, 10 * DEADLINE_S))
+    dog, hangs, progress = _watch(lambda: True)
+    asyncio.run(_run_for(dog, progress, 10 * DEADLINE_S))
     assert len(hangs) == 1 and hangs[0] >= DEADLINE_S, hangs
 
 
 def test_an_idle_process_is_never_hung() -> None:
-    dog, hangs = _watch(lambda: False)  # and never a message: it is idle and says nothing
-    asyncio.run(_run_for(dog, 5 * DEADLINE_S))
+    dog, hangs, progress = _watch(lambda: False)  # and never a message: it is idle and says nothing
+    asyncio.run(_run_for(dog, progress, 5 * DEADLINE_S))
     assert hangs == []
 
 
 def test_progress_within_the_deadline_is_no_hang() -> None:
-    dog, hangs = _watch(lambda: True)
-    asyncio.run(_run_for(dog, 5 * DEADLINE_S, beat_s=DEADLINE_S / 4))
+    dog, hangs, progress = _watch(lambda: True)
+    asyncio.run(_run_for(dog, progress, 5 * DEADLINE_S, beat_s=DEADLINE_S / 4))
     assert hangs == []
 
 
@@ -59,7 +70,7 @@ def test_a_message_that_arrived_while_the_loop_was_blocked_is_progress() -> None
     """The API server's own loop blocks for three deadlines; a message arrives meanwhile (a thread hands
     it to the loop, as zmq.asyncio's reader would). The watchdog wakes late, sees the old clock, and
     yields before judging: the receiver hands the message on, and nothing is called hung."""
-    dog, hangs = _watch(lambda: True)
+    dog, hangs, progress = _watch(lambda: True)
 
     async def scenario() -> None:
         loop = asyncio.get_running_loop()
@@ -69,7 +80,7 @@ def test_a_message_that_arrived_while_the_loop_was_blocked_is_progress() -> None
 
         async def receiver() -> None:
             await arrived
-            dog.progress()
+            progress()
 
         handing_on = asyncio.create_task(receiver())
         threading.Timer(DEADLINE_S, loop.call_soon_threadsafe, (arrived.set_result, None)).start()
@@ -99,7 +110,7 @@ def test_nothing_reads_a_zmq_sockets_events_behind_zmq_asyncio() -> None:
 def test_new_work_gets_the_whole_deadline() -> None:
     """Silent while idle for longer than the deadline, then given work: not hung at once."""
     work = [False]
-    dog, hangs = _watch(lambda: work[0])
+    dog, hangs, progress = _watch(lambda: work[0])
 
     async def scenario() -> None:
         task = asyncio.create_task(dog.run())

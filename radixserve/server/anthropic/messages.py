@@ -42,8 +42,8 @@ from radixserve.server.http import protocol as p
 from radixserve.server.http.api import ApiContext
 from radixserve.server.http.responses import (
     ApiError,
+    EventStream,
     anthropic_error,
-    event_stream,
     json_response,
     sse_json,
     usage,
@@ -62,7 +62,7 @@ async def messages(ctx: ApiContext, request: Request) -> Response:
         return await _warm(ctx, request, chat, rid)
     started = await start_chat(ctx, request, chat, rid, call_id_prefix="toolu_")
     if req.stream:
-        return event_stream(_events(ctx, rid, started), [started.stream], _error_event)
+        return EventStream(_events(ctx, rid, started), [started.stream], _error_event)
     [res] = await ctx.collect(request, [(started.first, started.stream)])
     o = res.outputs[0]
     piece = started.parser().whole(o.text)
@@ -105,7 +105,7 @@ async def _warm(ctx: ApiContext, request: Request, chat: c.ChatCompletionRequest
         yield _event(pa.MessageDelta(pa.StopDelta("max_tokens", None), usage_))
         yield _event(pa.MessageStop())
 
-    return event_stream(events(), [], _error_event)
+    return EventStream(events(), [], _error_event)
 
 
 async def count_tokens(ctx: ApiContext, request: Request) -> Response:
@@ -227,7 +227,8 @@ async def _events(ctx: ApiContext, rid: str, started: StartedChat) -> AsyncGener
     blocks = _Blocks()
     output_tokens = 0
     last: CompletionOutput | None = None
-    async for d in stream:
+    d: RequestOutput | None = first  # the stream goes on after it
+    while d is not None:
         o = last = d.outputs[0]
         output_tokens += len(o.token_ids)
         piece = parser.feed(o.text)
@@ -235,6 +236,7 @@ async def _events(ctx: ApiContext, rid: str, started: StartedChat) -> AsyncGener
             piece = piece.add(parser.finish())
         for event in blocks.add(piece):
             yield event
+        d = await anext(stream, None)
     for event in blocks.finish():
         yield event
     stop_reason, stop_sequence = _stop(last, blocks.calls > 0) if last is not None else (None, None)

@@ -139,17 +139,22 @@ class ApiContext:
         """``decode``, after checking the body's top-level fields against the field policy (the
         OpenAI routes', or with ``refused`` and ``ignored`` another API's: server/openai/fields.py)."""
         body = await self.body(request)
+        # The body is parsed once, to plain objects: its keys are checked against the policy, then the
+        # same objects are converted to ``type_`` (no second scan of the bytes).
         try:
-            fields = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
-        except msgspec.ValidationError:
-            raise ApiError(400, "the request body must be a JSON object") from None
+            fields = msgspec.json.decode(body)
         except msgspec.DecodeError as exc:
             raise ApiError(400, f"invalid JSON body: {exc}") from None
+        if not isinstance(fields, dict):
+            raise ApiError(400, "the request body must be a JSON object")
         try:
             check_fields(fields, type_.__struct_fields__, refused, ignored)  # type: ignore[attr-defined]
         except ValueError as exc:
             raise ApiError.invalid(exc) from None
-        return _decode(body, type_)
+        try:
+            return msgspec.convert(fields, type_, strict=False)
+        except msgspec.ValidationError as exc:
+            raise ApiError(400, str(exc), *invalid_field(str(exc))) from None
 
     def check_model(self, model: str | None) -> None:
         """A model other than the served one is a 404 ``model_not_found``, as OpenAI and vLLM answer."""

@@ -15,11 +15,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
+import anyio
 import msgspec
 from starlette.responses import Response, StreamingResponse
+from starlette.types import Send
 
 from radixserve.cache.request_pages import TIERS
 from radixserve.errors import InvalidRequestError
@@ -127,16 +129,25 @@ def json_response(obj: Any, status: int = 200) -> Response:
 _LINE_BREAKS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
 
 
-def sse_json(obj: Any) -> bytes:
-    """``obj`` as JSON for one SSE ``data:`` line: no character any client may read as a line end."""
-    data = msgspec.json.encode(obj)
+def _escape_line_breaks(data: bytes) -> bytes:
     for raw, escaped in _LINE_BREAKS:
         data = data.replace(raw, escaped)
     return data
 
 
+def sse_json(obj: Any) -> bytes:
+    """``obj`` as JSON for one SSE ``data:`` line: no character any client may read as a line end."""
+    data = msgspec.json.encode(obj)
+    # Each of the three starts with one of these two bytes: the escape (a call) only where one may be.
+    return _escape_line_breaks(data) if b"\xe2\x80" in data or b"\xc2\x85" in data else data
+
+
 def sse(obj: Any) -> bytes:
-    return b"data: " + sse_json(obj) + b"\n\n"
+    """One SSE event of ``obj``'s JSON."""
+    data = msgspec.json.encode(obj)
+    if b"\xe2\x80" in data or b"\xc2\x85" in data:
+        data = _escape_line_breaks(data)
+    return b"data: " + data + b"\n\n"
 
 
 def usage(prompt_tokens: int, completion_tokens: int, results: Sequence[RequestOutput]) -> p.Usage:
@@ -163,10 +174,15 @@ def usage(prompt_tokens: int, completion_tokens: int, results: Sequence[RequestO
     )
 
 
-async def merge(streams: Sequence[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[int, T], None]:
-    """The items of several streams as they come, each with the position of its stream."""
+async def merge(
+    streams: Sequence[tuple[T, AsyncGenerator[T, None]]],
+) -> AsyncGenerator[tuple[int, T], None]:
+    """The items of several streams as they come, each with the position of its stream; each stream is
+    given with its first item, already taken (``RequestStream.first``), which comes first."""
+    for i, (first, _) in enumerate(streams):
+        yield i, first
     if len(streams) == 1:
-        async for item in streams[0]:
+        async for item in streams[0][1]:
             yield 0, item
         return
     queue: asyncio.Queue[tuple[int, T] | tuple[int, BaseException] | None] = asyncio.Queue()
@@ -180,7 +196,7 @@ async def merge(streams: Sequence[AsyncGenerator[T, None]]) -> AsyncGenerator[tu
         finally:
             queue.put_nowait(None)
 
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, (_, s) in enumerate(streams)]
     try:
         open_streams = len(tasks)
         while open_streams:
@@ -206,33 +222,63 @@ def openai_error_event(exc: Exception) -> bytes:
     return sse(p.ErrorResponse(p.ErrorInfo(str(exc), _ERROR_TYPES.get(status, "server_error"))))
 
 
-def event_stream(
-    events: AsyncGenerator[bytes, None],
-    requests: Sequence[AsyncGenerator[RequestOutput, None]],
-    error_event: Callable[[Exception], bytes] = openai_error_event,
-) -> StreamingResponse:
-    """SSE response; however it ends, the requests' streams are closed, which aborts any unfinished.
-    An error after the headers ends it with ``error_event``'s event (the route's API's shape)."""
+class EventStream(StreamingResponse):
+    """An SSE response of ``events``; however it ends, the request streams it serves (``requests``) are
+    closed, which aborts any unfinished. An error after the headers ends it with ``error_event``'s event
+    (the route's API's shape).
 
-    async def guarded() -> AsyncIterator[bytes]:
+    An event is an object (a protocol Struct), sent as one ``data:`` line of its JSON (``sse``), or
+    bytes, sent as they are (``[DONE]``, Anthropic's named events): the routes make events, this
+    frames them.
+
+    Its own send loop (Starlette's ``stream_response``), not a generator wrapped around the route's: one
+    frame less a token, and an error raised by sending (the client gone) is told from one raised by
+    the events."""
+
+    def __init__(
+        self,
+        events: AsyncGenerator[Any, None],
+        requests: Sequence[AsyncGenerator[RequestOutput, None]],
+        error_event: Callable[[Exception], bytes] = openai_error_event,
+    ) -> None:
+        super().__init__(
+            events,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self.events, self.requests, self.error_event = events, requests, error_event
+
+    async def stream_response(self, send: Send) -> None:
+        events = self.events
         try:
-            async for e in events:
-                yield e
-        except Exception as exc:  # headers are sent: the error can only travel as an event
-            # An engine process that died (and is being restarted) is a 503, as before the headers: a
-            # warning, not a traceback; the event's shape is the route's API's.
-            if isinstance(exc, EngineUnavailableError):
-                logger.warning("stream ended: %s", exc)
-            else:
-                logger.exception("stream failed")
-            yield error_event(exc)
+            start = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+            await send(start)
+            while True:
+                try:
+                    chunk = await anext(events)
+                except StopAsyncIteration:
+                    break
+                except Exception as exc:  # headers are sent: the error can only travel as an event
+                    # An engine process that died (and is being restarted) is a 503, as before the
+                    # headers: a warning, not a traceback; the event's shape is the route's API's.
+                    if isinstance(exc, EngineUnavailableError):
+                        logger.warning("stream ended: %s", exc)
+                    else:
+                        logger.exception("stream failed")
+                    chunk = self.error_event(exc)
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    break
+                if not isinstance(chunk, bytes):  # sse(chunk), inline: this is a token's path
+                    data = msgspec.json.encode(chunk)
+                    if b"\xe2\x80" in data or b"\xc2\x85" in data:
+                        data = _escape_line_breaks(data)
+                    chunk = b"data: " + data + b"\n\n"
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            await events.aclose()
-            for request in requests:
-                await request.aclose()
-
-    return StreamingResponse(
-        guarded(),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
+            # Shielded: a client gone cancels this (Starlette's task group), and a relay's close may
+            # await (telling a replica to abort); the requests must be closed all the same.
+            with anyio.CancelScope(shield=True):
+                await events.aclose()
+                for request in self.requests:
+                    await request.aclose()

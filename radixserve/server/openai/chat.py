@@ -33,7 +33,7 @@ from radixserve.server.chat.render import render_openai_chat, tool_dict
 from radixserve.server.chat.tools import ParsedCall, ToolCallFormat, ToolCallStream
 from radixserve.server.http import protocol as p
 from radixserve.server.http.api import ApiContext
-from radixserve.server.http.responses import DONE, ApiError, event_stream, json_response, sse, usage
+from radixserve.server.http.responses import DONE, ApiError, EventStream, json_response, usage
 from radixserve.server.openai import protocol as c
 from radixserve.server.openai.fields import CHAT_REFUSED
 
@@ -156,12 +156,14 @@ def prompt_pin(ctx: ApiContext, req: c.ChatCompletionRequest, token_ids: list[in
 @dataclass
 class StartedChat:
     """A chat request the engine accepted: its prompt's length, its first delta and stream, and a
-    factory of the parser that splits one sample's reply (reasoning, content, tool calls)."""
+    factory of the parser that splits one sample's reply (reasoning, content, tool calls). ``plain``:
+    there is nothing to split (no reasoning parser, no calls looked for), the reply is its content."""
 
     prompt_tokens: int
     first: RequestOutput
     stream: RequestStream
     parser: Callable[[], ReplyParser]
+    plain: bool
 
 
 async def start_chat(
@@ -196,7 +198,7 @@ async def start_chat(
             ToolCallStream(ctx.tool_format, call_id_prefix) if plan.parse else None,
         )
 
-    return StartedChat(len(token_ids), first, stream, parser)
+    return StartedChat(len(token_ids), first, stream, parser, not ctx.reasoning and not plan.parse)
 
 
 async def chat(ctx: ApiContext, request: Request) -> Response:
@@ -208,7 +210,7 @@ async def chat(ctx: ApiContext, request: Request) -> Response:
     started = await start_chat(ctx, request, req, rid)
     first, stream = started.first, started.stream
     if req.stream:
-        return event_stream(_events(ctx, req, rid, first, stream, started.parser), [stream])
+        return EventStream(_events(ctx, req, rid, started), [stream])
     [res] = await ctx.collect(request, [(first, stream)])
     choices = [_choice(ctx, o, started.parser()) for o in res.outputs]
     usage_ = usage(started.prompt_tokens, sum(len(o.token_ids) for o in res.outputs), [res])
@@ -234,41 +236,44 @@ def _choice(ctx: ApiContext, o: CompletionOutput, parser: ReplyParser) -> c.Chat
     )
 
 
+# What a plain reply's delta is besides its content: no reasoning, no calls (StartedChat.plain).
+_PLAIN = Piece()
+
+
 async def _events(
-    ctx: ApiContext,
-    req: c.ChatCompletionRequest,
-    rid: str,
-    first: RequestOutput,
-    stream: AsyncGenerator[RequestOutput, None],
-    parser: Any,
-) -> AsyncGenerator[bytes, None]:
+    ctx: ApiContext, req: c.ChatCompletionRequest, rid: str, started: StartedChat
+) -> AsyncGenerator[c.ChatCompletionChunk | bytes, None]:
+    first, stream = started.first, started.stream
     created = int(time.time())
     options = req.stream_options
     include_usage = options is not None and options.include_usage
     continuous = options is not None and options.continuous_usage_stats
-    parsers = [parser() for _ in range(req.n)]
+    # A plain reply's text is its content as it comes: no parser a token.
+    parsers = [None if started.plain else started.parser() for _ in range(req.n)]
     calls_made = [0] * req.n
     completion_tokens, last = 0, first
+    logprobs = ctx.tokens.chat_logprobs
 
-    def chunk(choices: list[c.ChatChunkChoice], usage_: p.Usage | None = None) -> bytes:
+    def chunk(choices: list[c.ChatChunkChoice], usage_: p.Usage | None = None) -> c.ChatCompletionChunk:
         if continuous and usage_ is None:
             usage_ = usage(len(first.prompt_token_ids), completion_tokens, [last])
-        return sse(
-            c.ChatCompletionChunk(
-                id=rid, created=created, model=ctx.model_name, choices=choices, usage=usage_
-            )
-        )
+        model = ctx.model_name
+        return c.ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage_)
 
     yield chunk([c.ChatChunkChoice(i, c.DeltaMessage(role="assistant", content="")) for i in range(req.n)])
-    async for d in stream:
+    d: RequestOutput | None = first  # the stream goes on after it
+    while d is not None:
         o, last = d.outputs[0], d
         completion_tokens += len(o.token_ids)
-        piece = parsers[o.index].feed(o.text)
-        if o.finish_reason is not None:
-            piece = piece.add(parsers[o.index].finish())
-        if piece.content or piece.reasoning or o.logprobs:
-            delta = c.DeltaMessage(content=piece.content or None, reasoning_content=piece.reasoning or None)
-            yield chunk([c.ChatChunkChoice(o.index, delta, ctx.tokens.chat_logprobs(o.logprobs))])
+        split = parsers[o.index]
+        piece = _PLAIN if split is None else split.feed(o.text)
+        if split is not None and o.finish_reason is not None:
+            piece = piece.add(split.finish())
+        content = o.text if split is None else piece.content
+        if content or piece.reasoning or o.logprobs:
+            delta = c.DeltaMessage(content=content or None, reasoning_content=piece.reasoning or None)
+            lps = None if o.logprobs is None else logprobs(o.logprobs)
+            yield chunk([c.ChatChunkChoice(o.index, delta, lps)])
         for call in piece.calls:
             k = calls_made[o.index]
             calls_made[o.index] += 1
@@ -279,6 +284,7 @@ async def _events(
         if o.finish_reason is not None:
             reason = _finish_reason(o.finish_reason, calls_made[o.index] > 0)
             yield chunk([c.ChatChunkChoice(o.index, c.DeltaMessage(), None, reason, o.stop_reason)])
+        d = await anext(stream, None)
     if include_usage:
         yield chunk([], usage(len(first.prompt_token_ids), completion_tokens, [last]))
     yield DONE

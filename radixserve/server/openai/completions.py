@@ -25,7 +25,7 @@ from radixserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from radixserve.server.cache_api.pins import pin_spec
 from radixserve.server.http import protocol as p
 from radixserve.server.http.api import ApiContext, Submitted
-from radixserve.server.http.responses import DONE, ApiError, event_stream, json_response, merge, sse, usage
+from radixserve.server.http.responses import DONE, ApiError, EventStream, json_response, merge, usage
 from radixserve.server.openai.fields import COMPLETION_REFUSED
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's
@@ -91,7 +91,7 @@ async def completions(ctx: ApiContext, request: Request) -> Response:
     ]
     choices = _Choices(ctx, req, texts, score_only)
     if req.stream:
-        return event_stream(choices.events(rid, submitted), [stream for _, stream in submitted])
+        return EventStream(choices.events(rid, submitted), [stream for _, stream in submitted])
     results = await ctx.collect(request, submitted)
     out = [choices.choice(i, o, res) for i, res in enumerate(results) for o in res.outputs]
     completion_tokens = 0 if score_only else sum(len(o.token_ids) for r in results for o in r.outputs)
@@ -133,7 +133,9 @@ class _Choices:
             logprobs = self.ctx.tokens.completion_logprobs(lp_list, token_ids, 0)
         return p.CompletionChoice(i * req.n + o.index, text, logprobs, finish, stop_reason)
 
-    async def events(self, rid: str, submitted: Sequence[Submitted]) -> AsyncGenerator[bytes, None]:
+    async def events(
+        self, rid: str, submitted: Sequence[Submitted]
+    ) -> AsyncGenerator[p.CompletionResponse | bytes, None]:
         req, created = self.req, int(time.time())
         options = req.stream_options
         include_usage = options is not None and options.include_usage
@@ -143,14 +145,11 @@ class _Choices:
         echoed: set[tuple[int, int]] = set()
         completion_tokens = 0
 
-        def chunk(choices: list[p.CompletionChoice], usage_: p.Usage | None = None) -> bytes:
-            return sse(
-                p.CompletionResponse(
-                    id=rid, created=created, model=self.ctx.model_name, choices=choices, usage=usage_
-                )
-            )
+        def chunk(choices: list[p.CompletionChoice], usage_: p.Usage | None = None) -> p.CompletionResponse:
+            model = self.ctx.model_name
+            return p.CompletionResponse(id=rid, created=created, model=model, choices=choices, usage=usage_)
 
-        async for i, d in merge([stream for _, stream in submitted]):
+        async for i, d in merge(submitted):
             c = d.outputs[0]
             latest[i] = d
             completion_tokens += 0 if self.score_only else len(c.token_ids)

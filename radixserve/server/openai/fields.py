@@ -23,8 +23,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
-
 from radixserve.errors import InvalidRequestError
 
 # Fields that do not change what is generated; they are accepted and have no effect.
@@ -116,7 +114,7 @@ MESSAGES_REFUSED: dict[str, Refused] = {
 
 
 def check_fields(
-    fields: Mapping[str, msgspec.Raw],
+    fields: Mapping[str, Any],
     served: Iterable[str],
     refused: Mapping[str, Refused],
     ignored: Mapping[str, str] = IGNORED,
@@ -124,16 +122,12 @@ def check_fields(
     """Raise InvalidRequestError naming the first field that is neither served nor ``ignored``,
     unless it is a refused field whose value asks for nothing."""
     served = set(served)
-    for name, raw in fields.items():
+    for name, value in fields.items():
         if name in served or name in ignored:
             continue
         rule = refused.get(name)
         if rule is None:
             raise InvalidRequestError(f"unknown parameter {name!r}", name, "unknown_parameter")
-        try:
-            value = msgspec.json.decode(raw)
-        except msgspec.DecodeError:
-            value = raw
         if not any(value == ok and type(value) is type(ok) for ok in rule.noop):
             raise InvalidRequestError(
                 f"{name!r} is not supported by this server ({rule.effect}); leave it out",
