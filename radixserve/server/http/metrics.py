@@ -119,6 +119,7 @@ _TIER_COUNTERS = {
     "loads",
     "failed_loads",
     "dropped_writes",
+    "recomputed_pages",  # a lower tier's pages computed instead, as loading them was slower
 }
 
 
