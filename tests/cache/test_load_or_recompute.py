@@ -143,7 +143,8 @@ def test_a_slow_tier_is_recomputed_and_a_fast_one_loaded(tiny_llama: Path, tmp_p
 
     assert run(0) == {"host": 8}  # the host tier: loaded (and measured)
     assert run(1) == {"disk": 1}  # the first disk hit loads, unmeasured, and is measured slow
-    assert ctl.cost.page_s[DISK] is not None and ctl.cost.page_s[DISK] >= READ_DELAY_S
+    disk_page_s = ctl.cost.page_s[DISK]
+    assert disk_page_s is not None and disk_page_s >= READ_DELAY_S
     disk_reads = ctl.stores[DISK].stats.hits
     recomputed = eng.stats().tiers["device"]["recomputed_pages"]
     assert run(2) == {"host": 4}  # the host's four pages load; the disk's four are recomputed
