@@ -165,9 +165,14 @@ def test_serve_says_when_the_chat_template_file_cannot_be_read(tmp_path: Path) -
 
 def test_sigterm_during_live_streams_drains_them_then_aborts_at_the_drain_timeout(tmp_path: Path) -> None:
     """SIGTERM to ``radixserve serve`` with two live streams: the short one runs to its end, the long
-    one (far more tokens than fit in the drain timeout) is cut off at the timeout, and the server exits."""
-    model = make_tiny_model(tmp_path, "llama", context=8192)
-    drain = 3.0
+    one (far more tokens than fit in the drain timeout) is cut off at the timeout, and the server exits.
+
+    The wide tiny model (tests/tiny_models.py WIDE) makes "long" hold on any machine: its 8,000 steps
+    take minutes, where the tiny model's ran out before a slow-starting short stream began on a loaded
+    machine (a clean-clone CI run beside another job). The short stream's 16 steps fit the drain
+    timeout with room on a loaded machine too."""
+    model = make_tiny_model(tmp_path, "llama-wide", context=8192)
+    drain = 8.0
     flags = (
         "--model",
         str(model),
@@ -199,7 +204,7 @@ def test_sigterm_during_live_streams_drains_them_then_aborts_at_the_drain_timeou
 
         long = pool.submit(stream, 0, 8000)
         assert started[0].wait(60), "the long stream did not start"
-        short = pool.submit(stream, 1, 50)
+        short = pool.submit(stream, 1, 16)
         assert started[1].wait(60), "the short stream did not start"
         proc.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
