@@ -121,12 +121,17 @@ class EngineStream(RequestStream):
         self._ended = False
 
     async def __anext__(self) -> RequestOutput:
-        # One frame a delta, where an async generator behind the stream would add its own.
+        # One frame a delta, where an async generator behind the stream would add its own. Once ended
+        # (finished, failed, closed), it stays ended, as an async generator does.
+        if self._ended:
+            raise StopAsyncIteration
         req, assembler = self._req, self.assembler
         if req is None or assembler is None:
-            if self._ended:
-                raise StopAsyncIteration
-            req, assembler = self._req, self.assembler = self._submit()
+            try:
+                req, assembler = self._req, self.assembler = self._submit()
+            except BaseException:
+                self._ended = True  # refused before it was sent: nothing to end in the engine
+                raise
         if assembler.finished:
             self._close()
             raise StopAsyncIteration

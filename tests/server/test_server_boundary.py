@@ -323,3 +323,42 @@ def test_request_stream_first_waits_for_the_first_delta_then_iterates_the_rest()
             await RequestStream().bind(refused()).first()
 
     asyncio.run(run())
+
+
+def test_an_engine_stream_once_ended_stays_ended() -> None:
+    """An EngineStream read after it was closed, or after a read raised, ends (as an async generator
+    does) instead of waiting on a queue nothing fills any more; its end runs once."""
+    import asyncio
+
+    from radixserve.engine.deltas import OutputAssembler
+    from radixserve.runtime.streams import EngineStream, OpenRequest
+
+    ended: list[str] = []
+
+    def submit() -> tuple[OpenRequest, OutputAssembler]:
+        req = OpenRequest(asyncio.Queue(), 0.0)
+        req.queue.put_nowait(QueueFullError("full"))
+        return req, OutputAssembler("r", None, [1], 1, 0.0)
+
+    async def run() -> None:
+        failed = EngineStream(submit, lambda req, a: ended.append(a.request_id))
+        with pytest.raises(QueueFullError):
+            await failed.first()
+        with pytest.raises(StopAsyncIteration):
+            await asyncio.wait_for(failed.__anext__(), 5)
+        closed = EngineStream(submit, lambda req, a: ended.append(a.request_id))
+        with pytest.raises(QueueFullError):
+            await closed.__anext__()
+        await closed.aclose()
+        assert [d async for d in closed] == []
+
+        def refused() -> tuple[OpenRequest, OutputAssembler]:
+            raise QueueFullError("refused before it was sent")
+
+        never = EngineStream(refused, lambda req, a: ended.append("never"))
+        with pytest.raises(QueueFullError):
+            await never.first()
+        assert [d async for d in never] == []  # not submitted again
+
+    asyncio.run(run())
+    assert ended == ["r", "r"]

@@ -143,11 +143,8 @@ def sse_json(obj: Any) -> bytes:
 
 
 def sse(obj: Any) -> bytes:
-    """One SSE event of ``obj``'s JSON."""
-    data = msgspec.json.encode(obj)
-    if b"\xe2\x80" in data or b"\xc2\x85" in data:
-        data = _escape_line_breaks(data)
-    return b"data: " + data + b"\n\n"
+    """One SSE event of ``obj``'s JSON (the error events; a stream's chunks: ``EventStream``)."""
+    return b"data: " + sse_json(obj) + b"\n\n"
 
 
 def usage(prompt_tokens: int, completion_tokens: int, results: Sequence[RequestOutput]) -> p.Usage:
@@ -268,7 +265,7 @@ class EventStream(StreamingResponse):
                     chunk = self.error_event(exc)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     break
-                if not isinstance(chunk, bytes):  # sse(chunk), inline: this is a token's path
+                if not isinstance(chunk, bytes):  # sse(chunk), inline: a call less on a token's path
                     data = msgspec.json.encode(chunk)
                     if b"\xe2\x80" in data or b"\xc2\x85" in data:
                         data = _escape_line_breaks(data)
