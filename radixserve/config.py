@@ -142,6 +142,12 @@ class EngineConfig:
     max_pinned_fraction: float = knob(
         0.25, "fraction of the device KV pool that pins may hold (per key with --salt-per-key)", ge=0, le=1
     )
+    # Document reuse (issue 57, docs/cache.md): a marked document's KV computed once and placed wherever
+    # it occurs, this share of its tokens recomputed. Approximate, so off (None) by default.
+    document_reuse: float | None = knob(
+        None, "reuse marked documents' KV at any position, recomputing this share of them (0-1)", ge=0, le=1
+    )
+    max_documents: int = knob(64, "most documents one request may mark", ge=1, integer=True)
     # Ranks (processes) the model is split over, each with its share of the cores
     # (engine/tensor_parallel.py); it must divide the query heads (SmolLM2-135M: 1, 3 or 9).
     tensor_parallel_size: int = knob(1, "tensor-parallel ranks the model is split over", ge=1, integer=True)

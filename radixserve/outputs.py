@@ -52,6 +52,10 @@ class RequestOutput:
     # Disaggregated serving (radixserve/disagg): prompt tokens whose KV was moved from a prefill engine
     # rather than found in the decode engine's cache (those are ``cached_tokens``) or computed there.
     kv_transfer_tokens: int = 0
+    # Document reuse (issue 57, docs/cache.md): prompt tokens whose KV was placed from document chunks,
+    # and how many of those were recomputed; the others count in ``cached_tokens``.
+    reused_document_tokens: int = 0
+    recomputed_tokens: int = 0
 
     @property
     def text(self) -> str:

@@ -299,7 +299,7 @@ class KVCacheManager:
         a duplicate: it is freed and the tree's is used from now on (the listeners hear of both first:
         the scores keep what ours know).
         """
-        num_full = req.num_computed_tokens // self.page_size
+        num_full = min(req.num_computed_tokens, req.pages.cache_limit) // self.page_size
         owned = self._tree_pages[req]
         if num_full <= owned or not self.prefix_cache:
             return

@@ -7,6 +7,7 @@ controller each ``Load``, the pins (``cache/pins/``) each ``Pin``.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Hashable, Sized
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -53,6 +54,10 @@ class RequestPages:
     # Of ``num_cached_tokens``, how many came from each tier ("device", "host", "disk") at admission.
     cached_by_tier: dict[str, int] = field(default_factory=dict)
     write_tokens: int = 0  # prompt tokens this request newly put into the tree
+    # Tokens past which the table is not exact (placed documents, engine/documents.py): never cached.
+    cache_limit: int = sys.maxsize
+    reused_document_tokens: int = 0  # prompt tokens placed from document chunks
+    recomputed_tokens: int = 0  # of those, the ones the blend recomputed
     pin: Pin | None = None  # granted at add_request; held once the prefix is in the tree
     # While waiting: this scheduling pass's match (``KVCacheManager._peek``), and (pass, tokens) it is for.
     peek: Peek | None = None

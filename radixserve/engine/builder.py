@@ -20,6 +20,7 @@ from radixserve.cache.tier_setup import make_tiers
 from radixserve.config import EngineConfig, context_within_pool
 from radixserve.engine import tensor_parallel
 from radixserve.engine.cache_control import CacheControl
+from radixserve.engine.documents import document_reuse
 from radixserve.engine.intake import Intake
 from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.speculator import Speculator
@@ -117,6 +118,10 @@ class EngineParts:
             max_batch=cfg.max_running_requests,
         )
         self.runner = self.tp.lead(runner)
+        self.documents = document_reuse(
+            cfg, self.kv_manager, self.pool, self.model, runner, self.max_model_len
+        )
+        self.scheduler.documents = self.documents
         self.speculator: Speculator | None = None
         if cfg.speculative == "ngram":
             self.speculator = Speculator(cfg.num_speculative_tokens, self.kv_manager)

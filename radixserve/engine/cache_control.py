@@ -35,6 +35,8 @@ class CacheUsage(TypedDict):
     cached_tokens_by_tier: dict[str, int]
     cache_write_tokens: int
     cache_pin: PinRef | None
+    reused_document_tokens: int
+    recomputed_tokens: int
 
 
 def cache_usage(req: Request) -> CacheUsage:
@@ -43,6 +45,8 @@ def cache_usage(req: Request) -> CacheUsage:
         cached_tokens_by_tier=req.pages.cached_by_tier,
         cache_write_tokens=req.pages.write_tokens,
         cache_pin=pin.ref() if pin is not None else None,
+        reused_document_tokens=req.pages.reused_document_tokens,
+        recomputed_tokens=req.pages.recomputed_tokens,
     )
 
 

@@ -42,6 +42,8 @@ class StepOutput(msgspec.Struct, array_like=True, kw_only=True):
     cache_write_tokens: int = 0
     cache_pin: PinRef | None = None  # the pin the request asked for, once it is held
     kv_transfer_tokens: int = 0  # disaggregated serving: prompt tokens whose KV a prefill engine sent
+    reused_document_tokens: int = 0  # prompt tokens placed from document chunks (engine/documents.py)
+    recomputed_tokens: int = 0  # of those, the ones recomputed
 
 
 @dataclass
@@ -82,6 +84,8 @@ class OutputAssembler:
             res.cache_write_tokens = step.cache_write_tokens
             res.cache_pin = step.cache_pin or res.cache_pin
             res.kv_transfer_tokens = step.kv_transfer_tokens
+            res.reused_document_tokens = step.reused_document_tokens
+            res.recomputed_tokens = step.recomputed_tokens
         if step.prompt_logprobs is not None:
             res.prompt_logprobs = step.prompt_logprobs
         if step.token_ids and res.first_token_time is None:
@@ -106,4 +110,6 @@ class OutputAssembler:
             cache_write_tokens=res.cache_write_tokens,
             cache_pin=res.cache_pin,
             kv_transfer_tokens=res.kv_transfer_tokens,
+            reused_document_tokens=res.reused_document_tokens,
+            recomputed_tokens=res.recomputed_tokens,
         )

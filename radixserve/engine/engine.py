@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import queue
 import time
+from collections.abc import Sequence
 from itertools import repeat
 from typing import Any
 
@@ -22,6 +23,7 @@ from radixserve.cache.radix.view import CacheTree, snapshot
 from radixserve.engine.builder import EngineParts
 from radixserve.engine.cache_control import ending_output
 from radixserve.engine.deltas import StepOutput
+from radixserve.engine.document_plan import Document
 from radixserve.engine.next_tokens import pick_tokens, sampled_logits
 from radixserve.engine.offline import OfflineAPI
 from radixserve.engine.postprocess import advance
@@ -64,12 +66,18 @@ class Engine(EngineParts, OfflineAPI):
         pin: PinSpec | None = None,
         warm: bool = False,
         arrival_time: float | None = None,
+        documents: Sequence[Document] | None = None,
+        document_reuse: float | None = None,
     ) -> str:
         """Validate and queue one prompt (n samples); InvalidRequestError on bad input (engine/intake.py;
         pins: CacheControl). ``arrival_time`` (monotonic; None: now): when the request reached this
         process, if earlier than now (a decode engine's request that waited for its pages): its age in
-        the queue, for aging and ``overdue``, counts from then."""
+        the queue, for aging and ``overdue``, counts from then. ``documents``: texts or token ids in the
+        prompt, in order, whose KV may be reused wherever they occur, ``document_reuse`` of each
+        recomputed (None: the engine's; engine/document_plan.py)."""
         reqs = self.intake.make(prompt, params, request_id, cache_salt, priority, arrival_time)
+        if documents is not None:
+            self.documents.attach(self.tokenizer, reqs, documents, document_reuse)
         self.cache_control.prepare(reqs, pin, warm)
         self._inbox.put(("add", reqs))
         return reqs[0].group_id

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
     import torch
 
+    from radixserve.engine.document_plan import DocumentPlan
     from radixserve.engine.draft_state import DraftState
     from radixserve.outputs import TokenLogprob
     from radixserve.sampling.detokenizer import TextStream
@@ -87,6 +88,7 @@ class Request:
     drafts: list[int] = field(default_factory=list)  # the tokens drafted for this step (the Speculator's)
     text: TextStream | None = None  # where the engine makes the text: detokenizes, checks stop strings
     warm: bool = False  # prefill only (engine/cache_control.py): the prompt is cached, nothing sampled
+    documents: DocumentPlan | None = None  # its marked documents, to place (engine/documents.py)
 
     @property
     def num_tokens(self) -> int:

@@ -12,10 +12,14 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 from operator import attrgetter
+from typing import TYPE_CHECKING
 
 from radixserve.cache.kv_manager import KVCacheManager
 from radixserve.engine.policy import order_waiting
 from radixserve.engine.request import Request, Status
+
+if TYPE_CHECKING:
+    from radixserve.engine.documents import DocumentReuse
 
 # A waiting request whose uncached part shares this many tokens with a prefill in flight waits for
 # that prefill to land in the tree instead of computing the same prefix alongside it.
@@ -49,6 +53,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.documents: DocumentReuse | None = None  # places marked documents at admission (issue 57)
 
     def add(self, req: Request) -> None:
         req.status = Status.WAITING
@@ -110,6 +115,8 @@ class Scheduler:
                 budget += self._unschedule(batch, victim)
                 self._preempt(victim)
                 cached = self.kv_manager.match_device(req)
+            if req.documents is not None and self.documents is not None:  # placed: n shrinks to the rest
+                n = self.documents.place(req, n)
             self.waiting.remove(req)
             req.status = Status.RUNNING
             self.running.append(req)

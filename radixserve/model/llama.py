@@ -61,6 +61,13 @@ class Attention(nn.Module):
         cache: LayerCache,
         backend: AttentionBackend,
     ) -> torch.Tensor:
+        q, k, v = self.qkv(x, rope)
+        out = paged_attention(backend, q, k, v, cache, meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+    def qkv(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [T, hidden]`` -> q ``[T, Hq, D]``, k and v ``[T, Hkv, D]``, q and k rotated to their
+        positions (also what the document blend, ``model/blend.py``, projects with)."""
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
@@ -68,9 +75,7 @@ class Attention(nn.Module):
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         # q and k are adjacent in the fused projection, so one rotation serves both.
         q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        out = paged_attention(backend, q, k, v, cache, meta, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return q, k, v.view(-1, self.num_kv_heads, self.head_dim)
 
 
 class DecoderLayer(nn.Module):
