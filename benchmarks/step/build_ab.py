@@ -14,7 +14,8 @@ step time; the table quotes the median over the rounds.
     python -m benchmarks.step.build_ab --base HEAD~1 --head HEAD --model <file.gguf> \\
         --mode gguf+kv-bf16+int8 --cases 1x512,8x512,prefill512 [--rounds 3] [--name NAME]
 
-Writes benchmarks/results/<name>.{json,md} (``--out-dir`` to write elsewhere).
+Writes benchmarks/results/<name>.{json,md} (``--out-dir`` to write elsewhere). ``--enforce-eager`` times
+eager steps: no process compiles the model step (a quick run, as the tests make).
 """
 
 from __future__ import annotations
@@ -58,8 +59,9 @@ def worktree_library(name: str) -> Any:
         return importlib.import_module(f"benchmarks.{name}")
 
 
-def child(model: str, mode_name: str, rows: int, context: int, steps: int) -> None:
-    """Runs in a worktree: prints {"ms": mean step time, "code": the radixserve it ran} as one JSON line."""
+def child(model: str, mode_name: str, rows: int, context: int, steps: int, eager: bool = False) -> None:
+    """Runs in a worktree: prints {"ms": mean step time, "code": the radixserve it ran} as one JSON line;
+    ``eager``: the model step runs eagerly (no compile in each process)."""
     from radixserve import Engine
 
     modes, steps_lib = worktree_library("modes"), worktree_library("steps")
@@ -71,6 +73,7 @@ def child(model: str, mode_name: str, rows: int, context: int, steps: int) -> No
         num_pages=pages,
         max_model_len=context + steps + 64,
         model=model or None,
+        **({"enforce_eager": True} if eager else {}),
         **modes.engine_options(mode),
     )
     bench = steps_lib.Steps(engine)
@@ -106,6 +109,7 @@ def measure(tree: Path, args: argparse.Namespace, rows: int, context: int) -> fl
     # This file runs the child (the base commit may predate it) over the worktree's packages.
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--model", args.model]
     cmd += ["--mode", args.mode, "--cases", case_name(rows, context), "--steps", str(args.steps)]
+    cmd += ["--enforce-eager"] if args.enforce_eager else []
     env = {**os.environ, "PYTHONPATH": str(tree)}
     done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     if done.returncode != 0:
@@ -128,11 +132,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--name", default="build_ab")
     parser.add_argument("--out-dir", type=Path, help="default: benchmarks/results")
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="eager model steps (a quick run: no compile per process)"
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     cases = [parse_case(c) for c in args.cases.split(",")]
     if args.child:
-        child(args.model, args.mode, *cases[0], args.steps)
+        child(args.model, args.mode, *cases[0], args.steps, args.enforce_eager)
         return
     # Only the parent writes results: the child runs over a worktree's benchmarks/, which may predate lib/.
     from benchmarks.lib.common import RESULTS, args_json, write_results
@@ -166,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
         ["step", "base ms (median)", "head ms (median)", "head / base", "base rounds", "head rounds"],
         f"Steps under two commits, alternated ({args.mode} on {Path(args.model).name or 'the default'}; "
         f"base {commits['base'][:7]}, head {commits['head'][:7]}; "
-        f"{args.rounds} rounds of {args.steps} steps)",
+        f"{args.rounds} rounds of {args.steps} steps{', eager' if args.enforce_eager else ''})",
         args.out_dir or RESULTS,
     )
 

@@ -19,6 +19,7 @@ def test_each_commit_is_timed_in_a_worktree_of_its_own(tiny_llama: Path, tmp_pat
     build_ab.main(
         ["--base", "HEAD", "--head", "HEAD", "--model", str(tiny_llama), "--mode", "fp32"]
         + ["--cases", "2x40,prefill24", "--rounds", "1", "--steps", "3"]
+        + ["--enforce-eager"]  # each of the 4 processes would compile the step again
         + ["--name", "ab", "--out-dir", str(tmp_path)]
     )
     doc = json.loads((tmp_path / "ab.json").read_text())
