@@ -84,9 +84,10 @@ def plan_documents(
     documents: Sequence[Document] | None,
     share: Any,
     limits: DocumentLimits,
-    prompt_logprobs: bool,
+    logprobs_from: int | None,
 ) -> DocumentPlan | None:
-    """The checked plan of a request's documents; None where it marks none or the mode is off for it."""
+    """The checked plan of a request's documents; None where it marks none or the mode is off for it.
+    ``logprobs_from``: the first prompt position whose logprob the request wants (None: none)."""
     own = check_share(share)
     if not documents:
         if documents is not None and not isinstance(documents, (list, tuple)):
@@ -118,9 +119,11 @@ def plan_documents(
         raise InvalidRequestError(
             f"document reuse is not available: {limits.unsupported}", "document_reuse", "unsupported"
         )
-    if prompt_logprobs:
+    if logprobs_from is not None and logprobs_from <= spans[-1][1]:
+        # a position after the last document is scored from logits computed in full; none before
         raise InvalidRequestError(
-            "prompt_logprobs with document reuse: placed documents' logits are not computed",
-            "document_reuse",
+            "prompt_logprobs with document reuse must start after the last document "
+            f"(prompt_logprobs_start > {spans[-1][1]}): placed tokens' logits are not computed",
+            "prompt_logprobs_start",
         )
     return DocumentPlan(spans, effective)

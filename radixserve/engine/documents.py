@@ -58,7 +58,8 @@ class DocumentReuse:
     ) -> None:
         """Check a request's documents and give each of its samples its own plan (InvalidRequestError)."""
         first = reqs[0]
-        logprobs = first.params.prompt_logprobs is not None
+        p = first.params
+        logprobs = None if p.prompt_logprobs is None else p.prompt_logprobs_start
         plan = plan_documents(tokenizer, first.token_ids, documents, share, self.limits, logprobs)
         if plan is not None:
             for r in reqs:

@@ -177,6 +177,28 @@ def test_bad_input_is_refused_and_loses_no_page(tiny_llama: Path) -> None:
     assert _refused(engine, prompt, documents=[D2, D1], document_reuse=0.5).code == "document_not_found"
 
 
+def test_prompt_logprobs_after_the_documents(engine: Engine, tiny_llama: Path) -> None:
+    prompt = SYSTEM + D1 + SEP + D2 + QUESTION
+    start = len(prompt) - len(QUESTION) + 1
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1, prompt_logprobs_start=start)
+    exact = Engine(str(tiny_llama), page_size=4, num_pages=512).generate([prompt], params)[0]
+    for share in (1.0, 0.0):
+        engine.add_request(prompt, params, "r", documents=[D1, D2], document_reuse=share)
+        out = None
+        while engine.has_unfinished():
+            out = next((o for o in engine.step() if o.prompt_logprobs is not None), out)
+        assert out is not None and out.prompt_logprobs is not None and exact.prompt_logprobs is not None
+        got = [e.logprob for e in out.prompt_logprobs[start:] if e is not None]
+        want = [e.logprob for e in exact.prompt_logprobs[start:] if e is not None]
+        assert len(got) == len(QUESTION) - 1
+        if share == 1.0:
+            assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
+    bad = SamplingParams(max_tokens=1, prompt_logprobs=1, prompt_logprobs_start=start - 2)
+    with pytest.raises(InvalidRequestError) as info:
+        engine.add_request(prompt, bad, documents=[D1, D2], document_reuse=0.5)
+    assert info.value.param == "prompt_logprobs_start"
+
+
 def test_model_that_cannot_rerotate_is_refused(tiny_llama: Path) -> None:
     engine = Engine(str(tiny_llama), page_size=4, num_pages=512)
     engine.model.config = dataclasses.replace(engine.model.config, rope_scaling={"rope_type": "dynamic"})
