@@ -114,10 +114,14 @@ def test_a_failing_compile_falls_back_to_eager(
 @pytest.mark.real_model
 def test_real_model_greedy_is_token_identical_captured_and_eager() -> None:
     """Across batch sizes and with the prefix cache on and off, the captured engine's greedy tokens are
-    the eager engine's."""
+    the eager engine's. Batches of 1, 7 and 12 rows: 12 is past the 8 rows up to which a decode step
+    takes the native step, so its decode steps run the compiled graph and the products over
+    padded rows (12 run as 16). The 300 shared tokens are past the cascade threshold (256 tokens): with
+    the cache on, decode rows attend their shared pages together. Without the cache each prompt's 300
+    tokens are computed again, which is why the largest batch is no larger than that."""
     rng = torch.Generator().manual_seed(0)
     shared = torch.randint(100, 40000, (300,), generator=rng).tolist()
-    prompts = [shared + torch.randint(100, 40000, (n,), generator=rng).tolist() for n in range(5, 37)]
+    prompts = [shared + torch.randint(100, 40000, (n,), generator=rng).tolist() for n in range(5, 25)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     results: dict[tuple[bool, bool], list[list[int]]] = {}
     for eager in (True, False):
@@ -126,7 +130,7 @@ def test_real_model_greedy_is_token_identical_captured_and_eager() -> None:
             assert (engine.runner.compiled is None) == eager
             tokens = [o.token_ids for o in engine.generate(prompts[:1], params)]  # alone
             tokens += [o.token_ids for o in engine.generate(prompts[1:8], params)]  # 7 at once
-            tokens += [o.token_ids for o in engine.generate(prompts[8:], params)]  # 24 at once
+            tokens += [o.token_ids for o in engine.generate(prompts[8:], params)]  # 12 at once
             results[eager, cache] = tokens
             if not eager:
                 assert engine.runner.compiled is not None and engine.runner.compiled.active
