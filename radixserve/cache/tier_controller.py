@@ -268,6 +268,9 @@ class TierController(CacheListener):
     def close(self) -> None:
         self._loader.shutdown(wait=True)
         self._writer.shutdown(wait=True)
+        for store in self.stores:
+            if isinstance(store, DiskStore):
+                store.close()  # leaves the folder's shared budget
 
     def clear(self) -> None:
         self.drain()
