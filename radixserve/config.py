@@ -102,6 +102,14 @@ class EngineConfig:
     # CUDA graphs of decode-only steps at batch buckets 1, 2, 4, ..., 256 below max_running_requests and
     # that number itself, captured at start-up (model/cuda_graphs.py); on CUDA with the Triton backend.
     cuda_graphs: bool = knob(True, "capture no CUDA graphs: every decode step runs eagerly")
+    # The overlapped loop (engine/overlap.py): step N+1 is scheduled and launched before step N's tokens
+    # are read. "auto": on CUDA, where the device runs N+1 while the host reads N; off on CPU, where the
+    # host is the device and it only delays each token by a step (measured: docs/benchmarks.md).
+    overlap_schedule: str = knob(
+        "auto",
+        "schedule step N+1 before reading step N's tokens (auto: on CUDA only)",
+        choices=("auto", "on", "off"),
+    )
     aging_s: float = knob(30.0, "seconds of waiting worth one priority level", gt=0)
     # May change outputs: the forced tokens are appended without the model seeing each one first.
     jump_forward: bool = knob(False, "append grammar-forced tokens without a decode step each")

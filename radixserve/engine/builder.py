@@ -125,6 +125,7 @@ class EngineParts:
         self.speculator: Speculator | None = None
         if cfg.speculative == "ngram":
             self.speculator = Speculator(cfg.num_speculative_tokens, self.kv_manager)
+        self.overlap = overlapped(cfg, self.device)
         self.intake = Intake(
             self.tokenizer,
             mcfg.vocab_size,
@@ -134,3 +135,15 @@ class EngineParts:
             self.device,
             cfg.detokenize,
         )
+
+
+def overlapped(cfg: EngineConfig, device: torch.device) -> bool:
+    """Whether the engine runs the overlapped loop (``engine/overlap.py``). Not with speculation, whose
+    drafts are made from the token the overlap has not read yet, nor with more than one rank, whose
+    workers take each step's token ids from rank 0's host."""
+    wanted = cfg.overlap_schedule == "on" or (cfg.overlap_schedule == "auto" and device.type == "cuda")
+    if wanted and (cfg.speculative is not None or cfg.tensor_parallel_size > 1):
+        if cfg.overlap_schedule == "on":
+            logger.info("overlap schedule off: it takes neither speculative decoding nor tensor parallelism")
+        return False
+    return wanted

@@ -24,15 +24,17 @@ from radixserve.engine.builder import EngineParts
 from radixserve.engine.cache_control import ending_output
 from radixserve.engine.deltas import StepOutput
 from radixserve.engine.document_plan import Document
-from radixserve.engine.next_tokens import pick_tokens, sampled_logits
+from radixserve.engine.next_tokens import Picked, pick_tokens, sample, sampled_logits
 from radixserve.engine.offline import OfflineAPI
+from radixserve.engine.overlap import InFlight, defer, overlapped_step, pending_inputs
 from radixserve.engine.postprocess import advance
 from radixserve.engine.prompt import Prompt, apply_chat_template, tokenize
 from radixserve.engine.prompt_logprobs import prepare_scoring, score_step
 from radixserve.engine.request import Request, Status
 from radixserve.engine.scheduler import ScheduledBatch
 from radixserve.engine.stats import EngineStats, tier_stats
-from radixserve.model.runner import SeqChunk
+from radixserve.model.runner import RunnerOutput, SeqChunk
+from radixserve.sampling.grammar import Matcher
 from radixserve.sampling.params import SamplingParams
 from radixserve.sampling.sampler import Sampler
 
@@ -45,6 +47,7 @@ class Engine(EngineParts, OfflineAPI):
         self._groups: dict[str, list[Request]] = {}  # the n samples of each unfinished prompt
         self._unscheduled: set[str] = set()  # groups none of whose samples has been scheduled yet
         self.newly_scheduled: list[str] = []  # groups scheduled for the first time by the latest step
+        self.inflight: InFlight | None = None  # the overlapped loop's step whose tokens are not read yet
         self.num_steps = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -121,6 +124,8 @@ class Engine(EngineParts, OfflineAPI):
             spec_accepted=dict(spec.accepted) if spec else {},
             spec_verify_steps=spec.verify_steps if spec else 0,
             spec_emitted=spec.emitted if spec else 0,
+            reused_document_tokens=self.documents.reused_tokens,
+            recomputed_document_tokens=self.documents.recomputed_tokens,
         )
 
     def check_integrity(self) -> None:
@@ -150,8 +155,20 @@ class Engine(EngineParts, OfflineAPI):
 
     # -- the step loop ----------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        """One engine iteration: admit and abort, schedule, one forward, sample, postprocess."""
+        """One engine iteration: admit and abort, schedule, one forward, sample, postprocess. With the
+        overlapped loop (``engine/overlap.py``) a step's tokens are read in the next step instead."""
+        if self.overlap:
+            return overlapped_step(self)
         outputs = self._drain_inbox() if not self._inbox.empty() else []
+        batch, result = self._run_next()
+        if result is not None:
+            outputs += self._postprocess(batch, result.logits, result.all_logits)
+        return outputs
+
+    def _run_next(self, prev: InFlight | None = None) -> tuple[ScheduledBatch, RunnerOutput | None]:
+        """Schedule the next step (with the drafts the Speculator allowed), note the groups it schedules
+        for the first time, and launch its forward, its prompts scored where asked (None: nothing to
+        run). ``prev``: the overlapped loop's unread step, whose tokens the forward takes on the device."""
         spec = self.speculator
         if spec is not None:
             spec.before_schedule(self.scheduler.running)
@@ -166,7 +183,7 @@ class Engine(EngineParts, OfflineAPI):
         if not batch.requests:
             if self.config.debug_checks and not self.scheduler.has_work():
                 self.check_integrity()
-            return outputs
+            return batch, None
         self.num_steps += 1
         firsts = prepare_scoring(batch, self.pool.scores)  # where prompt logprobs start (None: nowhere)
         chunks = [
@@ -181,25 +198,30 @@ class Engine(EngineParts, OfflineAPI):
             for r, n, first in zip(batch.requests, batch.num_new_tokens, firsts or repeat(None))
         ]
         start = time.perf_counter()
-        result = self.runner.run(chunks)
+        result = self.runner.run(chunks, pending_inputs(batch, prev) if prev is not None else None)
         score_step(self.pool.scores, batch, firsts, result.all_logits)
-        outputs += self._postprocess(batch, result.logits, result.all_logits)
         tokens = sum(batch.num_new_tokens)
         if tokens > len(chunks):  # a prefill's speed: a tier's hit loads only if that is faster
             self.kv_manager.tiers.cost.note_prefill(tokens, time.perf_counter() - start)
-        return outputs
+        return batch, result
 
     def _postprocess(
-        self, batch: ScheduledBatch, logits: torch.Tensor, all_logits: dict[int, torch.Tensor]
+        self,
+        batch: ScheduledBatch,
+        logits: torch.Tensor,
+        all_logits: dict[int, torch.Tensor],
+        overlapped: bool = False,
     ) -> list[StepOutput]:
         """What a forward's logits do to the batch (its prompts were scored: ``score_step``), in order:
         count (and cache) what was computed, sample the rows that end at a new token, then each such
-        request's tokens, stops, text, output, drafts and finish (``postprocess.advance``)."""
+        request's tokens, stops, text, output, drafts and finish (``_advance``). ``overlapped`` (the
+        overlapped loop): the tokens stay on the device and ``_advance`` waits for the next step."""
         rows: list[int] = []  # the requests whose step ends at a new token (not inside a prefill)
         reqs: list[Request] = []
         warms = False
         for i, (r, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):  # a loop: no frame a step
-            if r.num_computed_tokens + n == len(r.token_ids) + len(r.drafts):
+            # (a finished request is the overlapped loop's: it ended when its last token was read)
+            if r.num_computed_tokens + n == len(r.token_ids) + len(r.drafts) and r.status is Status.RUNNING:
                 rows.append(i)
                 reqs.append(r)
                 warms = warms or r.warm
@@ -217,9 +239,22 @@ class Engine(EngineParts, OfflineAPI):
             rows_logits = sampled_logits(batch.requests, rows, logits, all_logits)
         else:  # a decode step samples every row: the logits as they are, not a copy of them
             rows_logits = logits if len(rows) == logits.shape[0] else logits[rows]
-        picks = pick_tokens(self.sampler, reqs, matchers, rows_logits, self.eos)
+        if overlapped:
+            self.inflight = defer(reqs, matchers, sample(self.sampler, reqs, matchers, rows_logits, self.eos))
+            return outputs
+        if spec is None:
+            picks = sample(self.sampler, reqs, matchers, rows_logits, self.eos).read()
+        else:
+            picks = pick_tokens(self.sampler, reqs, matchers, rows_logits, self.eos)
+        return outputs + self._advance(reqs, matchers, picks)
+
+    def _advance(
+        self, reqs: list[Request], matchers: list[Matcher | None], picks: list[Picked]
+    ) -> list[StepOutput]:
+        """Each request's new tokens: its tokens, stops, text, output, drafts settled, and its finish."""
+        outputs: list[StepOutput] = []
         now = time.monotonic()
-        eos, jump_forward = self.eos, self.config.jump_forward
+        eos, jump_forward, spec = self.eos, self.config.jump_forward, self.speculator
         for r, matcher, pick in zip(reqs, matchers, picks):
             if r.first_token_time is None:
                 r.first_token_time = now
@@ -238,7 +273,7 @@ class Engine(EngineParts, OfflineAPI):
         tree at once, shared with requests that arrive meanwhile. A verification's count waits until it
         is known what was accepted (``Speculator.settle``)."""
         for r, n in zip(batch.requests, batch.num_new_tokens):
-            if r.drafts:
+            if r.drafts or r.status is not Status.RUNNING:  # (finished: see _postprocess)
                 continue
             r.num_computed_tokens += n
             self.prompt_tokens += n if r.num_computed_tokens <= r.num_prompt_tokens else 0

@@ -20,7 +20,7 @@ from radixserve.engine.request import Request
 from radixserve.outputs import TokenLogprob
 from radixserve.sampling.grammar import Matcher, batch_mask
 from radixserve.sampling.rejection import verify_greedy, verify_sampled
-from radixserve.sampling.sampler import Sampler, SamplingBatch, race
+from radixserve.sampling.sampler import Sampler, SamplerOutput, SamplingBatch, race
 
 T = TypeVar("T")
 
@@ -33,6 +33,42 @@ class Picked:
     logprobs: list[TokenLogprob | None]
 
 
+@dataclass(slots=True)
+class Sampled:
+    """One token per row, still on the logits' device (nothing read back): what the overlapped loop
+    keeps of a step until it reads it a step later (``read``)."""
+
+    out: SamplerOutput
+    logprobs: list[int | None]  # the logprobs each row asked for
+
+    def read(self) -> list[Picked]:
+        """The tokens on the host: the step's one read-back."""
+        tokens = self.out.tokens.tolist()
+        if self.out.logprobs is None:
+            return [Picked([t], [None]) for t in tokens]
+        return [Picked([t], [lp]) for t, lp in zip(tokens, self.out.token_logprobs(self.logprobs))]
+
+
+def sample(
+    sampler: Sampler,
+    reqs: Sequence[Request],
+    matchers: Sequence[Matcher | None],
+    logits: Tensor,
+    eos_token_ids: Collection[int],
+) -> Sampled:
+    """One token for each request without drafts, from its one row of ``logits``, as one batch."""
+    batch = SamplingBatch(
+        [r.params for r in reqs],
+        [r.generator for r in reqs],
+        logits.device,
+        eos_token_ids,
+        lambda: ([r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs]),
+    )
+    mask = batch_mask(matchers, logits.shape[-1], logits.device)
+    processed = sampler.process(logits, batch, mask)
+    return Sampled(sampler.logprobs(processed, sampler.choose(processed, batch), batch), batch.logprobs)
+
+
 def pick_tokens(
     sampler: Sampler,
     reqs: Sequence[Request],
@@ -43,20 +79,7 @@ def pick_tokens(
     """``logits`` holds each request's rows in order: ``len(req.drafts) + 1`` of them."""
     drafts = [r.drafts for r in reqs]
     if not any(drafts):  # plain decoding: one row each, sampled as one batch
-        batch = SamplingBatch(
-            [r.params for r in reqs],
-            [r.generator for r in reqs],
-            logits.device,
-            eos_token_ids,
-            lambda: ([r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs]),
-        )
-        mask = batch_mask(matchers, logits.shape[-1], logits.device)
-        processed = sampler.process(logits, batch, mask)
-        out = sampler.logprobs(processed, sampler.choose(processed, batch), batch)
-        tokens = out.tokens.tolist()
-        if out.logprobs is None:
-            return [Picked([t], [None]) for t in tokens]
-        return [Picked([t], [lp]) for t, lp in zip(tokens, out.token_logprobs(batch.logprobs))]
+        return sample(sampler, reqs, matchers, logits, eos_token_ids).read()
 
     # With drafts, a row per drafted position: each sampled under the rules its position would have
     # seen in plain decoding (the history holds the drafts before it).

@@ -74,6 +74,8 @@ class Scheduler:
             # Its pending tokens (one while decoding) and its drafts count against the budget; the
             # Speculator keeps the drafts it allowed (after_schedule).
             n = min(len(req.token_ids) - req.num_computed_tokens + len(req.drafts), budget)
+            if n == 0:  # its last token is computed and not read yet (engine/overlap.py): it ends then
+                continue
             while not self.kv_manager.grow(req, req.num_computed_tokens + n):
                 victim = queue.pop() if queue else req
                 self._preempt(victim)

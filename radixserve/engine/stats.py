@@ -39,6 +39,9 @@ class EngineStats(msgspec.Struct, array_like=True, kw_only=True):
     # Cache control (cache/pins/): device pages held by pins, and the pins (held or pending).
     pinned_pages: int = 0
     num_pins: int = 0
+    # Document reuse (engine/documents.py): prompt tokens placed from chunks, and those recomputed.
+    reused_document_tokens: int = 0
+    recomputed_document_tokens: int = 0
 
     @property
     def spec_mean_accepted_length(self) -> float:

@@ -50,7 +50,7 @@ from radixserve.engine.heap_trim import HeapTrim
 from radixserve.model.attention import AttentionBackend
 from radixserve.model.compiled import CompiledLayers
 from radixserve.model.llama import LlamaForCausalLM
-from radixserve.model.runner import ModelRunner, RunnerOutput, SeqChunk
+from radixserve.model.runner import ModelRunner, Pending, RunnerOutput, SeqChunk
 from radixserve.model.sharding import check_tensor_parallel, local_kv_heads, shard_model
 from radixserve.parallel import comm
 from radixserve.parallel.cpus import bind_process, rank_cores
@@ -277,7 +277,9 @@ class LeadRunner:
         """Rank 0's warm-up (compile) time; the workers warm up in step with it."""
         return self.runner.warmup_s
 
-    def run(self, chunks: list[SeqChunk]) -> RunnerOutput:
+    def run(self, chunks: list[SeqChunk], pending: Pending | None = None) -> RunnerOutput:
+        # The workers take token ids from rank 0's host, so no token may be pending (builder.overlapped).
+        assert pending is None, "tensor parallelism runs the plain loop"
         self.tp.send("run", _wire(chunks))
         try:
             return self.runner.run(chunks)

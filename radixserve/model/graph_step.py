@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from typing import ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -35,6 +35,9 @@ from radixserve.kernels.kv_dtype import LayerCache, dequantize, quantize_int8
 from radixserve.kernels.parts import PartsPlan
 from radixserve.model.attention import AttentionBackend, AttentionMetadata, StepPlan, TorchBackend
 from radixserve.model.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from radixserve.model.runner import Pending
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # batch sizes a decode step is padded to
 
@@ -203,11 +206,13 @@ class GraphStep:
             hidden = self.model(ids, positions, AttentionMetadata(slots, plan), self.pool, self.backend)
             b.logits[:rows].copy_(self.model.compute_logits(hidden))
 
-    def run(self, chunks: Sequence[DecodeChunk]) -> torch.Tensor:
+    def run(self, chunks: Sequence[DecodeChunk], pending: Pending | None = None) -> torch.Tensor:
         """Each chunk's next-token logits ``[len(chunks), vocab]`` (a copy: the buffer is the next
-        step's)."""
+        step's). A chunk of ``pending`` takes its token from the previous step's, on the device."""
         rows = bucket_for(len(chunks), self.buckets)
         self.buffers.fill(chunks, rows)
+        if pending is not None:
+            pending.fill(self.buffers.index[0], pending.chunks)
         graph = self.replay.get(rows)
         if graph is not None:
             graph.replay()

@@ -43,6 +43,30 @@ class SeqChunk:
     logits_from: int = 0  # with want_all_logits: the first position whose logits are wanted
 
 
+# A token sampled by the previous step that the host has not read yet (the overlapped loop,
+# engine/overlap.py): it stands last in its request's ``token_ids`` and never reaches the model, which
+# takes the token from ``Pending`` on the device instead.
+PENDING = -1
+
+
+@dataclass(slots=True)
+class Pending:
+    """The previous step's sampled tokens, still on the device, and the chunks whose last new token is
+    one of them: chunk ``chunks[i]`` ends at ``tokens[rows[i]]``."""
+
+    tokens: torch.Tensor  # [rows] int64, on the model's device
+    chunks: list[int]
+    rows: list[int]
+
+    def fill(self, ids: torch.Tensor, at: list[int]) -> None:
+        """Write the pending tokens into ``ids`` (a step's input ids) at positions ``at``, one for each
+        of ``chunks``, on the device: nothing is read back to the host."""
+        dev = ids.device
+        where = torch.tensor(at, dtype=torch.int64).to(dev, non_blocking=True)
+        rows = torch.tensor(self.rows, dtype=torch.int64).to(dev, non_blocking=True)
+        ids.index_copy_(0, where, self.tokens.index_select(0, rows).to(ids.dtype))
+
+
 @dataclass(slots=True)
 class RunnerOutput:
     logits: torch.Tensor  # [num_chunks, vocab]: the logits after each chunk's last token
@@ -134,7 +158,8 @@ class ModelRunner:
             capture(self.graph_step)
         self.warmup_s = time.perf_counter() - start  # start-up's "compile" phase (logged by replicas)
 
-    def run(self, chunks: list[SeqChunk]) -> RunnerOutput:
+    def run(self, chunks: list[SeqChunk], pending: Pending | None = None) -> RunnerOutput:
+        """One forward over ``chunks``; a chunk of ``pending`` takes its last token from there."""
         if not self._warned_thread and threading.get_ident() != self._thread:
             self._warned_thread = True
             logger.warning(
@@ -142,12 +167,15 @@ class ModelRunner:
                 "every step is slower (two OpenMP teams); build and step it on one thread"
             )
         if self.native is not None and covers(chunks):
-            return self.run_native(chunks)
+            return self.run_native(chunks, pending)
         if self.graph_step is not None and self.graph_step.covers(chunks):
-            return RunnerOutput(self.graph_step.run(chunks), {})
+            return RunnerOutput(self.graph_step.run(chunks, pending), {})
         order = sorted(range(len(chunks)), key=lambda i: chunks[i].num_new == 1)
         ordered = [chunks[i] for i in order]
         inputs = self.prepare(ordered)
+        if pending is not None:  # the last row of each pending chunk, where the ordering put it
+            place = {c: i for i, c in enumerate(order)}
+            pending.fill(inputs.input_ids, [inputs.spans[place[c]][1] - 1 for c in pending.chunks])
         want_all = [max(c.logits_from - c.num_computed, 0) if c.want_all_logits else None for c in ordered]
         # no_grad, not inference_mode: compiled layers write the pool's K/V through views, which
         # inference tensors do not allow in a traced graph.
@@ -160,13 +188,15 @@ class ModelRunner:
         logits[torch.tensor(order, device=self.device)] = last
         return RunnerOutput(logits, {order[i]: v for i, v in all_logits.items()})
 
-    def run_native(self, chunks: list[SeqChunk]) -> RunnerOutput:
+    def run_native(self, chunks: list[SeqChunk], pending: Pending | None = None) -> RunnerOutput:
         """A decode-only step (``native_step.covers``) through the native step: no attention plan, no
         reordering (every chunk is one row)."""
         assert self.native is not None
         ps = self.page_size
         rows = torch.tensor([(c.num_computed, c.token_ids[c.num_computed]) for c in chunks])  # position, id
         positions, ids = rows[:, 0].contiguous(), rows[:, 1].contiguous()
+        if pending is not None:
+            pending.fill(ids, pending.chunks)
         tables = [c.page_table for c in chunks]
         width = max(map(len, tables))
         table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)

@@ -79,6 +79,9 @@ def test_share_counts_and_cached_tokens(engine: Engine) -> None:
         exact = 0 if share == 0.0 else 8
         assert out.cached_tokens == exact + 76 - recomputed
         assert out.cached_tokens_by_tier["device"] == out.cached_tokens
+    stats = engine.stats()  # what /metrics counts (radixserve:reused_document_tokens_total, ...)
+    assert stats.reused_document_tokens == 3 * 76
+    assert stats.recomputed_document_tokens == 0 + 23 + 76
     engine.check_integrity()
 
 

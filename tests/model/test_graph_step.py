@@ -23,7 +23,7 @@ from radixserve.model.attention import select_backend
 from radixserve.model.graph_step import GraphStep, bucket_for, buckets
 from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.loader import load_model
-from radixserve.model.runner import ModelRunner, SeqChunk
+from radixserve.model.runner import PENDING, ModelRunner, Pending, SeqChunk
 from radixserve.sampling.device_sampler import SamplingBuffers, sample
 from radixserve.sampling.params import SamplingParams
 from radixserve.sampling.sampler import Sampler, SamplingBatch
@@ -172,6 +172,49 @@ def test_the_readback_check_catches_a_readback(tiny_llama: Path, monkeypatch: py
         monkeypatch.undo()
     with forbid_readback():  # and the check passes the step again once it is as it was
         step.forward(2)
+
+
+def test_pending_tokens_are_taken_on_the_device_without_a_read_back(tiny_llama: Path) -> None:
+    """The overlapped loop's steps (engine/overlap.py): a row's last token is ``PENDING`` in the host's
+    lists and comes from the previous step's sampled tokens, in their own order, on the device. The
+    graph step (under ``forbid_readback``), the native step and the torch runner's step (with an extend
+    chunk ordered before the decodes) each give the logits of the same step given the tokens."""
+    model = _model(tiny_llama)
+    vocab = model.config.vocab_size
+    sampled = torch.tensor([101, 102, 103, 104, 105]) % vocab  # the previous step's row j
+    rows = [3, 0, 4, 1, 2]  # chunk i's token is sampled[rows[i]]
+
+    def steps(pool: KVPool) -> tuple[list[SeqChunk], list[SeqChunk], list[list[int]]]:
+        _, seqs, tables = _prefilled(model, pool, 5, shared=False)
+        known = [SeqChunk([*s, int(sampled[r])], len(s), 1, t) for s, r, t in zip(seqs, rows, tables)]
+        pending = [SeqChunk([*s, PENDING], len(s), 1, t) for s, t in zip(seqs, tables)]
+        return known, pending, seqs
+
+    pool = _pool(model, 4)
+    step = GraphStep(model, pool, select_backend("auto", CPU), 8, 64)
+    known, pending, _ = steps(pool)
+    want = step.run(known)
+    with forbid_readback():
+        got = step.run(pending, Pending(sampled, list(range(5)), rows))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # The torch runner: chunk 1 recomputes its whole sequence (a preempted request whose last token is
+    # unread), so the runner orders it before the four decodes.
+    pool = _pool(model, 4)
+    runner = ModelRunner(model, pool, select_backend("auto", CPU), CPU, native_step=False)
+    known, pending, seqs = steps(pool)
+    for chunks in (known, pending):
+        chunks[1] = SeqChunk(chunks[1].token_ids, 0, len(seqs[1]) + 1, chunks[1].page_table)
+    want = runner.run(known).logits
+    got = runner.run(pending, Pending(sampled, list(range(5)), rows)).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # The native step (decode rows only), where the model's formats allow it.
+    pool = _pool(model, 4)
+    runner = ModelRunner(model, pool, select_backend("auto", CPU), CPU, native_step=True)
+    known, pending, _ = steps(pool)
+    if runner.native is not None:
+        want = runner.run(known).logits
+        got = runner.run(pending, Pending(sampled, list(range(5)), rows)).logits
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_runner_keeps_its_cpu_step(tiny_llama: Path) -> None:

@@ -82,6 +82,16 @@ class _EngineCollector(Collector):
             PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache", value=s.prefix_hit_tokens
         )
         yield CounterMetricFamily(PREFIX + "num_preemptions", "Requests preempted", value=s.num_preemptions)
+        yield CounterMetricFamily(
+            PREFIX + "reused_document_tokens",
+            "Prompt tokens placed from document chunks (document reuse)",
+            value=s.reused_document_tokens,
+        )
+        yield CounterMetricFamily(
+            PREFIX + "recomputed_document_tokens",
+            "Placed document tokens recomputed (document reuse)",
+            value=s.recomputed_document_tokens,
+        )
         yield from _tier_metrics(s.tiers)
         yield from _spec_metrics(s)
 
