@@ -17,6 +17,7 @@ pages hold changes no kernel's work, and it spares prefilling 32 x 2048 tokens p
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 from collections.abc import Callable
@@ -56,12 +57,19 @@ HEADER = ["mode", "step", "arithmetic", "MB read", "limit ms", "ms", "% of limit
 
 
 # -- what an engine actually runs -----------------------------------------------------------------------
+@functools.lru_cache(maxsize=4)
+def gguf_tensors(path: Path) -> dict[str, tuple[str, int]]:
+    """Each tensor of the GGUF file: its block type (lower case) and its bytes. Read once a file: the
+    reader parses every metadata array, the tokenizer's ~100k strings too, one by one (seconds)."""
+    from gguf import GGUFReader
+
+    return {t.name: (t.tensor_type.name.lower(), int(t.n_bytes)) for t in GGUFReader(str(path)).tensors}
+
+
 def gguf_formats(path: Path, layers: int) -> Formats:
     """Each decoder linear's and the LM head's block type, as the GGUF file stores them (the head:
     ``output.weight``, else the tied ``token_embd.weight``)."""
-    from gguf import GGUFReader
-
-    types = {t.name: t.tensor_type.name.lower() for t in GGUFReader(str(path)).tensors}
+    types = {name: kind for name, (kind, _) in gguf_tensors(path).items()}
     per_layer = tuple({n: types[f"blk.{i}.{n}.weight"] for n in GGUF_NAMES} for i in range(layers))
     return Formats(per_layer, types.get("output.weight") or types["token_embd.weight"])
 

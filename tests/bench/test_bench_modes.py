@@ -217,8 +217,6 @@ def test_formats_and_kv_dtype_are_read_off_the_engine() -> None:
 
 def test_the_default_gguf_files_own_types_give_its_bytes() -> None:
     pytest.importorskip("gguf")
-    from gguf import GGUFReader
-
     from radixserve.model.default_model import find_default_gguf
 
     try:
@@ -228,7 +226,7 @@ def test_the_default_gguf_files_own_types_give_its_bytes() -> None:
     formats = step_modes.gguf_formats(path, SMOL.layers)
     assert formats.describe() == "q4_1; head q8_0"
     body, head = StepModel(SMOL, formats, "float32").weight_bytes()
-    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
+    tensors = {name: n_bytes for name, (_, n_bytes) in step_modes.gguf_tensors(path).items()}  # read once
     linears = [f"blk.{i}.{n}.weight" for i in range(SMOL.layers) for n in step_modes.GGUF_NAMES]
     assert body == sum(tensors[n] for n in linears)
     assert head == tensors["token_embd.weight"]
