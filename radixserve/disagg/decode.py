@@ -23,6 +23,9 @@ Invariants:
   server holds a request until it can preallocate its pages: computing its prompt here instead put
   prefill work on the decode engine just when its pool was busiest. One that waited ``ROOM_WAIT_S``
   is computed here after all, so none waits on the transfers of others without bound.
+- Pages are reserved only while the free and evictable pages left after them cover the headroom of
+  the engine's own requests (``headroom.py``): reservations waiting on a prefill engine never take the
+  pages the requests running here need for their next tokens.
 - A request's wait counts from its arrival here, through its wait for room and its transfer into the
   engine's queue (it is added with that arrival time): ``overdue`` bounds the whole wait, as colocated.
 - The request's outputs report ``kv_transfer_tokens``, and ``cached_tokens`` without them: only what
@@ -42,6 +45,7 @@ import msgspec
 
 from radixserve.cache.radix.node import TreeNode
 from radixserve.cache.request_pages import RequestPages
+from radixserve.disagg.headroom import room_to_reserve
 from radixserve.disagg.transfer import KVTransferError, TransferHeader, layout_fingerprint, verify
 from radixserve.disagg.transport import KVReceiver
 from radixserve.engine.checks import priority_value
@@ -140,7 +144,8 @@ class DecodeRole(EngineRole):
             raise ValueError("a decode engine needs the prefix cache (drop --no-prefix-cache)")
         super().__init__(engine)
         self._send = send
-        self._add = add
+        self._add_to_engine = add
+        self._unseen_adds = False  # requests handed on since the last step: not in the scheduler yet
         self.receiver = receiver
         self.timeout_s = timeout_s
         self.fingerprint = layout_fingerprint(engine)
@@ -185,8 +190,11 @@ class DecodeRole(EngineRole):
         if res.end <= res.start:
             self._add(msg, arrived)
             return True
-        if not kv.admit(res, res.end - res.start):
+        num_new = res.end - res.start
+        if self._unseen_adds:  # their headroom counts once the engine has them: after the next step
             return False
+        if not room_to_reserve(self.engine, num_new // ps, self._held) or not kv.admit(res, num_new):
+            return False  # the engine's own requests keep their headroom, or no room at all
         self.reservations[msg.request_id] = res
         self._send(
             KVReserved(request_id=msg.request_id, start=res.start, end=res.end, address=self.receiver.address)
@@ -253,6 +261,7 @@ class DecodeRole(EngineRole):
     def after_step(self, outputs: list[StepOutput]) -> list[StepOutput]:
         """Release the held prefixes the step scheduled; report the transfer in the outputs of requests
         that had one."""
+        self._unseen_adds = False
         for rid in self.engine.newly_scheduled:
             self._release_held(rid)
         out = []
@@ -275,6 +284,11 @@ class DecodeRole(EngineRole):
         self.receiver.close()
 
     # -- helpers ----------------------------------------------------------------------------------
+    def _add(self, msg: AddRequest, arrived: float) -> bool:
+        """Hand ``msg`` on to the engine process's admission (False: refused, answered there)."""
+        self._unseen_adds = True
+        return self._add_to_engine(msg, arrived)
+
     def _write(self, header: TransferHeader, records: torch.Tensor) -> None:
         res = self.reservations.get(header.request_id)
         if res is None:
