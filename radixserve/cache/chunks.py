@@ -12,6 +12,9 @@ alike share those pages (both computed from position 0, their KV there is the sa
 prompt's prefix, nor a prefix a chunk; two salts' chunks are apart as their prefixes are. Its repr
 is stable, so the lower tiers' keys of a chunk (``tiers.namespace_key``) are the same after a restart.
 
+Under write-through a computed chunk is copied down at once, as a prefix is; a chunk only the host or
+disk tier holds (evicted, or written by an engine before a restart) is loaded back when placed.
+
 A chunk holds its document's whole pages only (the tree holds nothing else): the tokens of its last,
 partial page are not placed but recomputed by the blend.
 """
@@ -23,7 +26,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from radixserve.cache.kv_manager import KVCacheManager
-from radixserve.cache.radix.node import TreeNode
+from radixserve.cache.radix.node import MatchResult, TreeNode
+from radixserve.cache.tier_controller import TierController, WritePolicy
 
 # Compute the KV of each (tokens, pages) from position 0 into its pages (pages cover every token).
 ComputeChunks = Callable[[list[tuple[list[int], list[int]]]], None]
@@ -51,6 +55,7 @@ class ChunkCache:
         self.compute = compute
         self.hits = 0  # chunks found in the tree
         self.computed = 0  # chunks computed (not held, or only in part)
+        self.loaded = 0  # chunks brought back from the host or disk tier
 
     def acquire(self, docs: list[list[int]], salt: str | None) -> list[HeldChunk] | None:
         """Each document's chunk, locked: found in the tree, or computed now (all missing ones in one
@@ -61,7 +66,8 @@ class ChunkCache:
         for i, doc in enumerate(docs):
             whole = len(doc) // ps * ps
             m = tree.match_prefix(doc[:whole], space)
-            if m.num_tokens == whole:
+            if m.num_tokens == whole or self._load(doc[:whole], space, m):
+                m = m if m.num_tokens == whole else tree.match_prefix(doc[:whole], space)
                 held.append(self._hold(m.node, m.pages, whole))
                 self.hits += whole > 0
             else:
@@ -79,6 +85,28 @@ class ChunkCache:
                 held[i] = self._insert(doc, pages, space)
         return [h for h in held if h is not None]
 
+    def _load(self, tokens: list[int], space: DocumentSpace, m: MatchResult) -> bool:
+        """Bring the rest of a chunk the device lacks back from the host or disk tier, now, on this thread
+        (a chunk's few pages; the tiers' own loads are asynchronous and per request); False if a lower
+        tier lacks a page of it or the pool has no room."""
+        tiers, ps = self.kv.tiers, self.kv.page_size
+        need = (len(tokens) - m.num_tokens) // ps
+        if not isinstance(tiers, TierController) or len(m.lower_keys) < need:
+            return False
+        self.kv.tree.lock(m.node)  # the device part, while room is made
+        room = self.kv._make_room(need)
+        self.kv.tree.unlock(m.node)
+        if not room:
+            return False
+        pages = self.kv.allocator.allocate(need)
+        if not tiers.load_now(list(m.lower_keys[:need]), list(m.lower_tiers[:need]), pages):
+            self.kv.allocator.free(pages)
+            return False
+        inserted = self.kv.tree.insert(tokens, list(m.pages) + pages, space)
+        inserted.node.backed_up = True  # its pages came from the lower tiers
+        self.loaded += 1
+        return True
+
     def _insert(self, doc: list[int], pages: list[int], space: DocumentSpace) -> HeldChunk:
         """Give a computed chunk's whole pages to the tree and hold them; free what it did not take (pages
         it already held for the same tokens, and the partial last page)."""
@@ -88,6 +116,9 @@ class ChunkCache:
         tree.insert(doc[:whole], pages[:n], space)
         m = tree.match_prefix(doc[:whole], space)
         self.kv.allocator.free([p for p, t in zip(pages[:n], m.pages) if p != t] + pages[n:])
+        tiers = self.kv.tiers
+        if whole and isinstance(tiers, TierController) and tiers.policy is WritePolicy.WRITE_THROUGH:
+            tiers.copy_everywhere(self.kv.tree.path(m.node))  # as write-through copies a prefix
         return self._hold(m.node, m.pages, whole)
 
     def _hold(self, node: TreeNode, pages: list[int], num_tokens: int) -> HeldChunk:

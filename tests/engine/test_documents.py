@@ -226,3 +226,22 @@ def test_chunks_are_evicted_like_any_page(tiny_llama: Path) -> None:
     assert engine.stats().evicted_pages > 0
     assert engine.documents.chunks.computed > 6  # evicted chunks were computed again
     pages(engine)
+
+
+def test_chunks_survive_a_restart_through_the_disk_tier(tiny_llama: Path, tmp_path: Path) -> None:
+    opts: dict[str, Any] = dict(page_size=4, num_pages=512, disk_cache_gb=0.05, disk_cache_dir=str(tmp_path))
+    prompt = SYSTEM + D1 + SEP + D2 + QUESTION
+    first = Engine(str(tiny_llama), **opts)
+    ids, _ = run(first, prompt, documents=[D1, D2], document_reuse=0.0)
+    assert first.documents.chunks.computed == 2
+    first.close()  # the chunks were written through to disk
+    second = Engine(str(tiny_llama), **opts)
+    other = SYSTEM + [11] + D2 + SEP + D1 + QUESTION  # another order, a new exact prefix
+    again, out = run(second, other, documents=[D2, D1], document_reuse=0.0)
+    chunks = second.documents.chunks
+    assert (chunks.computed, chunks.loaded) == (0, 2)  # both came back from disk, none computed
+    assert out.reused_document_tokens == 76
+    fresh = Engine(str(tiny_llama), page_size=4, num_pages=512)
+    assert again == run(fresh, other, documents=[D2, D1], document_reuse=0.0)[0]
+    second.check_integrity()
+    second.close()
