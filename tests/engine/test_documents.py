@@ -245,3 +245,44 @@ def test_chunks_survive_a_restart_through_the_disk_tier(tiny_llama: Path, tmp_pa
     assert again == run(fresh, other, documents=[D2, D1], document_reuse=0.0)[0]
     second.check_integrity()
     second.close()
+
+
+def _outputs(engine: Engine, prompt: list[int], params: SamplingParams, **kw: Any) -> list[list[int]]:
+    """Every sample's tokens of one request, stepped to its end."""
+    outs: dict[int, list[int]] = {}
+    engine.add_request(prompt, params, **kw)
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs.setdefault(o.index, []).extend(o.token_ids)
+    return [outs[i] for i in sorted(outs)]
+
+
+def test_exact_prefix_inside_a_document_a_document_last_and_samples(engine: Engine, tiny_llama: Path) -> None:
+    ref = Engine(str(tiny_llama), page_size=4, num_pages=512)
+    _outputs(engine, SYSTEM + D1[:21] + [1, 2, 3], GREEDY)  # the tree now holds SYSTEM + D1[:23] exactly
+    for prompt in (SYSTEM + D1 + SEP + D2 + QUESTION, SYSTEM + D1 + SEP + D2):  # reuse starts inside D1
+        assert _outputs(engine, prompt, GREEDY, documents=[D1, D2], document_reuse=1.0) == _outputs(
+            ref, prompt, GREEDY
+        )
+    seeded = SamplingParams(max_tokens=8, temperature=0.8, seed=3, n=2, ignore_eos=True)
+    prompt = SYSTEM + [5] + D2 + SEP + D1 + QUESTION
+    got = _outputs(engine, prompt, seeded, documents=[D2, D1], document_reuse=1.0)
+    assert got == _outputs(ref, prompt, seeded) and got[0] != got[1]
+    engine.check_integrity()
+
+
+def test_preempted_placed_requests_keep_pages_exact(tiny_llama: Path) -> None:
+    engine = Engine(str(tiny_llama), page_size=4, num_pages=90, debug_checks=True, max_batched_tokens=64)
+    docs = [_tokens(60, 10 + i) for i in range(4)]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    for i in range(4):
+        a, b = docs[i], docs[(i + 1) % 4]
+        engine.add_request(
+            SYSTEM + [i] + a + SEP + b + QUESTION, params, documents=[a, b], document_reuse=0.3
+        )
+    tokens = 0
+    while engine.has_unfinished():
+        tokens += sum(len(o.token_ids) for o in engine.step())
+    assert tokens == 4 * 20 and engine.stats().num_preemptions > 0
+    engine.check_integrity()
+    pages(engine)
