@@ -103,6 +103,9 @@ class DocumentReuse:
             end,
             lambda deviation: choose(deviation, ~placed, runs, plan.share),
         )
+        # K/V written without logits: no score of these slots may be read as known (the pages before the
+        # first document enter the tree, where a prompt-logprobs request would trust them)
+        self.pool.scores.forget(slots_of(r.pages.table, start, end, self.pool))
         reused = int(placed.sum())
         recomputed = int((keep & placed).sum())
         r.num_computed_tokens = end
@@ -148,6 +151,13 @@ class DocumentReuse:
         return placed, runs
 
 
+def slots_of(table: list[int], start: int, end: int, pool: KVPool) -> torch.Tensor:
+    """The flat pool slots (page * page_size + offset) of positions ``[start, end)`` under ``table``."""
+    ps, dev = pool.page_size, pool.k_buffer.device
+    pos = torch.arange(start, end, device=dev)
+    return torch.tensor(table, dtype=torch.int64, device=dev)[pos // ps] * ps + pos % ps
+
+
 def document_reuse(
     cfg: EngineConfig,
     kv: KVCacheManager,
@@ -166,6 +176,8 @@ def document_reuse(
 
     def compute(jobs: list[tuple[list[int], list[int]]]) -> None:
         runner.run([SeqChunk(tokens, 0, len(tokens), pages) for tokens, pages in jobs])
+        for tokens, pages in jobs:  # written without the engine's scoring: unknown, not stale
+            pool.scores.forget(slots_of(pages, 0, len(tokens), pool))
 
     limits = DocumentLimits(cfg.document_reuse, cfg.max_documents, max_model_len, unsupported)
     return DocumentReuse(kv, pool, model, ChunkCache(kv, compute), limits)
