@@ -127,6 +127,14 @@ def write_tasks(folder: Path) -> None:
         (folder / f"{name}.yaml").write_text(head + rest)
 
 
+def own_tasks(folder: Path) -> Any:
+    """lm-eval's task manager over the tasks ``write_tasks`` wrote, and no others: indexing lm-eval's own
+    ~15,000 task files, which these tests do not use, took seconds each time."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(folder), include_defaults=False)
+
+
 def test_lm_eval_local_completions_runs_and_agrees_with_our_logprobs(
     url: str, tool_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -135,7 +143,6 @@ def test_lm_eval_local_completions_runs_and_agrees_with_our_logprobs(
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
     lm_eval = client_package("lm_eval")
     from lm_eval.models.openai_completions import LocalCompletionsAPI
-    from lm_eval.tasks import TaskManager
 
     write_tasks(tmp_path)
     lm = LocalCompletionsAPI(
@@ -148,7 +155,7 @@ def test_lm_eval_local_completions_runs_and_agrees_with_our_logprobs(
     )
     assert lm.tokenized_requests  # the default: prompts go as lists of token lists
     results = lm_eval.simple_evaluate(
-        model=lm, tasks=list(TASKS), task_manager=TaskManager(include_path=str(tmp_path)), log_samples=True
+        model=lm, tasks=list(TASKS), task_manager=own_tasks(tmp_path), log_samples=True
     )
     assert results is not None
     samples = results["samples"]
@@ -186,7 +193,6 @@ def test_lm_eval_local_completions_runs_and_agrees_with_our_logprobs(
 def _evaluate(url: str, tokenizer: Path, tasks: Path) -> dict[str, list[dict[str, Any]]]:
     lm_eval = client_package("lm_eval")
     from lm_eval.models.openai_completions import LocalCompletionsAPI
-    from lm_eval.tasks import TaskManager
 
     lm = LocalCompletionsAPI(
         base_url=f"{url}/v1/completions",
@@ -197,7 +203,7 @@ def _evaluate(url: str, tokenizer: Path, tasks: Path) -> dict[str, list[dict[str
         max_retries=1,
     )
     results = lm_eval.simple_evaluate(
-        model=lm, tasks=list(TASKS), task_manager=TaskManager(include_path=str(tasks)), log_samples=True
+        model=lm, tasks=list(TASKS), task_manager=own_tasks(tasks), log_samples=True
     )
     assert results is not None
     return results["samples"]
