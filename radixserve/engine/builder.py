@@ -29,6 +29,7 @@ from radixserve.model.attention import check_dtypes, select_backend
 from radixserve.model.loader import load_model, load_tokenizer, resolve_device_dtype, resolve_model_path
 from radixserve.model.runner import ModelRunner
 from radixserve.parallel import spawn
+from radixserve.sampling.device_sampler import SamplingBuffers
 
 logger = logging.getLogger("radixserve.engine")
 
@@ -126,6 +127,11 @@ class EngineParts:
         if cfg.speculative == "ngram":
             self.speculator = Speculator(cfg.num_speculative_tokens, self.kv_manager)
         self.overlap = overlapped(cfg, self.device)
+        # The overlapped loop samples on the device from preallocated buffers (sampling/device_sampler.py):
+        # a row per running request.
+        self.sampling_buffers = (
+            SamplingBuffers(cfg.max_running_requests, mcfg.vocab_size, self.device) if self.overlap else None
+        )
         self.intake = Intake(
             self.tokenizer,
             mcfg.vocab_size,

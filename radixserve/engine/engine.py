@@ -240,7 +240,8 @@ class Engine(EngineParts, OfflineAPI):
         else:  # a decode step samples every row: the logits as they are, not a copy of them
             rows_logits = logits if len(rows) == logits.shape[0] else logits[rows]
         if overlapped:
-            self.inflight = defer(reqs, matchers, sample(self.sampler, reqs, matchers, rows_logits, self.eos))
+            sampled = sample(self.sampler, reqs, matchers, rows_logits, self.eos, self.sampling_buffers)
+            self.inflight = defer(reqs, matchers, sampled)
             return outputs
         if spec is None:
             picks = sample(self.sampler, reqs, matchers, rows_logits, self.eos).read()

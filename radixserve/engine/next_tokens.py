@@ -18,6 +18,8 @@ from torch import Tensor
 
 from radixserve.engine.request import Request
 from radixserve.outputs import TokenLogprob
+from radixserve.sampling.device_sampler import SamplingBuffers
+from radixserve.sampling.device_sampler import sample as device_sample
 from radixserve.sampling.grammar import Matcher, batch_mask
 from radixserve.sampling.rejection import verify_greedy, verify_sampled
 from radixserve.sampling.sampler import Sampler, SamplerOutput, SamplingBatch, race
@@ -55,8 +57,18 @@ def sample(
     matchers: Sequence[Matcher | None],
     logits: Tensor,
     eos_token_ids: Collection[int],
+    buffers: SamplingBuffers | None = None,
 ) -> Sampled:
-    """One token for each request without drafts, from its one row of ``logits``, as one batch."""
+    """One token for each request without drafts, from its one row of ``logits``, as one batch. With
+    ``buffers`` (the overlapped loop's), through ``device_sampler`` where no row asks for logprobs: the
+    same tokens, from buffers filled by copies that need not wait for the device."""
+    if (
+        buffers is not None
+        and len(reqs) <= buffers.rows
+        and logits.shape[-1] == buffers.vocab
+        and all(r.params.logprobs is None for r in reqs)
+    ):
+        return _sample_on_device(buffers, reqs, matchers, logits, eos_token_ids)
     batch = SamplingBatch(
         [r.params for r in reqs],
         [r.generator for r in reqs],
@@ -67,6 +79,28 @@ def sample(
     mask = batch_mask(matchers, logits.shape[-1], logits.device)
     processed = sampler.process(logits, batch, mask)
     return Sampled(sampler.logprobs(processed, sampler.choose(processed, batch), batch), batch.logprobs)
+
+
+def _sample_on_device(
+    buffers: SamplingBuffers,
+    reqs: Sequence[Request],
+    matchers: Sequence[Matcher | None],
+    logits: Tensor,
+    eos_token_ids: Collection[int],
+) -> Sampled:
+    params = [r.params for r in reqs]
+    n = len(reqs)
+    # The token history only where a rule reads it (penalties, min_tokens), as SamplingBatch asks for it.
+    history = any(
+        p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.min_tokens
+        for p in params
+    )
+    prompts = [r.prompt_token_ids for r in reqs] if history else [()] * n
+    outputs = [r.output_token_ids for r in reqs] if history else [()] * n
+    mask = batch_mask(matchers, logits.shape[-1], logits.device)
+    drawn = buffers.fill(params, [r.generator for r in reqs], prompts, outputs, n, eos_token_ids, mask)
+    tokens = device_sample(logits, buffers, n, drawn)
+    return Sampled(SamplerOutput(tokens, None, None, None), [None] * n)
 
 
 def pick_tokens(

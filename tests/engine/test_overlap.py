@@ -12,6 +12,7 @@ import torch
 
 from radixserve import Engine, SamplingParams
 from radixserve.config import EngineConfig
+from radixserve.engine import next_tokens
 from radixserve.engine.builder import overlapped
 from radixserve.model.runner import PENDING
 
@@ -84,6 +85,33 @@ def test_overlapped_loop_is_token_identical_to_the_plain_loop(tiny_llama: Path, 
         assert s.in_use_pages == 0 and s.free_pages + s.cached_pages == s.num_pages
         e.check_integrity()
         assert e.inflight is None
+
+
+def test_the_overlapped_loop_samples_on_the_device_unless_a_row_asks_for_logprobs(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its rows are sampled by ``sampling/device_sampler.py`` from preallocated buffers (the plain
+    loop's tokens, seeded draws, penalties, ``min_tokens`` and a grammar included); a step with a row
+    that asks for logprobs goes to ``Sampler``."""
+    rows: list[int] = []
+    device_sample = next_tokens.device_sample
+
+    def counted(logits: torch.Tensor, buffers: object, n: int, drawn: bool) -> torch.Tensor:
+        rows.append(n)
+        return device_sample(logits, buffers, n, drawn)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(next_tokens, "device_sample", counted)
+    prompts = _prompts(9, seed=4)
+    params = [p for p in _mixed() if p.logprobs is None]
+    plain = Engine(str(tiny_llama), overlap_schedule="off", **KW)
+    over = Engine(str(tiny_llama), overlap_schedule="on", **KW)
+    assert plain.sampling_buffers is None and over.sampling_buffers is not None
+    _same(plain.generate(prompts, params), over.generate(prompts, params))
+    assert len(rows) >= 19 and max(rows) >= 8  # every step (20 tokens at most) sampled on the device
+    steps = len(rows)
+    logprobs = SamplingParams(max_tokens=4, temperature=0, logprobs=1)
+    _same(plain.generate(prompts[:2], logprobs), over.generate(prompts[:2], logprobs))
+    assert len(rows) == steps
 
 
 def test_a_request_whose_last_token_is_known_runs_no_extra_step(tiny_llama: Path) -> None:
