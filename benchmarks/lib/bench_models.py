@@ -67,6 +67,10 @@ class Shape:
 
 
 LLAMA_1B = Shape("llama-3.2-1b-shape", layers=16, hidden=2048, intermediate=8192, heads=32, kv_heads=8)
+SMOLLM2_135M = Shape(
+    "smollm2-135m-shape", layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, rope_theta=100000.0
+)
+GPU_SHAPES = {"smollm2-135m": SMOLLM2_135M, "llama-3.2-1b": LLAMA_1B}  # what the GPU benchmarks run
 
 
 def hf_config(shape: Shape) -> dict[str, Any]:
@@ -151,6 +155,18 @@ def write_folder(shape: Shape, seed: int, out: Path, tokenizer_dir: Path) -> Non
             shutil.copy(tokenizer_dir / name, out / name)
     (out / "bench_model.json").write_text(json.dumps({**asdict(shape), "seed": seed, "version": VERSION}))
     (out / MARKER).write_text("")
+
+
+def shape_folder(shape: Shape, root: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """``root/<shape name>``, written once with ``tokenizer_dir``'s tokenizer files (no default model:
+    the GPU machine has none), so the GPU benchmarks' steps share one folder per shape. Not fsynced
+    (a scratch folder for one run; 4 GB at the 1B shape): a folder without its marker is written again."""
+    target = root / shape.name
+    if not (target / MARKER).is_file():
+        shutil.rmtree(target, ignore_errors=True)
+        target.mkdir(parents=True)
+        write_folder(shape, seed, target, tokenizer_dir)  # the marker last
+    return target
 
 
 def folder_for(shape: Shape, seed: int, root: Path | None = None) -> Path:

@@ -2,7 +2,7 @@
 
 No checkpoint can reach the GPU machine (no network there, and the working tree that travels is
 small), so the models are random-weight HF folders of real shapes, written there by
-``bench_models.write_folder`` with SmolLM2's tokenizer files (``--tokenizer-dir``): SmolLM2-135M's
+``bench_models.shape_folder`` with SmolLM2's tokenizer files (``--tokenizer-dir``): SmolLM2-135M's
 shape and Llama-3.2-1B's. Random weights give near-uniform next tokens, which is fine for speed.
 
 Measured per shape, one run, side by side:
@@ -17,7 +17,9 @@ Measured per shape, one run, side by side:
     python -m benchmarks.step.gpu_engine --tokenizer-dir DIR [--shapes smollm2-135m llama-3.2-1b]
 
 Writes ``benchmarks/results/gpu_engine.{json,md}`` (``--out-dir``, ``--name``); ``--profile`` adds
-where a batch-1 decode spends its time (torch.profiler).
+where a batch-1 decode spends its time (torch.profiler). ``--models-dir``: the shapes' folders are
+written there once and kept, for the next step of ``benchmarks/gpu_check.sh``. The engine runs as it
+is built by default (CUDA graphs and the overlapped loop on); ``step/gpu_decode.py`` measures those.
 """
 
 from __future__ import annotations
@@ -33,14 +35,10 @@ from typing import Any
 
 import torch
 
-from benchmarks.lib.bench_models import LLAMA_1B, Shape, write_folder
+from benchmarks.lib.bench_models import GPU_SHAPES, Shape, shape_folder
 from benchmarks.lib.common import RESULTS, args_json, hf_greedy, write_results
 from radixserve import Engine, SamplingParams
 
-SMOLLM2_135M = Shape(
-    "smollm2-135m-shape", layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, rope_theta=100000.0
-)
-SHAPES = {"smollm2-135m": SMOLLM2_135M, "llama-3.2-1b": LLAMA_1B}
 PROMPT_LEN = 32
 
 
@@ -92,11 +90,9 @@ def make_engine(folder: Path, args: argparse.Namespace, backend: str, max_batch:
 def measure_shape(shape: Shape, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
-    folder = root / shape.name
-    folder.mkdir()
     start = time.perf_counter()
-    write_folder(shape, 0, folder, args.tokenizer_dir)
-    print(f"{shape.name}: written in {time.perf_counter() - start:.1f} s", flush=True)
+    folder = shape_folder(shape, root, args.tokenizer_dir)
+    print(f"{shape.name}: ready in {time.perf_counter() - start:.1f} s", flush=True)
     engine = make_engine(folder, args, args.backend, max(args.batches))
     dtype = getattr(torch, args.dtype)
     hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to(args.device).eval()
@@ -157,8 +153,8 @@ def report(results: list[dict[str, Any]], gpu: str, args: argparse.Namespace) ->
         f"# The engine on {gpu}, beside HF generate ({args.dtype}, random weights of real shapes)",
         "",
         f"Decode: B prompts of {PROMPT_LEN} tokens, {args.new_tokens} new tokens each, output tok/s over the "
-        f"call. Prefill: one {args.prefill_len}-token prompt. radixserve: {args.backend} attention, eager "
-        "steps.",
+        f"call. Prefill: one {args.prefill_len}-token prompt. radixserve: {args.backend} attention, its "
+        "defaults (on CUDA: CUDA graphs for decode and the overlapped loop).",
         "",
         "| shape | phase | B | radixserve tok/s | HF generate tok/s | ratio |",
         "|---|---|---|---|---|---|",
@@ -191,7 +187,12 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--tokenizer-dir", type=Path, required=True, help="SmolLM2's tokenizer files")
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=list(GPU_SHAPES), choices=list(GPU_SHAPES))
+    parser.add_argument(
+        "--models-dir",
+        type=Path,
+        help="where the shapes' folders are written once (default: a temporary one)",
+    )
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prefill-len", type=int, default=2000)
@@ -210,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.shapes:
-            results.append(measure_shape(SHAPES[name], args, Path(tmp)))
+            results.append(measure_shape(GPU_SHAPES[name], args, args.models_dir or Path(tmp)))
     import triton
 
     payload = {"gpu": gpu, "triton": triton.__version__, "args": args_json(args), "results": results}
