@@ -61,7 +61,7 @@ def stub_forward(runner_cls: Any, token: int) -> None:
     ``token`` wins greedy; the model is never called. The sampler indexes the rows (a copy)."""
     output = sys.modules[runner_cls.__module__].RunnerOutput
 
-    def run(self: Any, chunks: list[Any]) -> Any:
+    def run(self: Any, chunks: list[Any], pending: Any = None) -> Any:
         table = self.__dict__.get("_stub_logits")
         if table is None or table.shape[0] < len(chunks):
             table = torch.zeros(max(256, len(chunks)), self.model.config.vocab_size)
@@ -124,9 +124,9 @@ def offline(model: str | None, batches: list[int], steps: int, stub: int | None,
     forward_ms: list[float] = []
     run = engine.runner.run
 
-    def timed_run(chunks: Any) -> Any:  # the forward's share of a real step
+    def timed_run(chunks: Any, pending: Any = None) -> Any:  # the forward's share of a real step
         t = time.perf_counter()
-        out = run(chunks)
+        out = run(chunks, pending)
         forward_ms.append((time.perf_counter() - t) * 1e3)
         return out
 
