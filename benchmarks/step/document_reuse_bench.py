@@ -169,7 +169,7 @@ def main() -> None:
         )
     base = speed["prefix-only"]
     table.append(["prefix-only", "100%", "0", "100%", f"{base['p50']:.3f} / {base['p95']:.3f}"])
-    header = ["share", "top-1 agreement", "mean |Δ logprob|", "identical greedy", "TTFT p50 / p95 s"]
+    header = ["share", "top-1 agreement", "mean \\|Δ logprob\\|", "identical greedy", "TTFT p50 / p95 s"]
     write_results(
         args.name,
         {"args": vars(args), "accuracy": acc, "ttft": speed},
