@@ -41,114 +41,27 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import logging
 import random
-import re
-import statistics
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks.lib.bench_models import GPU_SHAPES, shape_folder
-from benchmarks.lib.common import RESULTS, args_json, cell, markdown_table, write_results
-from benchmarks.lib.loadgen import RunConfig, run_benchmark
-from benchmarks.lib.servers import free_port, radixserve_command, serving
-from benchmarks.lib.workloads import WorkloadSpec, build_workload, load_tokenizer
+from benchmarks.lib.common import RESULTS, args_json, write_results
+from benchmarks.lib.gpu_device import (
+    capture_log,
+    hbm_peak,
+    link_peak,
+    on_cuda,
+    sync,
+)
+from benchmarks.step.gpu_decode_report import report
+from benchmarks.step.gpu_http import http_part
 from radixserve import Engine, SamplingParams
 
 PARTS = ("graphs", "decode", "tier", "http")
-# Nominal HBM bandwidth by device name (the first key found in the name wins), bytes/s: NVIDIA's specs.
-NOMINAL_HBM = {"H200": 4.8e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "H100": 3.35e12, "A100": 2.0e12}
-NOMINAL_LINK = "PCIe 5.0 x16: 64 GB/s each way (H100 and H200)"
-CAPTURED = re.compile(r"captured decode CUDA graphs at batch ([\d,]+) in ([\d.]+) s, ([\d.]+) MiB")
-
-
-# -- the device -------------------------------------------------------------------------------------
-def on_cuda(args: argparse.Namespace) -> bool:
-    return str(args.device).startswith("cuda")
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def copy_bytes_per_s(src: torch.Tensor, dst: torch.Tensor, repeats: int, moved: int) -> float:
-    """The best of ``repeats`` copies of ``src`` into ``dst``: ``moved`` bytes over its seconds."""
-    best = float("inf")
-    for _ in range(repeats + 1):  # the first is a warm-up
-        sync()
-        start = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        sync()
-        best = min(best, time.perf_counter() - start)
-    return moved / best
-
-
-def hbm_peak(device: str, mib: int) -> dict[str, Any]:
-    """A device-to-device copy of ``mib`` MiB (read and write: twice its bytes moved), and the nominal
-    figure where the device's name is known."""
-    src = torch.ones(mib * 2**18, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    measured = copy_bytes_per_s(src, dst, 5, 2 * src.numel() * 4)
-    name = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
-    nominal = next((v for k, v in NOMINAL_HBM.items() if k in name), None)
-    del src, dst
-    return {"device": name, "copy_bytes_per_s": measured, "copy_mib": mib, "nominal_bytes_per_s": nominal}
-
-
-def link_peak(device: str, mib: int) -> dict[str, Any]:
-    """Host-to-device copies of ``mib`` MiB from pinned and from pageable memory (None off CUDA)."""
-    if not device.startswith("cuda"):
-        return {"pinned_bytes_per_s": None, "pageable_bytes_per_s": None, "nominal": NOMINAL_LINK}
-    dst = torch.empty(mib * 2**18, dtype=torch.float32, device=device)
-    pinned = torch.ones(dst.numel(), dtype=torch.float32).pin_memory()
-    pageable = torch.ones(dst.numel(), dtype=torch.float32)
-    moved = dst.numel() * 4
-    return {
-        "pinned_bytes_per_s": copy_bytes_per_s(pinned, dst, 5, moved),
-        "pageable_bytes_per_s": copy_bytes_per_s(pageable, dst, 3, moved),
-        "copy_mib": mib,
-        "nominal": NOMINAL_LINK,
-    }
-
-
-class CaptureLog(logging.Handler):
-    """Keeps the capture line ``model/cuda_graphs.py`` logs at start-up, as numbers."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.captures: list[dict[str, Any]] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        found = parse_capture(record.getMessage())
-        if found:
-            self.captures.extend(found)
-
-
-def parse_capture(text: str) -> list[dict[str, Any]]:
-    """Every capture line in ``text`` (a log): buckets, seconds and the graphs' pool in MiB."""
-    return [
-        {"buckets": [int(b) for b in m[1].split(",")], "seconds": float(m[2]), "pool_mib": float(m[3])}
-        for m in CAPTURED.finditer(text)
-    ]
-
-
-@contextmanager
-def capture_log() -> Iterator[CaptureLog]:
-    logger = logging.getLogger("radixserve.model")
-    handler, level = CaptureLog(), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield handler
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
 
 
 # -- the engines ------------------------------------------------------------------------------------
@@ -393,158 +306,6 @@ def tier_part(label: str, folder: Path, args: argparse.Namespace, link: dict[str
     }
     engine.close()
     return out
-
-
-# -- http: the server itself ------------------------------------------------------------------------
-def engine_step_ms(path: Path | None, label: str, batch: int) -> float | None:
-    """The ``decode`` part's step time at ``batch`` with the overlapped loop (the server's default)."""
-    if path is None or not path.is_file():
-        return None
-    for res in json.loads(path.read_text())["results"]:
-        if res["shape"] == label:
-            times = [r["step_ms"] for r in res["rows"] if r["batch"] == batch and r["overlap"]]
-            return statistics.median(times) if times else None
-    return None
-
-
-def http_part(label: str, folder: Path, args: argparse.Namespace) -> dict[str, Any]:
-    port, conc = free_port(), args.http_concurrency
-    flags = ["--log-level", "info", "--device", args.device, "--dtype", args.dtype]
-    flags += ["--attention-backend", "triton"] if on_cuda(args) else ["--enforce-eager"]
-    cmd = radixserve_command(port, *flags, model=str(folder), kv_cache_gb=args.kv_cache_gb)
-    tokenizer = load_tokenizer(str(folder))
-    spec = WorkloadSpec(
-        "nosharing",
-        output_tokens=args.http_tokens,
-        num_requests=args.http_requests,
-        prompt_tokens=args.http_prompt,
-    )
-    logs = args.out_dir / "logs"
-    start = time.perf_counter()
-    with serving("gpu-http", cmd, port, logs, timeout_s=args.server_timeout) as url:
-        ready_s = time.perf_counter() - start
-        cfg = RunConfig(
-            url,
-            request_rate=None,
-            concurrency=conc,
-            max_requests=args.http_requests,
-            max_duration_s=args.http_duration,
-        )
-        doc = run_benchmark(cfg, build_workload(spec, tokenizer), tokenizer, progress=False)
-    s = doc["summary"]
-    step = engine_step_ms(args.engine_json, label, conc)
-    itl = s["itl"]["p50_ms"]
-    return {
-        "shape": label,
-        "concurrency": conc,
-        "server_ready_s": ready_s,
-        "captures": parse_capture((logs / "gpu-http.log").read_text()),
-        "requests": s["requests"],
-        "errors": s["errors"],
-        "error_messages": s["error_messages"],
-        "output_tok_s": s["output_throughput"],
-        "ttft_ms": {k: s["ttft"][k] for k in ("p50_ms", "p95_ms")},
-        "itl_ms": {k: s["itl"][k] for k in ("p50_ms", "p95_ms")},
-        "engine_step_ms": step,
-        "itl_p50_over_step": itl / step if itl is not None and step else None,
-    }
-
-
-# -- the report -------------------------------------------------------------------------------------
-def gb(x: float | None) -> float | None:
-    return None if x is None else x / 1e9
-
-
-def capture_cells(captures: list[dict[str, Any]]) -> str:
-    return "; ".join(
-        f"{c['seconds']:.2f} s, {c['pool_mib']:.0f} MiB at {c['buckets']}" for c in captures
-    ) or ("none logged (no CUDA graphs here)")
-
-
-def graphs_report(payload: dict[str, Any]) -> list[str]:
-    rows = [
-        [r["shape"], f"{r['identical']:.0%}", capture_cells(r["captures"]["on"])] for r in payload["results"]
-    ]
-    return [
-        "Greedy tokens with CUDA graphs on and off, float32, random weights of real shapes.",
-        "",
-        *markdown_table(["shape", "identical sequences", "capture (graphs on)"], rows),
-    ]
-
-
-def decode_report(payload: dict[str, Any]) -> list[str]:
-    peak, args = payload["hbm"], payload["args"]
-    rows = [
-        [r["shape"] if i == 0 else "", x["batch"], "on" if x["overlap"] else "off", x["tok_s"], x["step_ms"]]
-        + [x["step_bytes"] / 2**20, x["pct_of_copy_peak"], x["pct_of_nominal"]]
-        for r in payload["results"]
-        for i, x in enumerate(r["rows"])
-    ]
-    header = ["shape", "B", "overlap", "tok/s", "ms/step", "MiB/step", "% of copy peak", "% of nominal"]
-    return [
-        f"{payload['dtype']}, CUDA graphs on; prompts of {args['prompt_len']} tokens, {args['new_tokens']} "
-        "new tokens each; the decode steps only. HBM byte limit: the weights + each row's K/V at its mean "
-        "context, over the step's time, against a device-to-device copy measured here "
-        f"({cell(gb(peak['copy_bytes_per_s']))} GB/s; nominal {cell(gb(peak['nominal_bytes_per_s']))} GB/s "
-        f"for {peak['device']}).",
-        "",
-        *markdown_table(header, rows),
-        "",
-        *(f"- {r['shape']}: capture {capture_cells(r['captures'])}" for r in payload["results"]),
-    ]
-
-
-def tier_report(payload: dict[str, Any]) -> list[str]:
-    link = payload["link"]
-    rows = [
-        [r["shape"], h["ttft_ms"], h["cached_tokens"], gb(h["load_bytes_per_s"]), h["pct_of_pinned_copy"]]
-        + [f"{h['would_load_pages']} of {h['prefix_pages']}"]
-        for r in payload["results"]
-        for h in r["hits"]
-    ]
-    header = ["shape", "host-hit TTFT ms", "cached tokens", "load GB/s", "% of pinned copy", "would load"]
-    recompute = [
-        f"- {r['shape']}: the same prefixes computed in full (decode part): "
-        + ", ".join(f"{t:.1f}" for t in r["recompute_ttft_ms"])
-        + " ms TTFT"
-        for r in payload["results"]
-        if r.get("recompute_ttft_ms")
-    ]
-    return [
-        f"A {payload['args']['tier_prefix']}-token prefix served from the host tier into HBM, its device "
-        "copy evicted first. Host-to-device copies measured here: pinned "
-        f"{cell(gb(link['pinned_bytes_per_s']))} GB/s, pageable {cell(gb(link['pageable_bytes_per_s']))} "
-        f"GB/s ({link['nominal']}).",
-        "",
-        *markdown_table(header, rows),
-        "",
-        *(recompute or ["- recompute: the decode part did not run"]),
-    ]
-
-
-def http_report(payload: dict[str, Any]) -> list[str]:
-    rows = [
-        [r["shape"], r["concurrency"], r["requests"], r["errors"], r["ttft_ms"]["p50_ms"]]
-        + [r["ttft_ms"]["p95_ms"], r["itl_ms"]["p50_ms"], r["itl_ms"]["p95_ms"], r["engine_step_ms"]]
-        + [r["itl_p50_over_step"], capture_cells(r["captures"])]
-        for r in payload["results"]
-    ]
-    header = ["shape", "concurrent", "requests", "errors", "TTFT p50 ms", "TTFT p95 ms", "ITL p50 ms"]
-    header += ["ITL p95 ms", "engine step ms (decode part)", "ITL p50 / step", "server's capture"]
-    return [
-        "`radixserve serve` on 127.0.0.1, streamed chat completions (SSE, httpx), closed loop; the "
-        "engine's step at that batch from the decode part's JSON of this run ('-': it did not run).",
-        "",
-        *markdown_table(header, rows),
-    ]
-
-
-REPORTS = {"graphs": graphs_report, "decode": decode_report, "tier": tier_report, "http": http_report}
-
-
-def report(part: str, payload: dict[str, Any]) -> str:
-    title = f"# issue 56 on {payload['device']}: {part} (benchmarks/step/gpu_decode.py, measured in this run)"
-    return "\n".join([title, "", *REPORTS[part](payload)]) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

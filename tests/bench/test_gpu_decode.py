@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.lib import gpu_device
 from benchmarks.step import gpu_decode
 from radixserve.model import cuda_graphs
 
@@ -20,10 +21,10 @@ DRY = ["--device", "cpu", "--dtype", "float32", "--kv-cache-gb", "0.05", "--copy
 
 def test_the_capture_line_is_parsed_as_cuda_graphs_logs_it() -> None:
     assert FORMAT in inspect.getsource(cuda_graphs.capture)  # the line the parser reads
-    with gpu_decode.capture_log() as log:
+    with gpu_device.capture_log() as log:
         logging.getLogger("radixserve.model").info(FORMAT, "1,2,4,8", 1.234, 56.78)
     assert log.captures == [{"buckets": [1, 2, 4, 8], "seconds": 1.23, "pool_mib": 56.8}]
-    assert gpu_decode.parse_capture("x INFO radixserve.model: " + FORMAT % ("1,2", 0.5, 3.0)) == [
+    assert gpu_device.parse_capture("x INFO radixserve.model: " + FORMAT % ("1,2", 0.5, 3.0)) == [
         {"buckets": [1, 2], "seconds": 0.5, "pool_mib": 3.0}
     ]
 
