@@ -33,8 +33,8 @@ from gguf.quants import quantize
 
 from benchmarks.lib.common import RESULTS, args_json, write_results
 from radixserve.kernels import cpu_build, gguf_bf16, gguf_int8
-from radixserve.model.gguf import read_gguf
 from radixserve.model.gguf_blocks import TYPE_NAMES, dequantize, is_blocks
+from radixserve.model.gguf_file import read_gguf
 
 SHAPES = {
     "135m": [(960, 576), (576, 576), (3072, 576), (576, 1536)],

@@ -61,7 +61,7 @@ HEADER = ["mode", "step", "arithmetic", "MB read", "limit ms", "ms", "% of limit
 def gguf_tensors(path: Path) -> dict[str, tuple[str, int]]:
     """Each tensor of the GGUF file: its block type (lower case) and its bytes. Read once a file: the
     reader parses every metadata array, the tokenizer's ~100k strings too, one by one (seconds)."""
-    from radixserve.model.gguf import gguf_reader
+    from radixserve.model.gguf_file import gguf_reader
 
     return {t.name: (t.tensor_type.name.lower(), int(t.n_bytes)) for t in gguf_reader(path).tensors}
 

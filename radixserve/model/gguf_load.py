@@ -3,7 +3,7 @@
 - Model (``load_gguf_model``): the architecture comes from the file's metadata (the same
   ``_llama_config`` the default model's conversion writes), every decoder Linear and the LM head become
   ``GGUFLinear``s (fused q/k/v and gate/up: their parts' rows of blocks concatenated), the embedding a
-  ``GGUFEmbedding``, the norms fp32. The file is checked whole (``gguf.read_gguf``) and every tensor's
+  ``GGUFEmbedding``, the norms fp32. The file is checked whole (``gguf_file.read_gguf``) and every tensor's
   shape against the config before a model is built, so a bad file raises ``ValueError`` and leaves
   nothing half-loaded. The model is built on the meta device and only the file's tensors are
   allocated: no fp32 copy of a weight is ever made.
@@ -34,7 +34,8 @@ from radixserve.model.default_model import (
     build_atomically,
     write_json,
 )
-from radixserve.model.gguf import GGUFEmbedding, GGUFFile, GGUFLinear, Weight, read_gguf
+from radixserve.model.gguf import GGUFEmbedding, GGUFLinear, Weight
+from radixserve.model.gguf_file import GGUFFile, read_gguf
 from radixserve.model.layers import RotaryEmbedding
 from radixserve.model.llama import DecoderLayer, LlamaForCausalLM
 from radixserve.model.model_config import ModelConfig

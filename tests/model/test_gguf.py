@@ -19,7 +19,8 @@ from radixserve import Engine, SamplingParams
 from radixserve.cache.tiers import model_fingerprint
 from radixserve.config import EngineConfig
 from radixserve.model import gguf, gguf_blocks, gguf_load
-from radixserve.model.gguf import GGUFEmbedding, GGUFLinear, read_gguf
+from radixserve.model.gguf import GGUFEmbedding, GGUFLinear
+from radixserve.model.gguf_file import read_gguf
 from radixserve.model.llama import DecoderLayer
 from radixserve.model.loader import load_model
 
