@@ -269,8 +269,7 @@ class TierController(CacheListener):
         self._loader.shutdown(wait=True)
         self._writer.shutdown(wait=True)
         for store in self.stores:
-            if isinstance(store, DiskStore):
-                store.close()  # leaves the folder's shared budget
+            store.close()  # a disk store leaves its folder's shared budget
 
     def clear(self) -> None:
         self.drain()

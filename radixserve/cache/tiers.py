@@ -143,6 +143,11 @@ class KVStore(Protocol):
 
     def check_integrity(self) -> None: ...
 
+    def close(self) -> None:
+        """Give back what the store shares with other processes (the disk folder's budget); the store is
+        not used again."""
+        ...
+
 
 class HostStore:
     """Pages in one preallocated host tensor of slots (pinned when CUDA is present), LRU-evicted."""
@@ -210,6 +215,9 @@ class HostStore:
 
     def reindex(self) -> None:
         pass  # this process's memory: nobody else changed it
+
+    def close(self) -> None:
+        pass  # shares nothing with other processes
 
     def check_integrity(self) -> None:
         with self._lock:
