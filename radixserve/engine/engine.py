@@ -26,7 +26,7 @@ from radixserve.engine.deltas import StepOutput
 from radixserve.engine.document_plan import Document
 from radixserve.engine.next_tokens import Picked, pick_tokens, sample, sampled_logits
 from radixserve.engine.offline import OfflineAPI
-from radixserve.engine.overlap import InFlight, defer, overlapped_step, pending_inputs
+from radixserve.engine.overlap import InFlight, defer, pending_inputs, read
 from radixserve.engine.postprocess import advance
 from radixserve.engine.prompt import Prompt, apply_chat_template, tokenize
 from radixserve.engine.prompt_logprobs import prepare_scoring, score_step
@@ -157,12 +157,22 @@ class Engine(EngineParts, OfflineAPI):
     def step(self) -> list[StepOutput]:
         """One engine iteration: admit and abort, schedule, one forward, sample, postprocess. With the
         overlapped loop (``engine/overlap.py``) a step's tokens are read in the next step instead."""
-        if self.overlap:
-            return overlapped_step(self)
         outputs = self._drain_inbox() if not self._inbox.empty() else []
+        if self.overlap:
+            return outputs + self._overlapped_step()
         batch, result = self._run_next()
         if result is not None:
             outputs += self._postprocess(batch, result.logits, result.all_logits)
+        return outputs
+
+    def _overlapped_step(self) -> list[StepOutput]:
+        """The overlapped loop's step (``engine/overlap.py``): launch step N+1, then read and advance
+        step N, then sample N+1 on the device (its tokens are read by the next step)."""
+        prev, self.inflight = self.inflight, None
+        batch, result = self._run_next(prev)
+        outputs = self._advance(*read(prev)) if prev is not None else []
+        if result is not None:
+            outputs += self._postprocess(batch, result.logits, result.all_logits, overlapped=True)
         return outputs
 
     def _run_next(self, prev: InFlight | None = None) -> tuple[ScheduledBatch, RunnerOutput | None]:

@@ -6,7 +6,7 @@ builds outputs. Here each step does, in order:
 
 1. take in new requests and aborts; schedule step N+1;
 2. launch step N+1. A request sampled at step N has a ``PENDING`` token last in its ``token_ids``
-   (``model/runner.py``), so the scheduler gives it its slot; the model takes that token from step N's
+   (``model/pending.py``), so the scheduler gives it its slot; the model takes that token from step N's
    sampled tokens on the device (``Pending``), never from the host;
 3. read step N's tokens (the one read-back, a step late: on CUDA the device runs N+1 meanwhile) and
    advance each request as the plain loop does (``Engine._advance``): tokens, stops, text, outputs;
@@ -37,12 +37,11 @@ from typing import TYPE_CHECKING
 
 from radixserve.engine.next_tokens import Sampled
 from radixserve.engine.request import Request, Status
-from radixserve.model.runner import PENDING, Pending
+from radixserve.model.pending import PENDING, Pending
 from radixserve.sampling.grammar import Matcher
 
 if TYPE_CHECKING:
-    from radixserve.engine.deltas import StepOutput
-    from radixserve.engine.engine import Engine
+    from radixserve.engine.next_tokens import Picked
     from radixserve.engine.scheduler import ScheduledBatch
 
 
@@ -80,27 +79,15 @@ def pending_inputs(batch: ScheduledBatch, prev: InFlight) -> Pending | None:
     return Pending(prev.sampled.out.tokens, chunks, rows) if chunks else None
 
 
-def overlapped_step(engine: Engine) -> list[StepOutput]:
-    """One iteration of the overlapped loop (the module's docstring): returns step N's outputs."""
-    outputs = engine._drain_inbox() if not engine._inbox.empty() else []
-    prev, engine.inflight = engine.inflight, None
-    batch, result = engine._run_next(prev)
-    if prev is not None:
-        outputs += read(engine, prev)
-    if result is not None:
-        outputs += engine._postprocess(batch, result.logits, result.all_logits, overlapped=True)
-    return outputs
-
-
-def read(engine: Engine, prev: InFlight) -> list[StepOutput]:
-    """Step N's tokens on the host, each taking its request's ``PENDING`` place; a request that ended
-    meanwhile (an abort) takes none."""
+def read(prev: InFlight) -> tuple[list[Request], list[Matcher | None], list[Picked]]:
+    """Step N's tokens on the host (the one read-back), each taking its request's ``PENDING`` place;
+    returns what ``Engine._advance`` takes. A request that ended meanwhile (an abort) takes none."""
     picks = prev.sampled.read()
-    if any(r.status is Status.FINISHED for r in prev.reqs):
-        live = [i for i, r in enumerate(prev.reqs) if r.status is not Status.FINISHED]
-        prev = InFlight([prev.reqs[i] for i in live], [prev.matchers[i] for i in live], prev.sampled)
-        picks = [picks[i] for i in live]
-    for r in prev.reqs:
+    reqs, matchers = prev.reqs, prev.matchers
+    if any(r.status is Status.FINISHED for r in reqs):
+        live = [i for i, r in enumerate(reqs) if r.status is not Status.FINISHED]
+        reqs, matchers, picks = [reqs[i] for i in live], [matchers[i] for i in live], [picks[i] for i in live]
+    for r in reqs:
         if r.token_ids[-1] == PENDING:
             r.token_ids.pop()
-    return engine._advance(prev.reqs, prev.matchers, picks)
+    return reqs, matchers, picks

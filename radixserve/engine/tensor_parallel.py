@@ -50,7 +50,8 @@ from radixserve.engine.heap_trim import HeapTrim
 from radixserve.model.attention import AttentionBackend
 from radixserve.model.compiled import CompiledLayers
 from radixserve.model.llama import LlamaForCausalLM
-from radixserve.model.runner import ModelRunner, Pending, RunnerOutput, SeqChunk
+from radixserve.model.pending import Pending
+from radixserve.model.runner import ModelRunner, RunnerOutput, SeqChunk
 from radixserve.model.sharding import check_tensor_parallel, local_kv_heads, shard_model
 from radixserve.parallel import comm
 from radixserve.parallel.cpus import bind_process, rank_cores

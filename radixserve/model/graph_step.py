@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -35,9 +35,7 @@ from radixserve.kernels.kv_dtype import LayerCache, dequantize, quantize_int8
 from radixserve.kernels.parts import PartsPlan
 from radixserve.model.attention import AttentionBackend, AttentionMetadata, StepPlan, TorchBackend
 from radixserve.model.llama import LlamaForCausalLM
-
-if TYPE_CHECKING:
-    from radixserve.model.runner import Pending
+from radixserve.model.pending import Pending
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # batch sizes a decode step is padded to
 

@@ -14,7 +14,7 @@ from radixserve import Engine, SamplingParams
 from radixserve.config import EngineConfig
 from radixserve.engine import next_tokens
 from radixserve.engine.builder import overlapped
-from radixserve.model.runner import PENDING
+from radixserve.model.pending import PENDING
 
 KW = dict(page_size=4, num_pages=512, debug_checks=True)
 

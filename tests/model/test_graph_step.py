@@ -23,7 +23,8 @@ from radixserve.model.attention import select_backend
 from radixserve.model.graph_step import GraphStep, bucket_for, buckets
 from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.loader import load_model
-from radixserve.model.runner import PENDING, ModelRunner, Pending, SeqChunk
+from radixserve.model.pending import PENDING, Pending
+from radixserve.model.runner import ModelRunner, SeqChunk
 from radixserve.sampling.device_sampler import SamplingBuffers, sample
 from radixserve.sampling.params import SamplingParams
 from radixserve.sampling.sampler import Sampler, SamplingBatch
