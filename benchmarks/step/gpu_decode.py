@@ -57,8 +57,8 @@ from benchmarks.lib.gpu_device import (
     on_cuda,
     sync,
 )
-from benchmarks.step.gpu_decode_report import report
-from benchmarks.step.gpu_http import http_part
+from benchmarks.lib.gpu_http import http_part
+from benchmarks.lib.gpu_report import report
 from radixserve import Engine, SamplingParams
 
 PARTS = ("graphs", "decode", "tier", "http")
