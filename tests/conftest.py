@@ -3,32 +3,10 @@ runs with ``pythonpath = tests`` and importlib mode, so the installed radixserve
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from tiny_models import TINY, make_tiny_model
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The tests on the shared Ray instance (``ray_port``) run last, in their order: the instance starts
-    once for all of them, and no other test runs beside it."""
-    uses = [item for item in items if "ray_port" in getattr(item, "fixturenames", ())]
-    if uses:
-        items[:] = [item for item in items if "ray_port" not in getattr(item, "fixturenames", ())] + uses
-
-
-@pytest.fixture(scope="session")
-def ray_port() -> Iterator[int]:
-    """One local Ray instance, with Serve's proxy on the port given, for every module that runs on Ray
-    (each deploys its own applications and deletes them): starting and stopping Ray and Serve takes ~10 s
-    a time. Those tests run last, so it stops when they are done."""
-    from ray_util import FAST_PUSH, RAY_CPUS, free_port, local_ray, require_ray
-
-    require_ray()
-    port = free_port()
-    with local_ray(num_cpus=RAY_CPUS, port=port, env=FAST_PUSH):
-        yield port
 
 
 @pytest.fixture(scope="session")

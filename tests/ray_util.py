@@ -34,41 +34,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-# The shared instance's logical CPUs: 2 replicas of 1 CPU, with room for a third (autoscaling starts one
-# while another still leaves; disaggregation runs a prefill and a decode replica).
-RAY_CPUS = 4
-# Ray's replicas and handles push their autoscaling figures every 10 s by default; the autoscaling test's
-# delays are seconds. Only deployments that autoscale push them.
-FAST_PUSH = {
-    "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
-    "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
-}
-
-
 @contextmanager
-def local_ray(num_cpus: int, port: int, env: dict[str, str] | None = None) -> Iterator[None]:
-    """ray.init on this machine with ``num_cpus`` logical CPUs, and Serve's proxy on ``port``; ``env`` is
-    set before ray.init (the raylet and every worker inherit it) and restored after."""
+def local_ray(num_cpus: int, port: int) -> Iterator[None]:
+    """ray.init on this machine with ``num_cpus`` logical CPUs, and Serve's proxy on ``port``."""
     import ray
     from ray import serve
 
-    env = env or {}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
-        try:
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
-            yield
-        finally:
-            serve.shutdown()
-            ray.shutdown()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        serve.shutdown()
+        ray.shutdown()
 
 
 @dataclass

@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
-from ray_util import require_ray
+from ray_util import free_port, local_ray, require_ray
 
 from radixserve.config import EngineConfig
 from radixserve.engine.engine import Engine
@@ -28,19 +28,22 @@ def config(tiny_llama: Path) -> EngineConfig:
 
 
 @pytest.fixture(scope="module")
-def url(config: EngineConfig, ray_port: int) -> Iterator[str]:
-    """The application on the shared Ray instance: a prefill and a decode replica of 1 CPU each."""
+def url(config: EngineConfig) -> Iterator[str]:
     from ray import serve
 
     from radixserve.disagg.ray_app import build_disaggregated_application
     from radixserve.scale.app import ScaleOptions
 
-    opts = ScaleOptions(config, model_name="tiny", engine_threads=1)
-    serve.run(build_disaggregated_application(opts, 1, 1, "index-disagg"), name="disagg", route_prefix="/d")
-    try:
-        yield f"http://127.0.0.1:{ray_port}/d"
-    finally:
-        serve.delete("disagg")
+    port = free_port()
+    with local_ray(num_cpus=3, port=port):
+        opts = ScaleOptions(config, model_name="tiny", engine_threads=1)
+        serve.run(
+            build_disaggregated_application(opts, 1, 1, "index-disagg"), name="disagg", route_prefix="/d"
+        )
+        try:
+            yield f"http://127.0.0.1:{port}/d"
+        finally:
+            serve.delete("disagg")
 
 
 def _greedy(**body: Any) -> dict[str, Any]:

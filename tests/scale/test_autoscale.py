@@ -1,18 +1,20 @@
 """Autoscaling on a real local Ray Serve instance (docs/scaling.md): a burst scales 1 -> 2 replicas and
 idle scales back to 1, with no request failed or cut short; the new replica starts warm; /health is not
-ready until a replica is warm. On the shared Ray instance (``ray_port``), delays shortened to seconds."""
+ready until a replica is warm. One Ray instance for the module, delays shortened to seconds."""
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from ray_util import require_ray
+from ray_util import free_port, local_ray, require_ray
 from server_util import scrape
 
 from radixserve.config import EngineConfig
@@ -27,13 +29,27 @@ pytestmark = pytest.mark.filterwarnings("ignore:`look_back_period_s`:FutureWarni
 PAGE = 4
 HOT = "Handbook: " + " ".join(f"{w}{i}" for i in range(6) for w in ("north", "south", "east", "west"))
 BURST = [f"Burst {i}: " + " ".join(f"word{i}x{j}" for j in range(12)) for i in range(4)]
+# Ray's replicas and handles push their figures every 10 s by default; the test's delays are seconds.
+FAST_PUSH = {
+    "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+    "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+}
 
 
 @pytest.fixture(scope="module")
-def port(ray_port: int) -> int:
-    """The shared instance: 4 CPUs (2 replicas of 1 CPU, with room for one still leaving), and Ray's
-    autoscaling figures pushed every 0.5 s (ray_util.FAST_PUSH) where by default every 10 s."""
-    return ray_port
+def port() -> Iterator[int]:
+    saved = {k: os.environ.get(k) for k in FAST_PUSH}
+    os.environ.update(FAST_PUSH)  # before ray.init: the raylet and every worker inherit them
+    p = free_port()
+    try:
+        with local_ray(num_cpus=4, port=p):  # 2 replicas of 1 CPU, with room for one still leaving
+            yield p
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from ray_util import App, deployed, require_ray
+from ray_util import App, deployed, free_port, local_ray, require_ray
 from server_util import scrape
 
 from radixserve.config import EngineConfig
@@ -31,9 +31,9 @@ def auth(key: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def app(tiny_llama: Path, ray_port: int) -> Iterator[App]:
-    """One deployment for the module, on the shared Ray instance: small pools (512 tokens), pins up to
-    half."""
+def app(tiny_llama: Path) -> Iterator[App]:
+    """One Ray instance and one deployment for the module: small pools (512 tokens), pins up to half."""
+    port = free_port()
     config = EngineConfig(
         str(tiny_llama),
         page_size=PAGE,
@@ -43,7 +43,7 @@ def app(tiny_llama: Path, ray_port: int) -> Iterator[App]:
         enforce_eager=True,
     )
     keys = {"api_key": [KEY_A, KEY_B], "salt_per_key": True}
-    with deployed(config, "cache_aware", ray_port, "pins", **keys) as app:
+    with local_ray(num_cpus=4, port=port), deployed(config, "cache_aware", port, "pins", **keys) as app:
         yield app
 
 

@@ -1,6 +1,6 @@
 """radixserve on a real local Ray Serve instance: 2 engine replicas of 1 CPU each, the tiny model,
-real HTTP through Serve's proxy (docs/scaling.md). On the shared Ray instance (``ray_port``); each test
-deploys the application it needs."""
+real HTTP through Serve's proxy (docs/scaling.md). One Ray instance for the module; each test deploys
+the application it needs."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from ray_util import App, deployed, require_ray
+from ray_util import App, deployed, free_port, local_ray, require_ray
 from server_util import running_server, scrape
 
 from radixserve.config import EngineConfig
@@ -30,8 +30,10 @@ QUESTIONS = ["Who wrote it?", "When was it?", "Why does it matter?", "What is ne
 
 
 @pytest.fixture(scope="module")
-def port(ray_port: int) -> int:
-    return ray_port
+def port() -> Iterator[int]:
+    p = free_port()
+    with local_ray(num_cpus=4, port=p):
+        yield p
 
 
 @pytest.fixture(scope="module")
